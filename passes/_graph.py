@@ -1,0 +1,137 @@
+"""Private helpers shared by the graph passes: module attributes behind ``get_attr`` nodes, fake-tensor
+metadata for new nodes, and the common clean-up after a rewrite.
+
+Passes never mutate a tensor in place: ``ExportedProgram.module()`` shares its parameters with the eager
+model it was captured from, so every rewrite stores a *new* tensor under the attribute name.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+
+def op_name(node: fx.Node) -> str:
+    """ATen overload-packet name of a ``call_function`` node (``"linear"`` for ``aten.linear.default``)."""
+    target = node.target
+    packet = getattr(target, "_overloadpacket", None)
+    if packet is not None:
+        return packet.__name__
+    return getattr(target, "__name__", str(target))
+
+
+def round_up(n: int, align: int) -> int:
+    """Smallest multiple of ``align`` that is >= ``n``."""
+    return -(-n // align) * align
+
+
+def get_attr_value(gm: fx.GraphModule, target: str) -> Any:
+    """The object a ``get_attr`` target (dotted path) names on ``gm``."""
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def has_attr(gm: fx.GraphModule, target: str) -> bool:
+    """Whether the dotted path ``target`` names an existing, non-None attribute of ``gm``."""
+    try:
+        return get_attr_value(gm, target) is not None
+    except AttributeError:
+        return False
+
+
+def set_attr_tensor(gm: fx.GraphModule, target: str, value: torch.Tensor) -> None:
+    """Store ``value`` under the dotted path ``target``, keeping its kind (parameter, buffer or constant).
+
+    A parameter stays an ``nn.Parameter`` (same ``requires_grad``), a buffer stays a buffer, so
+    ``state_dict`` keys are unchanged. Missing intermediate modules are created.
+    """
+    *path, name = target.split(".")
+    owner: nn.Module = gm
+    for part in path:
+        if not hasattr(owner, part):
+            owner.add_module(part, nn.Module())
+        owner = getattr(owner, part)
+    old = getattr(owner, name, None)
+    if name in owner._parameters or (old is None and name not in owner._buffers):
+        requires_grad = bool(old.requires_grad) if isinstance(old, nn.Parameter) else False
+        requires_grad = requires_grad and value.is_floating_point()
+        owner.register_parameter(name, nn.Parameter(value.detach(), requires_grad=requires_grad))
+    elif name in owner._buffers:
+        owner._buffers[name] = value.detach()
+    else:
+        setattr(owner, name, value.detach())
+
+
+def alias_targets(gm: fx.GraphModule, tensor: torch.Tensor) -> list[str]:
+    """Every parameter/buffer name of ``gm`` bound to exactly ``tensor`` (tied weights have several)."""
+    names = [n for n, p in gm.named_parameters(remove_duplicate=False) if p is tensor]
+    names += [n for n, b in gm.named_buffers(remove_duplicate=False) if b is tensor]
+    return names
+
+
+def unique_attr_name(gm: fx.GraphModule, target: str) -> str:
+    """``target`` if it is free on ``gm``, else ``target`` with the first free ``_<i>`` suffix."""
+    if not has_attr(gm, target):
+        return target
+    i = 1
+    while has_attr(gm, f"{target}_{i}"):
+        i += 1
+    return f"{target}_{i}"
+
+
+def fake_value(value: Any) -> Any:
+    """``meta["val"]`` of a node argument (the argument itself when it is not a node)."""
+    if isinstance(value, fx.Node):
+        return value.meta.get("val")
+    if isinstance(value, (list, tuple)):
+        return type(value)(fake_value(v) for v in value)
+    return value
+
+
+def fake_eval(target: Any, args: tuple, kwargs: dict | None = None) -> Any:
+    """Run ``target`` on the fake values of ``args`` to get a new node's ``meta["val"]`` (None if it fails).
+
+    The fake mode is taken from the arguments, so symbolic batch sizes stay symbolic.
+    """
+    fargs = fake_value(tuple(args))
+    fkwargs = {k: fake_value(v) for k, v in (kwargs or {}).items()}
+    flat = [v for v in torch.utils._pytree.tree_leaves((fargs, fkwargs)) if isinstance(v, torch.Tensor)]
+    mode = torch._guards.detect_fake_mode(flat)
+    if mode is None:
+        return None
+    try:
+        with mode:
+            return target(*fargs, **fkwargs)
+    except Exception:  # noqa: BLE001 - metadata is best-effort; the graph itself is still correct
+        return None
+
+
+def fake_from_tensor(like: Any, tensor: torch.Tensor) -> Any:
+    """A fake tensor for ``tensor`` in the fake mode of ``like`` (a node's old ``meta["val"]``), or None."""
+    mode = getattr(like, "fake_mode", None)
+    if mode is None:
+        return None
+    try:
+        return mode.from_tensor(tensor, static_shapes=True)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def copy_meta(src: fx.Node, dst: fx.Node, val: Any = None) -> None:
+    """Copy ``src.meta`` (source module stack, stack trace, ...) onto ``dst``, with ``val`` as its value."""
+    for key, value in src.meta.items():
+        if key in ("val", "tensor_meta") or key.startswith("tctune_"):
+            continue
+        dst.meta[key] = value
+    if val is not None:
+        dst.meta["val"] = val
+
+
+def finish(gm: fx.GraphModule) -> None:
+    """Clean up after a rewrite: dead-code elimination, lint, recompile (callers do this only on change)."""
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()

@@ -1,0 +1,114 @@
+"""Shared types for tctune's graph passes.
+
+Every pass is a function ``(gm: torch.fx.GraphModule, spec: PassSpec) -> PassResult``. Passes import torch
+only (never ``tctune``), so they run and are tested on the CPU: ``spec`` carries plain facts (alignment in
+elements per dtype, target dtype, keep-list) rather than a GPU handle.
+
+Modelled on ``torch/fx/passes/infra/pass_base.py``: a result says whether the graph changed, extended with a
+rewrite count, the rewritten node names, and ``skipped`` entries that say why a candidate node was left alone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+#: Ops kept in FP32 by the precision pass (numerically fragile: softmax, norms' statistics, reductions,
+#: losses, exp/log). Names are ATen overload packets as they appear in ``torch.export`` graphs.
+DEFAULT_KEEP_LIST: frozenset[str] = frozenset(
+    {
+        "softmax", "_softmax", "log_softmax", "_log_softmax",
+        "layer_norm", "native_layer_norm", "group_norm", "native_group_norm",
+        "batch_norm", "_native_batch_norm_legit_no_training", "native_batch_norm", "instance_norm",
+        "rms_norm", "_fused_rms_norm",
+        "sum", "mean", "var", "std", "var_mean", "norm", "linalg_vector_norm", "cumsum", "prod", "logsumexp",
+        "exp", "log", "log1p", "expm1", "pow", "rsqrt", "reciprocal",
+        "cross_entropy_loss", "nll_loss", "nll_loss_nd", "mse_loss", "binary_cross_entropy_with_logits",
+        "kl_div", "smooth_l1_loss", "l1_loss",
+    }
+)
+
+_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class PassFailure(RuntimeError):
+    """A pass hit a graph it could not rewrite safely (raised with the pass name and node)."""
+
+
+@dataclass(frozen=True)
+class Skip:
+    """A node a pass looked at and left alone. ``node`` is the FX node name, ``reason`` one line of why."""
+
+    node: str
+    reason: str
+
+    def to_dict(self) -> dict:
+        return {"node": self.node, "reason": self.reason}
+
+
+@dataclass
+class PassResult:
+    """What one pass did to a graph.
+
+    Attributes:
+        name: the pass's name (its function name, verb_object).
+        graph_module: the (possibly rewritten, in place) graph module.
+        count: number of rewrites made.
+        changed: names of the nodes rewritten (or created), for the report.
+        skipped: candidate nodes left alone, each with its reason.
+        notes: free-form facts worth reporting (e.g. ``{"padded": {"fc": [10, 16]}}``).
+    """
+
+    name: str
+    graph_module: torch.fx.GraphModule
+    count: int = 0
+    changed: list[str] = field(default_factory=list)
+    skipped: list[Skip] = field(default_factory=list)
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def modified(self) -> bool:
+        return self.count > 0
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "changed": self.count,
+            "changed_nodes": list(self.changed),
+            "skipped": [s.to_dict() for s in self.skipped],
+            "notes": self.notes,
+        }
+
+
+@dataclass(frozen=True)
+class PassSpec:
+    """Plain facts a pass needs about the target, with no GPU handle.
+
+    Attributes:
+        precision: one of ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"`` (the compute precision of the candidate).
+        alignment: Tensor Core alignment in *elements* per dtype name, e.g. ``{"fp16": 8, "bf16": 8, "tf32": 4,
+            "fp8": 16}`` (NVIDIA "Matrix Multiplication Background User's Guide", Tensor Core requirements).
+            A missing dtype, or 1, means "no alignment requirement" and padding passes skip.
+        arch: architecture name for reports (``"Hopper"``, ``"cpu"``, ...).
+        keep_list: ATen op names kept in FP32 by the precision pass.
+        training: True when the graph will be trained (eval-only folds are skipped).
+    """
+
+    precision: str = "fp32"
+    alignment: dict = field(default_factory=dict)
+    arch: str = "cpu"
+    keep_list: frozenset = DEFAULT_KEEP_LIST
+    training: bool = False
+
+    def __post_init__(self) -> None:
+        if self.precision not in _DTYPES:
+            raise ValueError(f"precision must be one of {sorted(_DTYPES)}, got {self.precision!r}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The torch dtype tensors are stored in at this precision (tf32 stores fp32)."""
+        return _DTYPES[self.precision]
+
+    def align(self, precision: str | None = None) -> int:
+        """Alignment in elements for ``precision`` (default: this spec's), 1 when there is no requirement."""
+        return int(self.alignment.get(precision or self.precision, 1))

@@ -1,0 +1,174 @@
+"""The ``tctune`` command: ``detect`` and ``optimize``.
+
+Every error a user can cause is printed as one message naming the cause and the fix, with no traceback
+unless ``--debug`` is given, and a non-zero exit status.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from . import __version__
+from .errors import TctuneError, UsageError
+
+EPILOG_OPTIMIZE = """\
+The model file is executed as `python model.py` would execute it: only optimize files you trust.
+It must define:
+  build_model() -> torch.nn.Module
+  example_inputs(batch_size: int) -> tuple[torch.Tensor, ...]   (batch on dim 0, fresh random data)
+and may define score(model) -> float (your own accuracy metric, higher is better).
+
+What is searched: batch size x precision (those the hardware allows: fp32, tf32, fp16, bf16 on a GPU;
+fp32 and bf16 on the CPU) x graph passes on/off (off = the eager model, with torch.autocast for
+fp16/bf16). Every candidate is timed (CUDA events on a GPU, perf_counter on the CPU; warm-up, median of
+repeats) and compared with FP32 eager on the same fresh random inputs; a candidate whose relative L2
+error exceeds --max-error is never chosen. FP32 eager at every batch size is measured first (the
+baseline). The study is kept in OUT/study.db: running the same command again adds trials to it.
+
+Outputs in OUT (default tctune_out/<model name>/): report.json, report.md, study.db,
+best_config.json, model.onnx (validated in onnxruntime), model.engine (only where TensorRT is
+installed).
+
+examples:
+  tctune optimize recipes/seed_cnn.py
+  tctune optimize recipes/bert_base.py --batch-sizes 32,128 --trials 24 --out runs/bert
+  tctune optimize model.py --target h100 --batch-sizes 16-256   (plan alignment for an H100)
+"""
+
+
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    """``"8,32,128"`` → (8, 32, 128); ``"16-256"`` → powers of two from 16 to 256.
+
+    Raises:
+        UsageError: anything else, or a value below 1.
+    """
+    text = text.strip()
+    try:
+        if "-" in text and "," not in text:
+            lo, hi = (int(x) for x in text.split("-", 1))
+            if lo < 1 or hi < lo:
+                raise ValueError
+            sizes, b = [], lo
+            while b <= hi:
+                sizes.append(b)
+                b *= 2
+            if sizes[-1] != hi:
+                sizes.append(hi)
+            return tuple(sizes)
+        sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+        if not sizes or sizes[0] < 1:
+            raise ValueError
+        return sizes
+    except ValueError:
+        raise UsageError(
+            f"invalid --batch-sizes {text!r}\n  fix: a comma list of positive integers (8,32,128) or a range LO-HI (16-256, powers of two)"
+        ) from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tctune",
+        description="Make a PyTorch model run fast on NVIDIA Tensor Cores, and prove it: detect the GPU, "
+                    "rewrite the model's graph for it, search batch size x precision x passes by measuring, "
+                    "export the winner.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"tctune {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    d = sub.add_parser("detect", help="show the GPU(s), compute capability, Tensor Core precisions and alignment",
+                       description="Find NVIDIA GPUs (cuda-python driver API; NVML for clocks and power; torch as a "
+                                   "fallback) and print what tctune will plan for. With no GPU it says so and exits 0.")
+    d.add_argument("--json", action="store_true", help="print JSON instead of text")
+    d.add_argument("--target", metavar="NAME", help="describe a GPU you don't have: sm_XX or a name (v100, t4, a100, a10, l4, l40s, h100, h200, ...)")
+    d.add_argument("--debug", action="store_true", help="show tracebacks")
+
+    o = sub.add_parser("optimize", help="search and measure the fastest accurate configuration of a model file",
+                       description="Tune MODEL_FILE for this machine's GPU (or CPU) and write a report and engines.",
+                       epilog=EPILOG_OPTIMIZE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    o.add_argument("model_file", metavar="MODEL_FILE", help="Python file defining build_model() and example_inputs(batch_size) (it is executed)")
+    o.add_argument("--out", metavar="DIR", help="output folder (default: tctune_out/<model name>)")
+    o.add_argument("--batch-sizes", default="8,32,128", metavar="LIST",
+                   help="batch sizes to search: 8,32,128 or a range 16-256 (powers of two); default %(default)s")
+    o.add_argument("--trials", type=int, default=16, metavar="N", help="trials to add to the study in this run (default %(default)s)")
+    o.add_argument("--timeout", type=float, metavar="SECONDS", help="stop starting new trials after this long")
+    o.add_argument("--max-error", type=float, default=1e-2, metavar="E",
+                   help="largest relative L2 error against FP32 eager a result may have (default %(default)g)")
+    o.add_argument("--target", metavar="NAME", help="plan for this GPU (sm_XX, h100, a100, ...): its alignment; measuring stays on this machine")
+    o.add_argument("--storage", metavar="URL", help="Optuna storage URL to share a study (default: sqlite file OUT/study.db)")
+    o.add_argument("--seed", type=int, default=0, help="sampler seed (default %(default)s)")
+    o.add_argument("--no-export", action="store_true", help="skip ONNX/TensorRT export")
+    o.add_argument("--quiet", "-q", action="store_true", help="no progress bar or log lines; only the summary")
+    o.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def _cmd_detect(args) -> int:
+    from .hardware import describe, detect, resolve
+    specs = [resolve(args.target)] if args.target else detect()
+    if args.json:
+        from .hardware import no_gpu_reason
+        payload = {"gpus": [s.to_dict() for s in specs]}
+        if not specs:
+            payload["reason"] = no_gpu_reason()
+        print(json.dumps(payload if not args.target else specs[0].to_dict(), indent=2))
+    else:
+        print(describe(specs))
+    return 0
+
+
+def _summary(report: dict, out: Path) -> str:
+    b, base = report.get("best"), report.get("baseline")
+    lines = []
+    if b:
+        p = b["params"]
+        lines.append(f"best: {p['precision']} {'graph passes' if p.get('graph_passes') else 'eager'} batch {p['batch_size']}: "
+                     f"{b['throughput']:.4g} items/s, rel. error {b['max_rel_error']:.2e}")
+        if base and b.get("speedup_vs_baseline"):
+            lines.append(f"      {b['speedup_vs_baseline']:.2f}x FP32 eager at the same batch ({base['throughput']:.4g} items/s)")
+    else:
+        lines.append("no configuration met --max-error; see the report")
+    a = report.get("artifacts", {})
+    if a.get("tensorrt_skipped_reason"):
+        lines.append(f"TensorRT: {a['tensorrt_skipped_reason']}")
+    lines.append(f"report: {out / 'report.md'}  ({report['study']['n_complete']} of {report['study']['n_trials']} trials complete in the study)")
+    return "\n".join(lines)
+
+
+def _cmd_optimize(args) -> int:
+    from .optimize import optimize
+    from .search import TuneConfig
+    out = Path(args.out) if args.out else Path("tctune_out") / Path(args.model_file).stem
+    cfg = TuneConfig(out_dir=str(out), batch_sizes=parse_batch_sizes(args.batch_sizes), trials=args.trials,
+                     timeout_s=args.timeout, max_error=args.max_error, target=args.target, storage=args.storage,
+                     seed=args.seed, export=not args.no_export, quiet=args.quiet)
+    report = optimize(args.model_file, cfg)
+    print(_summary(report, out))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    quiet = getattr(args, "quiet", False)
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="tctune: %(message)s")
+    try:
+        return {"detect": _cmd_detect, "optimize": _cmd_optimize}[args.command](args)
+    except TctuneError as exc:
+        if args.debug:
+            raise
+        print(f"tctune: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, UsageError) else 1
+    except KeyboardInterrupt:
+        print("tctune: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

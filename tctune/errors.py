@@ -1,0 +1,38 @@
+"""tctune's exceptions: one root, one subclass per stage.
+
+Every error a user can cause carries a message that names the cause and the fix; the CLI prints that
+message alone (no traceback unless ``--debug``) and exits non-zero.
+"""
+from __future__ import annotations
+
+
+class TctuneError(Exception):
+    """Root of every error tctune raises on purpose."""
+
+
+class ModelFileError(TctuneError):
+    """The model file is missing, unreadable, or breaks the model-file contract (see DESIGN.md)."""
+
+
+class CaptureError(TctuneError):
+    """torch.export could not capture the model; the model runs eagerly without graph passes."""
+
+
+class PassError(TctuneError):
+    """A graph pass failed; the message names the pass and the passes that ran before it."""
+
+
+class CandidateRejected(TctuneError):
+    """A candidate configuration is illegal or inaccurate, e.g. 'fp16 output has 3 inf values'."""
+
+
+class ExportError(TctuneError):
+    """An engine (ONNX, TensorRT, AOTInductor) could not be built or did not match PyTorch."""
+
+
+class HardwareError(TctuneError):
+    """The GPU or ``--target`` is unknown or unsupported (e.g. compute capability below 7.0)."""
+
+
+class UsageError(TctuneError):
+    """A command-line option has an invalid value."""

@@ -1,0 +1,206 @@
+"""Time a candidate and compare its output with the FP32 reference.
+
+Protocol (DESIGN.md, "Measuring a candidate"): warm-up, then several repeats of many iterations each,
+timed with CUDA events on a GPU and ``time.perf_counter`` on the CPU; the reported time is the median
+repeat. Peak memory comes from ``torch.cuda.max_memory_allocated`` (GPU only). An out-of-memory error is
+caught, memory released, and a :class:`~tctune.errors.CandidateRejected` raised so the study goes on.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from .errors import CandidateRejected
+
+
+@dataclass
+class Timing:
+    """Median time of one call and what it implies.
+
+    Attributes:
+        latency_ms: median over repeats of the mean time of one call (one batch), in ms.
+        throughput: items per second (``batch_size / latency``).
+        repeats_ms: per-repeat mean call time, ms (for spread).
+        peak_memory_mib: peak CUDA memory allocated during timing, MiB; None on the CPU.
+        iterations: calls per repeat.
+    """
+
+    latency_ms: float
+    throughput: float
+    repeats_ms: list[float]
+    peak_memory_mib: float | None
+    iterations: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class ErrorStats:
+    """Error of a candidate's outputs against the FP32 reference (all floating outputs, flattened).
+
+    Attributes:
+        max_abs_error: max |out - ref|.
+        rel_l2_error: max over outputs of ||out - ref||₂ / ||ref||₂ (computed in float64).
+        nonfinite: count of NaN/inf values in the candidate's outputs.
+    """
+
+    max_abs_error: float
+    rel_l2_error: float
+    nonfinite: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@contextlib.contextmanager
+def precision_mode(precision: str):
+    """Set TF32 for matmul and cuDNN on (``"tf32"``) or off (everything else), restoring it afterwards.
+
+    FP32 means IEEE FP32 here: TF32 is its own, searched precision.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        on = precision == "tf32"
+        torch.backends.cuda.matmul.allow_tf32 = on
+        torch.backends.cudnn.allow_tf32 = on
+    try:
+        yield
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True for CUDA (or CPU allocator) out-of-memory errors."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def release_memory(device: torch.device) -> None:
+    """Free what a failed candidate left behind."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def time_call(
+    fn: Callable[[], Any],
+    batch_size: int,
+    device: torch.device,
+    *,
+    warmup: int = 3,
+    repeats: int = 5,
+    target_repeat_s: float = 0.1,
+    max_iterations: int = 200,
+) -> Timing:
+    """Time ``fn`` (one batch per call) by the protocol above.
+
+    Args:
+        fn: runs the candidate once on pre-built inputs.
+        batch_size: items per call, for throughput.
+        device: where ``fn`` runs (``cuda`` → CUDA events, else ``perf_counter``).
+        warmup: calls before timing (also triggers cuDNN autotuning and lazy init).
+        repeats: timed repeats; the median is reported.
+        target_repeat_s: iterations per repeat are chosen so a repeat lasts about this long.
+        max_iterations: cap on iterations per repeat.
+
+    Raises:
+        CandidateRejected: out of memory (memory is released first).
+    """
+    cuda = device.type == "cuda"
+    try:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        with torch.inference_mode():
+            for _ in range(max(1, warmup)):
+                fn()
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            one = max(time.perf_counter() - t0, 1e-6)
+            iters = int(min(max_iterations, max(1, target_repeat_s / one)))
+            samples = []
+            for _ in range(repeats):
+                if cuda:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    for _ in range(iters):
+                        fn()
+                    end.record()
+                    end.synchronize()
+                    samples.append(start.elapsed_time(end) / iters)
+                else:
+                    t0 = time.perf_counter()
+                    for _ in range(iters):
+                        fn()
+                    samples.append((time.perf_counter() - t0) * 1e3 / iters)
+        peak = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None
+    except Exception as exc:
+        if is_oom(exc):
+            release_memory(device)
+            raise CandidateRejected(f"out of memory at batch size {batch_size}: {str(exc).splitlines()[0][:200]}") from exc
+        raise
+    med = statistics.median(samples)
+    return Timing(latency_ms=med, throughput=batch_size / (med / 1e3), repeats_ms=samples,
+                  peak_memory_mib=peak, iterations=iters)
+
+
+def float_leaves(out: Any) -> list[torch.Tensor]:
+    """The floating-point tensors of a (possibly nested) model output, in pytree order."""
+    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def compare(out: Any, ref: Any) -> ErrorStats:
+    """Error of ``out`` against ``ref`` (same structure), over every floating output tensor.
+
+    Raises:
+        CandidateRejected: the outputs differ in count or shape (a broken rewrite).
+    """
+    outs, refs = float_leaves(out), float_leaves(ref)
+    if len(outs) != len(refs):
+        raise CandidateRejected(f"candidate returns {len(outs)} floating outputs, the model {len(refs)}")
+    max_abs, rel, nonfinite = 0.0, 0.0, 0
+    for o, r in zip(outs, refs):
+        if o.shape != r.shape:
+            raise CandidateRejected(f"output shape {tuple(o.shape)} differs from the model's {tuple(r.shape)}")
+        o64, r64 = o.detach().double().cpu(), r.detach().double().cpu()
+        bad = ~torch.isfinite(o64)
+        nonfinite += int(bad.sum())
+        o64 = torch.where(bad, torch.zeros_like(o64), o64)
+        diff = (o64 - r64)
+        if diff.numel():
+            max_abs = max(max_abs, float(diff.abs().max()))
+            denom = float(r64.norm()) or 1.0
+            rel = max(rel, float(diff.norm()) / denom)
+    return ErrorStats(max_abs_error=max_abs, rel_l2_error=rel, nonfinite=nonfinite)
+
+
+def check_accuracy(err: ErrorStats, precision: str, out: Any) -> None:
+    """Reject a candidate whose outputs hold NaN/inf, naming the count and the fp16 limit when relevant.
+
+    Raises:
+        CandidateRejected: ``err.nonfinite > 0``.
+    """
+    if err.nonfinite:
+        leaves = float_leaves(out)
+        finite_max = max((float(t[torch.isfinite(t)].abs().max()) for t in leaves if torch.isfinite(t).any()), default=0.0)
+        limit = " (fp16 max is 65504)" if precision == "fp16" else ""
+        raise CandidateRejected(f"{precision} output has {err.nonfinite} NaN/inf values; max finite |x| {finite_max:.3g}{limit}")

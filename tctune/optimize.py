@@ -1,0 +1,131 @@
+"""``tctune optimize``: the whole pipeline for one model file.
+
+load model file → hardware spec → capture (torch.export) → Optuna study (each candidate measured against
+FP32 eager) → export the best (ONNX, TensorRT where importable) → ``report.json`` / ``report.md`` /
+``best_config.json``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .errors import ExportError, UsageError
+from .hardware import HardwareSpec, resolve
+from .modelfile import load_model_file
+from .report import build_report, write_atomic, write_report
+from .search import TuneConfig, Tuner, apply_passes, best_trial
+
+log = logging.getLogger("tctune")
+
+
+def check_out_dir(out_dir: str | Path) -> Path:
+    """Create ``out_dir`` and check it is writable.
+
+    Raises:
+        UsageError: it cannot be created or written.
+    """
+    p = Path(out_dir)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / ".tctune_write_test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise UsageError(f"output folder {p} is not writable ({exc.strerror or exc})\n  fix: pass --out DIR with a folder you can write") from exc
+    return p
+
+
+def measured_on(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)}), torch {torch.__version__}"
+    return f"cpu ({platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads), torch {torch.__version__}"
+
+
+def export_best(tuner: Tuner, params: dict, out: Path) -> tuple[dict, list[dict]]:
+    """Export the best configuration's graph (passes at its precision) to ONNX, and TensorRT if importable.
+
+    Returns:
+        ``(artifacts, passes)``: the artifact paths/errors and the pass results (as dicts) for the report.
+    """
+    from .export import build_engine, export_onnx, tensorrt_available
+
+    artifacts: dict = {"onnx": None, "onnx_max_abs_error": None, "tensorrt": None, "tensorrt_skipped_reason": None}
+    if not tuner.captured.ok:
+        artifacts["onnx_error"] = f"not exported: the model could not be captured ({tuner.captured.reason})"
+        artifacts["tensorrt_skipped_reason"] = "no ONNX to build from"
+        return artifacts, []
+    g, results = apply_passes(tuner.captured.graph_module, tuner.hw, params["precision"])
+    passes = [r.to_dict() for r in results]
+    if not tuner.cfg.export:
+        artifacts["onnx_error"] = "export disabled (--no-export)"
+        artifacts["tensorrt_skipped_reason"] = "export disabled (--no-export)"
+        return artifacts, passes
+    bs = params["batch_size"]
+    check = (bs, 3 if bs != 3 else 5)
+    try:
+        info = export_onnx(g.to(tuner.device), lambda b: tuner.mf.inputs(b, tuner.device), out / "model.onnx", batch_sizes=check)
+        artifacts.update(info)
+    except ExportError as exc:
+        artifacts["onnx_error"] = str(exc)
+        log.warning("ONNX export failed: %s", exc)
+    ok, reason = tensorrt_available()
+    if not artifacts.get("onnx"):
+        artifacts["tensorrt_skipped_reason"] = "no ONNX to build from"
+    elif not ok:
+        artifacts["tensorrt_skipped_reason"] = reason
+    else:
+        sizes = sorted(tuner.cfg.batch_sizes)
+        shapes = {i["name"]: tuple(-1 if d == "batch" else d for d in i["shape"]) for i in artifacts.get("onnx_inputs", [])}
+        try:
+            artifacts.update(build_engine(out / "model.onnx", out / "model.engine", input_shapes=shapes,
+                                          batch_sizes=(sizes[0], bs, sizes[-1])))
+        except ExportError as exc:
+            artifacts["tensorrt_skipped_reason"] = f"TensorRT build failed: {exc}"
+    return artifacts, passes
+
+
+def optimize(model_path: str | Path, cfg: TuneConfig) -> dict:
+    """Run the pipeline; returns the report dictionary (also written to ``cfg.out_dir``).
+
+    Raises:
+        ModelFileError, HardwareError, UsageError: bad input, before any trial runs.
+    """
+    mf = load_model_file(model_path)
+    hw: HardwareSpec = resolve(cfg.target)
+    out = check_out_dir(cfg.out_dir)
+    tuner = Tuner(cfg, mf, hw)
+    log.info("hardware: %s (%s %s); measuring on %s; precisions %s", hw.name, hw.arch, hw.compute_capability,
+             tuner.device, ", ".join(tuner.precisions))
+    if not tuner.captured.ok:
+        log.warning("graph passes disabled: %s", tuner.captured.reason)
+    study = tuner.run()
+    bt = best_trial(study)
+    artifacts: dict = {}
+    passes: list[dict] = []
+    if bt is not None:
+        artifacts, passes = export_best(tuner, dict(bt.params), out)
+        best_cfg = {"model": mf.name, "model_path": str(mf.path), "hardware": hw.to_dict(), "params": dict(bt.params),
+                    "throughput": bt.user_attrs.get("throughput"), "max_rel_error": bt.user_attrs.get("max_rel_error"),
+                    "passes": [p["name"] for p in passes], "study": study.study_name, "tctune_version": __version__}
+        write_atomic(out / "best_config.json", json.dumps(best_cfg, indent=2) + "\n")
+        artifacts["best_config"] = str(out / "best_config.json")
+    if cfg.storage is None:
+        artifacts["study_db"] = str(out / "study.db")
+    report = build_report(
+        study,
+        hardware=hw.to_dict(),
+        measured_on=measured_on(tuner.device),
+        config=cfg.to_dict(),
+        model={"name": mf.name, "path": str(mf.path), "tctune_version": __version__},
+        passes=passes,
+        artifacts=artifacts,
+        capture={"ok": tuner.captured.ok, "reason": tuner.captured.reason},
+    )
+    write_report(report, out)
+    return report

@@ -1,0 +1,189 @@
+"""``report.json`` and ``report.md``: what was measured, what won, and why.
+
+Throughputs are items/s, latencies ms per batch, memory MiB. Files are written atomically (temporary
+file + rename), so an interrupted run never leaves a half-written report.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import optuna
+
+from .search import best_trial, is_feasible
+
+TRIAL_FIELDS = ("throughput", "latency_ms", "peak_memory_mib", "max_rel_error", "max_abs_error", "nonfinite",
+                "description")
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    return v
+
+
+def trial_record(t: optuna.trial.FrozenTrial) -> dict:
+    """One row of ``report.json``'s ``trials``."""
+    row = {"number": t.number, "state": t.state.name, "params": dict(t.params),
+           "fail_reason": t.user_attrs.get("fail_reason")}
+    for k in TRIAL_FIELDS:
+        row[k] = t.user_attrs.get(k)
+    row["feasible"] = is_feasible(t)
+    row["passes"] = t.user_attrs.get("passes", [])
+    if t.state == optuna.trial.TrialState.FAIL and row["fail_reason"] is None:
+        row["fail_reason"] = "trial failed or was interrupted (see the log)"
+    return row
+
+
+def baselines(trials: list[dict]) -> dict[int, dict]:
+    """FP32 eager trials (the baseline) by batch size, the fastest if measured twice."""
+    out: dict[int, dict] = {}
+    for r in trials:
+        p = r["params"]
+        if r["state"] == "COMPLETE" and p.get("precision") == "fp32" and not p.get("graph_passes") and r["throughput"]:
+            bs = p["batch_size"]
+            if bs not in out or r["throughput"] > out[bs]["throughput"]:
+                out[bs] = r
+    return out
+
+
+def build_report(study: optuna.Study, *, hardware: dict, measured_on: str, config: dict, model: dict,
+                 passes: list[dict], artifacts: dict, capture: dict, extra: dict | None = None) -> dict:
+    """Assemble the report dictionary (see README, "Output files", for every field)."""
+    trials = [trial_record(t) for t in study.get_trials(deepcopy=False)]
+    base = baselines(trials)
+    bt = best_trial(study)
+    best = None
+    baseline = None
+    if bt is not None:
+        best = next(r for r in trials if r["number"] == bt.number)
+        bs = best["params"]["batch_size"]
+        same = base.get(bs)
+        top = max(base.values(), key=lambda r: r["throughput"]) if base else None
+        best = dict(best)
+        best["speedup_vs_baseline"] = best["throughput"] / same["throughput"] if same else None
+        best["speedup_vs_best_baseline"] = best["throughput"] / top["throughput"] if top else None
+        ref = same or top
+        if ref:
+            baseline = {"precision": "fp32", "graph_passes": False, "batch_size": ref["params"]["batch_size"],
+                        "throughput": ref["throughput"], "latency_ms": ref["latency_ms"], "trial": ref["number"]}
+    report = {
+        "tctune_version": model.get("tctune_version"),
+        "model": model,
+        "hardware": hardware,
+        "measured_on": measured_on,
+        "config": config,
+        "study": {"name": study.study_name, "n_trials": len(trials),
+                  "n_complete": sum(r["state"] == "COMPLETE" for r in trials)},
+        "capture": capture,
+        "baseline": baseline,
+        "baselines": [{"batch_size": bs, "throughput": r["throughput"], "latency_ms": r["latency_ms"], "trial": r["number"]}
+                      for bs, r in sorted(base.items())],
+        "best": best,
+        "passes": passes,
+        "trials": trials,
+        "artifacts": artifacts,
+    }
+    if extra:
+        report.update(extra)
+    return _clean(report)
+
+
+def _fmt(v: Any, spec: str = ".4g") -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return format(v, spec)
+    return str(v)
+
+
+def render_markdown(r: dict) -> str:
+    """``report.md``: the same facts as ``report.json``, for people."""
+    hw = r["hardware"]
+    lines = [f"# tctune report: {r['model']['name']}", ""]
+    lines += [f"- Model file: `{r['model']['path']}`",
+              f"- Hardware spec: {hw.get('name')} ({hw.get('arch')}, compute capability {hw.get('compute_capability') or '–'}, source {hw.get('source')})",
+              f"- Measured on: {r['measured_on']}",
+              f"- Study: `{r['study']['name']}`, {r['study']['n_trials']} trials ({r['study']['n_complete']} complete)",
+              f"- Accuracy limit: relative L2 error ≤ {r['config']['max_error']:g} against FP32 eager on fresh random inputs", ""]
+    if not r["capture"]["ok"]:
+        lines += [f"> **Graph capture failed**, so no graph passes ran: {r['capture']['reason']}", ""]
+    lines += ["## Result", ""]
+    b, base = r["best"], r["baseline"]
+    if b:
+        p = b["params"]
+        kind = "tctune graph passes" if p.get("graph_passes") else "eager"
+        lines.append(f"Best: **{p['precision']}**, {kind}, batch {p['batch_size']}: {_fmt(b['throughput'])} items/s, "
+                     f"{_fmt(b['latency_ms'])} ms per batch, relative error {_fmt(b['max_rel_error'], '.2e')}.")
+        if base:
+            lines.append("")
+            lines.append(f"- Against FP32 eager at the same batch ({base['batch_size']}): "
+                         f"**{_fmt(b['speedup_vs_baseline'], '.2f')}×** ({_fmt(base['throughput'])} items/s).")
+        if b.get("speedup_vs_best_baseline") is not None:
+            lines.append(f"- Against the fastest FP32 eager baseline at any searched batch size: {_fmt(b['speedup_vs_best_baseline'], '.2f')}×.")
+        if p["precision"] == "fp32" and not p.get("graph_passes"):
+            lines.append("- Nothing beat plain FP32 eager here: **keep FP32**.")
+    else:
+        lines.append("No trial met the accuracy limit; see the trials table for the reasons.")
+    lines += ["", "## Graph passes (at the best precision)", ""]
+    if r["passes"]:
+        lines += ["| pass | rewrites | skipped (node: reason) |", "|---|---|---|"]
+        for ps in r["passes"]:
+            sk = "; ".join(f"{s['node']}: {s['reason']}" for s in ps["skipped"][:8])
+            more = f" (+{len(ps['skipped']) - 8} more)" if len(ps["skipped"]) > 8 else ""
+            lines.append(f"| {ps['name']} | {ps['changed']} | {sk}{more} |")
+    else:
+        lines.append("No graph passes ran for the best configuration.")
+    lines += ["", "## Trials", "",
+              "| # | state | precision | graph passes | batch | items/s | ms/batch | peak MiB | rel. error | note |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for t in r["trials"]:
+        p = t["params"]
+        lines.append(f"| {t['number']} | {t['state'].lower()} | {p.get('precision', '–')} | {'yes' if p.get('graph_passes') else 'no'} | "
+                     f"{p.get('batch_size', '–')} | {_fmt(t['throughput'])} | {_fmt(t['latency_ms'])} | {_fmt(t['peak_memory_mib'], '.0f')} | "
+                     f"{_fmt(t['max_rel_error'], '.2e')} | {t['fail_reason'] or ''} |")
+    a = r["artifacts"]
+    lines += ["", "## Artifacts", ""]
+    if a.get("onnx"):
+        lines.append(f"- ONNX: `{a['onnx']}` (max abs error in onnxruntime vs PyTorch: {_fmt(a.get('onnx_max_abs_error'), '.2e')})")
+    if a.get("onnx_error"):
+        lines.append(f"- ONNX note: {a['onnx_error']}")
+    if a.get("tensorrt"):
+        lines.append(f"- TensorRT engine: `{a['tensorrt']}`")
+    elif a.get("tensorrt_skipped_reason"):
+        lines.append(f"- TensorRT: skipped: {a['tensorrt_skipped_reason']}")
+    for k in ("best_config", "study_db"):
+        if a.get(k):
+            lines.append(f"- {k.replace('_', ' ')}: `{a[k]}`")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict, out_dir: str | Path) -> tuple[Path, Path]:
+    """Write ``report.json`` and ``report.md`` atomically; returns their paths."""
+    out = Path(out_dir)
+    j, m = out / "report.json", out / "report.md"
+    write_atomic(j, json.dumps(report, indent=2, default=str) + "\n")
+    write_atomic(m, render_markdown(report))
+    return j, m

@@ -1,0 +1,232 @@
+"""Small models for the graph-pass tests, each with an ``example_inputs(batch)`` and a ``capture`` helper.
+
+Every entry builds an eval-mode model on the CPU with fixed seeds, so the tests are deterministic. Sizes are
+chosen to exercise the passes (odd widths for padding, conv + BN for folding, softmax / layer_norm for the
+keep-list) while staying fast on two CPU cores.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+def capture(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.fx.GraphModule:
+    """Capture ``model`` as tctune does: ``torch.export`` (non-strict) with a dynamic batch dimension.
+
+    Args:
+        model: an eval-mode module.
+        inputs: example inputs; dim 0 of each is the batch (made dynamic, 1..4096).
+
+    Returns:
+        The ATen-level ``GraphModule`` (``ExportedProgram.module()``).
+    """
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    dynamic_shapes = tuple({0: batch} for _ in inputs)
+    ep = torch.export.export(model, tuple(inputs), dynamic_shapes=dynamic_shapes, strict=False)
+    return ep.module()
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+class MLP(nn.Module):
+    """Linear 37 -> 61 -> 13 with GELU: every K and N is odd."""
+
+    def __init__(self, sizes: tuple[int, ...] = (37, 61, 13)) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = F.gelu(x)
+        return x
+
+
+class SimpleCNN(nn.Module):
+    """The seeds' SimpleCNN: conv 3->32 (3x3, pad 1), ReLU, max-pool 2, flatten, Linear(8192, 10)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 32, 3, padding=1)
+        self.pool = nn.MaxPool2d(2)
+        self.fc = nn.Linear(32 * 16 * 16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(F.relu(self.conv(x)))
+        return self.fc(torch.flatten(x, 1))
+
+
+class ConvBN(nn.Module):
+    """conv -> BN -> ReLU, twice; options for a bias-free conv, grouped and depthwise convolutions."""
+
+    def __init__(self, bias: bool = True, groups: int = 1, depthwise: bool = False, dims: int = 2) -> None:
+        super().__init__()
+        conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims]
+        bn = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}[dims]
+        self.conv1 = conv(8, 16, 3, padding=1, bias=bias, groups=groups)
+        self.bn1 = bn(16)
+        g2 = 16 if depthwise else groups
+        self.conv2 = conv(16, 16, 3, padding=1, bias=bias, groups=g2, stride=2)
+        self.bn2 = bn(16)
+        _randomize_bn(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(x)))
+
+
+class ConvBNBranch(nn.Module):
+    """A conv whose output feeds a BN *and* a residual add: the BN must not be folded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        _randomize_bn(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        return self.bn(y) + y
+
+
+class ConvTransposeBN(nn.Module):
+    """A transposed convolution followed by BN (not folded by the skeleton)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.deconv = nn.ConvTranspose2d(8, 16, 2, stride=2)
+        self.bn = nn.BatchNorm2d(16)
+        _randomize_bn(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.deconv(x))
+
+
+class EncoderBlock(nn.Module):
+    """A pre-norm transformer encoder block with hand-written attention (softmax, layer_norm, GELU)."""
+
+    def __init__(self, d: int = 60, heads: int = 4, ff: int = 100) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.ff1 = nn.Linear(d, ff)
+        self.ff2 = nn.Linear(ff, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        h = self.ln1(x)
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        q, k, v = (t.reshape(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        att = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(d // self.heads), dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, s, d)
+        x = x + self.proj(y)
+        return x + self.ff2(F.gelu(self.ff1(self.ln2(x))))
+
+
+class TiedLM(nn.Module):
+    """Embedding V x D tied to an LM head (the GPT-2 vocabulary, V = 50257)."""
+
+    def __init__(self, vocab: int = 50257, d: int = 64) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln(self.wte(ids)))
+
+
+def _randomize_bn(model: nn.Module) -> None:
+    """Give every BN non-trivial running statistics and affine parameters (fresh BN is the identity)."""
+    g = torch.Generator().manual_seed(1)
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            c = m.num_features
+            with torch.no_grad():
+                m.running_mean.copy_(torch.randn(c, generator=g) * 0.5)
+                m.running_var.copy_(torch.rand(c, generator=g) + 0.5)
+                m.weight.copy_(torch.rand(c, generator=g) + 0.5)
+                m.bias.copy_(torch.randn(c, generator=g) * 0.2)
+
+
+def small_bert() -> nn.Module:
+    """A 2-layer BERT (hidden 64, 4 heads, FFN 96, vocabulary 1000) from ``transformers``, eager attention."""
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, vocab_size=1000,
+        max_position_embeddings=64, attn_implementation="eager",
+    )
+    return BertModel(cfg, add_pooling_layer=True)
+
+
+# ---------------------------------------------------------------------------------------------- registry
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    """A zoo model: ``build()`` returns an eval-mode module, ``example_inputs(batch)`` fresh random inputs."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    example_inputs: Callable[[int], tuple[torch.Tensor, ...]]
+
+
+def _seeded(factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return factory().eval()
+
+    return build
+
+
+def _randn(*shape: int) -> Callable[[int], tuple[torch.Tensor, ...]]:
+    return lambda batch: (torch.randn(batch, *shape),)
+
+
+def _ids(vocab: int, seq: int) -> Callable[[int], tuple[torch.Tensor, ...]]:
+    return lambda batch: (torch.randint(0, vocab, (batch, seq), dtype=torch.int64),)
+
+
+ZOO: dict[str, ZooEntry] = {
+    e.name: e
+    for e in (
+        ZooEntry("mlp", _seeded(MLP), _randn(37)),
+        ZooEntry("simple_cnn", _seeded(SimpleCNN), _randn(3, 32, 32)),
+        ZooEntry("conv_bn", _seeded(ConvBN), _randn(8, 12, 12)),
+        ZooEntry("conv_bn_nobias", _seeded(lambda: ConvBN(bias=False)), _randn(8, 12, 12)),
+        ZooEntry("conv_bn_grouped", _seeded(lambda: ConvBN(groups=4)), _randn(8, 12, 12)),
+        ZooEntry("conv_bn_depthwise", _seeded(lambda: ConvBN(depthwise=True)), _randn(8, 12, 12)),
+        ZooEntry("conv1d_bn", _seeded(lambda: ConvBN(dims=1)), _randn(8, 20)),
+        ZooEntry("conv3d_bn", _seeded(lambda: ConvBN(dims=3)), _randn(8, 6, 6, 6)),
+        ZooEntry("conv_bn_branch", _seeded(ConvBNBranch), _randn(8, 10, 10)),
+        ZooEntry("conv_transpose_bn", _seeded(ConvTransposeBN), _randn(8, 6, 6)),
+        ZooEntry("encoder_block", _seeded(EncoderBlock), _randn(10, 60)),
+        ZooEntry("bert", _seeded(small_bert), _ids(1000, 16)),
+        ZooEntry("tied_lm", _seeded(TiedLM), _ids(50257, 5)),
+    )
+}
+
+
+def build(name: str, batch: int = 2) -> tuple[nn.Module, torch.fx.GraphModule, ZooEntry]:
+    """Build zoo model ``name`` and capture it at ``batch``.
+
+    Returns:
+        ``(eager_model, graph_module, entry)``.
+    """
+    entry = ZOO[name]
+    model = entry.build()
+    torch.manual_seed(123)
+    gm = capture(model, entry.example_inputs(batch))
+    return model, gm, entry
