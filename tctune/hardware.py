@@ -392,7 +392,8 @@ def _probe_cuda_python(driver) -> list[dict]:
         raise
     except Exception as exc:  # noqa: BLE001 - cuda-python raises when libcuda.so cannot be loaded
         if "NotFound" in type(exc).__name__ or "libcuda" in str(exc) or "driver" in str(exc).lower():
-            raise _DriverError(f"NVIDIA driver library (libcuda) not found: {exc}") from None
+            logger.debug("cuInit: %s", exc)
+            raise _DriverError("NVIDIA driver library libcuda.so not found") from None
         raise _DriverError(f"cuInit raised {type(exc).__name__}: {exc}") from None
 
     attr = driver.CUdevice_attribute
@@ -627,17 +628,20 @@ def _target_spec(target: str) -> HardwareSpec:
     if key in TARGETS:
         t = TARGETS[key]
         cc = _parse_cc(t.compute_capability)
-        arch_for(t.compute_capability, device_name=t.name)  # raises HardwareError below 7.0
+        if cc < _MIN_CC:
+            arch_for(t.compute_capability, device_name=t.name)  # raises HardwareError
         return _gpu_spec(t.name, cc, "target", t.sm_count, t.memory_mib)
     cc = _parse_sm(key)
     if cc is None:
-        names = ", ".join(TARGETS)
+        names = ", ".join(k for k, t in TARGETS.items() if _parse_cc(t.compute_capability) >= _MIN_CC)
         raise UsageError(
             f"unknown --target {target!r}; use a GPU name ({names}) or a compute capability as sm_XY, "
             f"XY or X.Y (e.g. sm_90, 90, 9.0)"
         )
-    arch = arch_for(_cc_str(*cc))  # raises HardwareError below 7.0
-    return _gpu_spec(f"sm_{cc[0]}{cc[1]} ({arch.name})", cc, "target", None, None)
+    if cc < _MIN_CC:
+        arch_for(_cc_str(*cc))  # raises HardwareError
+    spec = _gpu_spec(f"sm_{cc[0]}{cc[1]}", cc, "target", None, None)
+    return replace(spec, name=f"{spec.name} ({spec.arch})")
 
 
 def _torch_runs_on(cc: tuple[int, int], arch_list: list[str]) -> bool:

@@ -1,0 +1,310 @@
+"""Rewrite a graph to compute in fp16 / bf16, with numerically fragile ops kept in FP32.
+
+Why: precision lives in the graph, not in run-time autocast (DESIGN.md, "Precision lives in the graph").
+One explicitly typed graph feeds every consumer: TensorRT 10/11 builds *strongly typed* networks (TRT 11
+removed the FP16 builder flag, so the precision must already be in the ONNX), ONNX Runtime, AOTInductor and
+the ``torch.compile`` backend. Tensor Cores run fp16/bf16 GEMMs at 13x the fp32 rate on the H200 (649-688
+against 51 TFLOP/s, DESIGN.md).
+
+Rules, applied in one pass in graph (topological) order, tracking each value's dtype from the ``meta["val"]``
+of placeholders and ``get_attr`` nodes (``meta`` is not updated by FX, so the pass propagates dtypes itself):
+
+* Weights (floating ``get_attr`` tensors) read only by ops off the keep-list are stored in the low dtype,
+  once, under the same attribute name. Those read by a keep-list op (layer-norm / batch-norm parameters and
+  statistics) stay FP32. A weight read by both kinds stays FP32 and the other readers get one shared cast
+  node: accuracy first, and such sharing is rare.
+* Ops on the keep-list (``spec.keep_list``: softmax, norms, reductions, exp/log, losses) see their floating
+  inputs in the dtype the original graph gave them (FP32): low inputs get a cast up.
+* Every other op with floating tensor inputs gets them in the low dtype (fp32 inputs, including graph inputs
+  and factory-op outputs such as ``aten.full``, get a cast down), so mixing never silently promotes back to
+  FP32; its floating outputs are then low. Explicit conversions in the model (``aten._to_copy``,
+  ``aten.to.dtype``, ops given a ``dtype=``) keep their inputs and output dtype.
+* Integer and bool tensors are never cast; symbolic-size queries, guards and asserts are left alone.
+* Graph outputs are cast back to their original dtypes, so the caller sees eager's dtypes and shapes.
+
+Casts are ``aten._to_copy.default(x, dtype=...)`` nodes; there is at most one per (value, dtype), inserted
+before its first reader, and a cast back to a value's source dtype reuses the source instead of stacking a
+second cast.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch import fx
+
+from passes._graph import copy_meta, fake_from_tensor, finish, get_attr_value, op_name, set_attr_tensor
+from passes.base import PassResult, PassSpec, Skip
+
+NAME = "cast_precision"
+
+_CAST = torch.ops.aten._to_copy.default
+_LOW = (torch.float16, torch.bfloat16)
+#: Ops whose inputs are inspected, not computed on: never cast their inputs.
+_PASSTHROUGH = frozenset(
+    {
+        "sym_size", "sym_numel", "sym_stride", "sym_storage_offset", "_assert_scalar", "_assert_async",
+        "_assert_tensor_metadata", "sym_constrain_range", "sym_constrain_range_for_size", "_local_scalar_dense",
+    }
+)
+#: Meta-only outputs: shape/type of the input matters, not its values.
+_LIKE_OPS = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like"})
+
+
+def cast_precision(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
+    """Make ``gm`` compute in ``spec.dtype`` (fp16 or bf16) with keep-list ops in FP32, in place.
+
+    Shapes never change. Graph inputs keep their dtype at the call boundary (an FP32 input is cast to the low
+    dtype *inside* the graph) and every output is cast back to its original dtype, so callers pass and get
+    the same dtypes as eager. Floating weights read only by low-precision ops are replaced on the module by
+    low-dtype copies (same ``state_dict`` keys, dtype changed).
+
+    Args:
+        gm: an ATen-level graph module from ``torch.export`` (mutated in place).
+        spec: target facts; ``spec.precision`` selects the low dtype, ``spec.keep_list`` the ATen op names
+            (overload packets, e.g. ``"softmax"``) that stay FP32.
+
+    Returns:
+        A ``PassResult`` named ``"cast_precision"``: ``count`` is the number of ops now computing in the low
+        dtype (``changed`` their names); ``skipped`` lists the keep-list ops kept FP32
+        (``"keep-list: softmax stays FP32"``), or one ``"<graph>"`` entry when the precision is not
+        fp16/bf16; ``notes`` has ``dtype``, ``casts_inserted``, ``weights_low`` and ``weights_fp32``.
+    """
+    result = PassResult(name=NAME, graph_module=gm)
+    if spec.precision not in ("fp16", "bf16"):
+        reason = f"precision {spec.precision}: nothing to cast, compute stays FP32"
+        result.skipped.append(Skip("<graph>", reason))
+        return result
+    low = spec.dtype
+    keep = spec.keep_list
+    nodes = list(gm.graph.nodes)
+    orig = {n: _dtypes(n.meta.get("val")) for n in nodes}
+    new: dict[fx.Node, Any] = {}
+    rewriter = _Caster(gm, new)
+    weights_low, weights_fp32 = _cast_weights(gm, nodes, keep, low, new)
+
+    for node in nodes:
+        if node.op in ("placeholder", "get_attr"):
+            new.setdefault(node, orig[node])
+            continue
+        if node.op == "output":
+            _cast_outputs(node, orig, rewriter)
+            continue
+        if node.op != "call_function":
+            # call_module (_guards_fn) / call_method: left alone.
+            new[node] = orig[node]
+            continue
+        if node.target is operator.getitem:
+            parent = new.get(node.args[0])
+            idx = node.args[1]
+            is_seq = isinstance(parent, (list, tuple)) and isinstance(idx, int) and -len(parent) <= idx < len(parent)
+            new[node] = parent[idx] if is_seq else orig[node]
+            _retype_meta(node, orig[node], new[node])
+            continue
+        if not isinstance(node.target, torch._ops.OpOverload):
+            # Python-level ops (symbolic int arithmetic): no tensors to cast.
+            new[node] = orig[node]
+            continue
+        name = op_name(node)
+        if name in _PASSTHROUGH:
+            if name == "_assert_tensor_metadata" and node.kwargs.get("dtype") is not None:
+                src = new.get(node.args[0])
+                if isinstance(src, torch.dtype) and src != node.kwargs["dtype"]:
+                    node.kwargs = {**node.kwargs, "dtype": src}
+            new[node] = orig[node]
+            continue
+        if _explicit_dtype(node) or name in _LIKE_OPS:
+            # A conversion / factory the model asked for: keep its inputs and its output dtype.
+            new[node] = orig[node]
+            continue
+        if name in keep:
+            # Keep-list op: floating inputs back to the dtype the original graph had (FP32).
+            rewriter.map_inputs(node, lambda arg: orig.get(arg))
+            new[node] = orig[node]
+            if _has_float(orig[node]) or _has_float_input(node, orig):
+                result.skipped.append(Skip(node.name, f"keep-list: {name} stays FP32"))
+            continue
+        had_float = rewriter.map_inputs(node, lambda arg: low)
+        new[node] = _lower(orig[node], low) if had_float else orig[node]
+        _retype_meta(node, orig[node], new[node])
+        if _lowered(orig[node], new[node]):
+            result.changed.append(node.name)
+            result.count += 1
+
+    result.notes = {
+        "dtype": str(low).replace("torch.", ""),
+        "casts_inserted": rewriter.inserted,
+        "weights_low": weights_low,
+        "weights_fp32": weights_fp32,
+    }
+    if result.count or rewriter.inserted or weights_low:
+        finish(gm)
+    return result
+
+
+class _Caster:
+    """Inserts and reuses cast nodes; ``new`` maps each processed node to its dtype in the rewritten graph."""
+
+    def __init__(self, gm: fx.GraphModule, new: dict) -> None:
+        self.gm = gm
+        self.new = new
+        self.cache: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
+        self.made: set[fx.Node] = set()
+        self.inserted = 0
+
+    def map_inputs(self, node: fx.Node, want) -> bool:
+        """Cast every floating tensor input of ``node`` to ``want(arg)``; True if it had any floating input."""
+        seen_float = False
+
+        def visit(arg: fx.Node) -> fx.Node:
+            nonlocal seen_float
+            have = self.new.get(arg)
+            if not (isinstance(have, torch.dtype) and have.is_floating_point):
+                return arg
+            seen_float = True
+            target = want(arg)
+            if not isinstance(target, torch.dtype) or not target.is_floating_point or target == have:
+                return arg
+            return self.cast(arg, target, before=node)
+
+        node.args = fx.node.map_arg(node.args, visit)
+        node.kwargs = fx.node.map_arg(node.kwargs, visit)
+        return seen_float
+
+    def cast(self, src: fx.Node, dtype: torch.dtype, before: fx.Node) -> fx.Node:
+        """A node holding ``src`` in ``dtype``: the source of a cast we made, a cached cast, or a new one."""
+        if src in self.made and self.new.get(src.args[0]) == dtype:
+            return src.args[0]  # no cast of a cast: go back to the value it came from
+        key = (src, dtype)
+        if key not in self.cache:
+            with self.gm.graph.inserting_before(before):
+                cast = self.gm.graph.call_function(_CAST, (src,), {"dtype": dtype})
+            copy_meta(src, cast, _retype(src.meta.get("val"), dtype))
+            self.cache[key] = cast
+            self.made.add(cast)
+            self.new[cast] = dtype
+            self.inserted += 1
+        return self.cache[key]
+
+
+def _cast_weights(
+    gm: fx.GraphModule, nodes: list[fx.Node], keep: frozenset, low: torch.dtype, new: dict
+) -> tuple[list[str], list[str]]:
+    """Store floating weights read only by non-keep-list ops in ``low``; returns (low names, FP32 names)."""
+    by_tensor: dict[int, list[fx.Node]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for node in nodes:
+        if node.op != "get_attr":
+            continue
+        value = get_attr_value(gm, node.target)
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype not in _LOW:
+            by_tensor.setdefault(id(value), []).append(node)
+            tensors[id(value)] = value
+    weights_low: list[str] = []
+    weights_fp32: list[str] = []
+    for key, attr_nodes in by_tensor.items():
+        users = [u for n in attr_nodes for u in n.users]
+        # Read by a keep-list op (or handed out as an output): stays FP32.
+        if not users or any(_reads_fp32(u, keep) for u in users):
+            weights_fp32.extend(sorted({n.target for n in attr_nodes}))
+            continue
+        low_tensor = tensors[key].detach().to(low)
+        for target in sorted({n.target for n in attr_nodes}):
+            set_attr_tensor(gm, target, low_tensor)
+            weights_low.append(target)
+        stored = get_attr_value(gm, attr_nodes[0].target)
+        for n in attr_nodes:
+            fake = fake_from_tensor(n.meta.get("val"), stored)
+            if fake is not None:
+                n.meta["val"] = fake
+            new[n] = low
+    return weights_low, weights_fp32
+
+
+def _reads_fp32(user: fx.Node, keep: frozenset) -> bool:
+    """Whether ``user`` needs its inputs in FP32 (keep-list op, graph output, or an explicit conversion)."""
+    if user.op == "output":
+        return True
+    if user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload):
+        return False
+    return op_name(user) in keep
+
+
+def _cast_outputs(node: fx.Node, orig: dict, rewriter: _Caster) -> None:
+    """Cast each graph output back to its original dtype."""
+    rewriter.map_inputs(node, lambda arg: orig.get(arg))
+
+
+def _dtypes(val: Any) -> Any:
+    """dtype (or nested list of dtypes / None) of a ``meta["val"]``."""
+    if isinstance(val, torch.Tensor):
+        return val.dtype
+    if isinstance(val, (list, tuple)):
+        return [_dtypes(v) for v in val]
+    return None
+
+
+def _lower(dtypes: Any, low: torch.dtype) -> Any:
+    """``dtypes`` with every floating entry replaced by ``low``."""
+    if isinstance(dtypes, torch.dtype):
+        return low if dtypes.is_floating_point else dtypes
+    if isinstance(dtypes, list):
+        return [_lower(d, low) for d in dtypes]
+    return dtypes
+
+
+def _lowered(before: Any, after: Any) -> bool:
+    if isinstance(before, list) and isinstance(after, list):
+        return any(_lowered(b, a) for b, a in zip(before, after))
+    return isinstance(before, torch.dtype) and before != after
+
+
+def _has_float(dtypes: Any) -> bool:
+    if isinstance(dtypes, torch.dtype):
+        return dtypes.is_floating_point
+    if isinstance(dtypes, list):
+        return any(_has_float(d) for d in dtypes)
+    return False
+
+
+def _has_float_input(node: fx.Node, orig: dict) -> bool:
+    found = []
+    fx.node.map_arg((node.args, node.kwargs), lambda a: found.append(_has_float(orig.get(a))))
+    return any(found)
+
+
+def _explicit_dtype(node: fx.Node) -> bool:
+    """Whether ``node`` is given an explicit ``dtype`` argument (a conversion or a typed factory)."""
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name != "dtype":
+            continue
+        value = node.kwargs.get("dtype", node.args[i] if i < len(node.args) and not arg.kwarg_only else None)
+        return value is not None
+    return False
+
+
+def _retype(val: Any, dtype: torch.dtype) -> Any:
+    """A fake tensor like ``val`` with ``dtype`` (None when ``val`` is not a fake tensor)."""
+    mode = getattr(val, "fake_mode", None)
+    if mode is None:
+        return None
+    with mode:
+        return val.to(dtype)
+
+
+def _retype_meta(node: fx.Node, before: Any, after: Any) -> None:
+    """Update ``node.meta["val"]`` when its dtype(s) changed."""
+    if before == after:
+        return
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor) and isinstance(after, torch.dtype):
+        node.meta["val"] = _retype(val, after)
+    elif isinstance(val, (list, tuple)) and isinstance(after, list):
+        node.meta["val"] = type(val)(
+            _retype(v, d) if isinstance(v, torch.Tensor) and isinstance(d, torch.dtype) and v.dtype != d else v
+            for v, d in zip(val, after)
+        )
+
+
+__all__ = ["cast_precision"]

@@ -1,0 +1,135 @@
+"""`tctune` end to end on the CPU: optimize the seed CNN, resume, detect, and one clear error per bad input."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tctune.cli import main, parse_batch_sizes
+from tctune.errors import UsageError
+
+ROOT = Path(__file__).resolve().parents[1]
+SEED_CNN = ROOT / "recipes" / "seed_cnn.py"
+
+
+def run_cli(*args, cwd=None):
+    """Run the real console entry point in a subprocess (as a user would)."""
+    return subprocess.run([sys.executable, "-m", "tctune", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd or ROOT, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def seed_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("seed_cnn")
+    r = run_cli("optimize", SEED_CNN, "--out", out, "--batch-sizes", "8,32", "--trials", "6", "--quiet")
+    assert r.returncode == 0, r.stderr
+    return out, r
+
+
+def test_optimize_writes_every_output(seed_run):
+    out, _ = seed_run
+    for name in ("report.json", "report.md", "study.db", "model.onnx", "best_config.json"):
+        assert (out / name).is_file(), name
+
+
+def test_report_json_has_the_documented_fields(seed_run):
+    out, _ = seed_run
+    r = json.loads((out / "report.json").read_text())
+    assert r["hardware"]["source"] in ("cpu", "torch", "cuda-python", "target")
+    assert {"name", "arch", "compute_capability", "source"} <= set(r["hardware"])
+    assert r["baseline"]["precision"] == "fp32" and r["baseline"]["throughput"] > 0
+    complete = [t for t in r["trials"] if t["state"] == "COMPLETE"]
+    assert len(complete) >= 4
+    for t in r["trials"]:
+        assert {"number", "state", "params", "throughput", "latency_ms", "peak_memory_mib", "max_rel_error", "fail_reason"} <= set(t)
+        assert {"batch_size", "precision"} <= set(t["params"])
+    assert r["trials"][0]["params"] == {"batch_size": 8, "precision": "fp32", "graph_passes": False}
+    best = r["best"]
+    assert best["throughput"] > 0 and best["speedup_vs_baseline"] > 0
+    assert best["max_rel_error"] <= 1e-2
+    assert {p["name"] for p in r["passes"]} >= {"fold_conv_batchnorm", "pad_linear_dims", "cast_precision"}
+    for p in r["passes"]:
+        assert all({"node", "reason"} <= set(s) for s in p["skipped"])
+    a = r["artifacts"]
+    assert a["onnx"].endswith("model.onnx")
+    assert a["tensorrt"] is None and a["tensorrt_skipped_reason"]
+    assert "onnx_max_abs_error" in a
+
+
+def test_report_md_has_result_and_trials(seed_run):
+    out, _ = seed_run
+    md = (out / "report.md").read_text()
+    assert "## Result" in md and "## Trials" in md and "FP32 eager" in md
+
+
+def test_rerun_resumes_the_study(seed_run):
+    out, _ = seed_run
+    before = json.loads((out / "report.json").read_text())
+    r = run_cli("optimize", SEED_CNN, "--out", out, "--batch-sizes", "8,32", "--trials", "2", "--quiet", "--no-export")
+    assert r.returncode == 0, r.stderr
+    after = json.loads((out / "report.json").read_text())
+    assert after["study"]["n_trials"] == before["study"]["n_trials"] + 2
+    assert [t["number"] for t in after["trials"][: len(before["trials"])]] == [t["number"] for t in before["trials"]]
+    first_before = before["trials"][0]
+    first_after = after["trials"][0]
+    assert first_after["throughput"] == first_before["throughput"]  # kept, not re-measured
+
+
+def test_detect_target_h100_json():
+    r = run_cli("detect", "--target", "h100", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["arch"] == "Hopper" and d["compute_capability"] == "9.0" and "fp8" in d["tensor_core_precisions"]
+
+
+def test_detect_without_gpu_exits_zero():
+    r = run_cli("detect")
+    assert r.returncode == 0
+    assert r.stdout.strip()
+
+
+BAD_FILES = {
+    "no_build_model": ("import torch\ndef example_inputs(b):\n    return (torch.randn(b, 4),)\n", "does not define build_model()"),
+    "syntax_error": ("import torch\ndef build_model(:\n", "syntax error"),
+    "inputs_not_tensors": ("import torch\ndef build_model():\n    return torch.nn.Linear(4, 2)\n"
+                           "def example_inputs(b):\n    return [[1.0] * 4] * b\n", "must return a tuple of tensors"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_FILES))
+def test_bad_model_file_gets_one_clear_error(tmp_path, name):
+    text, expected = BAD_FILES[name]
+    f = tmp_path / f"{name}.py"
+    f.write_text(text)
+    r = run_cli("optimize", f, "--out", tmp_path / "out", "--trials", "1", "--quiet")
+    assert r.returncode == 1
+    assert expected in r.stderr
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout
+    assert r.stderr.strip().startswith("tctune: error:")
+
+
+def test_unknown_target_lists_names(tmp_path):
+    r = run_cli("optimize", SEED_CNN, "--target", "gtx480", "--out", tmp_path, "--quiet")
+    assert r.returncode == 2 and "h100" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args,match", [(["--trials", "0"], "--trials"), (["--batch-sizes", "8,x"], "--batch-sizes")])
+def test_bad_options(tmp_path, args, match):
+    r = run_cli("optimize", SEED_CNN, "--out", tmp_path, "--quiet", *args)
+    assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr
+
+
+def test_parse_batch_sizes():
+    assert parse_batch_sizes("8,32,128") == (8, 32, 128)
+    assert parse_batch_sizes("16-256") == (16, 32, 64, 128, 256)
+    assert parse_batch_sizes("3-10") == (3, 6, 10)
+    for bad in ("", "0", "a", "10-3", "-4"):
+        with pytest.raises(UsageError):
+            parse_batch_sizes(bad)
+
+
+def test_help_says_the_file_is_executed(capsys):
+    with pytest.raises(SystemExit):
+        main(["optimize", "--help"])
+    assert "executed" in capsys.readouterr().out
