@@ -75,13 +75,13 @@ def fold_conv_batchnorm(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
             result.skipped.append(Skip(bn.name, "spec.training is True: BN folding is eval-only"))
             continue
         params = _bn_params(bn)
-        # aten.batch_norm in training mode normalises with batch statistics.
-        if params["training"]:
-            result.skipped.append(Skip(bn.name, "BN training flag is True"))
-            continue
         # Without running statistics BN always uses batch statistics.
         if params["mean"] is None or params["var"] is None:
             result.skipped.append(Skip(bn.name, "running stats are None"))
+            continue
+        # aten.batch_norm in training mode normalises with batch statistics.
+        if params["training"]:
+            result.skipped.append(Skip(bn.name, "BN training flag is True"))
             continue
         conv = bn.args[0]
         if not isinstance(conv, fx.Node) or conv.op != "call_function":

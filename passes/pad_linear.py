@@ -143,7 +143,8 @@ def pad_linear_dims(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         if k_new != k_old:
             key = (x_node, k_new)
             if key not in pad_cache:
-                with gm.graph.inserting_after(x_node):
+                # Before the linear, not after x: x may be a placeholder followed by other placeholders.
+                with gm.graph.inserting_before(node):
                     pad = gm.graph.call_function(_PAD, (x_node, [0, k_new - k_old], 0.0))
                 copy_meta(x_node, pad, fake_eval(_PAD, pad.args))
                 pad_cache[key] = pad

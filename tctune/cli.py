@@ -157,7 +157,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     quiet = getattr(args, "quiet", False)
-    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="tctune: %(message)s")
+    logger = logging.getLogger("tctune")  # our logger only: libraries (onnxscript, optuna) stay quiet
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("tctune: %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(logging.WARNING if quiet else logging.INFO)
     try:
         return {"detect": _cmd_detect, "optimize": _cmd_optimize}[args.command](args)
     except TctuneError as exc:

@@ -74,6 +74,18 @@ def export_best(tuner: Tuner, params: dict, out: Path) -> tuple[dict, list[dict]
     except ExportError as exc:
         artifacts["onnx_error"] = str(exc)
         log.warning("ONNX export failed: %s", exc)
+    if artifacts.get("onnx") and artifacts.get("onnx_max_abs_error") is None and params["precision"] in ("fp16", "bf16"):
+        # onnxruntime's CPU provider lacks many fp16/bf16 kernels: the typed model.onnx is for TensorRT or a GPU
+        # provider. Also write the same graph in FP32 so there is an engine that runs (and is validated) anywhere.
+        g32, _ = apply_passes(tuner.captured.graph_module, tuner.hw, "fp32")
+        try:
+            info32 = export_onnx(g32.to(tuner.device), lambda b: tuner.mf.inputs(b, tuner.device),
+                                 out / "model.fp32.onnx", batch_sizes=check)
+            artifacts["onnx_fp32"] = info32["onnx"]
+            artifacts["onnx_fp32_max_abs_error"] = info32["onnx_max_abs_error"]
+            artifacts["onnx_fp32_error"] = info32.get("onnx_error")
+        except ExportError as exc:
+            artifacts["onnx_fp32_error"] = str(exc)
     ok, reason = tensorrt_available()
     if not artifacts.get("onnx"):
         artifacts["tensorrt_skipped_reason"] = "no ONNX to build from"
@@ -100,7 +112,8 @@ def optimize(model_path: str | Path, cfg: TuneConfig) -> dict:
     hw: HardwareSpec = resolve(cfg.target)
     out = check_out_dir(cfg.out_dir)
     tuner = Tuner(cfg, mf, hw)
-    log.info("hardware: %s (%s %s); measuring on %s; precisions %s", hw.name, hw.arch, hw.compute_capability,
+    cc = f", compute capability {hw.compute_capability}" if hw.compute_capability else ""
+    log.info("hardware spec: %s (%s%s); measuring on %s; precisions %s", hw.name, hw.arch, cc,
              tuner.device, ", ".join(tuner.precisions))
     if not tuner.captured.ok:
         log.warning("graph passes disabled: %s", tuner.captured.reason)

@@ -13,6 +13,7 @@ import json
 import logging
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -99,7 +100,9 @@ def apply_passes(gm: torch.fx.GraphModule, hw: HardwareSpec, precision: str) -> 
     Raises:
         PassError: a pass failed (the message names it and the passes before it).
     """
-    g = copy.deepcopy(gm)
+    with warnings.catch_warnings():  # deepcopy of an exported module warns about pytree internals
+        warnings.simplefilter("ignore", FutureWarning)
+        g = copy.deepcopy(gm)
     try:
         results = run_pipeline(g, hw.pass_spec(precision))
     except PassFailure as exc:
@@ -225,9 +228,8 @@ class Tuner:
 
     # -- study ------------------------------------------------------------------------------------------
     def create_study(self) -> optuna.Study:
-        sampler = optuna.samplers.TPESampler(
-            seed=self.cfg.seed, n_startup_trials=4,
-            constraints_func=lambda t: t.user_attrs.get("constraint", (1.0,)))
+        # Accuracy is a constraint (Trial.set_constraint): TPE learns from infeasible trials without choosing them.
+        sampler = optuna.samplers.TPESampler(seed=self.cfg.seed, n_startup_trials=4)
         study = optuna.create_study(study_name=self.study_name(), storage=self.storage_url(),
                                     direction="maximize", sampler=sampler, load_if_exists=True)
         if not study.trials:
@@ -258,7 +260,7 @@ class Tuner:
         for k, v in metrics.items():
             trial.set_user_attr(k, v)
         feasible = metrics["max_rel_error"] <= self.cfg.max_error
-        trial.set_user_attr("constraint", (metrics["max_rel_error"] - self.cfg.max_error,))
+        trial.set_constraint("max_error", metrics["max_rel_error"] - self.cfg.max_error)
         if not feasible:
             trial.set_user_attr("fail_reason", f"relative error {metrics['max_rel_error']:.3g} > --max-error {self.cfg.max_error:g}")
         return metrics["throughput"]
@@ -300,8 +302,9 @@ class Tuner:
 
 def is_feasible(t: optuna.trial.FrozenTrial) -> bool:
     """A completed trial whose error is within ``--max-error``."""
+    constraints = t.constraints
     return (t.state == optuna.trial.TrialState.COMPLETE and "throughput" in t.user_attrs
-            and all(c <= 0 for c in t.user_attrs.get("constraint", (1.0,))))
+            and bool(constraints) and all(c <= 0 for c in constraints.values()))
 
 
 def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:

@@ -193,6 +193,13 @@ def test_export_onnx_raises_when_export_fails(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_export_onnx_skips_cleanly_without_onnxscript(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnxscript", None)
+    with pytest.raises(ExportError, match="needs the onnxscript package"):
+        export_onnx(TwoHeads(), lambda b: (torch.randn(b, 16),), tmp_path / "m.onnx")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_export_onnx_tiny_bert(tmp_path):
     pytest.importorskip("transformers")
     torch.manual_seed(0)

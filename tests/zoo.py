@@ -215,11 +215,12 @@ ZOO: dict[str, ZooEntry] = {
         ZooEntry("encoder_block", _seeded(EncoderBlock), _randn(10, 60)),
         ZooEntry("bert", _seeded(small_bert), _ids(1000, 16)),
         ZooEntry("tied_lm", _seeded(TiedLM), _ids(50257, 5)),
+        ZooEntry("tied_lm_odd", _seeded(lambda: TiedLM(vocab=1001, d=61)), _ids(1001, 5)),
     )
 }
 
 
-def build(name: str, batch: int = 2) -> tuple[nn.Module, torch.fx.GraphModule, ZooEntry]:
+def build(name: str, batch: int = 3) -> tuple[nn.Module, torch.fx.GraphModule, ZooEntry]:
     """Build zoo model ``name`` and capture it at ``batch``.
 
     Returns:
@@ -230,3 +231,43 @@ def build(name: str, batch: int = 2) -> tuple[nn.Module, torch.fx.GraphModule, Z
     torch.manual_seed(123)
     gm = capture(model, entry.example_inputs(batch))
     return model, gm, entry
+
+
+# ---------------------------------------------------------------------------------------------- parity
+
+#: Parity tolerances per compute dtype, in one place. fp32: torch.testing's rtol with an atol for sums of
+#: hundreds of products; fp16 / bf16: relative L2 error against the FP32 eager reference.
+TOLERANCES: dict[str, dict[str, float]] = {
+    "fp32": {"rtol": 1.3e-6, "atol": 1e-5},
+    "tf32": {"rtol": 1.3e-6, "atol": 1e-5},  # CPU has no TF32: same as fp32
+    "fp16": {"rel_l2": 1e-2},
+    "bf16": {"rel_l2": 3e-2},
+}
+
+
+def flat_outputs(out: object) -> list[torch.Tensor]:
+    """The tensors of a model output (tensor, tuple/list, dict or ``transformers`` ModelOutput), in order."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):  # ModelOutput is an OrderedDict
+        out = list(out.values())
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in flat_outputs(o)]
+    return []
+
+
+def assert_matches_eager(model: nn.Module, gm: torch.fx.GraphModule, inputs: tuple, precision: str) -> None:
+    """Run eager (FP32) and ``gm`` on ``inputs``; outputs must agree in shape, dtype and value (``TOLERANCES``)."""
+    with torch.no_grad():
+        ref = flat_outputs(model(*inputs))
+        got = flat_outputs(gm(*inputs))
+    assert len(ref) == len(got)
+    tol = TOLERANCES[precision]
+    for r, g in zip(ref, got):
+        assert g.shape == r.shape and g.dtype == r.dtype
+        assert torch.isfinite(g).all()
+        if "rel_l2" in tol:
+            err = ((g.double() - r.double()).norm() / r.double().norm().clamp_min(1e-12)).item()
+            assert err <= tol["rel_l2"], f"{precision}: relative L2 error {err:.2e} > {tol['rel_l2']:.0e}"
+        else:
+            torch.testing.assert_close(g, r, rtol=tol["rtol"], atol=tol["atol"])

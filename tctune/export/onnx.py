@@ -46,6 +46,8 @@ _NOISY_LOGGERS = ("torch.onnx", "torch.export", "torch._export", "torch.fx.exper
 
 _MAX_WARNINGS = 10
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # torch.onnx colours its messages
+
 
 def export_onnx(
     module: torch.nn.Module,
@@ -88,12 +90,17 @@ def export_onnx(
         from the exporter, at most 10).
 
     Raises:
-        ExportError: the exporter failed or produced a file that ``onnx.checker`` rejects; the message
-            names the cause. Nothing is written to ``path`` in that case.
+        ExportError: onnxscript is missing, the module fails on its own example inputs, the exporter
+            failed, or it produced a file that ``onnx.checker`` rejects; the message names the cause. Nothing is written to ``path`` then.
         ValueError: ``batch_sizes`` is not two positive ints.
     """
     import onnx
 
+    try:
+        import onnxscript  # noqa: F401 - torch.onnx's dynamo exporter is built on it
+    except ImportError as exc:
+        raise ExportError("torch.onnx.export(dynamo=True) needs the onnxscript package "
+                          "(pip install onnxscript); ONNX export not possible") from exc
     path = Path(path)
     batch_sizes = _check_batch_sizes(batch_sizes)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -102,8 +109,12 @@ def export_onnx(
     export_batch = next((b for b in batch_sizes if b >= 2), 2)
     example = _to_device(_as_tuple(make_inputs(export_batch)), device)
     input_names = _input_names(module, len(example))
-    with torch.no_grad():
-        sample_output = module(*example)
+    try:
+        with torch.no_grad():
+            sample_output = module(*example)
+    except Exception as exc:  # noqa: BLE001 - nothing to export if the module cannot run its own inputs
+        raise ExportError(f"the module fails on make_inputs({export_batch}) before export: "
+                          f"{_one_line(exc)}") from exc
     output_names = _output_names(sample_output)
 
     started = time.perf_counter()
@@ -421,11 +432,11 @@ def _one_line(message: Any, limit: int = 400) -> str:
         root = message
         while root.__cause__ is not None and root.__cause__ is not root:
             root = root.__cause__
-        head = str(message).strip().splitlines()[0] if str(message).strip() else ""
-        text = f"{type(message).__name__}: {head}"
-        if root is not message:
-            text += f" <- {type(root).__name__}: {root}"
+        text = str(message).strip()
+        if root is not message:  # torch.onnx wraps the cause in pages of advice: keep its first line only
+            text = (text.splitlines() or [""])[0] + f" <- {type(root).__name__}: {root}"
+        text = f"{type(message).__name__}: {text}"
     else:
         text = str(message)
-    text = " ".join(text.split())
+    text = " ".join(_ANSI.sub("", text).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."

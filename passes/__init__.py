@@ -1,0 +1,78 @@
+"""tctune's graph passes: pure rewrites of ``torch.export`` ATen graphs, run and tested on the CPU.
+
+Each pass is a function ``(gm: torch.fx.GraphModule, spec: PassSpec) -> PassResult`` that mutates ``gm`` in
+place and reports what it changed and what it skipped, and why. ``run_pipeline`` runs them in order.
+This package imports torch only, never ``tctune``.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from passes.base import DEFAULT_KEEP_LIST, PassFailure, PassResult, PassSpec, Skip
+from passes.cast_precision import cast_precision
+from passes.fold_bn import fold_conv_batchnorm
+from passes.pad_linear import pad_linear_dims
+
+#: The default order: fold BN first (fewer ops to cast), pad next (padded weights are then cast once),
+#: cast precision last (it sees the final set of ops and weights).
+PIPELINE: tuple[str, ...] = ("fold_conv_batchnorm", "pad_linear_dims", "cast_precision")
+
+PASSES: dict[str, Callable[[torch.fx.GraphModule, PassSpec], PassResult]] = {
+    "fold_conv_batchnorm": fold_conv_batchnorm,
+    "pad_linear_dims": pad_linear_dims,
+    "cast_precision": cast_precision,
+}
+
+
+def run_pipeline(
+    gm: torch.fx.GraphModule, spec: PassSpec, names: Sequence[str] = PIPELINE
+) -> list[PassResult]:
+    """Run the passes ``names`` on ``gm`` in order, in place.
+
+    Args:
+        gm: an ATen-level graph module from ``torch.export`` (``ExportedProgram.module()``).
+        spec: target facts shared by every pass.
+        names: pass names, in order; each must be a key of ``PASSES``.
+
+    Returns:
+        One ``PassResult`` per pass, in the order run.
+
+    Raises:
+        ValueError: a name is not a known pass (raised before any pass runs).
+        PassFailure: a pass raised; the message names it and the passes that ran before it, the original
+            exception is chained as ``__cause__``, and ``pass_name`` / ``ran_before`` are set on the error.
+            ``gm`` may be partly rewritten by then; re-capture the model before retrying.
+    """
+    unknown = [n for n in names if n not in PASSES]
+    if unknown:
+        raise ValueError(f"unknown pass(es) {unknown}; known passes: {sorted(PASSES)}")
+    results: list[PassResult] = []
+    for name in names:
+        try:
+            results.append(PASSES[name](gm, spec))
+        except Exception as exc:
+            ran = [r.name for r in results]
+            err = PassFailure(
+                f"pass {name!r} failed: {type(exc).__name__}: {exc} (passes run before it: {ran or 'none'})"
+            )
+            err.pass_name = name
+            err.ran_before = ran
+            raise err from exc
+    return results
+
+
+__all__ = [
+    "DEFAULT_KEEP_LIST",
+    "PASSES",
+    "PIPELINE",
+    "PassFailure",
+    "PassResult",
+    "PassSpec",
+    "Skip",
+    "cast_precision",
+    "fold_conv_batchnorm",
+    "pad_linear_dims",
+    "run_pipeline",
+]

@@ -1,0 +1,118 @@
+"""Tests for passes.cast_precision: low-precision compute with an FP32 keep-list, typed in the graph."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zoo
+from passes import PassSpec, cast_precision
+
+_CAST = torch.ops.aten._to_copy.default
+LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _val_dtype(node):
+    return node.meta["val"].dtype
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("name", ["mlp", "simple_cnn", "conv_bn", "encoder_block", "bert"])
+def test_cast_precision_parity(name, precision):
+    model, gm, entry = zoo.build(name)
+    keys = list(gm.state_dict())
+
+    result = cast_precision(gm, PassSpec(precision=precision))
+
+    assert result.count > 0
+    assert list(gm.state_dict()) == keys
+    zoo.assert_matches_eager(model, gm, entry.example_inputs(5), precision)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_cast_precision_types_the_graph(precision):
+    _, gm, _ = zoo.build("encoder_block")
+    low = LOW[precision]
+
+    result = cast_precision(gm, PassSpec(precision=precision))
+
+    for node in gm.graph.nodes:
+        if node.target in (torch.ops.aten.linear.default, torch.ops.aten.matmul.default):
+            assert all(_val_dtype(a) == low for a in node.all_input_nodes), node.name
+            assert node.name in result.changed
+        if node.target in (torch.ops.aten.softmax.int, torch.ops.aten.layer_norm.default):
+            assert all(_val_dtype(a) == torch.float32 for a in node.all_input_nodes), node.name
+    assert gm.qkv.weight.dtype == low and gm.ff2.bias.dtype == low
+    assert gm.ln1.weight.dtype == torch.float32
+    reasons = {s.node: s.reason for s in result.skipped}
+    assert reasons["softmax"] == "keep-list: softmax stays FP32"
+    assert reasons["layer_norm"] == "keep-list: layer_norm stays FP32"
+
+
+def test_cast_precision_casts_are_minimal():
+    _, gm, _ = zoo.build("encoder_block")
+
+    cast_precision(gm, PassSpec(precision="fp16"))
+
+    casts = [n for n in gm.graph.nodes if n.target == _CAST]
+    assert casts
+    pairs = [(n.args[0], n.kwargs["dtype"]) for n in casts]
+    assert len(pairs) == len(set(pairs)), "one cast per (node, dtype)"
+    assert not any(n.args[0].target == _CAST for n in casts), "no cast of a cast"
+    # x feeds layer_norm (FP32) and the residual add (fp16): exactly one cast of x.
+    x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    assert [u.kwargs["dtype"] for u in x.users if u.target == _CAST] == [torch.float16]
+
+
+def test_cast_precision_output_dtypes_unchanged():
+    model, gm, entry = zoo.build("bert")
+    inputs = entry.example_inputs(2)
+
+    cast_precision(gm, PassSpec(precision="bf16"))
+
+    with torch.no_grad():
+        ref, got = zoo.flat_outputs(model(*inputs)), zoo.flat_outputs(gm(*inputs))
+    assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in ref]
+
+
+def test_cast_precision_never_casts_integers():
+    _, gm, _ = zoo.build("bert")
+
+    cast_precision(gm, PassSpec(precision="fp16"))
+
+    for node in gm.graph.nodes:
+        if node.target == _CAST:
+            assert node.args[0].meta["val"].dtype.is_floating_point, node.name
+    assert gm.embeddings.position_ids.dtype == torch.int64
+
+
+def test_cast_precision_idempotent():
+    model, gm, entry = zoo.build("encoder_block")
+    cast_precision(gm, PassSpec(precision="fp16"))
+    code = gm.code
+
+    again = cast_precision(gm, PassSpec(precision="fp16"))
+
+    assert again.count == 0 and again.notes["casts_inserted"] == 0
+    assert gm.code == code
+    zoo.assert_matches_eager(model, gm, entry.example_inputs(3), "fp16")
+
+
+def test_cast_precision_skips_fp32():
+    _, gm, _ = zoo.build("mlp")
+    code = gm.code
+
+    result = cast_precision(gm, PassSpec(precision="tf32"))
+
+    assert result.count == 0 and gm.code == code
+    assert [s.to_dict() for s in result.skipped] == [
+        {"node": "<graph>", "reason": "precision tf32: nothing to cast, compute stays FP32"}
+    ]
+
+
+def test_cast_precision_tied_weight_stored_once():
+    model, gm, entry = zoo.build("tied_lm")
+
+    cast_precision(gm, PassSpec(precision="bf16"))
+
+    assert gm.head.weight.dtype == torch.bfloat16
+    zoo.assert_matches_eager(model, gm, entry.example_inputs(2), "bf16")

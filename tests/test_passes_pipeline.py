@@ -1,0 +1,96 @@
+"""Tests for passes.run_pipeline: ordering, failure reporting, and a property test over random linear stacks."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import passes
+import zoo
+from passes import PIPELINE, PassFailure, PassSpec, run_pipeline
+
+ALIGNMENT = {"fp16": 8, "bf16": 8, "tf32": 4}
+
+
+def test_run_pipeline_runs_in_order():
+    model, gm, entry = zoo.build("conv_bn")
+
+    results = run_pipeline(gm, PassSpec(precision="fp16", alignment=ALIGNMENT))
+
+    assert [r.name for r in results] == list(PIPELINE)
+    assert results[0].count == 2 and results[2].count > 0
+    zoo.assert_matches_eager(model, gm, entry.example_inputs(5), "fp16")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "fp16", "bf16"])
+@pytest.mark.parametrize("name", ["simple_cnn", "encoder_block", "tied_lm_odd"])
+def test_run_pipeline_parity(name, precision):
+    model, gm, entry = zoo.build(name)
+    keys = list(gm.state_dict())
+
+    run_pipeline(gm, PassSpec(precision=precision, alignment=ALIGNMENT))
+
+    assert list(gm.state_dict()) == keys
+    zoo.assert_matches_eager(model, gm, entry.example_inputs(5), precision)
+    assert all(r.count == 0 for r in run_pipeline(gm, PassSpec(precision=precision, alignment=ALIGNMENT)))
+
+
+def test_run_pipeline_names_failing_pass(monkeypatch):
+    _, gm, _ = zoo.build("mlp")
+
+    def broken(gm, spec):
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(passes.PASSES, "cast_precision", broken)
+    with pytest.raises(PassFailure, match=r"'cast_precision' failed: RuntimeError: boom") as info:
+        run_pipeline(gm, PassSpec(precision="fp16", alignment=ALIGNMENT))
+
+    assert info.value.pass_name == "cast_precision"
+    assert info.value.ran_before == ["fold_conv_batchnorm", "pad_linear_dims"]
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_run_pipeline_rejects_unknown_pass():
+    _, gm, _ = zoo.build("mlp")
+
+    with pytest.raises(ValueError, match="unknown pass"):
+        run_pipeline(gm, PassSpec(), names=("fold_conv_batchnorm", "fuse_everything"))
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, sizes):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.relu(x)
+        return x
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sizes=st.lists(st.integers(min_value=1, max_value=70), min_size=2, max_size=4),
+    precision=st.sampled_from(["fp32", "tf32", "fp16", "bf16"]),
+    batch=st.integers(min_value=1, max_value=9),
+)
+def test_run_pipeline_property_linear_stacks(sizes, precision, batch):
+    torch.manual_seed(0)
+    model = _Stack(sizes).eval()
+    gm = zoo.capture(model, (torch.randn(3, sizes[0]),))
+    spec = PassSpec(precision=precision, alignment=ALIGNMENT)
+    align = spec.align()
+
+    results = {r.name: r for r in run_pipeline(gm, spec)}
+
+    for name, p in gm.named_parameters():
+        assert all(d % align == 0 for d in p.shape), (name, tuple(p.shape))
+        assert p.dtype == spec.dtype
+    assert results["pad_linear_dims"].count == sum(
+        1 for a, b in zip(sizes[:-1], sizes[1:]) if a % align or b % align
+    )
+    zoo.assert_matches_eager(model, gm, (torch.randn(batch, sizes[0]),), precision)
+    assert all(r.count == 0 for r in run_pipeline(gm, spec))
