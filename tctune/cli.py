@@ -6,6 +6,7 @@ unless ``--debug`` is given, and a non-zero exit status.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
@@ -103,7 +104,16 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--no-export", action="store_true", help="skip ONNX/TensorRT export")
     o.add_argument("--quiet", "-q", action="store_true", help="no progress bar or log lines; only the summary")
     o.add_argument("--debug", action="store_true", help="show tracebacks")
+    for modname in PLUGIN_COMMANDS:
+        mod = importlib.import_module(modname)
+        _PLUGINS[mod.register(sub)] = mod.run
     return p
+
+
+#: Modules that add a subcommand: each defines ``register(subparsers) -> name`` (adding its parser; heavy
+#: imports stay inside ``run``) and ``run(args) -> int`` (exit status). Errors are TctuneError subclasses.
+PLUGIN_COMMANDS: tuple[str, ...] = ()
+_PLUGINS: dict = {}
 
 
 def _cmd_detect(args) -> int:
@@ -165,9 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         logger.propagate = False
     logger.setLevel(logging.WARNING if quiet else logging.INFO)
     try:
-        return {"detect": _cmd_detect, "optimize": _cmd_optimize}[args.command](args)
+        handlers = {"detect": _cmd_detect, "optimize": _cmd_optimize, **_PLUGINS}
+        return handlers[args.command](args)
     except TctuneError as exc:
-        if args.debug:
+        if getattr(args, "debug", False):
             raise
         print(f"tctune: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, UsageError) else 1
