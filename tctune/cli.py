@@ -23,8 +23,8 @@ It must define:
 and may define score(model) -> float (your own accuracy metric, higher is better).
 
 What is searched: batch size x precision (those the hardware allows: fp32, tf32, fp16, bf16 on a GPU;
-fp32 and bf16 on the CPU) x graph passes on/off (off = the eager model, with torch.autocast for
-fp16/bf16). Every candidate is timed (CUDA events on a GPU, perf_counter on the CPU; warm-up, median of
+fp32 and bf16 on the CPU) x graph passes on/off (off = the model as written, with torch.autocast for
+fp16/bf16) x runtime (eager; cudagraphs and inductor on a GPU; compile time is reported). Every candidate is timed (CUDA events on a GPU, perf_counter on the CPU; warm-up, median of
 repeats) and compared with FP32 eager on the same fresh random inputs; a candidate whose relative L2
 error exceeds --max-error is never chosen. FP32 eager at every batch size is measured first (the
 baseline). The study is kept in OUT/study.db: running the same command again adds trials to it.
@@ -101,6 +101,11 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--target", metavar="NAME", help="plan for this GPU (sm_XX, h100, a100, ...): its alignment; measuring stays on this machine")
     o.add_argument("--storage", metavar="URL", help="Optuna storage URL to share a study (default: sqlite file OUT/study.db)")
     o.add_argument("--seed", type=int, default=0, help="sampler seed (default %(default)s)")
+    o.add_argument("--runtimes", metavar="LIST",
+                   help="execution backends to search: eager, cudagraphs, inductor, inductor-max-autotune "
+                        "(default: eager,cudagraphs,inductor on a GPU; eager on the CPU)")
+    o.add_argument("--compile-budget", type=float, default=300.0, metavar="SECONDS",
+                   help="an Inductor compile slower than this rejects its trial and stops further compiles (default %(default)g)")
     o.add_argument("--no-export", action="store_true", help="skip ONNX/TensorRT export")
     o.add_argument("--quiet", "-q", action="store_true", help="no progress bar or log lines; only the summary")
     o.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -112,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
 
 #: Modules that add a subcommand: each defines ``register(subparsers) -> name`` (adding its parser; heavy
 #: imports stay inside ``run``) and ``run(args) -> int`` (exit status). Errors are TctuneError subclasses.
-PLUGIN_COMMANDS: tuple[str, ...] = ()
+PLUGIN_COMMANDS: tuple[str, ...] = ("tctune.inspect", "tctune.engines_cli")
 _PLUGINS: dict = {}
 
 
@@ -135,7 +140,8 @@ def _summary(report: dict, out: Path) -> str:
     lines = []
     if b:
         p = b["params"]
-        lines.append(f"best: {p['precision']} {'graph passes' if p.get('graph_passes') else 'eager'} batch {p['batch_size']}: "
+        lines.append(f"best: {p['precision']}, {'tctune graph' if p.get('graph_passes') else 'model as written'}, "
+                     f"{p.get('runtime', 'eager')}, batch {p['batch_size']}: "
                      f"{b['throughput']:.4g} items/s, rel. error {b['max_rel_error']:.2e}")
         if base and b.get("speedup_vs_baseline"):
             lines.append(f"      {b['speedup_vs_baseline']:.2f}x FP32 eager at the same batch ({base['throughput']:.4g} items/s)")
@@ -154,7 +160,9 @@ def _cmd_optimize(args) -> int:
     out = Path(args.out) if args.out else Path("tctune_out") / Path(args.model_file).stem
     cfg = TuneConfig(out_dir=str(out), batch_sizes=parse_batch_sizes(args.batch_sizes), trials=args.trials,
                      timeout_s=args.timeout, max_error=args.max_error, target=args.target, storage=args.storage,
-                     seed=args.seed, export=not args.no_export, quiet=args.quiet)
+                     seed=args.seed, export=not args.no_export, quiet=args.quiet,
+                     runtimes=tuple(x.strip() for x in args.runtimes.split(",") if x.strip()) if args.runtimes else None,
+                     compile_budget_s=args.compile_budget)
     report = optimize(args.model_file, cfg)
     print(_summary(report, out))
     return 0

@@ -124,6 +124,7 @@ def optimize(model_path: str | Path, cfg: TuneConfig) -> dict:
     if bt is not None:
         artifacts, passes = export_best(tuner, dict(bt.params), out)
         best_cfg = {"model": mf.name, "model_path": str(mf.path), "hardware": hw.to_dict(), "params": dict(bt.params),
+                    "batch_sizes": sorted(cfg.batch_sizes),
                     "throughput": bt.user_attrs.get("throughput"), "max_rel_error": bt.user_attrs.get("max_rel_error"),
                     "passes": [p["name"] for p in passes], "study": study.study_name, "tctune_version": __version__}
         write_atomic(out / "best_config.json", json.dumps(best_cfg, indent=2) + "\n")

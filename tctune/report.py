@@ -17,7 +17,7 @@ import optuna
 from .search import best_trial, is_feasible
 
 TRIAL_FIELDS = ("throughput", "latency_ms", "peak_memory_mib", "max_rel_error", "max_abs_error", "nonfinite",
-                "description")
+                "description", "setup_s")
 
 
 def write_atomic(path: str | Path, text: str) -> None:
@@ -62,7 +62,8 @@ def baselines(trials: list[dict]) -> dict[int, dict]:
     out: dict[int, dict] = {}
     for r in trials:
         p = r["params"]
-        if r["state"] == "COMPLETE" and p.get("precision") == "fp32" and not p.get("graph_passes") and r["throughput"]:
+        if (r["state"] == "COMPLETE" and p.get("precision") == "fp32" and not p.get("graph_passes")
+                and p.get("runtime", "eager") == "eager" and r["throughput"]):
             bs = p["batch_size"]
             if bs not in out or r["throughput"] > out[bs]["throughput"]:
                 out[bs] = r
@@ -134,8 +135,9 @@ def render_markdown(r: dict) -> str:
     b, base = r["best"], r["baseline"]
     if b:
         p = b["params"]
-        kind = "tctune graph passes" if p.get("graph_passes") else "eager"
-        lines.append(f"Best: **{p['precision']}**, {kind}, batch {p['batch_size']}: {_fmt(b['throughput'])} items/s, "
+        kind = "tctune graph passes" if p.get("graph_passes") else "the model as written"
+        lines.append(f"Best: **{p['precision']}**, {kind}, runtime {p.get('runtime', 'eager')}, batch {p['batch_size']}: "
+                     f"{_fmt(b['throughput'])} items/s, "
                      f"{_fmt(b['latency_ms'])} ms per batch, relative error {_fmt(b['max_rel_error'], '.2e')}.")
         if base:
             lines.append("")
@@ -143,7 +145,7 @@ def render_markdown(r: dict) -> str:
                          f"**{_fmt(b['speedup_vs_baseline'], '.2f')}×** ({_fmt(base['throughput'])} items/s).")
         if b.get("speedup_vs_best_baseline") is not None:
             lines.append(f"- Against the fastest FP32 eager baseline at any searched batch size: {_fmt(b['speedup_vs_best_baseline'], '.2f')}×.")
-        if p["precision"] == "fp32" and not p.get("graph_passes"):
+        if p["precision"] == "fp32" and not p.get("graph_passes") and p.get("runtime", "eager") == "eager":
             lines.append("- Nothing beat plain FP32 eager here: **keep FP32**.")
     else:
         lines.append("No trial met the accuracy limit; see the trials table for the reasons.")
@@ -157,13 +159,13 @@ def render_markdown(r: dict) -> str:
     else:
         lines.append("No graph passes ran for the best configuration.")
     lines += ["", "## Trials", "",
-              "| # | state | precision | graph passes | batch | items/s | ms/batch | peak MiB | rel. error | note |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "| # | state | precision | graph passes | runtime | batch | items/s | ms/batch | peak MiB | rel. error | setup s | note |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in r["trials"]:
         p = t["params"]
         lines.append(f"| {t['number']} | {t['state'].lower()} | {p.get('precision', '–')} | {'yes' if p.get('graph_passes') else 'no'} | "
-                     f"{p.get('batch_size', '–')} | {_fmt(t['throughput'])} | {_fmt(t['latency_ms'])} | {_fmt(t['peak_memory_mib'], '.0f')} | "
-                     f"{_fmt(t['max_rel_error'], '.2e')} | {t['fail_reason'] or ''} |")
+                     f"{p.get('runtime', 'eager')} | {p.get('batch_size', '–')} | {_fmt(t['throughput'])} | {_fmt(t['latency_ms'])} | "
+                     f"{_fmt(t['peak_memory_mib'], '.0f')} | {_fmt(t['max_rel_error'], '.2e')} | {_fmt(t['setup_s'], '.1f')} | {t['fail_reason'] or ''} |")
     a = r["artifacts"]
     lines += ["", "## Artifacts", ""]
     if a.get("onnx"):

@@ -30,11 +30,15 @@ from .hardware import HardwareSpec
 from .measure import (ErrorStats, check_accuracy, compare, is_oom, precision_mode, release_memory,
                       time_call)
 from .modelfile import ModelFile
+from .runtime import RUNTIMES_CPU, RUNTIMES_GPU, Autocast, detach_outputs, wrap
 
 log = logging.getLogger("tctune")
 
 #: Seed for the fresh random inputs of each batch size (all candidates at one batch see the same inputs).
 INPUT_SEED = 1234
+
+#: Search spaces with at most this many combinations are enumerated (no candidate measured twice).
+BRUTE_FORCE_MAX = 96
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,9 @@ class TuneConfig:
         out_dir: output folder.
         export: build ONNX (and TensorRT where importable) for the best configuration.
         quiet: no progress bar.
+        runtimes: execution backends to search (``eager``, ``cudagraphs``, ``inductor``,
+            ``inductor-max-autotune``); None: all but max-autotune on a GPU, ``eager`` on the CPU.
+        compile_budget_s: an Inductor compile slower than this rejects its trial and stops further compiles.
     """
 
     out_dir: str
@@ -64,8 +71,17 @@ class TuneConfig:
     seed: int = 0
     export: bool = True
     quiet: bool = False
+    runtimes: tuple[str, ...] | None = None
+    compile_budget_s: float = 300.0
 
     def __post_init__(self) -> None:
+        from .runtime import ALL_RUNTIMES
+        if self.runtimes is not None:
+            bad = [r for r in self.runtimes if r not in ALL_RUNTIMES]
+            if bad or not self.runtimes:
+                raise UsageError(f"--runtimes: unknown {', '.join(bad) or '(empty)'}; choose from {', '.join(ALL_RUNTIMES)}")
+        if self.compile_budget_s <= 0:
+            raise UsageError(f"--compile-budget must be a positive number of seconds, got {self.compile_budget_s}")
         if not self.batch_sizes or any((not isinstance(b, int)) or b < 1 for b in self.batch_sizes):
             raise UsageError(f"--batch-sizes must be positive integers, got {self.batch_sizes!r}")
         if self.trials < 1:
@@ -110,18 +126,6 @@ def apply_passes(gm: torch.fx.GraphModule, hw: HardwareSpec, precision: str) -> 
     return g, results
 
 
-class _Autocast(torch.nn.Module):
-    """Plain AMP: the user's eager model under ``torch.autocast`` (the baseline users try by hand)."""
-
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, device_type: str):
-        super().__init__()
-        self.model, self.dtype, self.device_type = model, dtype, device_type
-
-    def forward(self, *args):
-        with torch.autocast(self.device_type, dtype=self.dtype):
-            return self.model(*args)
-
-
 class Tuner:
     """Runs the study for one model file on one hardware spec.
 
@@ -142,6 +146,11 @@ class Tuner:
             self.captured = try_capture(self.model, cap_inputs)
         self._refs: dict[int, tuple[tuple, Any]] = {}
         self.out_dir = Path(cfg.out_dir)
+        default = RUNTIMES_GPU if self.device.type == "cuda" else RUNTIMES_CPU
+        self.runtimes = tuple(cfg.runtimes or default)
+        if self.device.type != "cuda" and "cudagraphs" in self.runtimes:
+            raise UsageError("--runtimes cudagraphs needs a CUDA GPU; this machine measures on the CPU")
+        self.compile_over_budget: str | None = None
 
     # -- search space ---------------------------------------------------------------------------------
     @property
@@ -150,7 +159,7 @@ class Tuner:
 
     def space(self) -> dict:
         return {"batch_size": list(self.cfg.batch_sizes), "precision": list(self.precisions),
-                "graph_passes": self.pass_choices}
+                "graph_passes": self.pass_choices, "runtime": list(self.runtimes)}
 
     def study_name(self) -> str:
         key = json.dumps(self.space(), sort_keys=True)
@@ -179,15 +188,18 @@ class Tuner:
         return self._refs[batch_size]
 
     def build(self, params: dict) -> Candidate:
-        """The runnable candidate for trial ``params`` (``batch_size``, ``precision``, ``graph_passes``)."""
+        """The candidate for trial ``params`` before its runtime wrapper (``batch_size``, ``precision``,
+        ``graph_passes``; ``runtime`` is applied by :meth:`evaluate`)."""
         precision = params["precision"]
+        runtime = params.get("runtime", "eager")
         if params["graph_passes"]:
             g, results = apply_passes(self.captured.graph_module, self.hw, precision)
-            return Candidate(g.to(self.device), precision, results, f"tctune graph, {precision}")
+            return Candidate(g.to(self.device), precision, results, f"tctune graph {precision}, {runtime}")
         if precision in ("fp16", "bf16"):
             dtype = torch.float16 if precision == "fp16" else torch.bfloat16
-            return Candidate(_Autocast(self.model, dtype, self.device.type), precision, [], f"eager autocast {precision}")
-        return Candidate(self.model, precision, [], f"eager {precision}")
+            return Candidate(Autocast(self.model, dtype, self.device.type), precision, [],
+                             f"model autocast {precision}, {runtime}")
+        return Candidate(self.model, precision, [], f"model {precision}, {runtime}")
 
     def evaluate(self, params: dict) -> dict:
         """Build, check and time one candidate; returns the trial's metrics.
@@ -196,22 +208,32 @@ class Tuner:
             CandidateRejected: out of memory, NaN/inf outputs, or a broken rewrite.
         """
         bs = params["batch_size"]
+        runtime = params.get("runtime", "eager")
         inputs, ref = self.reference(bs)
         cand = self.build(params)
+        setup_s = 0.0
         try:
-            with precision_mode(cand.precision), torch.inference_mode():
-                out = cand.module(*inputs)
+            with precision_mode(cand.precision):
+                fn, setup_s = wrap(cand.module, runtime, inputs)
+                if runtime.startswith("inductor") and setup_s > self.cfg.compile_budget_s:
+                    self.compile_over_budget = f"trial compile took {setup_s:.0f} s"
+                    raise CandidateRejected(f"compile took {setup_s:.0f} s > --compile-budget {self.cfg.compile_budget_s:g} s")
+                with torch.inference_mode():
+                    out = detach_outputs(fn(*inputs))
             err: ErrorStats = compare(out, ref)
             check_accuracy(err, cand.precision, out)
             del out
             with precision_mode(cand.precision):
-                timing = time_call(lambda: cand.module(*inputs), bs, self.device,
+                timing = time_call(lambda: fn(*inputs), bs, self.device,
                                    target_repeat_s=0.1 if self.device.type == "cuda" else 0.15)
-        except Exception as exc:
-            if is_oom(exc):
-                release_memory(self.device)
-                raise CandidateRejected(f"out of memory at batch size {bs}") from exc
+        except CandidateRejected:
             raise
+        except Exception as exc:
+            release_memory(self.device)
+            if is_oom(exc):
+                raise CandidateRejected(f"out of memory at batch size {bs}") from exc
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            raise CandidateRejected(f"{runtime} run failed: {type(exc).__name__}: {first}") from exc
         finally:
             del cand.module
         return {
@@ -224,31 +246,92 @@ class Tuner:
             "repeats_ms": timing.repeats_ms,
             "passes": [{"name": r.name, "changed": r.count} for r in cand.passes],
             "description": cand.description,
+            "setup_s": setup_s,
         }
 
     # -- study ------------------------------------------------------------------------------------------
+    def space_size(self) -> int:
+        n = 1
+        for choices in self.space().values():
+            n *= len(choices)
+        return n
+
+    def make_sampler(self) -> optuna.samplers.BaseSampler:
+        """Small spaces are enumerated without repeats (Optuna's BruteForceSampler, random order); larger
+        ones use TPE, where accuracy is a constraint (``Trial.set_constraint``) it learns from."""
+        if self.space_size() <= BRUTE_FORCE_MAX:
+            return optuna.samplers.BruteForceSampler(seed=self.cfg.seed)
+        return optuna.samplers.TPESampler(seed=self.cfg.seed, n_startup_trials=8)
+
     def create_study(self) -> optuna.Study:
-        # Accuracy is a constraint (Trial.set_constraint): TPE learns from infeasible trials without choosing them.
-        sampler = optuna.samplers.TPESampler(seed=self.cfg.seed, n_startup_trials=4)
-        study = optuna.create_study(study_name=self.study_name(), storage=self.storage_url(),
-                                    direction="maximize", sampler=sampler, load_if_exists=True)
+        sampler = self.make_sampler()
+        url = self.storage_url()
+        try:
+            if url.startswith(("sqlite:", "postgresql", "mysql")):
+                # A heartbeat lets any worker fail the trials of a worker that was killed (shared studies).
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                    storage = optuna.storages.RDBStorage(url, heartbeat_interval=30, grace_period=120)
+            else:
+                storage = url
+            study = optuna.create_study(study_name=self.study_name(), storage=storage,
+                                        direction="maximize", sampler=sampler, load_if_exists=True)
+        except Exception as exc:
+            raise UsageError(
+                f"cannot open the study storage {url}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}\n"
+                f"  fix: check --storage (an Optuna storage URL such as sqlite:///study.db or "
+                f"postgresql://user@host/db) and that the server is reachable") from exc
+        if self.cfg.storage is None:
+            # The default SQLite study has one worker: a trial still RUNNING was cut off by a killed process.
+            self.fail_interrupted(study, storage)
         if not study.trials:
             for bs in self.cfg.batch_sizes:  # FP32 eager baselines, one per batch size
-                study.enqueue_trial({"batch_size": bs, "precision": "fp32", "graph_passes": False})
+                study.enqueue_trial({"batch_size": bs, "precision": "fp32", "graph_passes": False, "runtime": "eager"})
             if self.captured.ok:  # then tctune's graph at each low precision, largest batch
                 for p in self.precisions:
                     if p != "fp32":
                         study.enqueue_trial({"batch_size": max(self.cfg.batch_sizes), "precision": p,
-                                             "graph_passes": True})
+                                             "graph_passes": True, "runtime": "eager"})
         return study
+
+    def skip_reason(self, study: optuna.Study, params: dict) -> str | None:
+        """Why ``params`` need not be measured: already measured, a smaller batch with the same settings
+        ran out of memory, or compiles are over budget. None when it should be measured."""
+        same_settings = {k: v for k, v in params.items() if k != "batch_size"}
+        done = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
+        for prev in study.get_trials(deepcopy=False, states=done):
+            if prev.params == params:
+                what = "measured" if prev.state == optuna.trial.TrialState.COMPLETE else "failed"
+                return f"duplicate of trial {prev.number} ({what}; not run again)"
+            reason = prev.user_attrs.get("fail_reason") or ""
+            if ("out of memory" in reason and {k: v for k, v in prev.params.items() if k != "batch_size"} == same_settings
+                    and prev.params.get("batch_size", 0) <= params["batch_size"]):
+                return f"batch {prev.params['batch_size']} already ran out of memory with these settings (trial {prev.number})"
+        if params.get("runtime", "").startswith("inductor") and self.compile_over_budget:
+            return f"compiles are over --compile-budget ({self.compile_over_budget})"
+        return None
+
+    @staticmethod
+    def fail_interrupted(study: optuna.Study, storage) -> int:
+        """Mark the study's RUNNING trials FAIL with the reason "interrupted"; returns how many."""
+        running = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+        if not running:
+            return 0
+        sid = storage.get_study_id_from_name(study.study_name)
+        for t in running:
+            tid = storage.get_trial_id_from_study_id_trial_number(sid, t.number)
+            storage.set_trial_user_attr(tid, "fail_reason", "interrupted: the process ended during this trial")
+            storage.set_trial_state_values(tid, optuna.trial.TrialState.FAIL)
+        log.warning("marked %d interrupted trial(s) as failed; finished trials are kept", len(running))
+        return len(running)
 
     def objective(self, trial: optuna.Trial) -> float:
         space = self.space()
         params = {k: trial.suggest_categorical(k, v) for k, v in space.items()}
-        for prev in trial.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
-            if prev.params == params:
-                trial.set_user_attr("fail_reason", f"duplicate of trial {prev.number} (not measured again)")
-                raise optuna.TrialPruned()
+        skip = self.skip_reason(trial.study, params)
+        if skip:
+            trial.set_user_attr("fail_reason", skip)
+            raise optuna.TrialPruned(skip)
         try:
             metrics = self.evaluate(params)
         except CandidateRejected as exc:
@@ -289,6 +372,11 @@ class Tuner:
                 f"{state}; best {best.user_attrs['throughput']:.4g}/s" if best else f"#{tr.number} {state}")
             bar.update(1)
 
+        measured = {json.dumps(t.params, sort_keys=True) for t in study.get_trials(deepcopy=False)
+                    if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)}
+        if len(measured) >= self.space_size():
+            log.info("all %d candidates of this search space are already measured; nothing to add "
+                     "(widen --batch-sizes or --runtimes to search more)", self.space_size())
         try:
             study.optimize(self.objective, n_trials=self.cfg.trials, timeout=self.cfg.timeout_s,
                            catch=(CandidateRejected,), callbacks=[callback])

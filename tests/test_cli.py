@@ -44,7 +44,7 @@ def test_report_json_has_the_documented_fields(seed_run):
     for t in r["trials"]:
         assert {"number", "state", "params", "throughput", "latency_ms", "peak_memory_mib", "max_rel_error", "fail_reason"} <= set(t)
         assert {"batch_size", "precision"} <= set(t["params"])
-    assert r["trials"][0]["params"] == {"batch_size": 8, "precision": "fp32", "graph_passes": False}
+    assert r["trials"][0]["params"] == {"batch_size": 8, "precision": "fp32", "graph_passes": False, "runtime": "eager"}
     best = r["best"]
     assert best["throughput"] > 0 and best["speedup_vs_baseline"] > 0
     assert best["max_rel_error"] <= 1e-2

@@ -313,6 +313,34 @@ def _validate_batch(module: torch.nn.Module, make_inputs: Callable, batch: int, 
     return entry
 
 
+def validate_onnx(
+    module: torch.nn.Module,
+    make_inputs: Callable[[int], Sequence[torch.Tensor] | torch.Tensor],
+    path: str | os.PathLike,
+    batch_sizes: Sequence[int],
+) -> list[dict[str, Any]]:
+    """Validate an existing ONNX file against ``module`` at more batch sizes (as :func:`export_onnx` does).
+
+    Args:
+        module: the module the file was exported from.
+        make_inputs: ``make_inputs(batch_size)`` returns fresh random inputs, batch on dim 0.
+        path: the ``.onnx`` file.
+        batch_sizes: any number of positive ints.
+
+    Returns:
+        One ``{batch_size, max_abs_error, rel_l2_error}`` per batch size, plus ``error`` where it failed;
+        a single ``{batch_size: None, ..., error}`` entry when onnxruntime cannot load the file.
+    """
+    path = Path(path)
+    device = _module_device(module)
+    count = len(_as_tuple(make_inputs(max(1, int(batch_sizes[0]) if batch_sizes else 1))))
+    session, reason = _ort_session(path)
+    if session is None:
+        return [{"batch_size": None, "max_abs_error": None, "rel_l2_error": None, "error": reason}]
+    names = _input_names(module, count)
+    return [_validate_batch(module, make_inputs, int(b), device, names, session) for b in batch_sizes]
+
+
 # ------------------------------------------------------------------------------------------- helpers
 
 

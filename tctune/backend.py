@@ -1,0 +1,364 @@
+"""``torch.compile(model, backend="tctune")``: tctune's graph passes in front of Inductor.
+
+Route (torch 2.11-2.13). Dynamo hands a backend a graph of *torch-level* calls (``torch._C._nn.linear``,
+``F.batch_norm``) whose parameters and buffers are lifted to graph inputs (``inline_inbuilt_nn_modules``, the
+default since torch 2.5), plus one ``SymInt`` input per dynamic size. tctune's passes match the ATen ops that
+``torch.export`` keeps whole (``aten.linear``, ``aten.conv2d``, ``aten.batch_norm``) and read weights from
+``get_attr`` nodes. ``aot_autograd``'s forward graph is no use to them: ``aten.linear`` is already decomposed
+into ``aten.t`` + ``aten.addmm`` there. So each Dynamo subgraph is **re-exported** with
+``torch.export.export(strict=False)``, which gives exactly the IR the passes are written and tested for:
+
+1. Every Dynamo input is classified: *runtime* tensors (the user's inputs), *weights* (tensors whose Dynamo
+   source is a module parameter or buffer) and *sizes* (``SymInt`` inputs, recomputed from a runtime tensor's
+   shape). Sizes that are symbolic in Dynamo's fake tensors are exported as ``Dim.DYNAMIC`` so the exported
+   graph is as general as Dynamo's guards (``dynamic=True`` or automatic dynamic after a second batch size).
+2. Inference (grad disabled, or no input requires grad): weights are **frozen** into the exported module as
+   buffers (detached, sharing storage with the model), so they become ``get_attr`` nodes. The passes then
+   fold BN, pad and cast them *once*, at compile time; each call passes the stored tensors to the compiled
+   code. Training: weights stay graph inputs (gradients reach the user's parameters), BN folding is skipped
+   (``PassSpec.training``) and the precision pass casts them per call, FP32 master weights kept.
+3. The rewritten ``GraphModule`` goes to Inductor's ``compile_fx``, which runs AOT autograd (backward
+   included in training) and code generation.
+
+Any exception in tctune's part (export, passes) is logged as a warning on the ``tctune`` logger with its
+reason, and that subgraph is compiled by plain Inductor instead: tctune never breaks the user's compile.
+
+Frozen weights are a snapshot: after changing a model's weights in inference, call ``torch._dynamo.reset()``
+(or compile again) so the padded / cast copies are rebuilt.
+
+Options. ``torch.compile(m, backend="tctune", options={"precision": "bf16"})`` works: for a backend given by
+name, torch 2.11-2.13 call it as ``backend(gm, example_inputs, options=options)`` (and ``mode=`` when a
+non-default mode is given; tctune ignores ``mode``). The callable form ``backend(precision="bf16")`` does
+the same without strings.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx
+
+from passes import PIPELINE, PassResult, run_pipeline
+
+logger = logging.getLogger("tctune.backend")
+
+__all__ = ["backend", "tctune_backend", "BackendConfig", "SubgraphReport", "last_results", "reports", "reset"]
+
+#: The pass results of the most recent subgraph tctune compiled (``[]`` after a fallback).
+last_results: list[PassResult] = []
+#: One report per subgraph compiled since the last :func:`reset` (most recent last, at most 256 kept).
+reports: list["SubgraphReport"] = []
+_MAX_REPORTS = 256
+
+_OPTION_KEYS = ("precision", "pad", "target", "passes")
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """What the backend does to each subgraph.
+
+    Attributes:
+        precision: ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"``, or None for the hardware default (CPU:
+            ``"fp32"``; a GPU: ``"bf16"`` where its Tensor Cores take bf16, else ``"fp16"``).
+        pad: run ``pad_linear_dims`` (Tensor Core alignment of linear N and K).
+        target: ``--target``-style name (``"h100"``, ``"sm_90"``) to plan for; None: the inputs' device.
+        passes: pass names in order (default :data:`passes.PIPELINE`); ``pad=False`` removes the padding pass.
+    """
+
+    precision: str | None = None
+    pad: bool = True
+    target: str | None = None
+    passes: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.precision is not None and self.precision not in ("fp32", "tf32", "fp16", "bf16"):
+            raise ValueError(f"precision must be fp32, tf32, fp16, bf16 or None, got {self.precision!r}")
+        if self.passes is not None:
+            object.__setattr__(self, "passes", tuple(self.passes))
+
+    def pass_names(self) -> tuple[str, ...]:
+        names = self.passes if self.passes is not None else PIPELINE
+        return tuple(n for n in names if self.pad or n != "pad_linear_dims")
+
+
+@dataclass
+class SubgraphReport:
+    """What happened to one Dynamo subgraph.
+
+    Attributes:
+        precision: the compute precision used.
+        training: True when weights stayed graph inputs (autograd needed).
+        results: the pass results (empty after a fallback).
+        fallback: the reason plain Inductor compiled this subgraph, or ``""``.
+        frozen: names of the weights stored in the compiled graph (inference only).
+    """
+
+    precision: str
+    training: bool
+    results: list[PassResult] = field(default_factory=list)
+    fallback: str = ""
+    frozen: list[str] = field(default_factory=list)
+
+    def count(self, pass_name: str) -> int:
+        """Rewrites made by ``pass_name`` in this subgraph (0 when it did not run)."""
+        return sum(r.count for r in self.results if r.name == pass_name)
+
+
+def reset() -> None:
+    """Forget the recorded reports (``last_results`` and ``reports``)."""
+    last_results.clear()
+    reports.clear()
+
+
+def backend(
+    precision: str | None = None,
+    pad: bool = True,
+    target: str | None = None,
+    passes: Sequence[str] | None = None,
+) -> Callable[[fx.GraphModule, list], Callable]:
+    """A ``torch.compile`` backend with these settings: ``torch.compile(m, backend=backend(precision="bf16"))``.
+
+    Args:
+        precision: compute precision (``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"``); None: hardware default.
+        pad: pad linear layers' N and K to the Tensor Core alignment (elements per dtype from the hardware).
+        target: plan for this GPU (``"h100"``, ``"sm_90"``); None: the GPU the inputs are on, or the CPU.
+        passes: pass names in order (default: fold BN, pad, cast).
+
+    Returns:
+        ``compiler(gm, example_inputs) -> callable``, the signature Dynamo expects of a backend.
+
+    Raises:
+        ValueError: unknown precision or pass name (raised here, before any compile).
+    """
+    from passes import PASSES
+
+    cfg = BackendConfig(precision=precision, pad=pad, target=target, passes=passes)
+    unknown = [n for n in cfg.pass_names() if n not in PASSES]
+    if unknown:
+        raise ValueError(f"unknown pass(es) {unknown}; known passes: {sorted(PASSES)}")
+
+    def tctune(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
+        return _compile(gm, example_inputs, cfg)
+
+    return tctune
+
+
+def tctune_backend(gm: fx.GraphModule, example_inputs: list, **options: Any) -> Callable:
+    """The registered backend (entry point ``torch_dynamo_backends: tctune``).
+
+    Accepts the settings of :func:`backend` either inside ``options={...}`` (what ``torch.compile(...,
+    options=...)`` passes to a named backend) or as keyword arguments. ``mode`` is accepted and ignored.
+
+    Raises:
+        ValueError: an unknown option key or value (a user error, so it is not swallowed).
+    """
+    opts = dict(options.pop("options", None) or {})
+    options.pop("mode", None)
+    opts.update(options)
+    unknown = sorted(set(opts) - set(_OPTION_KEYS))
+    if unknown:
+        raise ValueError(f"unknown tctune backend option(s) {unknown}; known: {list(_OPTION_KEYS)}")
+    return backend(**opts)(gm, example_inputs)
+
+
+# ------------------------------------------------------------------------------------------------ internals
+
+
+@functools.lru_cache(maxsize=8)
+def _hardware(target: str | None, on_gpu: bool):
+    from tctune import hardware
+
+    if target is None and not on_gpu:
+        return hardware._cpu_spec()
+    return hardware.resolve(target)
+
+
+def _default_precision(hw) -> str:
+    if not hw.is_gpu:
+        return "fp32"
+    return "bf16" if "bf16" in hw.tensor_core_precisions else "fp16"
+
+
+def _compile(gm: fx.GraphModule, example_inputs: list, cfg: BackendConfig) -> Callable:
+    from torch._inductor.compile_fx import compile_fx
+
+    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    report = SubgraphReport(precision=cfg.precision or "?", training=training)
+    try:
+        on_gpu = any(t.is_cuda for t in tensors)
+        hw = _hardware(cfg.target, on_gpu)
+        report.precision = cfg.precision or _default_precision(hw)
+        if training:
+            logger.info("training graph (grad enabled, inputs require grad): eval-only passes skipped, "
+                        "weights stay graph inputs")
+        compiled = _compile_with_passes(gm, example_inputs, hw.pass_spec(report.precision, training), cfg, report)
+    except Exception as exc:  # noqa: BLE001 - never break the user's compile
+        reason = f"{type(exc).__name__}: {exc}"
+        report.fallback = reason
+        report.results = []
+        logger.warning("tctune backend: falling back to plain Inductor for this subgraph (%s)", reason)
+        compiled = compile_fx(gm, example_inputs)
+    _record(report)
+    return compiled
+
+
+def _record(report: SubgraphReport) -> None:
+    last_results[:] = report.results
+    reports.append(report)
+    del reports[:-_MAX_REPORTS]
+
+
+@dataclass
+class _Inputs:
+    """Dynamo's inputs, sorted: runtime tensors, frozen weights, and sizes recomputed from runtime shapes."""
+
+    runtime: list[int]
+    weights: dict[int, str]
+    sizes: dict[int, tuple[int, int]]  # input index -> (runtime input index, dim)
+
+
+def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _is_weight(node: fx.Node, value: Any) -> bool:
+    """Whether Dynamo lifted this input from a module parameter or buffer."""
+    if isinstance(value, torch.nn.Parameter):
+        return True
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    if source is None:
+        return False
+    try:
+        from torch._dynamo.source import is_from_unspecialized_param_buffer_source
+
+        if is_from_unspecialized_param_buffer_source(source):
+            return True
+    except ImportError:  # pragma: no cover - older torch
+        pass
+    name = source.name() if callable(getattr(source, "name", None)) else str(getattr(source, "name", ""))
+    return "_parameters" in name or "_buffers" in name
+
+
+def _classify(gm: fx.GraphModule, example_inputs: list, freeze: bool) -> _Inputs:
+    nodes = _placeholders(gm)
+    if len(nodes) != len(example_inputs):
+        raise RuntimeError(f"{len(nodes)} placeholders but {len(example_inputs)} example inputs")
+    out = _Inputs(runtime=[], weights={}, sizes={})
+    symbolic: list[tuple[int, torch.SymInt]] = []
+    for i, (node, value) in enumerate(zip(nodes, example_inputs)):
+        if isinstance(value, torch.Tensor):
+            if freeze and _is_weight(node, value):
+                out.weights[i] = f"w{i}_{node.name}"
+            else:
+                out.runtime.append(i)
+        elif isinstance(value, (int, torch.SymInt)):
+            symbolic.append((i, node.meta.get("example_value", value)))
+        else:
+            raise RuntimeError(f"unsupported graph input {node.name}: {type(value).__name__}")
+    for i, sym in symbolic:
+        out.sizes[i] = _find_size(sym, nodes, out.runtime)
+    return out
+
+
+def _find_size(sym: Any, nodes: list[fx.Node], runtime: list[int]) -> tuple[int, int]:
+    """Which runtime tensor dimension carries the size ``sym`` (a SymInt graph input)."""
+    expr = getattr(getattr(sym, "node", None), "expr", None)
+    for j in runtime:
+        fake = nodes[j].meta.get("example_value")
+        for d, size in enumerate(getattr(fake, "shape", ())):
+            if isinstance(size, torch.SymInt) and expr is not None and size.node.expr == expr:
+                return j, d
+    raise RuntimeError(f"size input {sym} is not a dimension of any runtime tensor input")
+
+
+class _Frozen(torch.nn.Module):
+    """Dynamo's graph called with weights stored as buffers and sizes read from the runtime tensors."""
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: list, inputs: _Inputs) -> None:
+        super().__init__()
+        self.gm = gm
+        self.n = len(example_inputs)
+        self.inputs = inputs
+        for i, name in inputs.weights.items():
+            self.register_buffer(name, example_inputs[i].detach())
+
+    def forward(self, *runtime: torch.Tensor):
+        args: list[Any] = [None] * self.n
+        for pos, i in enumerate(self.inputs.runtime):
+            args[i] = runtime[pos]
+        for i, name in self.inputs.weights.items():
+            args[i] = getattr(self, name)
+        for i, (j, d) in self.inputs.sizes.items():
+            args[i] = args[j].shape[d]
+        return self.gm(*args)
+
+
+def _dynamic_shapes(nodes: list[fx.Node], runtime: list[int]) -> tuple | None:
+    """``Dim.DYNAMIC`` for every dimension Dynamo made symbolic; None when everything is static."""
+    specs = []
+    for i in runtime:
+        fake = nodes[i].meta.get("example_value")
+        dims = {d: torch.export.Dim.DYNAMIC for d, s in enumerate(getattr(fake, "shape", ())) if isinstance(s, torch.SymInt)}
+        specs.append(dims or None)
+    return tuple(specs) if any(specs) else None
+
+
+def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: SubgraphReport) -> Callable:
+    from torch._inductor.compile_fx import compile_fx
+
+    inputs = _classify(gm, example_inputs, freeze=not spec.training)
+    nodes = _placeholders(gm)
+    wrapper = _Frozen(gm, example_inputs, inputs)
+    runtime_args = tuple(example_inputs[i] for i in inputs.runtime)
+    dims = _dynamic_shapes(nodes, inputs.runtime)
+    # forward(*runtime): export sees one varargs tuple, so the specs are nested one level.
+    # Export outside Dynamo's tracing context: its guards and symbols must not leak into Dynamo's.
+    with torch._guards.tracing(None):
+        ep = torch.export.export(
+            wrapper, runtime_args, dynamic_shapes=None if dims is None else (dims,), strict=False
+        )
+    sig = ep.graph_signature
+    mutated = dict(getattr(sig, "buffers_to_mutate", {}) or {})
+    if mutated:
+        # A module in train mode updating BN statistics: freezing would update a copy. Keep them inputs.
+        raise RuntimeError(f"the graph mutates module buffers {sorted(mutated.values())}; not frozen")
+    if getattr(sig, "user_inputs_to_mutate", None):
+        raise RuntimeError("the graph mutates its inputs in place; tctune does not rewrite such graphs")
+    exported = ep.module()
+    _strip_export_checks(exported)
+    report.frozen = sorted(inputs.weights.values())
+    report.results = run_pipeline(exported, spec, cfg.pass_names())
+    for r in report.results:
+        logger.debug("tctune pass %s: %d rewrites, %d skipped", r.name, r.count, len(r.skipped))
+    compiled = compile_fx(exported, list(runtime_args))
+    runtime = inputs.runtime
+
+    def run(*args: Any):
+        return compiled(*[args[i] for i in runtime])
+
+    run._tctune_report = report  # type: ignore[attr-defined]
+    return run
+
+
+def _strip_export_checks(gm: fx.GraphModule) -> None:
+    """Drop ``ep.module()``'s input checks: forward hooks and the ``_guards_fn`` call.
+
+    Dynamo's own guards already decide which calls reach this graph, and these checks are closures that
+    Inductor's FX graph cache cannot pickle (it would log a warning and skip the cache on every compile).
+    """
+    gm._forward_pre_hooks.clear()
+    gm._forward_hooks.clear()
+    gm._forward_hooks_always_called.clear()
+    removed = False
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and str(node.target).startswith("_guards_fn") and not node.users:
+            gm.graph.erase_node(node)
+            removed = True
+    if removed:
+        for name in [n for n, _ in gm.named_children() if n.startswith("_guards_fn")]:
+            delattr(gm, name)
+        gm.recompile()

@@ -1,0 +1,402 @@
+"""``tctune export`` and ``tctune bench``: deployable engines from a tuned configuration, and their timing.
+
+``tctune export MODEL_FILE --config best_config.json`` rebuilds the tuned graph (capture with a dynamic
+batch, then the graph passes at the config's precision for the config's hardware) and writes, per format:
+
+- ONNX ``model.onnx``, validated by onnxruntime at batch 1, the tuned batch and the largest searched batch;
+  a batch axis that froze to a constant fails the command;
+- TensorRT ``model.engine`` (strongly typed, one profile min/opt/max = 1 / tuned / largest) where the
+  ``tensorrt`` package is importable; otherwise the reason is printed;
+- AOTInductor ``model.pt2`` (dynamic batch), compared with PyTorch at two batch sizes;
+
+each with ``<artifact>.manifest.json`` (inputs, shapes, dtypes, integer ranges, cache key) and a standalone
+``runner.py``. An artifact whose manifest carries the same cache key is reused, not rebuilt.
+
+``tctune bench ARTIFACT`` times any of them with the same code the generated runner uses.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .errors import ExportError, TctuneError, UsageError
+
+log = logging.getLogger("tctune")
+
+FORMATS = ("onnx", "tensorrt", "aoti")
+ARTIFACT_NAMES = {"onnx": "model.onnx", "tensorrt": "model.engine", "aoti": "model.pt2"}
+
+EPILOG_EXPORT = """\
+The model file is executed as `python model.py` would execute it: only export files you trust.
+CONFIG is the best_config.json that `tctune optimize` wrote; its params (batch_size, precision,
+graph_passes), batch_sizes and hardware decide the graph passes and the batch sizes validated.
+
+Outputs in OUT (default: the config's folder): model.onnx, model.engine (TensorRT installed only),
+model.pt2, a <artifact>.manifest.json beside each, and runner.py (standalone: `python runner.py
+model.onnx --batch 8` needs only onnxruntime and numpy). An artifact whose manifest has the same cache
+key (graph + weights, precision, shapes, compute capability, torch/onnx/TensorRT versions) is reused.
+
+examples:
+  tctune export recipes/seed_cnn.py --config tctune_out/seed_cnn/best_config.json
+  tctune export model.py --config best_config.json --format onnx --out engines/
+"""
+
+
+# ------------------------------------------------------------------------------------------------ argparse
+
+
+def register(subparsers) -> str:
+    """Add ``export`` and ``bench``; returns ``"export"`` (``bench`` is registered under its own name too)."""
+    e = subparsers.add_parser("export", help="build ONNX / TensorRT / AOTInductor engines from a best_config.json",
+                              description="Rebuild the tuned graph of MODEL_FILE from CONFIG and write deployable "
+                                          "engines, each validated against PyTorch, with a manifest and a runner.",
+                              epilog=EPILOG_EXPORT, formatter_class=argparse.RawDescriptionHelpFormatter)
+    e.add_argument("model_file", metavar="MODEL_FILE", help="the model file that was tuned (it is executed)")
+    e.add_argument("--config", required=True, metavar="CONFIG", help="best_config.json from `tctune optimize`")
+    e.add_argument("--format", default=",".join(FORMATS), metavar="LIST",
+                   help="comma list of onnx, tensorrt, aoti (default %(default)s)")
+    e.add_argument("--out", metavar="DIR", help="output folder (default: the config's folder)")
+    e.add_argument("--force", action="store_true", help="rebuild even when a cached artifact matches")
+    e.add_argument("--json", action="store_true", help="print the result as JSON")
+    e.add_argument("--debug", action="store_true", help="show tracebacks")
+
+    b = subparsers.add_parser("bench", help="time an engine (.onnx, .engine, .pt2) written by `tctune export`",
+                              description="Time ARTIFACT on random inputs of the shapes in its manifest: warm-up, "
+                                          "then timed calls; median latency (ms) and throughput (items/s).")
+    b.add_argument("artifact", metavar="ARTIFACT", nargs="+", help="one or more .onnx / .engine / .pt2 files")
+    b.add_argument("--batch", metavar="LIST", help="batch size(s), e.g. 1,8,32 (default: the tuned batch)")
+    b.add_argument("--iters", type=int, default=50, metavar="N", help="timed calls (default %(default)s)")
+    b.add_argument("--warmup", type=int, default=10, metavar="N", help="untimed calls first (default %(default)s)")
+    b.add_argument("--provider", metavar="NAME", help="onnxruntime execution provider (default: CUDA if present, else CPU)")
+    b.add_argument("--json", action="store_true", help="print the rows as JSON")
+    b.add_argument("--debug", action="store_true", help="show tracebacks")
+    # cli's plugin protocol maps one name per module; route "bench" to run() as well.
+    plugins = getattr(sys.modules.get("tctune.cli"), "_PLUGINS", None)
+    if isinstance(plugins, dict):
+        plugins["bench"] = run
+    return "export"
+
+
+def run(args) -> int:
+    """Dispatch ``export`` / ``bench``."""
+    if args.command == "bench":
+        return _cmd_bench(args)
+    return _cmd_export(args)
+
+
+# ------------------------------------------------------------------------------------------------ export
+
+
+def read_config(path: str | Path) -> dict:
+    """Load and check a ``best_config.json``.
+
+    Returns:
+        The config with ``params`` (``batch_size`` int, ``precision`` str, ``graph_passes`` bool) and
+        ``batch_sizes`` (sorted list of ints; ``[batch_size]`` when the file predates that field).
+
+    Raises:
+        UsageError: the file is missing, not JSON, or lacks ``params.batch_size`` / ``params.precision``.
+    """
+    p = Path(path)
+    fix = "  fix: pass the best_config.json that `tctune optimize` wrote (OUT/best_config.json)"
+    try:
+        cfg = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(f"config not found: {p}\n{fix}") from None
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot read config {p}: {exc}\n{fix}") from None
+    params = cfg.get("params") if isinstance(cfg, dict) else None
+    if not isinstance(params, dict) or not isinstance(params.get("batch_size"), int) \
+            or not isinstance(params.get("precision"), str):
+        raise UsageError(f"{p} has no params.batch_size (int) and params.precision (str)\n{fix}")
+    sizes = cfg.get("batch_sizes") or [params["batch_size"]]
+    if not isinstance(sizes, list) or not all(isinstance(b, int) and b >= 1 for b in sizes):
+        raise UsageError(f"{p}: batch_sizes must be a list of positive ints, got {sizes!r}\n{fix}")
+    cfg["batch_sizes"] = sorted(set(sizes) | {params["batch_size"]})
+    return cfg
+
+
+def parse_formats(text: str) -> tuple[str, ...]:
+    """``"onnx,aoti"`` -> ``("onnx", "aoti")``.
+
+    Raises:
+        UsageError: an unknown or empty format list.
+    """
+    items = [f.strip().lower() for f in text.split(",") if f.strip()]
+    aliases = {"trt": "tensorrt", "pt2": "aoti", "aotinductor": "aoti"}
+    items = [aliases.get(f, f) for f in items]
+    bad = [f for f in items if f not in FORMATS]
+    if bad or not items:
+        raise UsageError(f"invalid --format {text!r}\n  fix: a comma list of {', '.join(FORMATS)}")
+    return tuple(dict.fromkeys(items))
+
+
+def _config_target(cfg: dict) -> str | None:
+    """The hardware to plan the passes for: the config's ``target``, else the GPU it was tuned on, else None."""
+    if cfg.get("target"):
+        return str(cfg["target"])
+    hw = cfg.get("hardware") or {}
+    if hw.get("is_gpu") and hw.get("compute_capability"):
+        return str(hw["compute_capability"])
+    return None
+
+
+def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FORMATS,
+                     out_dir: str | Path | None = None, *, force: bool = False) -> dict[str, Any]:
+    """Rebuild the tuned graph of ``model_file`` from ``config_path`` and write the engines in ``formats``.
+
+    Returns:
+        ``{"out": str, "config": {...}, "formats": {fmt: {"status": "built" | "reused" | "skipped",
+        "path", "manifest", "runner", "reason", "seconds", ...build details}}}``.
+
+    Raises:
+        UsageError: bad config or formats. ModelFileError: the model file breaks the contract.
+        ExportError: capture failed, the ONNX batch axis froze, or validation failed (message: cause + fix).
+    """
+    import torch
+
+    from .capture import capture
+    from .errors import CaptureError
+    from .export import cache
+    from .hardware import resolve
+    from .modelfile import load_model_file
+    from .search import apply_passes, measuring_device
+
+    cfg = read_config(config_path)
+    formats = tuple(formats)
+    mf = load_model_file(model_file)
+    out = Path(out_dir) if out_dir else Path(config_path).resolve().parent
+    out.mkdir(parents=True, exist_ok=True)
+    params = cfg["params"]
+    precision, tuned = params["precision"], params["batch_size"]
+    largest = max(cfg["batch_sizes"])
+    hw = resolve(_config_target(cfg))
+    device = measuring_device()
+
+    model = mf.model().eval().to(device)
+    try:
+        gm = capture(model, mf.inputs(2, device))
+    except CaptureError as exc:
+        raise ExportError(f"cannot export {mf.path.name}: {exc}\n  fix: make the batch dimension dynamic in "
+                          "forward (no hard-coded batch size in reshape/view/expand; use x.shape[0] or -1)") from exc
+    graph, _ = apply_passes(gm, hw, precision)
+    graph = graph.to(device)
+    make_inputs = lambda b: mf.inputs(b, device)  # noqa: E731
+    digest = cache.graph_hash(graph)
+    cc = hw.compute_capability or None
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        cc = f"{major}.{minor}"
+    sizes = {"min": 1, "opt": tuned, "max": largest}
+
+    from .export.onnx import _input_names
+    from .export.runner import describe_inputs, write_runner
+
+    names = _input_names(graph, len(mf.inputs(2, "cpu")))
+    inputs = describe_inputs(graph, lambda b: mf.inputs(b, "cpu"), names, (2, min(largest, 64)))
+    base = {"model": mf.name, "model_file": str(mf.path), "precision": precision, "graph_passes": params.get("graph_passes"),
+            "hardware": hw.name, "inputs": inputs, "batch_sizes": sizes}
+    results: dict[str, Any] = {}
+
+    def cache_key(fmt: str, extra: dict | None = None) -> dict:
+        return cache.artifact_key(graph, fmt=fmt, precision=precision, inputs=inputs, batch_sizes=sizes,
+                                  compute_capability=cc if fmt != "onnx" or device.type == "cuda" else None,
+                                  graph_digest=digest, extra=extra)
+
+    def reuse(fmt: str, key: dict) -> bool:
+        path = out / ARTIFACT_NAMES[fmt]
+        hit = None if force else cache.cached(path, key)
+        if hit is None:
+            return False
+        results[fmt] = {"status": "reused", "path": str(path), "manifest": str(path) + ".manifest.json",
+                        "runner": str(out / "runner.py"), **(hit.get("result") or {})}
+        return True
+
+    def finish(fmt: str, key: dict, info: dict, started: float, **manifest_extra) -> None:
+        path = out / ARTIFACT_NAMES[fmt]
+        manifest = {**base, "format": fmt, "artifact": path.name, **manifest_extra, "cache_key": key,
+                    "result": info}
+        runner = write_runner(path, manifest)
+        results[fmt] = {"status": "built", "path": str(path), "manifest": str(path) + ".manifest.json",
+                        "runner": str(runner), "seconds": round(time.perf_counter() - started, 2), **info}
+
+    onnx_inputs = None
+    if "onnx" in formats or "tensorrt" in formats:
+        key = cache_key("onnx")
+        if not reuse("onnx", key):
+            onnx_inputs = _build_onnx(graph, make_inputs, out / ARTIFACT_NAMES["onnx"], (1, tuned, largest))
+            started = time.perf_counter() - onnx_inputs.pop("_seconds")
+            onnx_names = {i["name"] for i in onnx_inputs["onnx_inputs"]}
+            finish("onnx", key, _summary(onnx_inputs, "onnx"), started, device="cpu",
+                   inputs=[i for i in inputs if i["name"] in onnx_names] or inputs)
+        if "onnx" not in formats:
+            results["onnx"]["status"] += " (for tensorrt)"
+
+    if "tensorrt" in formats:
+        results["tensorrt"] = _build_tensorrt(out, inputs, sizes, cache_key("tensorrt"), finish, reuse, base)
+
+    if "aoti" in formats:
+        key = cache_key("aoti", {"device": str(device)})
+        if not reuse("aoti", key):
+            from .export.aoti import export_aoti
+
+            started = time.perf_counter()
+            info = export_aoti(graph, make_inputs, out / ARTIFACT_NAMES["aoti"], (tuned, 1 if tuned != 1 else 2))
+            if info["aoti_error"]:
+                raise ExportError(f"the AOTInductor package {ARTIFACT_NAMES['aoti']} does not match PyTorch: "
+                                  f"{info['aoti_error']}")
+            finish("aoti", key, _summary(info, "aoti"), started, device=info["aoti_device"])
+    return {"out": str(out), "model": mf.name, "precision": precision, "hardware": hw.name,
+            "batch_sizes": sizes, "formats": results}
+
+
+def _build_onnx(graph, make_inputs, path: Path, check: tuple[int, int, int]) -> dict:
+    """export_onnx at two of ``check`` and validate_onnx at the third; frozen/failed batches raise ExportError."""
+    from .export.onnx import export_onnx, validate_onnx
+
+    started = time.perf_counter()
+    first, tuned, largest = check
+    pair = (tuned, largest) if tuned != largest else (tuned, first if first != tuned else tuned + 1)
+    info = export_onnx(graph, make_inputs, path, batch_sizes=pair)
+    extra = [b for b in dict.fromkeys(check) if b not in pair]
+    if extra and info.get("onnx_error") is None:
+        entries = validate_onnx(graph, make_inputs, path, extra)
+        info["onnx_validation"] += entries
+        errors = [e["error"] for e in entries if "error" in e]
+        if errors:
+            info["onnx_error"] = "; ".join(errors)
+        measured = [e["max_abs_error"] for e in info["onnx_validation"] if e["max_abs_error"] is not None]
+        info["onnx_max_abs_error"] = max(measured) if measured else None
+    err = info.get("onnx_error")
+    if err:
+        if "froze" in err or "not dynamic" in err:
+            raise ExportError(f"{path.name}: {err}\n  fix: make the batch dimension dynamic in forward "
+                              "(no hard-coded batch size in reshape/view/expand; use x.shape[0] or -1)")
+        if "cannot load the model" in err:  # e.g. bf16 graph: no CPU kernel; the file is for TensorRT / a GPU EP
+            log.warning("ONNX written but not validated here: %s", err)
+        else:
+            raise ExportError(f"{path.name} does not match PyTorch: {err}")
+    info["_seconds"] = time.perf_counter() - started
+    return info
+
+
+def _build_tensorrt(out: Path, inputs: list, sizes: dict, key: dict, finish, reuse, base: dict) -> dict:
+    from .export import build_engine, tensorrt_available
+
+    ok, reason = tensorrt_available()
+    if not ok:
+        return {"status": "skipped", "reason": reason}
+    if reuse("tensorrt", key):
+        return _last_result(out, "tensorrt")
+    started = time.perf_counter()
+    shapes = {i["name"]: tuple(-1 if d == "batch" else int(d) for d in i["shape"]) for i in inputs}
+    info = build_engine(out / ARTIFACT_NAMES["onnx"], out / ARTIFACT_NAMES["tensorrt"], input_shapes=shapes,
+                        batch_sizes=(sizes["min"], sizes["opt"], sizes["max"]),
+                        timing_cache=out / "tensorrt.timing_cache")
+    if not info.get("tensorrt"):
+        return {"status": "skipped", "reason": info.get("tensorrt_skipped_reason")}
+    holder: dict = {}
+    finish("tensorrt", key, info, started, device="cuda")
+    return holder or _last_result(out, "tensorrt")
+
+
+def _last_result(out: Path, fmt: str) -> dict:
+    from .export.runner import read_manifest
+
+    path = out / ARTIFACT_NAMES[fmt]
+    manifest = read_manifest(path) or {}
+    return {"status": "reused", "path": str(path), "manifest": str(path) + ".manifest.json",
+            "runner": str(out / "runner.py"), **(manifest.get("result") or {})}
+
+
+def _summary(info: dict, prefix: str) -> dict:
+    """The JSON-ready subset of a build result kept in the manifest."""
+    keep = {"onnx": ("onnx_opset", "onnx_max_abs_error", "onnx_validation", "onnx_error", "onnx_dynamic",
+                     "onnx_export_s", "onnx_outputs"),
+            "aoti": ("aoti_device", "aoti_export_s", "aoti_compile_s", "aoti_validation", "aoti_max_abs_error",
+                     "aoti_error")}[prefix]
+    return {k: info.get(k) for k in keep}
+
+
+def _cmd_export(args) -> int:
+    formats = parse_formats(args.format)
+    result = export_artifacts(args.model_file, args.config, formats, args.out, force=args.force)
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+        return 0
+    print(f"{result['model']}: {result['precision']} on {result['hardware']}, batch "
+          f"{result['batch_sizes']['min']}/{result['batch_sizes']['opt']}/{result['batch_sizes']['max']} "
+          f"(min/tuned/max) -> {result['out']}")
+    for fmt in formats:
+        r = result["formats"].get(fmt, {})
+        if r.get("status") == "skipped":
+            print(f"  {fmt:9s} skipped: {r.get('reason')}")
+            continue
+        err = r.get(f"{fmt}_max_abs_error")
+        detail = f", max abs error vs PyTorch {err:.2e}" if isinstance(err, float) else ""
+        took = f" in {r['seconds']:.1f} s" if "seconds" in r and r["status"] == "built" else ""
+        print(f"  {fmt:9s} {r.get('status')}{took}: {r.get('path')}{detail}")
+    runners = {r.get("runner") for r in result["formats"].values() if r.get("runner")}
+    for runner in sorted(runners):
+        print(f"  runner:   python {runner} [ARTIFACT] --batch N --iters N")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ bench
+
+
+def bench_artifact(artifact: str | Path, batch: int | None = None, iters: int = 50, warmup: int = 10,
+                   provider: str | None = None) -> dict:
+    """Time one artifact with the generated runner's code (``tctune/export/_runner_template.py``).
+
+    Returns:
+        ``{artifact, format, device, batch_size, iters, warmup, latency_ms, latency_p90_ms, latency_mean_ms,
+        throughput}`` (ms per call; items/s).
+
+    Raises:
+        UsageError: the artifact or its manifest is missing, or a bad ``--batch``/``--iters``.
+        ExportError: its runtime is missing (e.g. TensorRT for ``.engine``) or fails to load it.
+    """
+    from .export import _runner_template as rt
+
+    path = Path(artifact)
+    if not path.exists():
+        raise UsageError(f"artifact not found: {path}\n  fix: pass a file written by `tctune export`")
+    if path.suffix not in rt.LOADERS:
+        raise UsageError(f"{path.name}: unknown artifact type {path.suffix!r}\n  fix: pass a .onnx, .engine or .pt2 file")
+    if not Path(rt.manifest_path(str(path))).exists():
+        raise UsageError(f"{path.name} has no manifest ({path.name}.manifest.json) with its input shapes\n"
+                         "  fix: write it with `tctune export MODEL_FILE --config best_config.json`")
+    if iters < 1 or warmup < 0:
+        raise UsageError(f"--iters must be >= 1 and --warmup >= 0, got {iters} and {warmup}")
+    try:
+        return rt.time_artifact(str(path), batch, iters, warmup, provider)
+    except rt.RunnerError as exc:
+        fix = ("\n  fix: bench it on a machine with TensorRT and a GPU, or bench the .onnx file"
+               if path.suffix == ".engine" else "")
+        raise ExportError(f"cannot time {path.name}: {exc}{fix}") from exc
+
+
+def _cmd_bench(args) -> int:
+    from .cli import parse_batch_sizes
+
+    batches = list(parse_batch_sizes(args.batch)) if args.batch else [None]
+    rows = [bench_artifact(a, b, args.iters, args.warmup, args.provider) for a in args.artifact for b in batches]
+    if args.json:
+        print(json.dumps(rows if len(rows) > 1 else rows[0], indent=2))
+        return 0
+    header = ("artifact", "format", "device", "batch", "median ms", "p90 ms", "items/s")
+    table = [header] + [(r["artifact"], r["format"], r["device"], str(r["batch_size"]), f"{r['latency_ms']:.3f}",
+                         f"{r['latency_p90_ms']:.3f}", f"{r['throughput']:.1f}") for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for n, row in enumerate(table):
+        print("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+    print(f"({rows[0]['iters']} timed calls after {rows[0]['warmup']} warm-up; wall clock per synchronized call)")
+    return 0
