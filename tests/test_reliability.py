@@ -1,0 +1,157 @@
+"""Faults during a study: a killed process, out of memory, a model torch.export cannot capture, bad storage."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+
+from tctune.errors import CandidateRejected, UsageError
+from tctune.hardware import resolve
+from tctune.measure import ErrorStats, check_accuracy
+from tctune.modelfile import load_model_file
+from tctune.search import TuneConfig, Tuner
+
+HANGS_AT_32 = '''
+import os, time, pathlib, torch
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__(); self.fc = torch.nn.Linear(16, 8)
+    def forward(self, x):
+        if x.shape[0] == 32 and not os.environ.get("TCTUNE_TEST_FAST") and not torch.compiler.is_compiling():
+            pathlib.Path(os.environ["TCTUNE_TEST_MARKER"]).write_text("in trial")
+            time.sleep(120)
+        return self.fc(x)
+def build_model():
+    return M()
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 16),)
+'''
+
+
+def test_sigkill_mid_trial_then_resume_keeps_finished_trials(tmp_path):
+    model = tmp_path / "hangs.py"
+    model.write_text(HANGS_AT_32)
+    out = tmp_path / "out"
+    marker = tmp_path / "marker"
+    cmd = [sys.executable, "-m", "tctune", "optimize", str(model), "--out", str(out), "--batch-sizes", "8,32",
+           "--trials", "4", "--quiet", "--no-export"]
+    env = dict(os.environ, TCTUNE_TEST_MARKER=str(marker))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while not marker.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, "the batch-32 trial never started"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    storage = f"sqlite:///{out / 'study.db'}"
+    (summary,) = optuna.get_all_study_summaries(storage)
+    before = optuna.load_study(study_name=summary.study_name, storage=storage).trials
+    finished = [t.number for t in before if t.state == optuna.trial.TrialState.COMPLETE]
+    assert finished and any(t.state == optuna.trial.TrialState.RUNNING for t in before)
+
+    r = subprocess.run(cmd, env=dict(env, TCTUNE_TEST_FAST="1"), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    report = json.loads((out / "report.json").read_text())
+    by_number = {t["number"]: t for t in report["trials"]}
+    for n in finished:
+        assert by_number[n]["state"] == "COMPLETE"
+        assert by_number[n]["throughput"] == before[n].user_attrs["throughput"]
+    interrupted = [t for t in report["trials"] if t["state"] == "FAIL"]
+    assert len(interrupted) == 1 and "interrupted" in interrupted[0]["fail_reason"]
+    assert report["study"]["n_trials"] > len(before)
+
+
+OOM_AT_32 = '''
+import torch
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__(); self.fc = torch.nn.Linear(16, 8)
+    def forward(self, x):
+        if x.shape[0] >= 32 and not torch.compiler.is_compiling():
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return self.fc(x)
+def build_model():
+    return M()
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 16),)
+'''
+
+
+def test_out_of_memory_is_recorded_and_the_study_goes_on(tmp_path):
+    f = tmp_path / "oom.py"
+    f.write_text(OOM_AT_32)
+    cfg = TuneConfig(out_dir=str(tmp_path / "out"), batch_sizes=(8, 32, 64), trials=12, quiet=True, export=False)
+    tuner = Tuner(cfg, load_model_file(f), resolve(None), device=torch.device("cpu"))
+    study = tuner.run()
+    states = {(t.params["batch_size"], t.params["precision"], t.params["graph_passes"]): t for t in study.trials}
+    ok8 = [t for k, t in states.items() if k[0] == 8 and t.state == optuna.trial.TrialState.COMPLETE]
+    assert ok8, "batch 8 trials must complete"
+    big = [t for t in study.trials if t.params["batch_size"] >= 32]
+    assert big and all(t.state != optuna.trial.TrialState.COMPLETE for t in big)
+    assert all("out of memory" in t.user_attrs["fail_reason"] for t in big)
+
+
+def test_nonfinite_output_is_rejected_with_count():
+    out = torch.tensor([1.0, float("inf"), float("nan"), 7.0e4])
+    with pytest.raises(CandidateRejected, match=r"fp16 output has 2 NaN/inf values; max finite \|x\| 7e\+04 \(fp16 max is 65504\)"):
+        check_accuracy(ErrorStats(0.0, 0.0, 2), "fp16", out)
+
+
+UNCAPTURABLE = '''
+import torch
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__(); self.fc = torch.nn.Linear(16, 8)
+    def forward(self, x):
+        if x.sum() > 0:          # data-dependent control flow: torch.export cannot capture this
+            return self.fc(x)
+        return -self.fc(x)
+def build_model():
+    return M()
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 16),)
+'''
+
+
+def test_uncapturable_model_runs_eagerly_with_the_reason(tmp_path):
+    f = tmp_path / "dyn.py"
+    f.write_text(UNCAPTURABLE)
+    r = subprocess.run([sys.executable, "-m", "tctune", "optimize", str(f), "--out", str(tmp_path / "out"),
+                        "--batch-sizes", "8", "--trials", "3", "--quiet"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["capture"]["ok"] is False and "torch.export" in report["capture"]["reason"]
+    assert all(not t["params"]["graph_passes"] for t in report["trials"])
+    assert report["best"] is not None
+    assert "could not be captured" in report["artifacts"]["onnx_error"]
+    assert "Graph capture failed" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_unreachable_storage_is_one_clear_error(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "tctune", "optimize", str(Path(__file__).parents[1] / "recipes" / "seed_cnn.py"),
+                        "--out", str(tmp_path / "out"), "--storage", "postgresql://nobody@127.0.0.1:1/none", "--quiet"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert "cannot open the study storage" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_unwritable_output_folder(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    r = subprocess.run([sys.executable, "-m", "tctune", "optimize", str(Path(__file__).parents[1] / "recipes" / "seed_cnn.py"),
+                        "--out", str(blocker / "sub"), "--quiet"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "not writable" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_tune_config_rejects_bad_values():
+    with pytest.raises(UsageError, match="--trials"):
+        TuneConfig(out_dir="x", trials=0)
+    with pytest.raises(UsageError, match="--runtimes"):
+        TuneConfig(out_dir="x", runtimes=("warp",))
