@@ -297,12 +297,22 @@ class _Frozen(torch.nn.Module):
         return self.gm(*args)
 
 
+def _still_symbolic(size: Any) -> bool:
+    """Whether a size in Dynamo's fake tensors is still symbolic after its guards (``dynamic=True`` marks
+    every dimension, then guards specialize e.g. the channels a conv weight fixes)."""
+    if not isinstance(size, torch.SymInt):
+        return False
+    node = size.node
+    expr = node.shape_env.replace(node.expr) if getattr(node, "shape_env", None) is not None else node.expr
+    return not getattr(expr, "is_number", False)
+
+
 def _dynamic_shapes(nodes: list[fx.Node], runtime: list[int]) -> tuple | None:
     """``Dim.DYNAMIC`` for every dimension Dynamo made symbolic; None when everything is static."""
     specs = []
     for i in runtime:
         fake = nodes[i].meta.get("example_value")
-        dims = {d: torch.export.Dim.DYNAMIC for d, s in enumerate(getattr(fake, "shape", ())) if isinstance(s, torch.SymInt)}
+        dims = {d: torch.export.Dim.DYNAMIC for d, s in enumerate(getattr(fake, "shape", ())) if _still_symbolic(s)}
         specs.append(dims or None)
     return tuple(specs) if any(specs) else None
 

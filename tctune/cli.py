@@ -98,6 +98,11 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--timeout", type=float, metavar="SECONDS", help="stop starting new trials after this long")
     o.add_argument("--max-error", type=float, default=1e-2, metavar="E",
                    help="largest relative L2 error against FP32 eager a result may have (default %(default)g)")
+    o.add_argument("--objective", choices=("throughput", "latency", "pareto"), default="throughput",
+                   help="throughput (items/s), latency (p99 ms per batch) or pareto (throughput, p99 latency and "
+                        "peak memory together; the report lists the Pareto front); default %(default)s")
+    o.add_argument("--max-latency-ms", type=float, metavar="MS", help="constraint: p99 latency per batch at most this")
+    o.add_argument("--max-memory-mib", type=float, metavar="MIB", help="constraint: peak CUDA memory at most this")
     o.add_argument("--target", metavar="NAME", help="plan for this GPU (sm_XX, h100, a100, ...): its alignment; measuring stays on this machine")
     o.add_argument("--storage", metavar="URL", help="Optuna storage URL to share a study (default: sqlite file OUT/study.db)")
     o.add_argument("--seed", type=int, default=0, help="sampler seed (default %(default)s)")
@@ -162,7 +167,8 @@ def _cmd_optimize(args) -> int:
                      timeout_s=args.timeout, max_error=args.max_error, target=args.target, storage=args.storage,
                      seed=args.seed, export=not args.no_export, quiet=args.quiet,
                      runtimes=tuple(x.strip() for x in args.runtimes.split(",") if x.strip()) if args.runtimes else None,
-                     compile_budget_s=args.compile_budget)
+                     compile_budget_s=args.compile_budget, objective=args.objective,
+                     max_latency_ms=args.max_latency_ms, max_memory_mib=args.max_memory_mib)
     report = optimize(args.model_file, cfg)
     print(_summary(report, out))
     return 0

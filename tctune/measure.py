@@ -31,6 +31,8 @@ class Timing:
         repeats_ms: per-repeat mean call time, ms (for spread).
         peak_memory_mib: peak CUDA memory allocated during timing, MiB; None on the CPU.
         iterations: calls per repeat.
+        latency_p50_ms, latency_p99_ms: percentiles of single calls timed one by one (each with its own
+            CUDA event pair or perf_counter pair), ms; the p99 of a few dozen calls is their maximum or near it.
     """
 
     latency_ms: float
@@ -38,6 +40,8 @@ class Timing:
     repeats_ms: list[float]
     peak_memory_mib: float | None
     iterations: int
+    latency_p50_ms: float | None = None
+    latency_p99_ms: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -109,6 +113,7 @@ def time_call(
     repeats: int = 5,
     target_repeat_s: float = 0.1,
     max_iterations: int = 200,
+    single_calls: int = 30,
 ) -> Timing:
     """Time ``fn`` (one batch per call) by the protocol above.
 
@@ -120,6 +125,7 @@ def time_call(
         repeats: timed repeats; the median is reported.
         target_repeat_s: iterations per repeat are chosen so a repeat lasts about this long.
         max_iterations: cap on iterations per repeat.
+        single_calls: calls timed one at a time for the latency percentiles (0: skip).
 
     Raises:
         CandidateRejected: out of memory (memory is released first).
@@ -152,6 +158,7 @@ def time_call(
                     for _ in range(iters):
                         fn()
                     samples.append((time.perf_counter() - t0) * 1e3 / iters)
+            singles = _single_call_ms(fn, device, single_calls)
         peak = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None
     except Exception as exc:
         if is_oom(exc):
@@ -160,7 +167,39 @@ def time_call(
         raise
     med = statistics.median(samples)
     return Timing(latency_ms=med, throughput=batch_size / (med / 1e3), repeats_ms=samples,
-                  peak_memory_mib=peak, iterations=iters)
+                  peak_memory_mib=peak, iterations=iters,
+                  latency_p50_ms=percentile(singles, 50), latency_p99_ms=percentile(singles, 99))
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q``-th percentile (nearest rank) of ``values``; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), int(-(-q * len(ordered) // 100))))
+    return ordered[rank - 1]
+
+
+def _single_call_ms(fn: Callable[[], Any], device: torch.device, n: int) -> list[float]:
+    """Time ``n`` calls one by one (ms each). On CUDA each call gets its own event pair, synchronized once."""
+    if n <= 0:
+        return []
+    if device.type == "cuda":
+        pairs = []
+        for _ in range(n):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            pairs.append((a, b))
+        torch.cuda.synchronize(device)
+        return [a.elapsed_time(b) for a, b in pairs]
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
 
 
 def float_leaves(out: Any) -> list[torch.Tensor]:

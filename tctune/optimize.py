@@ -131,6 +131,8 @@ def optimize(model_path: str | Path, cfg: TuneConfig) -> dict:
         artifacts["best_config"] = str(out / "best_config.json")
     if cfg.storage is None:
         artifacts["study_db"] = str(out / "study.db")
+    from .plots import write_plots
+    plots = write_plots(study, out)
     report = build_report(
         study,
         hardware=hw.to_dict(),
@@ -140,6 +142,7 @@ def optimize(model_path: str | Path, cfg: TuneConfig) -> dict:
         passes=passes,
         artifacts=artifacts,
         capture={"ok": tuner.captured.ok, "reason": tuner.captured.reason},
+        extra={"plots": plots},
     )
     write_report(report, out)
     return report

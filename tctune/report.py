@@ -14,9 +14,9 @@ from typing import Any
 
 import optuna
 
-from .search import best_trial, is_feasible
+from .search import best_trial, is_feasible, pareto_front
 
-TRIAL_FIELDS = ("throughput", "latency_ms", "peak_memory_mib", "max_rel_error", "max_abs_error", "nonfinite",
+TRIAL_FIELDS = ("throughput", "latency_ms", "latency_p50_ms", "latency_p99_ms", "peak_memory_mib", "max_rel_error", "max_abs_error", "nonfinite",
                 "description", "setup_s")
 
 
@@ -103,6 +103,10 @@ def build_report(study: optuna.Study, *, hardware: dict, measured_on: str, confi
         "baselines": [{"batch_size": bs, "throughput": r["throughput"], "latency_ms": r["latency_ms"], "trial": r["number"]}
                       for bs, r in sorted(base.items())],
         "best": best,
+        "pareto_front": [{"trial": t.number, "params": dict(t.params), "throughput": t.user_attrs.get("throughput"),
+                          "latency_p99_ms": t.user_attrs.get("latency_p99_ms"),
+                          "peak_memory_mib": t.user_attrs.get("peak_memory_mib"),
+                          "max_rel_error": t.user_attrs.get("max_rel_error")} for t in pareto_front(study)],
         "passes": passes,
         "trials": trials,
         "artifacts": artifacts,
@@ -149,6 +153,24 @@ def render_markdown(r: dict) -> str:
             lines.append("- Nothing beat plain FP32 eager here: **keep FP32**.")
     else:
         lines.append("No trial met the accuracy limit; see the trials table for the reasons.")
+    if r.get("pareto_front"):
+        lines += ["", "## Pareto front (throughput ↑, p99 latency ↓, peak memory ↓)", "",
+                  "| trial | precision | graph passes | runtime | batch | items/s | p99 ms | peak MiB | rel. error |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for t in sorted(r["pareto_front"], key=lambda t: -(t["throughput"] or 0)):
+            p = t["params"]
+            lines.append(f"| {t['trial']} | {p.get('precision')} | {'yes' if p.get('graph_passes') else 'no'} | {p.get('runtime', 'eager')} | "
+                         f"{p.get('batch_size')} | {_fmt(t['throughput'])} | {_fmt(t['latency_p99_ms'])} | "
+                         f"{_fmt(t['peak_memory_mib'], '.0f')} | {_fmt(t['max_rel_error'], '.2e')} |")
+    if r.get("plots"):
+        lines += ["", "## Plots", ""]
+        for name, path in sorted(r["plots"].items()):
+            if name == "skipped":
+                lines.append(f"- not drawn: {path}")
+            elif str(path).endswith(".png"):
+                lines.append(f"![{name}]({Path(path).name})")
+            else:
+                lines.append(f"- [{name}]({Path(path).name})")
     lines += ["", "## Graph passes (at the best precision)", ""]
     if r["passes"]:
         lines += ["| pass | rewrites | skipped (node: reason) |", "|---|---|---|"]

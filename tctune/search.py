@@ -37,6 +37,9 @@ log = logging.getLogger("tctune")
 #: Seed for the fresh random inputs of each batch size (all candidates at one batch see the same inputs).
 INPUT_SEED = 1234
 
+#: Study directions per objective: throughput (items/s), p99 latency (ms), peak memory (MiB).
+OBJECTIVES = {"throughput": ("maximize",), "latency": ("minimize",), "pareto": ("maximize", "minimize", "minimize")}
+
 #: Search spaces with at most this many combinations are enumerated (no candidate measured twice).
 BRUTE_FORCE_MAX = 96
 
@@ -59,6 +62,9 @@ class TuneConfig:
         runtimes: execution backends to search (``eager``, ``cudagraphs``, ``inductor``,
             ``inductor-max-autotune``); None: all but max-autotune on a GPU, ``eager`` on the CPU.
         compile_budget_s: an Inductor compile slower than this rejects its trial and stops further compiles.
+        objective: ``throughput`` (items/s, maximized), ``latency`` (p99 ms per batch, minimized) or ``pareto``
+            (throughput, p99 latency and peak memory together: the report lists the Pareto front).
+        max_latency_ms, max_memory_mib: constraints (p99 ms per batch; peak CUDA MiB) like ``max_error``.
     """
 
     out_dir: str
@@ -73,6 +79,9 @@ class TuneConfig:
     quiet: bool = False
     runtimes: tuple[str, ...] | None = None
     compile_budget_s: float = 300.0
+    objective: str = "throughput"
+    max_latency_ms: float | None = None
+    max_memory_mib: float | None = None
 
     def __post_init__(self) -> None:
         from .runtime import ALL_RUNTIMES
@@ -80,6 +89,11 @@ class TuneConfig:
             bad = [r for r in self.runtimes if r not in ALL_RUNTIMES]
             if bad or not self.runtimes:
                 raise UsageError(f"--runtimes: unknown {', '.join(bad) or '(empty)'}; choose from {', '.join(ALL_RUNTIMES)}")
+        if self.objective not in OBJECTIVES:
+            raise UsageError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        for name, v in (("--max-latency-ms", self.max_latency_ms), ("--max-memory-mib", self.max_memory_mib)):
+            if v is not None and v <= 0:
+                raise UsageError(f"{name} must be positive, got {v}")
         if self.compile_budget_s <= 0:
             raise UsageError(f"--compile-budget must be a positive number of seconds, got {self.compile_budget_s}")
         if not self.batch_sizes or any((not isinstance(b, int)) or b < 1 for b in self.batch_sizes):
@@ -165,7 +179,8 @@ class Tuner:
         key = json.dumps(self.space(), sort_keys=True)
         digest = hashlib.sha1(key.encode()).hexdigest()[:8]
         cc = self.hw.compute_capability or "cpu"
-        return f"{self.mf.name}-{self.hw.arch}-{cc}-{self.device.type}-infer-{digest}"
+        obj = "" if self.cfg.objective == "throughput" else f"-{self.cfg.objective}"
+        return f"{self.mf.name}-{self.hw.arch}-{cc}-{self.device.type}-infer{obj}-{digest}"
 
     def storage_url(self) -> str:
         return self.cfg.storage or f"sqlite:///{(self.out_dir / 'study.db').resolve()}"
@@ -239,6 +254,8 @@ class Tuner:
         return {
             "throughput": timing.throughput,
             "latency_ms": timing.latency_ms,
+            "latency_p50_ms": timing.latency_p50_ms,
+            "latency_p99_ms": timing.latency_p99_ms,
             "peak_memory_mib": timing.peak_memory_mib,
             "max_rel_error": err.rel_l2_error,
             "max_abs_error": err.max_abs_error,
@@ -260,7 +277,9 @@ class Tuner:
         """Small spaces are enumerated without repeats (Optuna's BruteForceSampler, random order); larger
         ones use TPE, where accuracy is a constraint (``Trial.set_constraint``) it learns from."""
         if self.space_size() <= BRUTE_FORCE_MAX:
-            return optuna.samplers.BruteForceSampler(seed=self.cfg.seed)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return optuna.samplers.BruteForceSampler(seed=self.cfg.seed)
         return optuna.samplers.TPESampler(seed=self.cfg.seed, n_startup_trials=8)
 
     def create_study(self) -> optuna.Study:
@@ -275,7 +294,8 @@ class Tuner:
             else:
                 storage = url
             study = optuna.create_study(study_name=self.study_name(), storage=storage,
-                                        direction="maximize", sampler=sampler, load_if_exists=True)
+                                        directions=list(OBJECTIVES[self.cfg.objective]), sampler=sampler,
+                                        load_if_exists=True)
         except Exception as exc:
             raise UsageError(
                 f"cannot open the study storage {url}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}\n"
@@ -342,11 +362,19 @@ class Tuner:
             raise CandidateRejected(str(exc)) from exc
         for k, v in metrics.items():
             trial.set_user_attr(k, v)
-        feasible = metrics["max_rel_error"] <= self.cfg.max_error
-        trial.set_constraint("max_error", metrics["max_rel_error"] - self.cfg.max_error)
-        if not feasible:
-            trial.set_user_attr("fail_reason", f"relative error {metrics['max_rel_error']:.3g} > --max-error {self.cfg.max_error:g}")
-        return metrics["throughput"]
+        limits = {"max_error": (metrics["max_rel_error"], self.cfg.max_error, "relative error", "--max-error"),
+                  "max_latency_ms": (metrics["latency_p99_ms"], self.cfg.max_latency_ms, "p99 latency ms", "--max-latency-ms"),
+                  "max_memory_mib": (metrics["peak_memory_mib"], self.cfg.max_memory_mib, "peak memory MiB", "--max-memory-mib")}
+        over = []
+        for key, (value, limit, what, flag) in limits.items():
+            if limit is None or value is None:
+                continue
+            trial.set_constraint(key, float(value - limit))
+            if value > limit:
+                over.append(f"{what} {value:.3g} > {flag} {limit:g}")
+        if over:
+            trial.set_user_attr("fail_reason", "; ".join(over))
+        return objective_values(metrics, self.cfg.objective)
 
     def run(self) -> optuna.Study:
         """Add ``cfg.trials`` trials to the study (resuming it), with a progress bar unless quiet.
@@ -388,14 +416,39 @@ class Tuner:
         return study
 
 
+def objective_values(metrics: dict, objective: str) -> float | tuple[float, ...]:
+    """The value(s) Optuna optimizes for ``objective`` (see :data:`OBJECTIVES`)."""
+    if objective == "throughput":
+        return metrics["throughput"]
+    p99 = metrics["latency_p99_ms"] if metrics["latency_p99_ms"] is not None else metrics["latency_ms"]
+    if objective == "latency":
+        return p99
+    return metrics["throughput"], p99, metrics["peak_memory_mib"] or 0.0
+
+
 def is_feasible(t: optuna.trial.FrozenTrial) -> bool:
-    """A completed trial whose error is within ``--max-error``."""
+    """A completed, measured trial within every constraint (``--max-error``, ``--max-latency-ms``, ...)."""
     constraints = t.constraints
     return (t.state == optuna.trial.TrialState.COMPLETE and "throughput" in t.user_attrs
-            and bool(constraints) and all(c <= 0 for c in constraints.values()))
+            and all(c <= 0 for c in constraints.values()))
 
 
 def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
-    """The feasible trial with the highest throughput, or None."""
+    """The feasible trial that is best for the study's objective, or None.
+
+    Throughput and Pareto studies: highest throughput (for Pareto, among the front's members all are
+    reported; this is the one a throughput user would pick). Latency studies: lowest p99 latency.
+    """
     ok = [t for t in study.get_trials(deepcopy=False) if is_feasible(t)]
-    return max(ok, key=lambda t: t.user_attrs["throughput"]) if ok else None
+    if not ok:
+        return None
+    if list(study.directions) == [optuna.study.StudyDirection.MINIMIZE]:
+        return min(ok, key=lambda t: t.values[0])
+    return max(ok, key=lambda t: t.user_attrs["throughput"])
+
+
+def pareto_front(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """Optuna's Pareto front (feasible trials only) of a multi-objective study; [] otherwise."""
+    if len(study.directions) < 2:
+        return []
+    return [t for t in study.best_trials if is_feasible(t)]

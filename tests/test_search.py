@@ -1,0 +1,76 @@
+"""Search logic on the CPU: objectives, constraints, Pareto front, enumeration without repeats."""
+import json
+
+import optuna
+import pytest
+import torch
+
+from tctune.hardware import resolve
+from tctune.modelfile import load_model_file
+from tctune.optimize import optimize
+from tctune.search import TuneConfig, Tuner, best_trial
+
+TINY = '''
+import torch
+def build_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 12))
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 24),)
+'''
+
+
+@pytest.fixture()
+def tiny(tmp_path):
+    f = tmp_path / "tiny.py"
+    f.write_text(TINY)
+    return f
+
+
+def tuner(tiny, tmp_path, **kw):
+    cfg = TuneConfig(out_dir=str(tmp_path / "out"), batch_sizes=(4, 16), quiet=True, export=False, **kw)
+    return Tuner(cfg, load_model_file(tiny), resolve(None), device=torch.device("cpu"))
+
+
+def test_small_space_is_enumerated_without_repeats(tiny, tmp_path):
+    t = tuner(tiny, tmp_path, trials=20)
+    study = t.run()
+    params = [json.dumps(tr.params, sort_keys=True) for tr in study.trials]
+    assert len(params) == len(set(params)) == t.space_size() == 8
+
+
+def test_pareto_report_has_front_and_plots(tiny, tmp_path):
+    report = optimize(tiny, TuneConfig(out_dir=str(tmp_path / "out"), batch_sizes=(4, 16), trials=8, quiet=True,
+                                       export=False, objective="pareto"))
+    front = report["pareto_front"]
+    assert front
+    for row in front:
+        assert {"params", "throughput", "latency_p99_ms", "peak_memory_mib", "max_rel_error"} <= set(row)
+    assert "Pareto front" in (tmp_path / "out" / "report.md").read_text()
+    assert report["plots"].get("pareto_png") or "matplotlib" in report["plots"].get("skipped", "")
+
+
+def test_latency_objective_picks_lowest_p99(tiny, tmp_path):
+    t = tuner(tiny, tmp_path, trials=8, objective="latency")
+    study = t.run()
+    best = best_trial(study)
+    feasible = [tr for tr in study.trials if tr.state == optuna.trial.TrialState.COMPLETE]
+    assert best.values[0] == min(tr.values[0] for tr in feasible)
+    assert best.values[0] == best.user_attrs["latency_p99_ms"]
+
+
+def test_max_latency_constraint_makes_trials_infeasible(tiny, tmp_path):
+    t = tuner(tiny, tmp_path, trials=4, max_latency_ms=1e-6)
+    study = t.run()
+    assert best_trial(study) is None
+    assert all("p99 latency" in tr.user_attrs["fail_reason"] for tr in study.trials
+               if tr.state == optuna.trial.TrialState.COMPLETE)
+
+
+def test_max_error_constraint_rejects_inaccurate_precision(tiny, tmp_path):
+    t = tuner(tiny, tmp_path, trials=8, max_error=1e-9)
+    study = t.run()
+    best = best_trial(study)
+    assert best.params["precision"] == "fp32"
+    low = [tr for tr in study.trials if tr.params["precision"] == "bf16" and tr.state == optuna.trial.TrialState.COMPLETE]
+    assert low and all("relative error" in tr.user_attrs["fail_reason"] for tr in low)
