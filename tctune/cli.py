@@ -98,6 +98,11 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--timeout", type=float, metavar="SECONDS", help="stop starting new trials after this long")
     o.add_argument("--max-error", type=float, default=1e-2, metavar="E",
                    help="largest relative L2 error against FP32 eager a result may have (default %(default)g)")
+    o.add_argument("--mode", choices=("infer", "train"), default="infer",
+                   help="infer: forward passes; train: forward, loss_fn, backward, optimizer step (needs "
+                        "example_targets and loss_fn in the model file); default %(default)s")
+    o.add_argument("--effective-batch", type=int, metavar="N",
+                   help="train: samples per optimizer step, by gradient accumulation over the searched micro-batch sizes")
     o.add_argument("--objective", choices=("throughput", "latency", "pareto"), default="throughput",
                    help="throughput (items/s), latency (p99 ms per batch) or pareto (throughput, p99 latency and "
                         "peak memory together; the report lists the Pareto front); default %(default)s")
@@ -167,7 +172,8 @@ def _cmd_optimize(args) -> int:
                      timeout_s=args.timeout, max_error=args.max_error, target=args.target, storage=args.storage,
                      seed=args.seed, export=not args.no_export, quiet=args.quiet,
                      runtimes=tuple(x.strip() for x in args.runtimes.split(",") if x.strip()) if args.runtimes else None,
-                     compile_budget_s=args.compile_budget, objective=args.objective,
+                     compile_budget_s=args.compile_budget, objective=args.objective, mode=args.mode,
+                     effective_batch=args.effective_batch,
                      max_latency_ms=args.max_latency_ms, max_memory_mib=args.max_memory_mib)
     report = optimize(args.model_file, cfg)
     print(_summary(report, out))

@@ -114,6 +114,7 @@ def time_call(
     target_repeat_s: float = 0.1,
     max_iterations: int = 200,
     single_calls: int = 30,
+    grad: bool = False,
 ) -> Timing:
     """Time ``fn`` (one batch per call) by the protocol above.
 
@@ -126,6 +127,7 @@ def time_call(
         target_repeat_s: iterations per repeat are chosen so a repeat lasts about this long.
         max_iterations: cap on iterations per repeat.
         single_calls: calls timed one at a time for the latency percentiles (0: skip).
+        grad: run with autograd on (training steps); otherwise under ``torch.inference_mode``.
 
     Raises:
         CandidateRejected: out of memory (memory is released first).
@@ -134,7 +136,7 @@ def time_call(
     try:
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        with torch.inference_mode():
+        with contextlib.nullcontext() if grad else torch.inference_mode():
             for _ in range(max(1, warmup)):
                 fn()
             _sync(device)

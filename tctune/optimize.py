@@ -56,6 +56,9 @@ def export_best(tuner: Tuner, params: dict, out: Path) -> tuple[dict, list[dict]
     from .export import build_engine, export_onnx, tensorrt_available
 
     artifacts: dict = {"onnx": None, "onnx_max_abs_error": None, "tensorrt": None, "tensorrt_skipped_reason": None}
+    if tuner.cfg.mode == "train":
+        artifacts["onnx_error"] = artifacts["tensorrt_skipped_reason"] = "no engines in --mode train (engines are for inference)"
+        return artifacts, []
     if not tuner.captured.ok:
         artifacts["onnx_error"] = f"not exported: the model could not be captured ({tuner.captured.reason})"
         artifacts["tensorrt_skipped_reason"] = "no ONNX to build from"
@@ -111,7 +114,11 @@ def optimize(model_path: str | Path, cfg: TuneConfig) -> dict:
     mf = load_model_file(model_path)
     hw: HardwareSpec = resolve(cfg.target)
     out = check_out_dir(cfg.out_dir)
-    tuner = Tuner(cfg, mf, hw)
+    if cfg.mode == "train":
+        from .train import TrainTuner
+        tuner: Tuner = TrainTuner(cfg, mf, hw)
+    else:
+        tuner = Tuner(cfg, mf, hw)
     cc = f", compute capability {hw.compute_capability}" if hw.compute_capability else ""
     log.info("hardware spec: %s (%s%s); measuring on %s; precisions %s", hw.name, hw.arch, cc,
              tuner.device, ", ".join(tuner.precisions))

@@ -24,7 +24,7 @@ import torch
 from passes import run_pipeline
 from passes.base import PassFailure
 
-from .capture import try_capture
+from .capture import Captured, try_capture
 from .errors import CandidateRejected, PassError, UsageError
 from .hardware import HardwareSpec
 from .measure import (ErrorStats, check_accuracy, compare, is_oom, precision_mode, release_memory,
@@ -36,6 +36,9 @@ log = logging.getLogger("tctune")
 
 #: Seed for the fresh random inputs of each batch size (all candidates at one batch see the same inputs).
 INPUT_SEED = 1234
+
+TRAIN_NO_PASSES = ("training runs the model as written (autocast; GradScaler for fp16): tctune's graph passes "
+                   "are inference rewrites and are not applied in --mode train yet")
 
 #: Study directions per objective: throughput (items/s), p99 latency (ms), peak memory (MiB).
 OBJECTIVES = {"throughput": ("maximize",), "latency": ("minimize",), "pareto": ("maximize", "minimize", "minimize")}
@@ -65,6 +68,9 @@ class TuneConfig:
         objective: ``throughput`` (items/s, maximized), ``latency`` (p99 ms per batch, minimized) or ``pareto``
             (throughput, p99 latency and peak memory together: the report lists the Pareto front).
         max_latency_ms, max_memory_mib: constraints (p99 ms per batch; peak CUDA MiB) like ``max_error``.
+        mode: ``infer`` (forward passes) or ``train`` (forward, loss, backward, optimizer step).
+        effective_batch: training only: samples per optimizer step, reached by gradient accumulation over
+            micro-batches of the searched batch size (None: one micro-batch per step).
     """
 
     out_dir: str
@@ -80,6 +86,8 @@ class TuneConfig:
     runtimes: tuple[str, ...] | None = None
     compile_budget_s: float = 300.0
     objective: str = "throughput"
+    mode: str = "infer"
+    effective_batch: int | None = None
     max_latency_ms: float | None = None
     max_memory_mib: float | None = None
 
@@ -89,6 +97,10 @@ class TuneConfig:
             bad = [r for r in self.runtimes if r not in ALL_RUNTIMES]
             if bad or not self.runtimes:
                 raise UsageError(f"--runtimes: unknown {', '.join(bad) or '(empty)'}; choose from {', '.join(ALL_RUNTIMES)}")
+        if self.mode not in ("infer", "train"):
+            raise UsageError(f"--mode must be infer or train, got {self.mode!r}")
+        if self.effective_batch is not None and (self.mode != "train" or self.effective_batch < 1):
+            raise UsageError("--effective-batch needs --mode train and a positive number of samples")
         if self.objective not in OBJECTIVES:
             raise UsageError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         for name, v in (("--max-latency-ms", self.max_latency_ms), ("--max-memory-mib", self.max_memory_mib)):
@@ -153,15 +165,23 @@ class Tuner:
     def __init__(self, cfg: TuneConfig, mf: ModelFile, hw: HardwareSpec, device: torch.device | None = None):
         self.cfg, self.mf, self.hw = cfg, mf, hw
         self.device = device or measuring_device()
-        self.model = mf.model().eval().to(self.device)
+        self.model = mf.model().to(self.device)
+        self.model.train(cfg.mode == "train")
         self.precisions = hw.search_precisions(measure_on_gpu=self.device.type == "cuda")
-        cap_inputs = mf.inputs(2, self.device)
-        with precision_mode("fp32"):
-            self.captured = try_capture(self.model, cap_inputs)
+        if cfg.mode == "train":
+            self.captured = Captured(None, TRAIN_NO_PASSES)
+        else:
+            cap_inputs = mf.inputs(2, self.device)
+            with precision_mode("fp32"):
+                self.captured = try_capture(self.model, cap_inputs)
         self._refs: dict[int, tuple[tuple, Any]] = {}
         self.out_dir = Path(cfg.out_dir)
         default = RUNTIMES_GPU if self.device.type == "cuda" else RUNTIMES_CPU
+        if cfg.mode == "train":
+            default = tuple(r for r in default if r != "cudagraphs")
         self.runtimes = tuple(cfg.runtimes or default)
+        if cfg.mode == "train" and "cudagraphs" in self.runtimes:
+            raise UsageError("--runtimes cudagraphs is for inference; in --mode train use eager or inductor")
         if self.device.type != "cuda" and "cudagraphs" in self.runtimes:
             raise UsageError("--runtimes cudagraphs needs a CUDA GPU; this machine measures on the CPU")
         self.compile_over_budget: str | None = None
@@ -180,7 +200,7 @@ class Tuner:
         digest = hashlib.sha1(key.encode()).hexdigest()[:8]
         cc = self.hw.compute_capability or "cpu"
         obj = "" if self.cfg.objective == "throughput" else f"-{self.cfg.objective}"
-        return f"{self.mf.name}-{self.hw.arch}-{cc}-{self.device.type}-infer{obj}-{digest}"
+        return f"{self.mf.name}-{self.hw.arch}-{cc}-{self.device.type}-{self.cfg.mode}{obj}-{digest}"
 
     def storage_url(self) -> str:
         return self.cfg.storage or f"sqlite:///{(self.out_dir / 'study.db').resolve()}"

@@ -74,3 +74,34 @@ def test_max_error_constraint_rejects_inaccurate_precision(tiny, tmp_path):
     assert best.params["precision"] == "fp32"
     low = [tr for tr in study.trials if tr.params["precision"] == "bf16" and tr.state == optuna.trial.TrialState.COMPLETE]
     assert low and all("relative error" in tr.user_attrs["fail_reason"] for tr in low)
+
+
+TRAINABLE = TINY + '''
+def example_targets(batch_size):
+    return torch.randint(0, 12, (batch_size,))
+def loss_fn(output, targets):
+    return torch.nn.functional.cross_entropy(output, targets)
+'''
+
+
+def test_train_mode_measures_steps_with_accumulation(tmp_path):
+    f = tmp_path / "trainable.py"
+    f.write_text(TRAINABLE)
+    report = optimize(f, TuneConfig(out_dir=str(tmp_path / "out"), batch_sizes=(4, 8), trials=4, quiet=True,
+                                    mode="train", effective_batch=16))
+    done = [t for t in report["trials"] if t["state"] == "COMPLETE"]
+    assert len(done) == 4
+    assert all(not t["params"]["graph_passes"] for t in report["trials"])
+    assert "train step" in done[0]["description"] and "x 4 accumulation" in " ".join(t["description"] for t in done)
+    fp32 = [t for t in done if t["params"]["precision"] == "fp32"]
+    assert fp32 and all(t["max_rel_error"] == 0 for t in fp32)  # same initial weights, same inputs: identical grads
+    bf16 = [t for t in done if t["params"]["precision"] == "bf16"]
+    assert bf16 and all(0 < t["max_rel_error"] < 5e-2 for t in bf16)
+    assert "no engines in --mode train" in report["artifacts"]["onnx_error"]
+    assert "not applied in --mode train" in report["capture"]["reason"]
+
+
+def test_train_mode_needs_loss_fn(tiny, tmp_path):
+    from tctune.errors import ModelFileError
+    with pytest.raises(ModelFileError, match=r"(?s)needs example_targets\(\) and loss_fn\(\).*def loss_fn"):
+        optimize(tiny, TuneConfig(out_dir=str(tmp_path / "out"), batch_sizes=(4,), trials=1, quiet=True, mode="train"))

@@ -1,0 +1,158 @@
+"""``--mode train``: tune a training step (forward, loss, backward, optimizer step).
+
+The metrics are those of the seed article: samples/s, step time and peak memory. Precisions:
+
+- fp32 (TF32 off) and tf32: plain FP32 training.
+- bf16: ``torch.autocast`` without a loss scaler (bf16 has FP32's exponent range).
+- fp16: ``torch.autocast`` with ``torch.amp.GradScaler``; a step whose gradients overflow is skipped by the
+  scaler. Skipped steps are counted; a configuration that skips more than half its timed steps is rejected.
+
+Accuracy: the candidate's gradients after one step on fresh random inputs, from the same initial weights,
+against FP32 gradients (relative L2 error of all parameters' gradients concatenated into one vector). Each trial starts from a fresh copy of
+the initial model and optimizer, so earlier trials' updates do not leak into it.
+
+The optimizer is the model file's ``make_optimizer(params)`` if it defines one, else
+``torch.optim.Adam(params, lr=1e-3)`` (the seed article's choice).
+"""
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+
+from .errors import CandidateRejected, ModelFileError
+from .measure import compare, is_oom, precision_mode, release_memory, time_call
+from .modelfile import SIGNATURES
+from .search import Tuner
+
+LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class TrainTuner(Tuner):
+    """A :class:`~tctune.search.Tuner` whose candidates are training steps."""
+
+    def __init__(self, cfg, mf, hw, device=None):
+        missing = [fn for fn in ("example_targets", "loss_fn") if getattr(mf, fn) is None]
+        if missing:
+            sigs = "\n".join(f"  add: {SIGNATURES[fn]}" for fn in missing)
+            raise ModelFileError(f"{mf.path.name}: --mode train needs {' and '.join(f'{m}()' for m in missing)}\n{sigs}")
+        super().__init__(cfg, mf, hw, device)
+        self.initial_state = copy.deepcopy(self.model.state_dict())
+
+    def targets(self, batch_size: int) -> Any:
+        try:
+            t = self.mf.example_targets(batch_size)
+        except Exception as exc:
+            raise ModelFileError(f"{self.mf.path.name}: example_targets({batch_size}) raised {type(exc).__name__}: {exc}") from exc
+        return t.to(self.device) if isinstance(t, torch.Tensor) else t
+
+    def optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        make = getattr(self.mf, "make_optimizer", None)
+        return make(model.parameters()) if make else torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def fresh_model(self) -> torch.nn.Module:
+        m = copy.deepcopy(self.model)
+        m.load_state_dict(self.initial_state)
+        return m.train()
+
+    def accumulation(self, batch_size: int) -> int:
+        return max(1, math.ceil(self.cfg.effective_batch / batch_size)) if self.cfg.effective_batch else 1
+
+    def reference(self, batch_size: int):
+        """Inputs, targets and the FP32 gradients of one step from the initial weights."""
+        if batch_size not in self._refs:
+            torch.manual_seed(1234 + batch_size)
+            inputs, targets = self.mf.inputs(batch_size, self.device), self.targets(batch_size)
+            model = self.fresh_model()
+            try:
+                with precision_mode("fp32"):
+                    loss = self.mf.loss_fn(model(*inputs), targets)
+                    loss.backward()
+            except Exception as exc:
+                if is_oom(exc):
+                    release_memory(self.device)
+                    raise CandidateRejected(f"the FP32 reference step ran out of memory at batch size {batch_size}") from exc
+                raise
+            grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+            self._refs[batch_size] = ((inputs, targets), grads)
+        return self._refs[batch_size]
+
+    def evaluate(self, params: dict) -> dict:
+        bs, precision, runtime = params["batch_size"], params["precision"], params.get("runtime", "eager")
+        (inputs, targets), ref_grads = self.reference(bs)
+        accum = self.accumulation(bs)
+        model = self.fresh_model()
+        opt = self.optimizer(model)
+        dtype = LOW.get(precision)
+        scaler = torch.amp.GradScaler(self.device.type) if precision == "fp16" else None
+        fwd = torch.compile(model) if runtime.startswith("inductor") else model
+        skipped = {"steps": 0, "skipped": 0}
+
+        def forward_backward():
+            with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
+                loss = self.mf.loss_fn(fwd(*inputs), targets) / accum
+            (scaler.scale(loss) if scaler else loss).backward()
+            return loss
+
+        def step():
+            for _ in range(accum):
+                forward_backward()
+            if scaler:
+                before = scaler.get_scale()
+                scaler.step(opt)
+                scaler.update()
+                skipped["skipped"] += int(scaler.get_scale() < before)
+            else:
+                opt.step()
+            skipped["steps"] += 1
+            opt.zero_grad(set_to_none=True)
+
+        try:
+            with precision_mode(precision):
+                import time as _t
+                t0 = _t.perf_counter()
+                opt.zero_grad(set_to_none=True)
+                loss = forward_backward()
+                if not torch.isfinite(loss.detach()).all():
+                    raise CandidateRejected(f"{precision} training loss is not finite ({float(loss):.3g})")
+                scale = scaler.get_scale() if scaler else 1.0
+                grads = [p.grad.detach().float() / (scale * 1.0) * accum for p in model.parameters() if p.grad is not None]
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                setup_s = _t.perf_counter() - t0 if runtime.startswith("inductor") else 0.0
+                err = compare(torch.cat([g.flatten() for g in grads]), torch.cat([g.float().flatten() for g in ref_grads]))
+                opt.zero_grad(set_to_none=True)
+                timing = time_call(step, bs * accum, self.device, grad=True, single_calls=10,
+                                   target_repeat_s=0.1 if self.device.type == "cuda" else 0.15)
+        except CandidateRejected:
+            raise
+        except Exception as exc:
+            release_memory(self.device)
+            if is_oom(exc):
+                raise CandidateRejected(f"out of memory at batch size {bs}") from exc
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            raise CandidateRejected(f"{runtime} training step failed: {type(exc).__name__}: {first}") from exc
+        if scaler and skipped["steps"] and skipped["skipped"] * 2 > skipped["steps"]:
+            raise CandidateRejected(f"GradScaler skipped {skipped['skipped']} of {skipped['steps']} fp16 steps (gradients overflow)")
+        if err.nonfinite:
+            raise CandidateRejected(f"{precision} gradients hold {err.nonfinite} NaN/inf values")
+        return {
+            "throughput": timing.throughput,
+            "latency_ms": timing.latency_ms,
+            "latency_p50_ms": timing.latency_p50_ms,
+            "latency_p99_ms": timing.latency_p99_ms,
+            "peak_memory_mib": timing.peak_memory_mib,
+            "max_rel_error": err.rel_l2_error,
+            "max_abs_error": err.max_abs_error,
+            "nonfinite": err.nonfinite,
+            "repeats_ms": timing.repeats_ms,
+            "passes": [],
+            "description": f"train step {precision}{' + GradScaler' if scaler else ''}, {runtime}, "
+                           f"micro-batch {bs} x {accum} accumulation",
+            "setup_s": setup_s,
+            "accumulation_steps": accum,
+            "scaler_skipped_steps": skipped["skipped"] if scaler else None,
+            "timed_steps": skipped["steps"],
+        }

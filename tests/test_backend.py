@@ -1,0 +1,228 @@
+"""``torch.compile(model, backend="tctune")``: parity with eager, passes fired, graph breaks, dynamic batch,
+training, fallback, and the entry point. CPU only (Inductor's C++ backend); models are tiny."""
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tctune.backend as tb
+from passes import PIPELINE
+from zoo import TOLERANCES, ZOO, flat_outputs
+
+#: Parity after Inductor (it reorders fp32 sums): looser than the pass tests' torch.testing defaults.
+FP32_TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    # One compile thread: no worker pool to start on this two-core machine.
+    patch = torch._inductor.config.patch(compile_threads=1)
+    patch.__enter__()
+    torch._dynamo.reset()
+    tb.reset()
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = prev
+    torch._dynamo.reset()
+    patch.__exit__(None, None, None)
+
+
+def _assert_close(got, ref, precision: str) -> None:
+    got, ref = flat_outputs(got), flat_outputs(ref)
+    assert len(got) == len(ref)
+    for g, r in zip(got, ref):
+        assert g.shape == r.shape and g.dtype == r.dtype
+        if precision == "fp32":
+            torch.testing.assert_close(g, r, **FP32_TOL)
+        else:
+            err = ((g.double() - r.double()).norm() / r.double().norm().clamp_min(1e-12)).item()
+            assert err <= TOLERANCES[precision]["rel_l2"], f"{precision}: relative L2 error {err:.2e}"
+
+
+def _counts() -> dict[str, int]:
+    """Rewrites per pass summed over every subgraph tctune compiled since the last reset."""
+    out: dict[str, int] = {}
+    for rep in tb.reports:
+        for r in rep.results:
+            out[r.name] = out.get(r.name, 0) + r.count
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ parity
+
+
+@pytest.mark.parametrize(
+    "name,precision,fired",
+    [
+        ("mlp", "bf16", {"pad_linear_dims": 2, "cast_precision": 1}),
+        ("simple_cnn", "bf16", {"pad_linear_dims": 1, "cast_precision": 1}),
+        ("conv_bn", "fp32", {"fold_conv_batchnorm": 2}),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_backend_matches_eager_and_passes_fire(name, precision, fired):
+    entry = ZOO[name]
+    model = entry.build()
+    # target h100: plan for Tensor Core alignment (8 elements at bf16) even on this CPU machine.
+    compiled = torch.compile(model, backend=tb.backend(precision=precision, target="h100"))
+    torch.manual_seed(1)
+    x = entry.example_inputs(3)
+    with torch.no_grad():
+        _assert_close(compiled(*x), model(*x), precision)
+    counts = _counts()
+    assert all(not rep.fallback for rep in tb.reports), [rep.fallback for rep in tb.reports]
+    for pass_name, at_least in fired.items():
+        assert counts.get(pass_name, 0) >= at_least, counts
+
+
+@pytest.mark.slow  # about 40 s on two shared cores: Dynamo + Inductor on a whole (small) BERT
+def test_backend_bert_matches_eager_bf16():
+    pytest.importorskip("transformers")
+    entry = ZOO["bert"]
+    model = entry.build()
+    compiled = torch.compile(model, backend=tb.backend(precision="bf16", target="h100"))
+    torch.manual_seed(1)
+    x = entry.example_inputs(2)
+    with torch.no_grad():
+        _assert_close(compiled(*x).last_hidden_state, model(*x).last_hidden_state, "bf16")
+    assert all(not rep.fallback for rep in tb.reports), [rep.fallback for rep in tb.reports]
+    assert _counts().get("cast_precision", 0) > 0
+
+
+def test_backend_defaults_to_fp32_on_cpu():
+    entry = ZOO["mlp"]
+    model = entry.build()
+    compiled = torch.compile(model, backend="tctune")
+    x = entry.example_inputs(3)
+    with torch.no_grad():
+        _assert_close(compiled(*x), model(*x), "fp32")
+    assert tb.reports and tb.reports[-1].precision == "fp32"
+    assert [r.name for r in tb.last_results] == list(PIPELINE)
+
+
+def test_backend_string_name_takes_options():
+    entry = ZOO["mlp"]
+    model = entry.build()
+    compiled = torch.compile(model, backend="tctune", options={"precision": "bf16", "pad": False})
+    x = entry.example_inputs(3)
+    with torch.no_grad():
+        _assert_close(compiled(*x), model(*x), "bf16")
+    assert tb.reports[-1].precision == "bf16"
+    assert [r.name for r in tb.last_results] == [n for n in PIPELINE if n != "pad_linear_dims"]
+
+
+def test_backend_rejects_unknown_option():
+    with pytest.raises(ValueError, match="precision"):
+        tb.backend(precision="fp64")
+    with pytest.raises(ValueError, match="unknown pass"):
+        tb.backend(passes=["no_such_pass"])
+
+
+# ------------------------------------------------------------------------------------------------ graphs
+
+
+class _Broken(nn.Module):
+    """Two linears with a graph break between them: Dynamo makes two subgraphs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(11, 13)
+        self.b = nn.Linear(13, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(x)
+
+
+def test_backend_graph_break_compiles_each_subgraph():
+    torch.manual_seed(0)
+    model = _Broken().eval()
+    compiled = torch.compile(model, backend=tb.backend(precision="bf16", target="h100"))
+    x = torch.randn(4, 11)
+    with torch.no_grad():
+        _assert_close(compiled(x), model(x), "bf16")
+    assert len(tb.reports) == 2 and all(not rep.fallback for rep in tb.reports)
+    assert all(rep.count("pad_linear_dims") == 1 for rep in tb.reports)
+
+
+def test_backend_dynamic_batch_matches_at_two_sizes():
+    entry = ZOO["simple_cnn"]
+    model = entry.build()
+    compiled = torch.compile(model, backend=tb.backend(precision="fp32"), dynamic=True)
+    with torch.no_grad():
+        for batch in (3, 5):
+            x = entry.example_inputs(batch)
+            _assert_close(compiled(*x), model(*x), "fp32")
+    assert tb.reports and all(not rep.fallback for rep in tb.reports)
+
+
+# ------------------------------------------------------------------------------------------------ training
+
+
+def test_backend_training_grads_match_eager():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(8 * 6 * 6, 7)).train()
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=tb.backend(precision="fp32"))
+    x = torch.randn(4, 3, 6, 6)
+    compiled(x).square().sum().backward()
+    eager(x).square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4, msg=f"grad of {name}")
+    torch.testing.assert_close(model[1].running_mean, eager[1].running_mean, **FP32_TOL)
+    rep = tb.reports[-1]
+    assert rep.training and not rep.fallback and rep.frozen == []
+    fold = next(r for r in rep.results if r.name == "fold_conv_batchnorm")
+    assert fold.count == 0
+
+
+# ------------------------------------------------------------------------------------------------ fallback
+
+
+def test_backend_falls_back_to_inductor_when_a_pass_raises(monkeypatch, caplog):
+    def boom(gm, spec, names=()):
+        raise RuntimeError("injected pass failure")
+
+    monkeypatch.setattr(tb, "run_pipeline", boom)
+    entry = ZOO["mlp"]
+    model = entry.build()
+    compiled = torch.compile(model, backend=tb.backend(precision="bf16"))
+    x = entry.example_inputs(3)
+    with caplog.at_level(logging.WARNING, logger="tctune"), torch.no_grad():
+        _assert_close(compiled(*x), model(*x), "fp32")  # plain Inductor: fp32 numbers
+    assert "injected pass failure" in caplog.text and "falling back" in caplog.text
+    assert tb.reports[-1].fallback and tb.last_results == []
+
+
+# ------------------------------------------------------------------------------------------------ entry point
+
+
+def test_entry_point_is_declared():
+    eps = importlib.metadata.entry_points(group="torch_dynamo_backends")
+    assert "tctune" in {ep.name for ep in eps}
+    assert next(ep for ep in eps if ep.name == "tctune").load() is tb.tctune_backend
+
+
+@pytest.mark.slow  # a fresh interpreter imports torch and compiles: about 15 s here
+def test_entry_point_resolves_without_importing_tctune():
+    code = (
+        "import sys, torch; assert 'tctune' not in sys.modules; "
+        "assert 'tctune' in torch._dynamo.list_backends(); "
+        "m = torch.nn.Linear(4, 4); f = torch.compile(m, backend='tctune'); print(f(torch.randn(2, 4)).shape)"
+    )
+    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "torch.Size([2, 4])" in proc.stdout
