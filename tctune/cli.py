@@ -69,6 +69,21 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
         ) from None
 
 
+def parse_devices(text: str) -> tuple[int, ...]:
+    """``"0,1"`` → (0, 1).
+
+    Raises:
+        UsageError: not a comma list of non-negative integers.
+    """
+    try:
+        devices = tuple(int(x) for x in text.split(",") if x.strip())
+        if not devices or min(devices) < 0:
+            raise ValueError
+        return devices
+    except ValueError:
+        raise UsageError(f"invalid --devices {text!r}\n  fix: a comma list of GPU indices, e.g. 0,1") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tctune",
@@ -110,6 +125,10 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--max-memory-mib", type=float, metavar="MIB", help="constraint: peak CUDA memory at most this")
     o.add_argument("--target", metavar="NAME", help="plan for this GPU (sm_XX, h100, a100, ...): its alignment; measuring stays on this machine")
     o.add_argument("--storage", metavar="URL", help="Optuna storage URL to share a study (default: sqlite file OUT/study.db)")
+    o.add_argument("--devices", metavar="LIST",
+                   help="GPU indices, e.g. 0,1: one worker process per GPU on the same study (this process "
+                        "measures on the first); the study is shared through --storage or OUT/study.db")
+    o.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     o.add_argument("--seed", type=int, default=0, help="sampler seed (default %(default)s)")
     o.add_argument("--runtimes", metavar="LIST",
                    help="execution backends to search: eager, cudagraphs, inductor, inductor-max-autotune "
@@ -173,10 +192,12 @@ def _cmd_optimize(args) -> int:
                      seed=args.seed, export=not args.no_export, quiet=args.quiet,
                      runtimes=tuple(x.strip() for x in args.runtimes.split(",") if x.strip()) if args.runtimes else None,
                      compile_budget_s=args.compile_budget, objective=args.objective, mode=args.mode,
-                     effective_batch=args.effective_batch,
+                     effective_batch=args.effective_batch, worker=args.worker,
+                     devices=parse_devices(args.devices) if args.devices else None,
                      max_latency_ms=args.max_latency_ms, max_memory_mib=args.max_memory_mib)
     report = optimize(args.model_file, cfg)
-    print(_summary(report, out))
+    if not cfg.worker:
+        print(_summary(report, out))
     return 0
 
 

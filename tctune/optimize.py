@@ -6,12 +6,17 @@ FP32 eager) → export the best (ONNX, TensorRT where importable) → ``report.j
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import os
 import platform
+import subprocess
+import sys
 from pathlib import Path
 
+import optuna
 import torch
 
 from . import __version__
@@ -45,6 +50,38 @@ def measured_on(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)}), torch {torch.__version__}"
     return f"cpu ({platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads), torch {torch.__version__}"
+
+
+def check_devices(cfg: TuneConfig) -> list[int]:
+    """The GPU indices of ``--devices`` (empty without it, and in a worker, which sees one GPU).
+
+    Raises:
+        UsageError: no CUDA, or an index this machine does not have.
+    """
+    if not cfg.devices or cfg.worker:
+        return []
+    if not torch.cuda.is_available():
+        raise UsageError("--devices needs CUDA GPUs and torch sees none\n  fix: drop --devices to measure on this machine's CPU")
+    n = torch.cuda.device_count()
+    bad = [d for d in cfg.devices if d >= n]
+    if bad:
+        raise UsageError(f"--devices {','.join(map(str, bad))}: this machine has GPUs 0..{n - 1}")
+    return list(cfg.devices)
+
+
+def worker_args(cfg: TuneConfig, storage: str, index: int) -> list[str]:
+    """Command-line options that make a worker process run ``cfg``'s search on the shared study."""
+    args = ["--out", cfg.out_dir, "--storage", storage, "--worker", "--quiet", "--no-export",
+            "--trials", str(cfg.trials), "--batch-sizes", ",".join(map(str, cfg.batch_sizes)),
+            "--max-error", repr(cfg.max_error), "--seed", str(cfg.seed + index), "--objective", cfg.objective,
+            "--mode", cfg.mode, "--compile-budget", repr(cfg.compile_budget_s)]
+    optional = {"--timeout": cfg.timeout_s, "--target": cfg.target, "--max-latency-ms": cfg.max_latency_ms,
+                "--max-memory-mib": cfg.max_memory_mib, "--effective-batch": cfg.effective_batch,
+                "--runtimes": ",".join(cfg.runtimes) if cfg.runtimes else None}
+    for flag, value in optional.items():
+        if value is not None:
+            args += [flag, str(value)]
+    return args
 
 
 def export_best(tuner: Tuner, params: dict, out: Path) -> tuple[dict, list[dict]]:
@@ -114,17 +151,39 @@ def optimize(model_path: str | Path, cfg: TuneConfig) -> dict:
     mf = load_model_file(model_path)
     hw: HardwareSpec = resolve(cfg.target)
     out = check_out_dir(cfg.out_dir)
+    devices = check_devices(cfg)
+    workers: list[tuple[int, subprocess.Popen]] = []
+    if len(devices) > 1:  # this process measures on the first GPU, one worker process on each other
+        cfg = dataclasses.replace(cfg, trials=math.ceil(cfg.trials / len(devices)))
+    device = torch.device(f"cuda:{devices[0]}") if devices else None
     if cfg.mode == "train":
         from .train import TrainTuner
-        tuner: Tuner = TrainTuner(cfg, mf, hw)
+        tuner: Tuner = TrainTuner(cfg, mf, hw, device)
     else:
-        tuner = Tuner(cfg, mf, hw)
+        tuner = Tuner(cfg, mf, hw, device)
+    if len(devices) > 1:
+        tuner.create_study()  # enqueue the baselines and fail interrupted trials once, before workers start
+        for i, d in enumerate(devices[1:], start=1):
+            cmd = [sys.executable, "-m", "tctune", "optimize", str(mf.path), *worker_args(cfg, tuner.storage_url(), i)]
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(d))
+            log.info("worker on GPU %d: %d trials", d, cfg.trials)
+            workers.append((d, subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)))
     cc = f", compute capability {hw.compute_capability}" if hw.compute_capability else ""
     log.info("hardware spec: %s (%s%s); measuring on %s; precisions %s", hw.name, hw.arch, cc,
              tuner.device, ", ".join(tuner.precisions))
     if not tuner.captured.ok:
         log.warning("graph passes disabled: %s", tuner.captured.reason)
     study = tuner.run()
+    worker_status = []
+    for d, proc in workers:
+        _, err = proc.communicate()
+        worker_status.append({"device": d, "returncode": proc.returncode,
+                              "error": err.strip().splitlines()[-1] if proc.returncode and err.strip() else None})
+        if proc.returncode:
+            log.warning("worker on GPU %d exited with %d: %s", d, proc.returncode, worker_status[-1]["error"])
+    if cfg.worker:
+        return {"worker": True, "study": study.study_name, "n_trials": len(study.trials)}
+    study = optuna.load_study(study_name=study.study_name, storage=tuner.storage_url())
     bt = best_trial(study)
     artifacts: dict = {}
     passes: list[dict] = []
@@ -149,7 +208,7 @@ def optimize(model_path: str | Path, cfg: TuneConfig) -> dict:
         passes=passes,
         artifacts=artifacts,
         capture={"ok": tuner.captured.ok, "reason": tuner.captured.reason},
-        extra={"plots": plots},
+        extra={"plots": plots, "workers": worker_status},
     )
     write_report(report, out)
     return report

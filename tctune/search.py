@@ -71,6 +71,8 @@ class TuneConfig:
         mode: ``infer`` (forward passes) or ``train`` (forward, loss, backward, optimizer step).
         effective_batch: training only: samples per optimizer step, reached by gradient accumulation over
             micro-batches of the searched batch size (None: one micro-batch per step).
+        devices: CUDA device indices; with more than one, one worker process per GPU shares the study.
+        worker: this process is a worker started by ``devices`` (no export, no report).
     """
 
     out_dir: str
@@ -88,6 +90,8 @@ class TuneConfig:
     objective: str = "throughput"
     mode: str = "infer"
     effective_batch: int | None = None
+    devices: tuple[int, ...] | None = None
+    worker: bool = False
     max_latency_ms: float | None = None
     max_memory_mib: float | None = None
 
@@ -101,6 +105,9 @@ class TuneConfig:
             raise UsageError(f"--mode must be infer or train, got {self.mode!r}")
         if self.effective_batch is not None and (self.mode != "train" or self.effective_batch < 1):
             raise UsageError("--effective-batch needs --mode train and a positive number of samples")
+        if self.devices is not None and (not self.devices or len(set(self.devices)) != len(self.devices)
+                                         or any(d < 0 for d in self.devices)):
+            raise UsageError(f"--devices must be distinct GPU indices such as 0,1 — got {self.devices}")
         if self.objective not in OBJECTIVES:
             raise UsageError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         for name, v in (("--max-latency-ms", self.max_latency_ms), ("--max-memory-mib", self.max_memory_mib)):
@@ -185,6 +192,7 @@ class Tuner:
         if self.device.type != "cuda" and "cudagraphs" in self.runtimes:
             raise UsageError("--runtimes cudagraphs needs a CUDA GPU; this machine measures on the CPU")
         self.compile_over_budget: str | None = None
+        self._opened = False
 
     # -- search space ---------------------------------------------------------------------------------
     @property
@@ -313,17 +321,26 @@ class Tuner:
                     storage = optuna.storages.RDBStorage(url, heartbeat_interval=30, grace_period=120)
             else:
                 storage = url
-            study = optuna.create_study(study_name=self.study_name(), storage=storage,
-                                        directions=list(OBJECTIVES[self.cfg.objective]), sampler=sampler,
-                                        load_if_exists=True)
+            for attempt in (1, 2):  # two workers creating the same study at once: the loser loads it
+                try:
+                    study = optuna.create_study(study_name=self.study_name(), storage=storage,
+                                                directions=list(OBJECTIVES[self.cfg.objective]), sampler=sampler,
+                                                load_if_exists=True)
+                    break
+                except optuna.exceptions.DuplicatedStudyError:
+                    if attempt == 2:
+                        raise
+                    time.sleep(0.5)
         except Exception as exc:
             raise UsageError(
                 f"cannot open the study storage {url}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}\n"
                 f"  fix: check --storage (an Optuna storage URL such as sqlite:///study.db or "
                 f"postgresql://user@host/db) and that the server is reachable") from exc
-        if self.cfg.storage is None:
-            # The default SQLite study has one worker: a trial still RUNNING was cut off by a killed process.
+        if self.cfg.storage is None and not self._opened:
+            # The default SQLite study has one tctune process (it starts any workers itself, after this):
+            # a trial still RUNNING was cut off by a killed process.
             self.fail_interrupted(study, storage)
+        self._opened = True
         if not study.trials:
             for bs in self.cfg.batch_sizes:  # FP32 eager baselines, one per batch size
                 study.enqueue_trial({"batch_size": bs, "precision": "fp32", "graph_passes": False, "runtime": "eager"})
@@ -334,13 +351,19 @@ class Tuner:
                                              "graph_passes": True, "runtime": "eager"})
         return study
 
-    def skip_reason(self, study: optuna.Study, params: dict) -> str | None:
+    def skip_reason(self, study: optuna.Study, params: dict, number: int = 1 << 62) -> str | None:
         """Why ``params`` need not be measured: already measured, a smaller batch with the same settings
         ran out of memory, or compiles are over budget. None when it should be measured."""
         same_settings = {k: v for k, v in params.items() if k != "batch_size"}
         done = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
-        for prev in study.get_trials(deepcopy=False, states=done):
+        for prev in study.get_trials(deepcopy=False, states=done + (optuna.trial.TrialState.RUNNING,)):
+            if prev.number == number:
+                continue
             if prev.params == params:
+                if prev.state == optuna.trial.TrialState.RUNNING:
+                    if prev.number < number:  # another worker took it first
+                        return f"duplicate of trial {prev.number} (being measured by another worker)"
+                    continue
                 what = "measured" if prev.state == optuna.trial.TrialState.COMPLETE else "failed"
                 return f"duplicate of trial {prev.number} ({what}; not run again)"
             reason = prev.user_attrs.get("fail_reason") or ""
@@ -368,7 +391,7 @@ class Tuner:
     def objective(self, trial: optuna.Trial) -> float:
         space = self.space()
         params = {k: trial.suggest_categorical(k, v) for k, v in space.items()}
-        skip = self.skip_reason(trial.study, params)
+        skip = self.skip_reason(trial.study, params, trial.number)
         if skip:
             trial.set_user_attr("fail_reason", skip)
             raise optuna.TrialPruned(skip)

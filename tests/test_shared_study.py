@@ -1,0 +1,74 @@
+"""Several tctune processes on one Optuna study (--storage): nothing lost, nothing measured twice."""
+import json
+import os
+import subprocess
+import sys
+
+import optuna
+import pytest
+
+from tctune.cli import _parser, parse_devices
+from tctune.errors import UsageError
+from tctune.optimize import check_devices, worker_args
+from tctune.search import TuneConfig
+
+TINY = '''
+import torch
+def build_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 12))
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 24),)
+'''
+
+PG_URL = os.environ.get("TCTUNE_TEST_POSTGRES_URL")
+REQUIRED = os.environ.get("TCTUNE_REQUIRE_POSTGRES") == "1"  # set by .ci/run, which starts the server
+
+
+def test_postgres_is_available_where_required():
+    if REQUIRED:
+        assert PG_URL, ".ci/run must start PostgreSQL and set TCTUNE_TEST_POSTGRES_URL"
+
+
+@pytest.mark.skipif(not PG_URL, reason="no PostgreSQL server: set TCTUNE_TEST_POSTGRES_URL (.ci/run starts one)")
+def test_two_workers_share_one_postgres_study(tmp_path):
+    model = tmp_path / f"tiny_shared_{os.getpid()}.py"  # a study name of its own on a shared server
+    model.write_text(TINY)
+    procs = []
+    for seed in (0, 1):
+        cmd = [sys.executable, "-m", "tctune", "optimize", str(model), "--storage", PG_URL, "--out", str(tmp_path / f"w{seed}"),
+               "--batch-sizes", "4,16", "--trials", "4", "--seed", str(seed), "--quiet", "--no-export"]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err
+    report = json.loads((tmp_path / "w0" / "report.json").read_text())
+    study = optuna.load_study(study_name=report["study"]["name"], storage=PG_URL)
+    trials = study.trials
+    assert len(trials) == 8  # 4 + 4: no trial lost
+    complete = [json.dumps(t.params, sort_keys=True) for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(complete) == len(set(complete))  # nothing measured twice
+    assert len(complete) >= 4
+    for t in trials:
+        assert t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+        if t.state == optuna.trial.TrialState.PRUNED:
+            assert "duplicate" in t.user_attrs["fail_reason"]
+    optuna.delete_study(study_name=study.study_name, storage=PG_URL)
+
+
+def test_worker_args_round_trip_through_the_cli():
+    cfg = TuneConfig(out_dir="o", batch_sizes=(8, 32), trials=5, max_error=0.02, target="h100", seed=3,
+                     objective="pareto", max_latency_ms=4.5, runtimes=("eager", "inductor"), compile_budget_s=60.0)
+    args = _parser().parse_args(["optimize", "m.py", *worker_args(cfg, "sqlite:///x.db", 2)])
+    assert args.worker and args.storage == "sqlite:///x.db" and args.seed == 5
+    assert (args.batch_sizes, args.trials, args.max_error, args.target) == ("8,32", "5" and 5, 0.02, "h100")
+    assert (args.objective, args.max_latency_ms, args.runtimes, args.compile_budget) == ("pareto", 4.5, "eager,inductor", 60.0)
+
+
+def test_devices_need_cuda_here():
+    if __import__("torch").cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(UsageError, match="--devices needs CUDA"):
+        check_devices(TuneConfig(out_dir="o", devices=(0, 1)))
+    with pytest.raises(UsageError):
+        parse_devices("0,x")
