@@ -13,15 +13,40 @@ import torch
 from passes.base import DEFAULT_KEEP_LIST, PassFailure, PassResult, PassSpec, Skip
 from passes.cast_precision import cast_precision
 from passes.fold_bn import fold_conv_batchnorm
+from passes.fuse_attention import fuse_attention
+from passes.fuse_epilogue import fuse_epilogue
+from passes.fuse_qkv import fuse_qkv
 from passes.pad_linear import pad_linear_dims
+from passes.pad_conv import pad_conv_channels
+from passes.pad_matmul import pad_matmul_dims
+from passes.simplify_attention_mask import simplify_attention_mask
 
-#: The default order: fold BN first (fewer ops to cast), pad next (padded weights are then cast once),
-#: cast precision last (it sees the final set of ops and weights).
-PIPELINE: tuple[str, ...] = ("fold_conv_batchnorm", "pad_linear_dims", "cast_precision")
+#: The default order: fold BN first (fewer ops to cast); fuse hand-written attention into SDPA *before*
+#: simplifying masks (so an all-zero float mask that the fusion hands to SDPA is dropped too); fuse QKV
+#: before padding (the fused N is padded once); pad before the epilogue fusion (which looks through
+#: pad_linear_dims' slice, so padded linears keep their padding and still get the epilogue); cast
+#: precision last (it sees the final set of ops and weights).
+PIPELINE: tuple[str, ...] = (
+    "fold_conv_batchnorm",
+    "fuse_attention",
+    "simplify_attention_mask",
+    "fuse_qkv",
+    "pad_linear_dims",
+    "pad_matmul_dims",
+    "pad_conv_channels",
+    "fuse_epilogue",
+    "cast_precision",
+)
 
 PASSES: dict[str, Callable[[torch.fx.GraphModule, PassSpec], PassResult]] = {
     "fold_conv_batchnorm": fold_conv_batchnorm,
+    "fuse_attention": fuse_attention,
+    "simplify_attention_mask": simplify_attention_mask,
+    "fuse_qkv": fuse_qkv,
     "pad_linear_dims": pad_linear_dims,
+    "pad_matmul_dims": pad_matmul_dims,
+    "pad_conv_channels": pad_conv_channels,
+    "fuse_epilogue": fuse_epilogue,
     "cast_precision": cast_precision,
 }
 
@@ -73,6 +98,12 @@ __all__ = [
     "Skip",
     "cast_precision",
     "fold_conv_batchnorm",
+    "fuse_attention",
+    "fuse_epilogue",
+    "fuse_qkv",
+    "pad_conv_channels",
     "pad_linear_dims",
+    "pad_matmul_dims",
     "run_pipeline",
+    "simplify_attention_mask",
 ]

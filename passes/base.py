@@ -92,6 +92,10 @@ class PassSpec:
         arch: architecture name for reports (``"Hopper"``, ``"cpu"``, ...).
         keep_list: ATen op names kept in FP32 by the precision pass.
         training: True when the graph will be trained (eval-only folds are skipped).
+        fp32_nodes: FX node names whose values overflow the low dtype (``passes.calibrate.overflow_nodes``):
+            the precision pass computes them, and every op reading them, in FP32.
+        overflow_margin: the head-room factor ``fp32_nodes`` was chosen with (max |x| > limit / margin),
+            quoted in the precision pass's skip reasons.
     """
 
     precision: str = "fp32"
@@ -99,6 +103,8 @@ class PassSpec:
     arch: str = "cpu"
     keep_list: frozenset = DEFAULT_KEEP_LIST
     training: bool = False
+    fp32_nodes: frozenset = frozenset()
+    overflow_margin: float = 2.0
 
     def __post_init__(self) -> None:
         if self.precision not in _DTYPES:

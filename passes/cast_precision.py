@@ -19,6 +19,27 @@ of placeholders and ``get_attr`` nodes (``meta`` is not updated by FX, so the pa
   and factory-op outputs such as ``aten.full``, get a cast down), so mixing never silently promotes back to
   FP32; its floating outputs are then low. Explicit conversions in the model (``aten._to_copy``,
   ``aten.to.dtype``, ops given a ``dtype=``) keep their inputs and output dtype.
+* Residual stream in FP32, as ``torch.autocast`` does it. Under autocast ``add(linear_out_bf16,
+  residual_fp32)`` promotes to FP32, so the residual stream of a transformer stays FP32 between norms;
+  rounding it to bf16 at every layer doubled BERT-base's error on the H200 (relative L2 1.2e-2 against
+  autocast's 5.5e-3, benchmarks/NOTES.md 2026-11-30). So an elementwise ``add`` / ``sub`` whose original
+  output is FP32 runs in FP32 (inputs cast up) when (a) its output feeds a keep-list op (the add before a
+  layer_norm / softmax), or (b) one of its floating inputs is an *FP32 anchor*: the FP32 output of a
+  keep-list op, of such a residual add, or of a layout/identity op (view, reshape, transpose, dropout,
+  ...) applied to an anchor (these ops follow their input's dtype under autocast, so they stay FP32 here
+  too, and the cast down moves to the GEMM that reads them). The skip reason names the rule
+  (``"residual: add stays FP32 (feeds layer_norm)"``). Weights are unaffected: a linear's weight is still
+  stored low; only the activations entering these adds are cast up.
+* Embedding tables read only by ``aten.embedding`` stay FP32 and the lookup runs in the table's dtype, as
+  under autocast (a lookup is a gather: no Tensor Core work to gain). Rounding BERT's tables to bf16 put a
+  2e-3 relative error into the whole residual stream (measured on tests/zoo.py's small BERT on the CPU);
+  an FP32 lookup is an FP32 anchor. A table tied to an LM head is stored low, like every linear weight,
+  and its lookups are low.
+* Overflow (``spec.fp32_nodes``, from ``passes.calibrate``): a node whose calibrated max |x| exceeds the
+  low dtype's range / margin runs in FP32 (inputs cast up, FP32 weights), and so does every op reading it
+  (casting its value down would overflow there). The reason quotes the value and the source module from
+  ``node.meta["nn_module_stack"]``: ``"overflow: max |x| 7.1e4 > 65504/2 at fp16 (module
+  encoder.layer.3.output.dense)"``.
 * Integer and bool tensors are never cast; symbolic-size queries, guards and asserts are left alone.
 * Graph outputs are cast back to their original dtypes, so the caller sees eager's dtypes and shapes.
 
@@ -36,6 +57,7 @@ from torch import fx
 
 from passes._graph import copy_meta, fake_from_tensor, finish, get_attr_value, op_name, set_attr_tensor
 from passes.base import PassResult, PassSpec, Skip
+from passes.calibrate import FINITE_MAX, MAX_ABS_META, source_module
 
 NAME = "cast_precision"
 
@@ -46,6 +68,15 @@ _PASSTHROUGH = frozenset(
     {
         "sym_size", "sym_numel", "sym_stride", "sym_storage_offset", "_assert_scalar", "_assert_async",
         "_assert_tensor_metadata", "sym_constrain_range", "sym_constrain_range_for_size", "_local_scalar_dense",
+    }
+)
+#: Elementwise ops that run in FP32 on the residual stream (see the module docstring).
+_RESIDUAL_OPS = frozenset({"add", "sub"})
+#: Layout / identity ops whose output dtype follows their input under autocast: an FP32 anchor stays FP32.
+_FOLLOW_OPS = frozenset(
+    {
+        "dropout", "view", "_unsafe_view", "reshape", "transpose", "permute", "contiguous", "clone", "select",
+        "slice", "expand", "unsqueeze", "squeeze", "alias", "detach", "t", "flatten",
     }
 )
 #: Meta-only outputs: shape/type of the input matters, not its values.
@@ -82,7 +113,9 @@ def cast_precision(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
     orig = {n: _dtypes(n.meta.get("val")) for n in nodes}
     new: dict[fx.Node, Any] = {}
     rewriter = _Caster(gm, new)
-    weights_low, weights_fp32 = _cast_weights(gm, nodes, keep, low, new)
+    overflow = _overflow_reasons(nodes, spec)
+    weights_low, weights_fp32 = _cast_weights(gm, nodes, keep, low, new, frozenset(overflow))
+    anchors: set[fx.Node] = set()  # FP32 values from keep-list ops / the residual stream (module docstring)
 
     for node in nodes:
         if node.op in ("placeholder", "get_attr"):
@@ -101,6 +134,8 @@ def cast_precision(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
             is_seq = isinstance(parent, (list, tuple)) and isinstance(idx, int) and -len(parent) <= idx < len(parent)
             new[node] = parent[idx] if is_seq else orig[node]
             _retype_meta(node, orig[node], new[node])
+            if node.args[0] in anchors and new[node] == torch.float32:
+                anchors.add(node)
             continue
         if not isinstance(node.target, torch._ops.OpOverload):
             # Python-level ops (symbolic int arithmetic): no tensors to cast.
@@ -124,7 +159,42 @@ def cast_precision(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
             new[node] = orig[node]
             if _has_float(orig[node]) or _has_float_input(node, orig):
                 result.skipped.append(Skip(node.name, f"keep-list: {name} stays FP32"))
+            if _has_fp32(orig[node]):
+                anchors.add(node)
             continue
+        if name == "embedding":
+            # A lookup runs in its table's dtype (FP32 table: FP32 anchor; low table, e.g. a tied LM head: low).
+            table = new.get(node.args[0])
+            new[node] = table if isinstance(table, torch.dtype) else orig[node]
+            _retype_meta(node, orig[node], new[node])
+            if new[node] == torch.float32:
+                anchors.add(node)
+            elif _lowered(orig[node], new[node]):
+                result.changed.append(node.name)
+                result.count += 1
+            continue
+        if node.name in overflow:
+            # Calibration saw values the low dtype cannot hold here (or this op reads such a value): FP32.
+            rewriter.map_inputs(node, lambda arg: orig.get(arg))
+            new[node] = orig[node]
+            if _has_fp32(orig[node]):
+                anchors.add(node)
+            result.skipped.append(Skip(node.name, overflow[node.name]))
+            continue
+        if orig[node] == torch.float32 and name in _FOLLOW_OPS and _all_float_inputs_in(node, anchors, new):
+            # Layout / identity op on an FP32 anchor: follows its input's dtype, as under autocast.
+            new[node] = orig[node]
+            anchors.add(node)
+            continue
+        if orig[node] == torch.float32 and name in _RESIDUAL_OPS:
+            reason = _residual_reason(node, name, keep, anchors, new)
+            if reason is not None:
+                # Residual add / sub: FP32 like autocast's type promotion (inputs cast up, output FP32).
+                rewriter.map_inputs(node, lambda arg: orig.get(arg))
+                new[node] = orig[node]
+                anchors.add(node)
+                result.skipped.append(Skip(node.name, reason))
+                continue
         had_float = rewriter.map_inputs(node, lambda arg: low)
         new[node] = _lower(orig[node], low) if had_float else orig[node]
         _retype_meta(node, orig[node], new[node])
@@ -188,10 +258,48 @@ class _Caster:
         return self.cache[key]
 
 
+def _overflow_reasons(nodes: list[fx.Node], spec: PassSpec) -> dict[str, str]:
+    """``{node name: skip reason}`` for the ops that run FP32 for overflow: ``spec.fp32_nodes`` and their readers."""
+    if not spec.fp32_nodes:
+        return {}
+    limit = FINITE_MAX.get(spec.precision, float("inf"))
+    reasons: dict[str, str] = {}
+    for node in nodes:
+        if node.op != "call_function":
+            continue
+        where = source_module(node)
+        module = f" (module {where})" if where else ""
+        if node.name in spec.fp32_nodes:
+            peak = node.meta.get(MAX_ABS_META)
+            seen = f"max |x| {_sci(peak)}" if isinstance(peak, float) else "calibrated out of range"
+            reasons[node.name] = (
+                f"overflow: {seen} > {limit:g}/{spec.overflow_margin:g} at {spec.precision}{module}"
+            )
+            continue
+        big = [a for a in node.all_input_nodes if a.name in spec.fp32_nodes]
+        if big:
+            reasons[node.name] = f"overflow: reads {big[0].name}, out of {spec.precision} range{module}"
+    return reasons
+
+
+def _sci(x: float) -> str:
+    """``71000.0`` -> ``"7.1e4"`` (scientific notation without the ``+0`` padding)."""
+    mantissa, exponent = f"{x:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
 def _cast_weights(
-    gm: fx.GraphModule, nodes: list[fx.Node], keep: frozenset, low: torch.dtype, new: dict
+    gm: fx.GraphModule,
+    nodes: list[fx.Node],
+    keep: frozenset,
+    low: torch.dtype,
+    new: dict,
+    fp32_ops: frozenset = frozenset(),
 ) -> tuple[list[str], list[str]]:
-    """Store floating weights read only by non-keep-list ops in ``low``; returns (low names, FP32 names)."""
+    """Store floating weights read only by non-keep-list ops in ``low``; returns (low names, FP32 names).
+
+    ``fp32_ops``: names of further ops that compute in FP32 (overflow), whose weights stay FP32 too.
+    """
     by_tensor: dict[int, list[fx.Node]] = {}
     tensors: dict[int, torch.Tensor] = {}
     for node in nodes:
@@ -205,8 +313,12 @@ def _cast_weights(
     weights_fp32: list[str] = []
     for key, attr_nodes in by_tensor.items():
         users = [u for n in attr_nodes for u in n.users]
-        # Read by a keep-list op (or handed out as an output): stays FP32.
-        if not users or any(_reads_fp32(u, keep) for u in users):
+        # Read by a keep-list op (or handed out as an output), or an embedding table no GEMM reads: FP32.
+        if (
+            not users
+            or any(_reads_fp32(u, keep) or u.name in fp32_ops for u in users)
+            or all(_is_lookup(u, attr_nodes) for u in users)
+        ):
             weights_fp32.extend(sorted({n.target for n in attr_nodes}))
             continue
         low_tensor = tensors[key].detach().to(low)
@@ -229,6 +341,16 @@ def _reads_fp32(user: fx.Node, keep: frozenset) -> bool:
     if user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload):
         return False
     return op_name(user) in keep
+
+
+def _is_lookup(user: fx.Node, attr_nodes: list[fx.Node]) -> bool:
+    """Whether ``user`` is an ``aten.embedding`` reading one of ``attr_nodes`` as its table."""
+    return (
+        user.op == "call_function"
+        and isinstance(user.target, torch._ops.OpOverload)
+        and op_name(user) == "embedding"
+        and user.args[0] in attr_nodes
+    )
 
 
 def _cast_outputs(node: fx.Node, orig: dict, rewriter: _Caster) -> None:
@@ -266,6 +388,44 @@ def _has_float(dtypes: Any) -> bool:
     if isinstance(dtypes, list):
         return any(_has_float(d) for d in dtypes)
     return False
+
+
+def _has_fp32(dtypes: Any) -> bool:
+    if isinstance(dtypes, torch.dtype):
+        return dtypes == torch.float32
+    if isinstance(dtypes, list):
+        return any(_has_fp32(d) for d in dtypes)
+    return False
+
+
+def _float_inputs(node: fx.Node, new: dict) -> list[fx.Node]:
+    """The inputs of ``node`` that hold a floating tensor in the rewritten graph."""
+    found: list[fx.Node] = []
+
+    def visit(arg: fx.Node) -> fx.Node:
+        have = new.get(arg)
+        if isinstance(have, torch.dtype) and have.is_floating_point:
+            found.append(arg)
+        return arg
+
+    fx.node.map_arg((node.args, node.kwargs), visit)
+    return found
+
+
+def _all_float_inputs_in(node: fx.Node, anchors: set, new: dict) -> bool:
+    inputs = _float_inputs(node, new)
+    return bool(inputs) and all(a in anchors and new[a] == torch.float32 for a in inputs)
+
+
+def _residual_reason(node: fx.Node, name: str, keep: frozenset, anchors: set, new: dict) -> str | None:
+    """Why the add / sub ``node`` runs in FP32 (module docstring, rules a and b), or None when it need not."""
+    for user in node.users:
+        if user.op == "call_function" and isinstance(user.target, torch._ops.OpOverload) and op_name(user) in keep:
+            return f"residual: {name} stays FP32 (feeds {op_name(user)})"
+    for arg in _float_inputs(node, new):
+        if arg in anchors and new[arg] == torch.float32:
+            return f"residual: {name} stays FP32 (adds the FP32 output of {arg.name})"
+    return None
 
 
 def _has_float_input(node: fx.Node, orig: dict) -> bool:

@@ -12,8 +12,11 @@ mathematical sum. Weights are replaced on the module under the *same* attribute 
 unchanged; only shapes grow). A weight shared with other nodes keeps its K; a tied embedding table / LM
 head gets its vocabulary rows padded (the extra rows are never indexed by the embedding).
 
-This pass answers *can* a linear be padded; whether padding *pays* is the search's question (it measures
-candidates with and without this pass).
+This pass answers *can* a linear be padded; whether padding *pays* is asked of ``passes.should_pad`` per
+dimension (a table of measurements per architecture, ``benchmarks/should_pad_h200.json``): it picks the
+multiple (the alignment; 64 for a vocabulary-sized N where measured as fast) or says "can pad but should
+not" (a tiny dimension the padding would grow by more than 1.5x), and each decision is recorded in
+``notes["should_pad"]``. The search still measures candidates with and without this pass.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from passes._graph import (
     set_attr_tensor,
 )
 from passes.base import PassResult, PassSpec, Skip
+from passes.should_pad import PadDecision, should_pad
 
 NAME = "pad_linear_dims"
 
@@ -75,6 +79,7 @@ def pad_linear_dims(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
     padded: dict[str, dict] = {}
     padded_tables: dict[int, tuple[int, int]] = {}  # id(weight tensor) -> (old rows, new rows)
     pad_cache: dict[tuple[fx.Node, int], fx.Node] = {}
+    decisions: dict[str, dict] = {}  # node name -> {"N": PadDecision dict, "K": ...}
 
     # Group the linears by weight tensor: a tied weight's N is padded once, for all of its users.
     for node in linears:
@@ -100,13 +105,18 @@ def pad_linear_dims(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
             continue
         users = _weight_users(gm, weight)
         shared = len(users) > 1
-        n_new = round_up(n_old, align)
-        k_new = k_old if shared else round_up(k_old, align)
+        n_dec = should_pad("linear", {"N": n_old}, spec.precision, spec.arch, align)
+        k_dec = should_pad("linear", {"K": k_old}, spec.precision, spec.arch, align)
+        decisions[node.name] = {"N": n_dec._asdict(), "K": k_dec._asdict()}
+        n_new = round_up(n_old, n_dec.multiple) if n_dec.pad else n_old
+        k_new = round_up(k_old, k_dec.multiple) if k_dec.pad and not shared else k_old
+        should_not = [d.reason for d in (n_dec, k_dec) if _should_not(d)]
         if n_new == n_old and k_new == k_old:
             # Covers a linear padded by an earlier run: its weight is aligned and its slice is in place.
-            reason = "shared weight: K not padded" if k_old % align else "already aligned"
-            result.skipped.append(Skip(node.name, reason))
+            reasons = should_not + (["shared weight: K not padded"] if shared and k_dec.pad else [])
+            result.skipped.append(Skip(node.name, "; ".join(reasons) or "already aligned"))
             continue
+        result.skipped.extend(Skip(node.name, r) for r in should_not)
         # Padding N changes every user's view of the weight: each must be a linear or an embedding table.
         if n_new != n_old and not all(_rows_paddable(u, w) for u, w in users):
             result.skipped.append(Skip(node.name, "shared weight: N not padded (used by a non-linear op)"))
@@ -129,7 +139,7 @@ def pad_linear_dims(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
             # The input's last dimension must be known to be K to pad it.
             result.skipped.append(Skip(node.name, "input's last dimension is not a static K: K not padded"))
             k_new = k_old
-        if shared and k_old % align:
+        if shared and k_dec.pad:
             result.skipped.append(Skip(node.name, "shared weight: K not padded"))
         if n_new == n_old and k_new == k_old:
             continue
@@ -165,16 +175,24 @@ def pad_linear_dims(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
             padded[node.name] = {"V": [v_old, v_new]}
             result.changed.append(node.name)
             result.count += 1
-        elif table is not None and table.dim() == 2 and table.shape[0] % align == 0:
+        elif table is not None and table.dim() == 2 and should_pad(
+            "linear", {"N": table.shape[0]}, spec.precision, spec.arch, align
+        ).reason == "already aligned":
             result.skipped.append(Skip(node.name, "already aligned"))
         else:
             reason = "embedding: vocabulary rows are padded only when tied to a padded LM head"
             result.skipped.append(Skip(node.name, reason))
 
+    if decisions:
+        result.notes["should_pad"] = decisions
     if result.count:
         result.notes["padded"] = padded
         finish(gm)
     return result
+
+
+def _should_not(decision: PadDecision) -> bool:
+    return decision.reason.startswith("can pad but should not")
 
 
 def _weight_users(gm: fx.GraphModule, tensor: torch.Tensor) -> list[tuple[fx.Node, fx.Node]]:
@@ -214,7 +232,7 @@ def _slice_back(gm: fx.GraphModule, node: fx.Node, n_old: int) -> None:
         sliced = gm.graph.call_function(_SLICE, (node, -1, 0, n_old))
     node.replace_all_uses_with(sliced, delete_user_cb=lambda user: user is not sliced)
     copy_meta(node, sliced, old_val)
-    new_val = fake_eval(_LINEAR, node.args, node.kwargs)
+    new_val = fake_eval(node.target, node.args, node.kwargs)
     if new_val is not None:
         node.meta["val"] = new_val
 

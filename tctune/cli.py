@@ -140,11 +140,13 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--debug", action="store_true", help="show tracebacks")
     for modname in PLUGIN_COMMANDS:
         mod = importlib.import_module(modname)
-        _PLUGINS[mod.register(sub)] = mod.run
+        names = mod.register(sub)
+        for name in ([names] if isinstance(names, str) else names):
+            _PLUGINS[name] = mod.run
     return p
 
 
-#: Modules that add a subcommand: each defines ``register(subparsers) -> name`` (adding its parser; heavy
+#: Modules that add subcommands: each defines ``register(subparsers) -> name or names`` (adding its parsers; heavy
 #: imports stay inside ``run``) and ``run(args) -> int`` (exit status). Errors are TctuneError subclasses.
 PLUGIN_COMMANDS: tuple[str, ...] = ("tctune.inspect", "tctune.engines_cli")
 _PLUGINS: dict = {}

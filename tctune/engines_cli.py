@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -50,8 +49,8 @@ examples:
 # ------------------------------------------------------------------------------------------------ argparse
 
 
-def register(subparsers) -> str:
-    """Add ``export`` and ``bench``; returns ``"export"`` (``bench`` is registered under its own name too)."""
+def register(subparsers) -> tuple[str, str]:
+    """Add the ``export`` and ``bench`` subcommands; returns their names (``run`` dispatches on ``args.command``)."""
     e = subparsers.add_parser("export", help="build ONNX / TensorRT / AOTInductor engines from a best_config.json",
                               description="Rebuild the tuned graph of MODEL_FILE from CONFIG and write deployable "
                                           "engines, each validated against PyTorch, with a manifest and a runner.",
@@ -76,10 +75,7 @@ def register(subparsers) -> str:
     b.add_argument("--json", action="store_true", help="print the rows as JSON")
     b.add_argument("--debug", action="store_true", help="show tracebacks")
     # cli's plugin protocol maps one name per module; route "bench" to run() as well.
-    plugins = getattr(sys.modules.get("tctune.cli"), "_PLUGINS", None)
-    if isinstance(plugins, dict):
-        plugins["bench"] = run
-    return "export"
+    return ("export", "bench")
 
 
 def run(args) -> int:
@@ -165,7 +161,7 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
     from .export import cache
     from .hardware import resolve
     from .modelfile import load_model_file
-    from .search import apply_passes, measuring_device
+    from .search import EXPORT_PIPELINE, apply_passes, measuring_device
 
     cfg = read_config(config_path)
     formats = tuple(formats)
@@ -184,7 +180,7 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
     except CaptureError as exc:
         raise ExportError(f"cannot export {mf.path.name}: {exc}\n  fix: make the batch dimension dynamic in "
                           "forward (no hard-coded batch size in reshape/view/expand; use x.shape[0] or -1)") from exc
-    graph, _ = apply_passes(gm, hw, precision)
+    graph, _ = apply_passes(gm, hw, precision, EXPORT_PIPELINE)
     graph = graph.to(device)
     make_inputs = lambda b: mf.inputs(b, device)  # noqa: E731
     digest = cache.graph_hash(graph)
@@ -238,7 +234,9 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
             results["onnx"]["status"] += " (for tensorrt)"
 
     if "tensorrt" in formats:
-        results["tensorrt"] = _build_tensorrt(out, inputs, sizes, cache_key("tensorrt"), finish, reuse, base)
+        skipped = _build_tensorrt(out, inputs, sizes, cache_key("tensorrt"), finish, reuse)
+        if skipped is not None:
+            results["tensorrt"] = skipped
 
     if "aoti" in formats:
         key = cache_key("aoti", {"device": str(device)})
@@ -285,14 +283,15 @@ def _build_onnx(graph, make_inputs, path: Path, check: tuple[int, int, int]) -> 
     return info
 
 
-def _build_tensorrt(out: Path, inputs: list, sizes: dict, key: dict, finish, reuse, base: dict) -> dict:
+def _build_tensorrt(out: Path, inputs: list, sizes: dict, key: dict, finish, reuse) -> dict | None:
+    """Build (or reuse) model.engine from model.onnx; returns ``{"status": "skipped", "reason"}`` or None."""
     from .export import build_engine, tensorrt_available
 
     ok, reason = tensorrt_available()
     if not ok:
         return {"status": "skipped", "reason": reason}
     if reuse("tensorrt", key):
-        return _last_result(out, "tensorrt")
+        return None
     started = time.perf_counter()
     shapes = {i["name"]: tuple(-1 if d == "batch" else int(d) for d in i["shape"]) for i in inputs}
     info = build_engine(out / ARTIFACT_NAMES["onnx"], out / ARTIFACT_NAMES["tensorrt"], input_shapes=shapes,
@@ -300,18 +299,8 @@ def _build_tensorrt(out: Path, inputs: list, sizes: dict, key: dict, finish, reu
                         timing_cache=out / "tensorrt.timing_cache")
     if not info.get("tensorrt"):
         return {"status": "skipped", "reason": info.get("tensorrt_skipped_reason")}
-    holder: dict = {}
     finish("tensorrt", key, info, started, device="cuda")
-    return holder or _last_result(out, "tensorrt")
-
-
-def _last_result(out: Path, fmt: str) -> dict:
-    from .export.runner import read_manifest
-
-    path = out / ARTIFACT_NAMES[fmt]
-    manifest = read_manifest(path) or {}
-    return {"status": "reused", "path": str(path), "manifest": str(path) + ".manifest.json",
-            "runner": str(out / "runner.py"), **(manifest.get("result") or {})}
+    return None
 
 
 def _summary(info: dict, prefix: str) -> dict:

@@ -24,7 +24,7 @@ from .errors import ExportError, UsageError
 from .hardware import HardwareSpec, resolve
 from .modelfile import load_model_file
 from .report import build_report, write_atomic, write_report
-from .search import TuneConfig, Tuner, apply_passes, best_trial
+from .search import EXPORT_PIPELINE, TuneConfig, Tuner, apply_passes, best_trial
 
 log = logging.getLogger("tctune")
 
@@ -100,8 +100,12 @@ def export_best(tuner: Tuner, params: dict, out: Path) -> tuple[dict, list[dict]
         artifacts["onnx_error"] = f"not exported: the model could not be captured ({tuner.captured.reason})"
         artifacts["tensorrt_skipped_reason"] = "no ONNX to build from"
         return artifacts, []
-    g, results = apply_passes(tuner.captured.graph_module, tuner.hw, params["precision"])
-    passes = [r.to_dict() for r in results]
+    _, measured = apply_passes(tuner.captured.graph_module, tuner.hw, params["precision"])
+    passes = [r.to_dict() for r in measured]  # what ran in the measured candidate, for the report
+    if params.get("graph_passes") is False:
+        for p in passes:
+            p["note"] = "the best trial ran the model as written; these are the passes its exported graph carries"
+    g, _ = apply_passes(tuner.captured.graph_module, tuner.hw, params["precision"], EXPORT_PIPELINE)
     if not tuner.cfg.export:
         artifacts["onnx_error"] = "export disabled (--no-export)"
         artifacts["tensorrt_skipped_reason"] = "export disabled (--no-export)"
@@ -117,7 +121,7 @@ def export_best(tuner: Tuner, params: dict, out: Path) -> tuple[dict, list[dict]
     if artifacts.get("onnx") and artifacts.get("onnx_max_abs_error") is None and params["precision"] in ("fp16", "bf16"):
         # onnxruntime's CPU provider lacks many fp16/bf16 kernels: the typed model.onnx is for TensorRT or a GPU
         # provider. Also write the same graph in FP32 so there is an engine that runs (and is validated) anywhere.
-        g32, _ = apply_passes(tuner.captured.graph_module, tuner.hw, "fp32")
+        g32, _ = apply_passes(tuner.captured.graph_module, tuner.hw, "fp32", EXPORT_PIPELINE)
         try:
             info32 = export_onnx(g32.to(tuner.device), lambda b: tuner.mf.inputs(b, tuner.device),
                                  out / "model.fp32.onnx", batch_sizes=check)

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import optuna
 import torch
 
-from passes import run_pipeline
+from passes import PIPELINE, run_pipeline
 from passes.base import PassFailure
 
 from .capture import Captured, try_capture
@@ -128,6 +128,11 @@ class TuneConfig:
         return asdict(self)
 
 
+#: The passes for engines (ONNX → TensorRT / onnxruntime): the cuBLASLt epilogue op has no ONNX translation,
+#: and TensorRT fuses bias + activation itself.
+EXPORT_PIPELINE = tuple(n for n in PIPELINE if n != "fuse_epilogue")
+
+
 @dataclass
 class Candidate:
     """A runnable candidate: ``module(*inputs)`` under ``precision_mode(precision)``."""
@@ -143,8 +148,9 @@ def measuring_device() -> torch.device:
     return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def apply_passes(gm: torch.fx.GraphModule, hw: HardwareSpec, precision: str) -> tuple[torch.fx.GraphModule, list]:
-    """Deep-copy ``gm`` and run the pass pipeline for ``(hw, precision)``.
+def apply_passes(gm: torch.fx.GraphModule, hw: HardwareSpec, precision: str,
+                 names: tuple[str, ...] = PIPELINE) -> tuple[torch.fx.GraphModule, list]:
+    """Deep-copy ``gm`` and run the pass pipeline ``names`` for ``(hw, precision)``.
 
     Raises:
         PassError: a pass failed (the message names it and the passes before it).
@@ -153,7 +159,7 @@ def apply_passes(gm: torch.fx.GraphModule, hw: HardwareSpec, precision: str) -> 
         warnings.simplefilter("ignore", FutureWarning)
         g = copy.deepcopy(gm)
     try:
-        results = run_pipeline(g, hw.pass_spec(precision))
+        results = run_pipeline(g, hw.pass_spec(precision), names)
     except PassFailure as exc:
         raise PassError(str(exc)) from exc
     return g, results

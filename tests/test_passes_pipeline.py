@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import passes
+from passes.should_pad import should_pad
 import zoo
 from passes import PIPELINE, PassFailure, PassSpec, run_pipeline
 
@@ -19,7 +20,8 @@ def test_run_pipeline_runs_in_order():
     results = run_pipeline(gm, PassSpec(precision="fp16", alignment=ALIGNMENT))
 
     assert [r.name for r in results] == list(PIPELINE)
-    assert results[0].count == 2 and results[2].count > 0
+    by_name = {r.name: r for r in results}
+    assert by_name["fold_conv_batchnorm"].count == 2 and by_name["cast_precision"].count > 0
     zoo.assert_matches_eager(model, gm, entry.example_inputs(5), "fp16")
 
 
@@ -47,7 +49,7 @@ def test_run_pipeline_names_failing_pass(monkeypatch):
         run_pipeline(gm, PassSpec(precision="fp16", alignment=ALIGNMENT))
 
     assert info.value.pass_name == "cast_precision"
-    assert info.value.ran_before == ["fold_conv_batchnorm", "pad_linear_dims"]
+    assert info.value.ran_before == list(PIPELINE[: PIPELINE.index("cast_precision")])
     assert isinstance(info.value.__cause__, RuntimeError)
 
 
@@ -86,11 +88,16 @@ def test_run_pipeline_property_linear_stacks(sizes, precision, batch):
 
     results = {r.name: r for r in run_pipeline(gm, spec)}
 
-    for name, p in gm.named_parameters():
-        assert all(d % align == 0 for d in p.shape), (name, tuple(p.shape))
-        assert p.dtype == spec.dtype
+    def target(role, size):  # the should-pad decision (passes/should_pad.py) is part of the contract
+        d = should_pad("linear", {role: size}, spec.precision, spec.arch, align)
+        return -(-size // d.multiple) * d.multiple if d.pad else size
+
+    for i, (k, n) in enumerate(zip(sizes[:-1], sizes[1:])):
+        w = dict(gm.named_parameters())[f"layers.{i}.weight"]
+        assert tuple(w.shape) == (target("N", n), target("K", k)), (i, tuple(w.shape))
+        assert w.dtype == spec.dtype
     assert results["pad_linear_dims"].count == sum(
-        1 for a, b in zip(sizes[:-1], sizes[1:]) if a % align or b % align
+        1 for k, n in zip(sizes[:-1], sizes[1:]) if target("N", n) != n or target("K", k) != k
     )
     zoo.assert_matches_eager(model, gm, (torch.randn(batch, sizes[0]),), precision)
     assert all(r.count == 0 for r in run_pipeline(gm, spec))

@@ -147,6 +147,34 @@ class TiedLM(nn.Module):
         return self.head(self.ln(self.wte(ids)))
 
 
+class StemCNN(nn.Module):
+    """A ResNet-like stem with odd channels: 7x7 conv 3 -> 61 (stride 2), ReLU, 3x3 conv 61 -> 61, ReLU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 61, 7, stride=2, padding=3)
+        self.conv = nn.Conv2d(61, 61, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.conv(F.relu(self.stem(x))))
+
+
+class OverflowMLP(nn.Module):
+    """Linear 16 -> 32 with weights ~1e4 (activations ~1e5, past fp16's 65504), GELU, Linear 32 -> 8 with
+    weights ~1e-4 (outputs back to ~10): fp16 without overflow analysis gives inf / NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = nn.Linear(16, 32)
+        self.small = nn.Linear(32, 8)
+        with torch.no_grad():
+            self.big.weight.mul_(1e5)
+            self.small.weight.mul_(3e-4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.small(F.gelu(self.big(x)))
+
+
 def _randomize_bn(model: nn.Module) -> None:
     """Give every BN non-trivial running statistics and affine parameters (fresh BN is the identity)."""
     g = torch.Generator().manual_seed(1)
@@ -216,6 +244,8 @@ ZOO: dict[str, ZooEntry] = {
         ZooEntry("bert", _seeded(small_bert), _ids(1000, 16)),
         ZooEntry("tied_lm", _seeded(TiedLM), _ids(50257, 5)),
         ZooEntry("tied_lm_odd", _seeded(lambda: TiedLM(vocab=1001, d=61)), _ids(1001, 5)),
+        ZooEntry("stem_cnn", _seeded(StemCNN), _randn(3, 16, 16)),
+        ZooEntry("overflow_mlp", _seeded(OverflowMLP), _randn(16)),
     )
 }
 
@@ -271,3 +301,123 @@ def assert_matches_eager(model: nn.Module, gm: torch.fx.GraphModule, inputs: tup
             assert err <= tol["rel_l2"], f"{precision}: relative L2 error {err:.2e} > {tol['rel_l2']:.0e}"
         else:
             torch.testing.assert_close(g, r, rtol=tol["rtol"], atol=tol["atol"])
+
+
+# ---------------------------------------------------------------------------------------------- fusion zoo
+# Models for the attention / fusion passes (tests/test_passes_attention.py, tests/test_passes_fusion.py).
+
+
+def small_bert_sdpa() -> nn.Module:
+    """The 2-layer BERT of ``small_bert`` with ``transformers``' default SDPA attention (mask built in-graph)."""
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, vocab_size=1000,
+        max_position_embeddings=64, attn_implementation="sdpa",
+    )
+    return BertModel(cfg, add_pooling_layer=False)
+
+
+class BertWithPadding(nn.Module):
+    """``small_bert_sdpa`` called with a padding ``attention_mask`` input (a real, data-dependent mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bert = small_bert_sdpa()
+
+    def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.bert(input_ids=ids, attention_mask=attention_mask).last_hidden_state
+
+
+def _ids_and_padding(vocab: int, seq: int) -> Callable[[int], tuple[torch.Tensor, ...]]:
+    def make(batch: int) -> tuple[torch.Tensor, ...]:
+        ids = torch.randint(0, vocab, (batch, seq), dtype=torch.int64)
+        lengths = torch.randint(seq // 2, seq + 1, (batch,))
+        mask = (torch.arange(seq)[None, :] < lengths[:, None]).to(torch.int64)
+        return ids, mask
+
+    return make
+
+
+class HandAttention(nn.Module):
+    """Multi-head attention written by hand: separate q/k/v linears, ``softmax(q k^T * scale + mask) v``.
+
+    Options: ``scale`` (None: divide by sqrt(head dim); a number: multiply by it), ``mask`` ("none",
+    "causal": a float buffer with -1e4 above the diagonal, "zeros": an all-zero float buffer), ``rank`` 4
+    (batch, heads, seq, dim) or 3 (batch * heads folded: (batch, seq, dim) with one head), ``leak_scores``
+    (the scores also feed the output: two users, not fusable), ``v_bias`` (False: v has no bias).
+    """
+
+    def __init__(
+        self, d: int = 32, heads: int = 4, seq: int = 12, scale: float | None = None, mask: str = "none",
+        rank: int = 4, leak_scores: bool = False, v_bias: bool = True,
+    ) -> None:
+        super().__init__()
+        self.heads = heads if rank == 4 else 1
+        self.scale, self.rank, self.leak = scale, rank, leak_scores
+        self.q, self.k = nn.Linear(d, d), nn.Linear(d, d)
+        self.v = nn.Linear(d, d, bias=v_bias)
+        self.mask_kind = mask
+        if mask == "causal":
+            self.register_buffer("mask", torch.triu(torch.full((seq, seq), -1e4), diagonal=1))
+        elif mask == "zeros":
+            self.register_buffer("mask", torch.zeros(seq, seq))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        if self.rank == 4:
+            q, k, v = (t.reshape(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        scores = q @ k.transpose(-2, -1)
+        if self.scale is None:
+            scores = scores / math.sqrt(q.shape[-1])
+        else:
+            scores = scores * self.scale
+        if self.mask_kind != "none":
+            scores = scores + self.mask
+        out = torch.softmax(scores, dim=-1) @ v
+        if self.rank == 4:
+            out = out.transpose(1, 2).reshape(b, s, d)
+        if self.leak:
+            out = out + scores.mean()
+        return out
+
+
+class EpilogueMLP(nn.Module):
+    """Linear(37 -> 61) -> activation -> Linear(61 -> 16); ``act`` is "relu", "gelu_tanh" or "gelu"."""
+
+    def __init__(self, act: str = "relu", bias: bool = True) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(37, 61, bias=bias)
+        self.fc2 = nn.Linear(61, 16)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if self.act == "relu":
+            h = F.relu(h)
+        else:
+            h = F.gelu(h, approximate="tanh" if self.act == "gelu_tanh" else "none")
+        return self.fc2(h)
+
+
+ZOO.update(
+    {
+        e.name: e
+        for e in (
+            ZooEntry("bert_sdpa", _seeded(small_bert_sdpa), _ids(1000, 16)),
+            ZooEntry("bert_padded", _seeded(BertWithPadding), _ids_and_padding(1000, 16)),
+            ZooEntry("attn", _seeded(HandAttention), _randn(12, 32)),
+            ZooEntry("attn_scaled", _seeded(lambda: HandAttention(scale=0.37)), _randn(12, 32)),
+            ZooEntry("attn_causal", _seeded(lambda: HandAttention(mask="causal")), _randn(12, 32)),
+            ZooEntry("attn_zero_mask", _seeded(lambda: HandAttention(mask="zeros")), _randn(12, 32)),
+            ZooEntry("attn_3d", _seeded(lambda: HandAttention(rank=3, scale=0.2)), _randn(12, 32)),
+            ZooEntry("attn_leak", _seeded(lambda: HandAttention(leak_scores=True)), _randn(12, 32)),
+            ZooEntry("attn_v_nobias", _seeded(lambda: HandAttention(v_bias=False)), _randn(12, 32)),
+            ZooEntry("mlp_relu", _seeded(EpilogueMLP), _randn(10, 37)),
+            ZooEntry("mlp_gelu_tanh", _seeded(lambda: EpilogueMLP("gelu_tanh")), _randn(10, 37)),
+            ZooEntry("mlp_gelu", _seeded(lambda: EpilogueMLP("gelu")), _randn(10, 37)),
+            ZooEntry("mlp_relu_nobias", _seeded(lambda: EpilogueMLP(bias=False)), _randn(10, 37)),
+        )
+    }
+)

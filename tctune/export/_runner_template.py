@@ -190,10 +190,12 @@ def load_aoti(artifact: str, manifest: dict, provider: str | None = None):
         import torch
     except ImportError as exc:
         raise RunnerError("a .pt2 package needs torch (pip install torch)") from exc
-    compiled = torch._inductor.aoti_load_package(artifact)
     device = manifest.get("device", "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise RunnerError(f"{os.path.basename(artifact)} was compiled for {device}, and torch sees no GPU here")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise RunnerError(f"{os.path.basename(artifact)} was compiled for {device}, and torch sees no GPU here")
+        torch.zeros(1, device=device)  # create the CUDA context before the package's kernels load
+    compiled = torch._inductor.aoti_load_package(artifact)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
     def run(feeds):

@@ -1,0 +1,309 @@
+"""Drop attention masks that provably mask nothing, so SDPA can pick its flash / cuDNN kernels.
+
+Why: under ``torch.export`` ``transformers`` materializes the "no padding" attention mask instead of passing
+``attn_mask=None`` as it does eagerly: BERT's graph builds ``ge(unsqueeze(arange(S) + 0), 0)`` and expands it
+to ``(batch, 1, S, S)``, an all-True bool mask handed to ``aten.scaled_dot_product_attention``. Any mask rules
+out the flash kernel; on the H200 this made the captured BERT-base 2x slower than eager at every precision
+(benchmarks/NOTES.md, 2026-11-30). Eager-attention models add an all-zero float mask
+(``where(mask, 0.0, finfo.min)``) the same way; once ``fuse_attention`` has made it an SDPA mask, this pass
+drops it too.
+
+How (a proof, not a test run): the mask's producers are interpreted abstractly. Every value on the mask's
+path is represented by a concrete tensor ``R`` of the same rank and dtype such that, *for every batch size*,
+the real value is ``R.expand(real_shape)``:
+
+* a sub-graph that reads no graph input (constants, ``arange`` of fixed sizes, ``get_attr`` buffers) is
+  evaluated concretely: ``R`` is its value (random ops and sub-graphs over 2**24 elements are refused);
+* ``expand`` (its sizes may be symbolic, e.g. the batch) keeps ``R``; ``unsqueeze`` / ``transpose`` /
+  ``permute`` apply to ``R``; ``slice`` keeps ``R`` along a broadcast dimension and applies fixed bounds
+  otherwise; ``view`` / ``reshape`` / ``squeeze`` / ``flatten`` are allowed when ``R`` is uniform (all
+  elements equal), whose reshapes are uniform too;
+* element-wise ops (ATen's ``pointwise`` tag, ``where``, ``_to_copy``, ``clone``, eval dropout) apply to the
+  ``R`` of their inputs: broadcasting commutes with element-wise functions.
+
+A graph input (placeholder) anywhere on the path, other than through the *sizes* of shape ops, makes the mask
+data-dependent and it is kept. The mask is dropped when ``R`` is all True (bool) or all 0 (float; SDPA adds a
+float mask) and the mask's shape broadcasts to the attention scores' ``(..., L, S)`` without enlarging them;
+then ``attn_mask=None`` computes exactly the same attention. Real masks (padding from an input, causal
+triangles, ALiBi biases) are never touched.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from passes._graph import finish, get_attr_value, op_name
+from passes.base import PassResult, PassSpec, Skip
+
+NAME = "simplify_attention_mask"
+
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+#: Largest sub-graph value (elements) the pass evaluates concretely.
+_MAX_ELEMENTS = 1 << 24
+
+_RESHAPES = frozenset({"view", "reshape", "_unsafe_view", "squeeze", "flatten", "unflatten", "alias"})
+_ELEMENTWISE = frozenset(
+    {"where", "_to_copy", "to", "clone", "contiguous", "detach", "lift_fresh_copy", "type_as", "masked_fill"}
+)
+
+
+class _Unprovable(Exception):
+    """The mask could not be proven trivial; ``args[0]`` is the one-line reason."""
+
+
+class _Sym:
+    """Marker for a symbolic integer (a size read from a graph input)."""
+
+
+_SYM = _Sym()
+
+
+def simplify_attention_mask(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
+    """Set ``attn_mask=None`` on every ``aten.scaled_dot_product_attention`` whose mask provably masks nothing.
+
+    A mask of shape broadcastable to the scores ``(batch, heads, L, S)`` qualifies when it is all True (bool)
+    or all 0 (float) for every batch size (see the module docstring for the proof). Shapes and dtypes of
+    every output are unchanged; the mask's producers become dead and are removed.
+
+    Args:
+        gm: an ATen-level graph module from ``torch.export`` (mutated in place).
+        spec: target facts (unused: the rewrite is exact at every precision and in training).
+
+    Returns:
+        A ``PassResult`` named ``"simplify_attention_mask"``: ``count`` is the number of SDPA nodes whose mask
+        was dropped (``changed`` their names); ``skipped`` has each SDPA whose mask was kept, with the reason
+        (``"mask depends on graph input attention_mask"``, ``"mask has False entries (a real mask)"``, ...).
+    """
+    del spec
+    result = PassResult(name=NAME, graph_module=gm)
+    memo: dict[fx.Node, Any] = {}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target != _SDPA:
+            continue
+        mask = _mask_arg(node)
+        # No mask: nothing to simplify (also covers an earlier run of this pass).
+        if mask is None:
+            continue
+        if not isinstance(mask, fx.Node):
+            result.skipped.append(Skip(node.name, "mask is not a graph value"))
+            continue
+        try:
+            _check_broadcast(node, mask)
+            rep = _rep(gm, mask, memo)
+            _check_trivial(rep)
+        except _Unprovable as exc:
+            result.skipped.append(Skip(node.name, str(exc)))
+            continue
+        _set_mask_none(node)
+        result.changed.append(node.name)
+        result.count += 1
+    if result.count:
+        finish(gm)
+    return result
+
+
+def _mask_arg(node: fx.Node) -> Any:
+    """The ``attn_mask`` argument of an SDPA node (positional 3 or keyword), None when absent."""
+    if len(node.args) > 3:
+        return node.args[3]
+    return node.kwargs.get("attn_mask")
+
+
+def _set_mask_none(node: fx.Node) -> None:
+    if len(node.args) > 3:
+        node.args = (*node.args[:3], None, *node.args[4:])
+    else:
+        node.kwargs = {**node.kwargs, "attn_mask": None}
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two (possibly symbolic) sizes are provably equal."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    try:
+        return bool(statically_known_true(a == b))
+    except Exception:  # noqa: BLE001 - unknown symbolic relation: not provable
+        return False
+
+
+def _check_broadcast(sdpa: fx.Node, mask: fx.Node) -> None:
+    """The mask must broadcast to the scores ``q.shape[:-1] + (S,)`` without enlarging them."""
+    q, k = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in sdpa.args[:2])
+    m = mask.meta.get("val")
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, m)):
+        raise _Unprovable("no shape metadata on the query, key or mask")
+    scores = (*q.shape[:-1], k.shape[-2])
+    if m.dim() > len(scores):
+        raise _Unprovable("mask has more dimensions than the attention scores")
+    for ms, ss in zip(reversed(m.shape), reversed(scores)):
+        if not (_same(ms, 1) or _same(ms, ss)):
+            raise _Unprovable("mask shape does not provably broadcast to the attention scores")
+
+
+def _check_trivial(rep: Any) -> None:
+    if not isinstance(rep, torch.Tensor):
+        raise _Unprovable("mask is not a tensor")
+    if rep.numel() == 0:
+        raise _Unprovable("mask is empty")
+    if rep.dtype == torch.bool:
+        if not bool(rep.all()):
+            raise _Unprovable("mask has False entries (a real mask)")
+    elif rep.is_floating_point():
+        if not bool((rep == 0).all()):
+            raise _Unprovable("float mask has non-zero entries (a real mask or bias)")
+    else:
+        raise _Unprovable(f"mask dtype {rep.dtype} is neither bool nor floating")
+
+
+# ------------------------------------------------------------------------------------- abstract evaluation
+
+
+def _inputs(node: fx.Node, memo: dict) -> frozenset:
+    """Names of the graph inputs (placeholders) ``node`` reads, directly or through its producers."""
+    key = ("inputs", node)
+    if key in memo:
+        return memo[key]
+    if node.op == "placeholder":
+        found = frozenset({node.target})
+    else:
+        found = frozenset()
+        for arg in node.all_input_nodes:
+            found |= _inputs(arg, memo)
+    memo[key] = found
+    return found
+
+
+def _rep(gm: fx.GraphModule, node: fx.Node, memo: dict) -> Any:
+    """The concrete representative of ``node`` (see module docstring), ``_SYM`` for a symbolic integer.
+
+    Raises:
+        _Unprovable: ``node``'s value may depend on graph data, or an op is not understood.
+    """
+    if node in memo:
+        if isinstance(memo[node], _Unprovable):
+            raise memo[node]
+        return memo[node]
+    try:
+        memo[node] = _rep_uncached(gm, node, memo)
+    except _Unprovable as exc:
+        memo[node] = exc
+        raise
+    return memo[node]
+
+
+def _rep_uncached(gm: fx.GraphModule, node: fx.Node, memo: dict) -> Any:
+    val = node.meta.get("val")
+    if node.op == "placeholder":
+        raise _Unprovable(f"mask depends on graph input {node.target}")
+    if node.op == "get_attr":
+        value = get_attr_value(gm, node.target)
+        if not isinstance(value, torch.Tensor):
+            raise _Unprovable(f"mask reads non-tensor attribute {node.target}")
+        return value
+    if node.op != "call_function":
+        raise _Unprovable(f"mask comes from a {node.op} node ({node.name})")
+    inputs = _inputs(node, memo)
+    if isinstance(val, (torch.SymInt, int)) and not isinstance(val, bool) and inputs:
+        return _SYM  # a size read from a graph input: only allowed as a shape argument below
+    if not inputs:
+        return _evaluate(gm, node, memo)
+    name = op_name(node)
+    if not isinstance(val, torch.Tensor):
+        raise _Unprovable(f"mask depends on graph input {sorted(inputs)[0]} (through {name})")
+    rank = val.dim()
+    if name == "expand":
+        r = _tensor_arg(gm, node.args[0], memo)
+        return r.reshape((1,) * (rank - r.dim()) + tuple(r.shape))
+    if name == "unsqueeze":
+        return _tensor_arg(gm, node.args[0], memo).unsqueeze(_int_arg(node.args[1]))
+    if name == "transpose":
+        return _tensor_arg(gm, node.args[0], memo).transpose(_int_arg(node.args[1]), _int_arg(node.args[2]))
+    if name == "permute":
+        return _tensor_arg(gm, node.args[0], memo).permute([_int_arg(d) for d in node.args[1]])
+    if name == "slice":
+        return _slice(gm, node, memo, rank)
+    if name in _RESHAPES:
+        return _uniform(_tensor_arg(gm, node.args[0], memo), rank, name)
+    if name == "dropout" and (len(node.args) < 3 or node.args[2] is False):
+        return _tensor_arg(gm, node.args[0], memo)  # eval dropout is the identity
+    if name in _ELEMENTWISE or torch.Tag.pointwise in getattr(node.target, "tags", ()):
+        if torch.Tag.nondeterministic_seeded in node.target.tags:
+            raise _Unprovable(f"mask is random ({name})")
+        args = _map_args(gm, node.args, memo)
+        kwargs = _map_args(gm, node.kwargs, memo)
+        return node.target(*args, **kwargs)
+    raise _Unprovable(
+        f"mask depends on graph input {sorted(inputs)[0]} through {name}, which is not shape-only or element-wise"
+    )
+
+
+def _tensor_arg(gm: fx.GraphModule, arg: Any, memo: dict) -> torch.Tensor:
+    r = _rep(gm, arg, memo) if isinstance(arg, fx.Node) else arg
+    if not isinstance(r, torch.Tensor):
+        raise _Unprovable("mask path has a non-tensor operand")
+    return r
+
+
+def _int_arg(arg: Any) -> int:
+    if not isinstance(arg, int):
+        raise _Unprovable("mask path has a symbolic dimension argument")
+    return arg
+
+
+def _map_args(gm: fx.GraphModule, args: Any, memo: dict) -> Any:
+    """Replace nodes by their representatives; a symbolic size among them makes the op unprovable."""
+
+    def one(arg: fx.Node) -> Any:
+        r = _rep(gm, arg, memo)
+        if r is _SYM:
+            raise _Unprovable("mask path uses a symbolic size as a value")
+        return r
+
+    return fx.node.map_arg(args, one)
+
+
+def _uniform(r: torch.Tensor, rank: int, name: str) -> torch.Tensor:
+    """A rank-``rank`` all-ones-shape tensor holding the one value of ``r``; refuses a non-uniform ``r``."""
+    flat = r.reshape(-1)
+    if flat.numel() == 0 or not bool((flat == flat[0]).all()):
+        raise _Unprovable(f"mask has distinct values before a {name} with a symbolic shape (a real mask)")
+    return flat[:1].reshape((1,) * rank)
+
+
+def _slice(gm: fx.GraphModule, node: fx.Node, memo: dict, rank: int) -> torch.Tensor:
+    """``slice.Tensor(x, dim, start, end, step)`` on a representative."""
+    r = _tensor_arg(gm, node.args[0], memo)
+    dim = _int_arg(node.args[1]) if len(node.args) > 1 else 0
+    if r.shape[dim] == 1:
+        return r  # a slice of a broadcast dimension is still a broadcast of r (empty slices fail at SDPA)
+    bounds = list(node.args[2:5])
+    if any(isinstance(b, fx.Node) for b in bounds):
+        return _uniform(r, rank, "slice")
+    return torch.ops.aten.slice.Tensor(r, dim, *bounds)
+
+
+def _evaluate(gm: fx.GraphModule, node: fx.Node, memo: dict) -> Any:
+    """Run ``node`` on the concrete values of its (graph-input-free) producers."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags:
+        if not (op_name(node) == "dropout" and len(node.args) > 2 and node.args[2] is False):
+            raise _Unprovable(f"mask is random ({op_name(node)})")
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor) and isinstance(val.numel(), int) and val.numel() > _MAX_ELEMENTS:
+        raise _Unprovable(f"mask sub-graph {node.name} is too large to evaluate ({val.numel()} elements)")
+    if not (isinstance(target, torch._ops.OpOverload) or target is operator.getitem or callable(target)):
+        raise _Unprovable(f"cannot evaluate {node.name}")
+    args = fx.node.map_arg(node.args, lambda a: _rep(gm, a, memo))
+    kwargs = fx.node.map_arg(node.kwargs, lambda a: _rep(gm, a, memo))
+    try:
+        with torch.no_grad():
+            return target(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - anything that does not run concretely is not provable
+        raise _Unprovable(f"could not evaluate {node.name}: {type(exc).__name__}") from exc
+
+
+__all__ = ["simplify_attention_mask"]

@@ -1,0 +1,215 @@
+"""Tests for passes.fuse_qkv (sibling linears -> one GEMM + split) and passes.fuse_epilogue (linear + ReLU /
+tanh-GELU -> aten._addmm_activation)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zoo
+from passes import PassSpec, fuse_epilogue, fuse_qkv, pad_linear_dims, run_pipeline
+
+LINEAR = torch.ops.aten.linear.default
+SPLIT = torch.ops.aten.split_with_sizes.default
+ADDMM_ACT = torch.ops.aten._addmm_activation.default
+HOPPER = PassSpec(arch="Hopper")
+ALIGNMENT = {"fp16": 8, "bf16": 8, "tf32": 4}
+
+
+def _count(gm, target):
+    return sum(1 for n in gm.graph.nodes if n.target == target)
+
+
+# ---------------------------------------------------------------------------------------------- fuse_qkv
+
+
+def test_fuse_qkv_fuses_three_projections():
+    model, gm, entry = zoo.build("attn", batch=3)
+    keys = list(gm.state_dict())
+    assert _count(gm, LINEAR) == 3
+
+    result = fuse_qkv(gm, PassSpec())
+
+    assert result.count == 1 and _count(gm, LINEAR) == 1 and _count(gm, SPLIT) == 1
+    (fused,) = [n for n in gm.graph.nodes if n.target == LINEAR]
+    assert fused.args[1].target == "q_k_v_fused_weight" and fused.args[2].target == "q_k_v_fused_bias"
+    assert gm.get_buffer("q_k_v_fused_weight").shape == (96, 32)
+    assert list(gm.state_dict()) == keys  # fused tensors are non-persistent buffers
+    zoo.assert_matches_eager(model, gm, entry.example_inputs(6), "fp32")
+
+
+def test_fuse_qkv_idempotent():
+    model, gm, entry = zoo.build("attn")
+    fuse_qkv(gm, PassSpec())
+    code = gm.code
+
+    again = fuse_qkv(gm, PassSpec())
+
+    assert again.count == 0 and gm.code == code
+    assert [s.reason for s in again.skipped] == ["only one linear reads this input"]
+    zoo.assert_matches_eager(model, gm, entry.example_inputs(2), "fp32")
+
+
+def test_fuse_qkv_training_keeps_gradients_on_original_parameters():
+    model, gm, entry = zoo.build("attn")
+
+    result = fuse_qkv(gm, PassSpec(training=True))
+
+    assert result.count == 1 and _count(gm, torch.ops.aten.cat.default) == 2
+    gm(*entry.example_inputs(4)).square().sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in gm.parameters())
+
+
+def test_fuse_qkv_skips_bias_mismatch():
+    model, gm, entry = zoo.build("attn_v_nobias")
+
+    result = fuse_qkv(gm, PassSpec())
+
+    assert result.count == 1 and result.notes["groups"]
+    assert [(s.node, s.reason) for s in result.skipped] == [("linear_2", "bias mismatch with sibling linears")]
+    zoo.assert_matches_eager(model, gm, entry.example_inputs(5), "fp32")
+
+
+def test_fuse_qkv_skips_only_one_linear():
+    _, gm, _ = zoo.build("mlp_relu")
+
+    result = fuse_qkv(gm, PassSpec())
+
+    assert result.count == 0
+    assert {s.reason for s in result.skipped} == {"only one linear reads this input"}
+
+
+class _ComputedWeight(nn.Module):
+    """Two linears on one input; one weight is computed in the graph (``w * 2``), not a parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + nn.functional.linear(x, self.b.weight * 2, self.b.bias)
+
+
+def test_fuse_qkv_skips_weight_not_parameter():
+    torch.manual_seed(0)
+    gm = zoo.capture(_ComputedWeight().eval(), (torch.randn(3, 8),))
+
+    result = fuse_qkv(gm, PassSpec())
+
+    assert result.count == 0
+    reasons = sorted(s.reason for s in result.skipped)
+    assert reasons == ["dtype or device differs from sibling linears", "weight is not a parameter"]
+
+
+# ------------------------------------------------------------------------------------------ fuse_epilogue
+
+
+def test_fuse_epilogue_fuses_relu():
+    model, gm, entry = zoo.build("mlp_relu", batch=3)
+    keys = list(gm.state_dict())
+
+    result = fuse_epilogue(gm, PassSpec())
+
+    assert result.count == 1 and result.notes["activations"] == {result.changed[0]: "relu"}
+    assert _count(gm, ADDMM_ACT) == 1 and _count(gm, torch.ops.aten.relu.default) == 0
+    assert list(gm.state_dict()) == keys
+    zoo.assert_matches_eager(model, gm, entry.example_inputs(6), "fp32")
+
+
+def test_fuse_epilogue_looks_through_pad_linear_slice():
+    model, gm, entry = zoo.build("mlp_relu", batch=3)
+    pad_linear_dims(gm, PassSpec(precision="fp16", alignment=ALIGNMENT))  # 61 -> 64: linear -> slice -> relu
+
+    result = fuse_epilogue(gm, PassSpec(precision="fp16", alignment=ALIGNMENT))
+
+    assert result.count == 1
+    (act,) = [n for n in gm.graph.nodes if n.target == ADDMM_ACT]
+    assert act.args[2].args[0].target == "fc1.weight" and gm.fc1.weight.shape == (64, 40)  # padding kept
+    zoo.assert_matches_eager(model, gm, entry.example_inputs(5), "fp32")
+
+
+def test_fuse_epilogue_fuses_gelu_tanh_on_gpu_targets():
+    _, gm, _ = zoo.build("mlp_gelu_tanh")
+
+    result = fuse_epilogue(gm, HOPPER)
+
+    assert result.count == 1 and result.notes["activations"] == {result.changed[0]: "gelu_tanh"}
+    (act,) = [n for n in gm.graph.nodes if n.target == ADDMM_ACT]
+    assert act.kwargs == {"use_gelu": True}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (cuBLASLt GELU epilogue)")
+def test_fuse_epilogue_gelu_tanh_parity_on_cuda():
+    model, gm, entry = zoo.build("mlp_gelu_tanh")
+    fuse_epilogue(gm, HOPPER)
+    model, gm = model.cuda(), gm.cuda()
+    x = entry.example_inputs(6)[0].cuda()
+
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), model(x), rtol=1e-4, atol=1e-4)  # TF32 off by default for matmul
+
+
+def test_fuse_epilogue_skips_gelu_tanh_on_cpu():
+    _, gm, _ = zoo.build("mlp_gelu_tanh")
+
+    result = fuse_epilogue(gm, PassSpec(arch="cpu"))
+
+    assert result.count == 0
+    assert [s.reason for s in result.skipped] == ["gelu tanh on CPU: aten._addmm_activation computes erf GELU there"]
+
+
+def test_fuse_epilogue_skips_exact_gelu():
+    _, gm, _ = zoo.build("mlp_gelu")
+
+    result = fuse_epilogue(gm, HOPPER)
+
+    assert result.count == 0
+    assert "the cuBLASLt GELU epilogue is the tanh approximation" in result.skipped[0].reason
+
+
+def test_fuse_epilogue_skips_training():
+    _, gm, _ = zoo.build("mlp_relu")
+
+    result = fuse_epilogue(gm, PassSpec(arch="Hopper", training=True))
+
+    assert result.count == 0
+    assert result.skipped[0].reason == "training: aten._addmm_activation has no autograd derivative"
+
+
+def test_fuse_epilogue_skips_linear_without_bias():
+    _, gm, _ = zoo.build("mlp_relu_nobias")
+
+    result = fuse_epilogue(gm, HOPPER)
+
+    assert result.count == 0
+    assert result.skipped[0].reason == "linear has no bias (the epilogue op needs one)"
+
+
+def test_fuse_epilogue_idempotent():
+    model, gm, entry = zoo.build("mlp_relu")
+    fuse_epilogue(gm, HOPPER)
+    code = gm.code
+
+    again = fuse_epilogue(gm, HOPPER)
+
+    assert again.count == 0 and gm.code == code
+    zoo.assert_matches_eager(model, gm, entry.example_inputs(2), "fp32")
+
+
+# ----------------------------------------------------------------------------------------------- pipeline
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("name", ["mlp_relu", "attn_v_nobias"])
+def test_run_pipeline_fusions_low_precision(name, precision):
+    model, gm, entry = zoo.build(name, batch=3)
+    keys = list(gm.state_dict())
+    spec = PassSpec(precision=precision, alignment=ALIGNMENT, arch="Hopper")
+
+    first = {r.name: r.count for r in run_pipeline(gm, spec)}
+
+    assert first["fuse_epilogue"] + first["fuse_qkv"] + first["fuse_attention"] >= 1
+    assert list(gm.state_dict()) == keys
+    zoo.assert_matches_eager(model, gm, entry.example_inputs(5), precision)
+    assert all(r.count == 0 for r in run_pipeline(gm, spec))
