@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call on the lent H200: tctune's own runs plus the pass benchmarks, every baseline measured in the
+# same call. Usage there (after installing the wheels, see benchmarks/NOTES.md):
+#   OUT=/some/dir bash benchmarks/run_h200.sh [part...]     parts: optimize fusion train pareto backend padding
+# Each step has its own time limit so one slow step cannot cost the others; logs and JSON go to $OUT, and
+# everything is packed into $OUT/results.tar.gz (the device returns at most 8 files).
+set -u
+OUT=${OUT:?set OUT}
+parts=${*:-optimize fusion train pareto}
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT/r"
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv > "$OUT/r/gpu.csv" 2>&1
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" > "$OUT/r/versions.txt" 2>&1
+step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/r/$name.log" 2>&1; local rc=$?
+  echo "$name rc=$rc $((SECONDS - t0)) s" | tee -a "$OUT/r/steps.txt"; }
+for p in $parts; do case $p in
+  optimize) step optimize_bert_base 240 python3 -m tctune optimize recipes/bert_base.py --out "$OUT/r/bert_base" \
+              --runtimes eager,cudagraphs --trials 16 --quiet ;;
+  fusion)   step bench_fusion 150 python3 benchmarks/bench_fusion.py --out "$OUT/r/bench_fusion.json" ;;
+  train)    step train_seed_cnn 90 python3 -m tctune optimize recipes/seed_cnn.py --mode train --out "$OUT/r/seed_cnn_train" \
+              --batch-sizes 256,1024 --runtimes eager --trials 8 --quiet ;;
+  pareto)   step pareto_bert_base 120 python3 -m tctune optimize recipes/bert_base.py --objective pareto --out "$OUT/r/bert_base_pareto" \
+              --batch-sizes 8,32,128 --runtimes eager,cudagraphs --trials 12 --no-export --quiet ;;
+  backend)  step bench_backend 280 python3 benchmarks/bench_backend.py --out "$OUT/r/bench_backend.json" ;;
+  padding)  step bench_padding 90 python3 benchmarks/bench_padding.py --out "$OUT/r/bench_padding.json" ;;
+esac; done
+find "$OUT/r" \( -name '*.onnx' -o -name '*.onnx.data' -o -name 'study.db' -o -name '*.pt2' \) -delete
+tar -czf "$OUT/results.tar.gz" -C "$OUT" r && rm -rf "$OUT/r"
+echo; cat /dev/null
