@@ -26,5 +26,7 @@ for p in $parts; do case $p in
   padding)  step bench_padding 90 python3 benchmarks/bench_padding.py --out "$OUT/r/bench_padding.json" ;;
 esac; done
 find "$OUT/r" \( -name '*.onnx' -o -name '*.onnx.data' -o -name 'study.db' -o -name '*.pt2' \) -delete
+for f in "$OUT"/r/*/report.md; do echo "== $f"; grep -E "^Best:|^- Against|keep FP32" "$f"; done
+for f in "$OUT"/r/bench_*.log; do echo "== $f"; tail -25 "$f"; done
+cat "$OUT/r/steps.txt"
 tar -czf "$OUT/results.tar.gz" -C "$OUT" r && rm -rf "$OUT/r"
-echo; cat /dev/null
