@@ -259,8 +259,17 @@ class Tuner:
         bs = params["batch_size"]
         runtime = params.get("runtime", "eager")
         inputs, ref = self.reference(bs)
+        release_memory(self.device)  # what earlier candidates left (CUDA graph pools, compiled code)
+        held = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         cand = self.build(params)
+        # Peak memory is reported per candidate: the peak during its run, minus what tctune itself holds
+        # (references for other batch sizes, the FP32 model), plus the inputs and, for the model as written,
+        # its weights, which the candidate uses but which were allocated before it.
+        own = sum(t.numel() * t.element_size() for t in inputs)
+        if not params["graph_passes"]:
+            own += sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
         setup_s = 0.0
+        fn = None
         try:
             with precision_mode(cand.precision):
                 fn, setup_s = wrap(cand.module, runtime, inputs)
@@ -284,13 +293,17 @@ class Tuner:
             first = (str(exc).strip().splitlines() or [""])[0][:300]
             raise CandidateRejected(f"{runtime} run failed: {type(exc).__name__}: {first}") from exc
         finally:
-            del cand.module
+            del cand.module, fn
+            release_memory(self.device)
+        peak = None
+        if timing.peak_memory_mib is not None:
+            peak = timing.peak_memory_mib - (held - own) / 2**20
         return {
             "throughput": timing.throughput,
             "latency_ms": timing.latency_ms,
             "latency_p50_ms": timing.latency_p50_ms,
             "latency_p99_ms": timing.latency_p99_ms,
-            "peak_memory_mib": timing.peak_memory_mib,
+            "peak_memory_mib": peak,
             "max_rel_error": err.rel_l2_error,
             "max_abs_error": err.max_abs_error,
             "nonfinite": err.nonfinite,
