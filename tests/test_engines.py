@@ -320,3 +320,19 @@ def test_aoti_seed_cnn_package_matches_pytorch(tmp_path, capsys):
     capsys.readouterr()
     assert main(["bench", str(pt2), "--batch", "2", "--iters", "2", "--warmup", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["format"] == "aoti"
+
+
+def test_aoti_loader_crash_is_reported_not_fatal(tmp_path, monkeypatch):
+    """A loader that segfaults (torch 2.11 on an H200) is caught in a child process and named."""
+    from tctune.export import aoti
+
+    fake_python = tmp_path / "python"
+    fake_python.write_text("#!/bin/sh\nkill -SEGV $$\n")
+    fake_python.chmod(0o755)
+    monkeypatch.setattr(aoti.sys, "executable", str(fake_python))
+    assert aoti._load_crashes(tmp_path / "model.pt2") == "killed by signal 11"
+    ok_python = tmp_path / "ok"
+    ok_python.write_text("#!/bin/sh\nexit 0\n")
+    ok_python.chmod(0o755)
+    monkeypatch.setattr(aoti.sys, "executable", str(ok_python))
+    assert aoti._load_crashes(tmp_path / "model.pt2") is None

@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -65,7 +67,8 @@ def export_aoti(
 
     Raises:
         ExportError: ``torch.export`` cannot re-export the module with a dynamic batch, or the AOTInductor
-            compile or load failed (e.g. no C++ compiler on a CPU machine); nothing is written then.
+            compile failed (e.g. no C++ compiler on a CPU machine; nothing is written then), or loading the
+            package fails or crashes a child process (the package is kept, unvalidated).
         ValueError: ``batch_sizes`` has fewer than two positive ints.
     """
     sizes = tuple(int(b) for b in batch_sizes)
@@ -113,6 +116,11 @@ def export_aoti(
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
 
+    crash = _load_crashes(path)
+    if crash:
+        raise ExportError(f"loading {path.name} with torch._inductor.aoti_load_package crashed a test process "
+                          f"({crash}; torch {torch.__version__}): the package is kept but not validated\n"
+                          "  fix: use the ONNX engine, or try another torch version (seen with torch 2.11 on an H200)")
     try:
         compiled = torch._inductor.aoti_load_package(str(path))
     except Exception as exc:  # noqa: BLE001
@@ -139,6 +147,21 @@ def export_aoti(
     if problems:
         result["aoti_error"] = "; ".join(dict.fromkeys(problems))
     return result
+
+
+def _load_crashes(path: Path, timeout_s: float = 600.0) -> str | None:
+    """Load the package once in a child process first: a loader that segfaults (seen with torch 2.11 on an
+    H200) then costs a clear error, not the tuning process. Returns the reason, or None when it loaded."""
+    code = "import sys, torch; torch._inductor.aoti_load_package(sys.argv[1])"
+    try:
+        r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"no answer after {timeout_s:.0f} s"
+    if r.returncode < 0:
+        return f"killed by signal {-r.returncode}"
+    if r.returncode:
+        return f"exit status {r.returncode}: {(r.stderr.strip().splitlines() or [''])[-1][:200]}"
+    return None
 
 
 def _validate(module: torch.nn.Module, compiled: Callable, make_inputs: Callable, batch: int,
