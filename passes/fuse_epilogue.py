@@ -12,7 +12,7 @@ Semantics, checked against PyTorch's kernels (``aten/src/ATen/native/cuda/Blas.c
 * ``use_gelu=True`` is the **tanh approximation** of GELU on CUDA (the cuBLASLt GELU epilogue, and the
   non-Lt fallback calls ``gelu_(..., "tanh")``), but **erf** GELU on the CPU (measured: the CPU result equals
   ``F.gelu(approximate="none")`` exactly). So ``gelu(approximate="tanh")`` is fused only when the target is a
-  GPU (``spec.arch != "cpu"``), and exact GELU (``approximate="none"``, BERT's) is never fused: the epilogue
+  GPU (``spec.arch != "cpu"``) *and* the graph's tensors live on a CUDA device, and exact GELU (``approximate="none"``, BERT's) is never fused: the epilogue
   would change the model's numbers.
 * ``aten._addmm_activation`` has no autograd derivative (``RuntimeError: derivative for
   aten::_addmm_activation is not implemented``): the pass refuses every candidate when ``spec.training``.
@@ -106,6 +106,10 @@ def _activation(act: fx.Node, spec: PassSpec) -> tuple[str, str | None]:
         return "", f"gelu approximate={approximate!r}: the cuBLASLt GELU epilogue is the tanh approximation"
     if spec.arch.lower() == "cpu":
         return "", "gelu tanh on CPU: aten._addmm_activation computes erf GELU there"
+    val = act.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.device.type != "cuda":
+        # A GPU target planned on a CPU graph (--target h100 on a CPU machine) still runs on the CPU.
+        return "", "gelu tanh on a CPU tensor: aten._addmm_activation computes erf GELU there"
     return "gelu_tanh", None
 
 
