@@ -462,9 +462,7 @@ class Tuner:
                 f"{state}; best {best.user_attrs['throughput']:.4g}/s" if best else f"#{tr.number} {state}")
             bar.update(1)
 
-        measured = {json.dumps(t.params, sort_keys=True) for t in study.get_trials(deepcopy=False)
-                    if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)}
-        if len(measured) >= self.space_size():
+        if len(self.measured(study)) >= self.space_size():
             log.info("all %d candidates of this search space are already measured; nothing to add "
                      "(widen --batch-sizes or --runtimes to search more)", self.space_size())
         try:
@@ -475,7 +473,15 @@ class Tuner:
         finally:
             if bar is not None:
                 bar.close()
+        if self.space_size() <= BRUTE_FORCE_MAX and len(self.measured(study)) >= self.space_size():
+            log.info("every one of the %d candidates of this search space is measured", self.space_size())
         return study
+
+    @staticmethod
+    def measured(study: optuna.Study) -> set[str]:
+        """Parameter sets already measured (complete or failed), as canonical JSON strings."""
+        return {json.dumps(t.params, sort_keys=True) for t in study.get_trials(deepcopy=False)
+                if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)}
 
 
 def objective_values(metrics: dict, objective: str) -> float | tuple[float, ...]:
