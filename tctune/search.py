@@ -11,7 +11,9 @@ import copy
 import hashlib
 import json
 import logging
+import signal
 import sys
+import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -441,7 +443,8 @@ class Tuner:
     def run(self) -> optuna.Study:
         """Add ``cfg.trials`` trials to the study (resuming it), with a progress bar unless quiet.
 
-        A Ctrl-C stops after marking the running trial failed; finished trials are kept.
+        Ctrl-C (SIGINT) once: the running trial finishes, then the study stops and the report is written.
+        Twice: the running trial is abandoned (marked failed). Finished trials are always kept.
         """
         self.out_dir.mkdir(parents=True, exist_ok=True)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -451,7 +454,17 @@ class Tuner:
             from tqdm.auto import tqdm
             bar = tqdm(total=self.cfg.trials, desc="trials", unit="trial", file=sys.stderr, dynamic_ncols=True)
 
+        stop_requested = []
+
+        def on_sigint(signum, frame):
+            if stop_requested:
+                raise KeyboardInterrupt
+            stop_requested.append(True)
+            log.warning("Ctrl-C: stopping after the current trial (press Ctrl-C again to abandon it)")
+
         def callback(st: optuna.Study, tr: optuna.trial.FrozenTrial) -> None:
+            if stop_requested:
+                st.stop()
             if bar is None:
                 return
             best = best_trial(st)
@@ -465,12 +478,17 @@ class Tuner:
         if len(self.measured(study)) >= self.space_size():
             log.info("all %d candidates of this search space are already measured; nothing to add "
                      "(widen --batch-sizes or --runtimes to search more)", self.space_size())
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGINT, on_sigint)
         try:
             study.optimize(self.objective, n_trials=self.cfg.trials, timeout=self.cfg.timeout_s,
                            catch=(CandidateRejected,), callbacks=[callback])
         except KeyboardInterrupt:
             log.warning("interrupted: finished trials are kept in %s; writing the report", self.storage_url())
         finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
             if bar is not None:
                 bar.close()
         if self.space_size() <= BRUTE_FORCE_MAX and len(self.measured(study)) >= self.space_size():

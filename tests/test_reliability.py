@@ -155,3 +155,44 @@ def test_tune_config_rejects_bad_values():
         TuneConfig(out_dir="x", trials=0)
     with pytest.raises(UsageError, match="--runtimes"):
         TuneConfig(out_dir="x", runtimes=("warp",))
+
+
+SLOW_AT_32 = '''
+import os, time, pathlib, torch
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__(); self.fc = torch.nn.Linear(16, 8)
+    def forward(self, x):
+        if x.shape[0] == 32 and not pathlib.Path(os.environ["TCTUNE_TEST_MARKER"]).exists():
+            pathlib.Path(os.environ["TCTUNE_TEST_MARKER"]).write_text("in trial")
+            time.sleep(3)
+        return self.fc(x)
+def build_model():
+    return M()
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 16),)
+'''
+
+
+def test_ctrl_c_finishes_the_current_trial_then_writes_the_report(tmp_path):
+    model = tmp_path / "slow.py"
+    model.write_text(SLOW_AT_32)
+    out, marker = tmp_path / "out", tmp_path / "marker"
+    cmd = [sys.executable, "-m", "tctune", "optimize", str(model), "--out", str(out), "--batch-sizes", "8,32",
+           "--trials", "8", "--quiet", "--no-export"]
+    proc = subprocess.Popen(cmd, env=dict(os.environ, TCTUNE_TEST_MARKER=str(marker)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not marker.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert "stopping after the current trial" in err
+    report = json.loads((out / "report.json").read_text())
+    states = [t["state"] for t in report["trials"]]
+    assert states and all(s == "COMPLETE" for s in states)  # the running trial was finished, not abandoned
+    assert len(states) < 8
+    assert any(t["params"]["batch_size"] == 32 for t in report["trials"])
