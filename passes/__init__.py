@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 import torch
 
 from passes.base import DEFAULT_KEEP_LIST, PassFailure, PassResult, PassSpec, Skip
+from passes.cast_fp8 import cast_fp8_linears
 from passes.cast_precision import cast_precision
 from passes.fold_bn import fold_conv_batchnorm
 from passes.fuse_attention import fuse_attention
@@ -35,6 +36,7 @@ PIPELINE: tuple[str, ...] = (
     "pad_matmul_dims",
     "pad_conv_channels",
     "fuse_epilogue",
+    "cast_fp8_linears",  # precision fp8 only: bf16 cast + FP8 GEMMs (cast_precision then skips)
     "cast_precision",
 )
 
@@ -47,6 +49,7 @@ PASSES: dict[str, Callable[[torch.fx.GraphModule, PassSpec], PassResult]] = {
     "pad_matmul_dims": pad_matmul_dims,
     "pad_conv_channels": pad_conv_channels,
     "fuse_epilogue": fuse_epilogue,
+    "cast_fp8_linears": cast_fp8_linears,
     "cast_precision": cast_precision,
 }
 
@@ -96,6 +99,7 @@ __all__ = [
     "PassResult",
     "PassSpec",
     "Skip",
+    "cast_fp8_linears",
     "cast_precision",
     "fold_conv_batchnorm",
     "fuse_attention",

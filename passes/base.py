@@ -28,7 +28,14 @@ DEFAULT_KEEP_LIST: frozenset[str] = frozenset(
     }
 )
 
-_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+#: Stored dtype per precision. fp8 stores bf16: only eligible linears compute in float8_e4m3fn
+#: (``passes.cast_fp8.cast_fp8_linears``); every other op runs in bf16.
+_DTYPES = {
+    "fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+    "fp8": torch.bfloat16,
+}
+#: FP8 scaling granularities (``PassSpec.fp8_scaling``).
+FP8_SCALINGS = ("row", "tensor")
 
 
 class PassFailure(RuntimeError):
@@ -85,7 +92,8 @@ class PassSpec:
     """Plain facts a pass needs about the target, with no GPU handle.
 
     Attributes:
-        precision: one of ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"`` (the compute precision of the candidate).
+        precision: one of ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"``, ``"fp8"`` (the compute precision of
+            the candidate; ``"fp8"``: eligible linears in float8_e4m3fn, everything else bf16).
         alignment: Tensor Core alignment in *elements* per dtype name, e.g. ``{"fp16": 8, "bf16": 8, "tf32": 4,
             "fp8": 16}`` (NVIDIA "Matrix Multiplication Background User's Guide", Tensor Core requirements).
             A missing dtype, or 1, means "no alignment requirement" and padding passes skip.
@@ -96,6 +104,8 @@ class PassSpec:
             the precision pass computes them, and every op reading them, in FP32.
         overflow_margin: the head-room factor ``fp32_nodes`` was chosen with (max |x| > limit / margin),
             quoted in the precision pass's skip reasons.
+        fp8_scaling: FP8 scale granularity at precision ``"fp8"``: ``"row"`` (per output channel for weights,
+            per token for activations; the default) or ``"tensor"`` (one scale per tensor).
     """
 
     precision: str = "fp32"
@@ -105,14 +115,17 @@ class PassSpec:
     training: bool = False
     fp32_nodes: frozenset = frozenset()
     overflow_margin: float = 2.0
+    fp8_scaling: str = "row"
 
     def __post_init__(self) -> None:
         if self.precision not in _DTYPES:
             raise ValueError(f"precision must be one of {sorted(_DTYPES)}, got {self.precision!r}")
+        if self.fp8_scaling not in FP8_SCALINGS:
+            raise ValueError(f"fp8_scaling must be one of {list(FP8_SCALINGS)}, got {self.fp8_scaling!r}")
 
     @property
     def dtype(self) -> torch.dtype:
-        """The torch dtype tensors are stored in at this precision (tf32 stores fp32)."""
+        """The torch dtype tensors are stored in at this precision (tf32 stores fp32, fp8 bf16)."""
         return _DTYPES[self.precision]
 
     def align(self, precision: str | None = None) -> int:

@@ -200,7 +200,7 @@ def _cmd_optimize(args) -> int:
     report = optimize(args.model_file, cfg)
     if not cfg.worker:
         print(_summary(report, out))
-    return 0
+    return 130 if report.get("interrupted") else 0
 
 
 def main(argv: list[str] | None = None) -> int:

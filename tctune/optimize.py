@@ -191,7 +191,11 @@ def optimize(model_path: str | Path, cfg: TuneConfig) -> dict:
     bt = best_trial(study)
     artifacts: dict = {}
     passes: list[dict] = []
-    if bt is not None:
+    if bt is not None and tuner.interrupted:
+        artifacts = {"onnx": None, "onnx_max_abs_error": None, "tensorrt": None,
+                     "onnx_error": "not exported: the run was interrupted (run the command again to resume)",
+                     "tensorrt_skipped_reason": "the run was interrupted"}
+    if bt is not None and not tuner.interrupted:
         artifacts, passes = export_best(tuner, dict(bt.params), out)
         best_cfg = {"model": mf.name, "model_path": str(mf.path), "hardware": hw.to_dict(), "params": dict(bt.params),
                     "batch_sizes": sorted(cfg.batch_sizes),
@@ -212,7 +216,7 @@ def optimize(model_path: str | Path, cfg: TuneConfig) -> dict:
         passes=passes,
         artifacts=artifacts,
         capture={"ok": tuner.captured.ok, "reason": tuner.captured.reason},
-        extra={"plots": plots, "workers": worker_status},
+        extra={"plots": plots, "workers": worker_status, "interrupted": tuner.interrupted},
     )
     write_report(report, out)
     return report

@@ -16,7 +16,7 @@ import optuna
 
 from .search import best_trial, is_feasible, pareto_front
 
-TRIAL_FIELDS = ("throughput", "latency_ms", "latency_p50_ms", "latency_p99_ms", "peak_memory_mib", "max_rel_error", "max_abs_error", "nonfinite",
+TRIAL_FIELDS = ("throughput", "latency_ms", "latency_p50_ms", "latency_p99_ms", "repeats_ms", "peak_memory_mib", "max_rel_error", "max_abs_error", "nonfinite",
                 "description", "setup_s")
 
 
@@ -28,6 +28,7 @@ def write_atomic(path: str | Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; reports are for sharing
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -70,10 +71,29 @@ def baselines(trials: list[dict]) -> dict[int, dict]:
     return out
 
 
+def base_trial(r: dict) -> dict | None:
+    """The baseline trial row of report ``r`` (FP32 eager at the best's batch size), or None."""
+    n = (r.get("baseline") or {}).get("trial")
+    return next((t for t in r["trials"] if t["number"] == n), None)
+
+
+def measurement_noise(*rows: dict | None) -> float | None:
+    """Largest relative spread (max − min) / median of the repeats of the given trial rows, or None."""
+    spreads = []
+    for row in rows:
+        reps = (row or {}).get("repeats_ms") or []
+        if len(reps) >= 2:
+            med = sorted(reps)[len(reps) // 2]
+            spreads.append((max(reps) - min(reps)) / med if med else 0.0)
+    return max(spreads) if spreads else None
+
+
 def build_report(study: optuna.Study, *, hardware: dict, measured_on: str, config: dict, model: dict,
                  passes: list[dict], artifacts: dict, capture: dict, extra: dict | None = None) -> dict:
     """Assemble the report dictionary (see README, "Output files", for every field)."""
-    trials = [trial_record(t) for t in study.get_trials(deepcopy=False)]
+    every = study.get_trials(deepcopy=False)
+    trials = [trial_record(t) for t in every if t.state != optuna.trial.TrialState.WAITING]
+    not_started = sum(t.state == optuna.trial.TrialState.WAITING for t in every)
     base = baselines(trials)
     bt = best_trial(study)
     best = None
@@ -97,7 +117,8 @@ def build_report(study: optuna.Study, *, hardware: dict, measured_on: str, confi
         "measured_on": measured_on,
         "config": config,
         "study": {"name": study.study_name, "n_trials": len(trials),
-                  "n_complete": sum(r["state"] == "COMPLETE" for r in trials)},
+                  "n_complete": sum(r["state"] == "COMPLETE" for r in trials),
+                  "n_queued_not_run": not_started},
         "capture": capture,
         "baseline": baseline,
         "baselines": [{"batch_size": bs, "throughput": r["throughput"], "latency_ms": r["latency_ms"], "trial": r["number"]}
@@ -151,6 +172,14 @@ def render_markdown(r: dict) -> str:
             lines.append(f"- Against the fastest FP32 eager baseline at any searched batch size: {_fmt(b['speedup_vs_best_baseline'], '.2f')}×.")
         if p["precision"] == "fp32" and not p.get("graph_passes") and p.get("runtime", "eager") == "eager":
             lines.append("- Nothing beat plain FP32 eager here: **keep FP32**.")
+        noise = measurement_noise(b, base_trial(r))
+        if noise is not None and b.get("speedup_vs_baseline") and abs(b["speedup_vs_baseline"] - 1) <= noise:
+            lines.append(f"- **Within measurement noise**: the repeats of these two trials spread by up to "
+                         f"{noise:.0%}, more than the difference between them. Measure on a quiet machine "
+                         "(or more repeats) before relying on this speedup.")
+        if p.get("graph_passes") and r["passes"] and all(ps["changed"] == 0 for ps in r["passes"]):
+            lines.append("- The passes changed nothing in this graph: any difference from the model as written "
+                         "is the runtime or measurement noise.")
     else:
         lines.append("No trial met the accuracy limit; see the trials table for the reasons.")
     if r.get("pareto_front"):
@@ -172,6 +201,8 @@ def render_markdown(r: dict) -> str:
             else:
                 lines.append(f"- [{name}]({Path(path).name})")
     lines += ["", "## Graph passes (at the best precision)", ""]
+    if r["passes"] and b and not b["params"].get("graph_passes"):
+        lines += ["The best configuration runs the model as written; these are the passes its exported graph carries.", ""]
     if r["passes"]:
         lines += ["| pass | rewrites | skipped (node: reason) |", "|---|---|---|"]
         for ps in r["passes"]:
@@ -188,6 +219,11 @@ def render_markdown(r: dict) -> str:
         lines.append(f"| {t['number']} | {t['state'].lower()} | {p.get('precision', '–')} | {'yes' if p.get('graph_passes') else 'no'} | "
                      f"{p.get('runtime', 'eager')} | {p.get('batch_size', '–')} | {_fmt(t['throughput'])} | {_fmt(t['latency_ms'])} | "
                      f"{_fmt(t['peak_memory_mib'], '.0f')} | {_fmt(t['max_rel_error'], '.2e')} | {_fmt(t['setup_s'], '.1f')} | {t['fail_reason'] or ''} |")
+    if r["study"].get("n_queued_not_run"):
+        lines += ["", f"{r['study']['n_queued_not_run']} queued candidate(s) were not started (--trials or --timeout "
+                      "reached); running the command again measures them."]
+    if r.get("interrupted"):
+        lines += ["", "**The run was interrupted**: finished trials are kept; running the same command again resumes."]
     a = r["artifacts"]
     lines += ["", "## Artifacts", ""]
     if a.get("onnx"):

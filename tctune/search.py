@@ -27,7 +27,7 @@ from passes import PIPELINE, run_pipeline
 from passes.base import PassFailure
 
 from .capture import Captured, try_capture
-from .errors import CandidateRejected, PassError, UsageError
+from .errors import CandidateRejected, ModelFileError, PassError, UsageError
 from .hardware import HardwareSpec
 from .measure import (ErrorStats, check_accuracy, compare, is_oom, precision_mode, release_memory,
                       time_call)
@@ -201,6 +201,7 @@ class Tuner:
             raise UsageError("--runtimes cudagraphs needs a CUDA GPU; this machine measures on the CPU")
         self.compile_over_budget: str | None = None
         self._opened = False
+        self.interrupted = False
 
     # -- search space ---------------------------------------------------------------------------------
     @property
@@ -231,10 +232,11 @@ class Tuner:
                 with precision_mode("fp32"), torch.inference_mode():
                     ref = self.model(*inputs)
             except Exception as exc:
+                release_memory(self.device)
                 if is_oom(exc):
-                    release_memory(self.device)
                     raise CandidateRejected(f"the FP32 reference ran out of memory at batch size {batch_size}") from exc
-                raise
+                raise CandidateRejected(f"the model raised at batch size {batch_size} (FP32 reference run): "
+                                        f"{type(exc).__name__}: {_first_line(exc)}") from exc
             self._refs[batch_size] = (inputs, ref)
         return self._refs[batch_size]
 
@@ -361,6 +363,8 @@ class Tuner:
             # The default SQLite study has one tctune process (it starts any workers itself, after this):
             # a trial still RUNNING was cut off by a killed process.
             self.fail_interrupted(study, storage)
+        if not self._opened:
+            self.retry_interrupted(study)
         self._opened = True
         if not study.trials:
             for bs in self.cfg.batch_sizes:  # FP32 eager baselines, one per batch size
@@ -372,13 +376,34 @@ class Tuner:
                                              "graph_passes": True, "runtime": "eager"})
         return study
 
+    def retry_interrupted(self, study: optuna.Study) -> int:
+        """Enqueue again the candidates whose only trials were cut off (Ctrl-C, a killed process): the
+        enumerating sampler counts them as visited, so without this they would never be measured."""
+        measured = self.measured(study)
+        waiting = {json.dumps(t.params, sort_keys=True)
+                   for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))}
+        space = self.space()
+        n = 0
+        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,)):
+            key = json.dumps(t.params, sort_keys=True)
+            if counts_as_measured(t) or key in measured or key in waiting:
+                continue
+            if any(t.params.get(k) not in v for k, v in space.items()):
+                continue
+            study.enqueue_trial(dict(t.params))
+            waiting.add(key)
+            n += 1
+        if n:
+            log.info("%d interrupted candidate(s) queued to be measured again", n)
+        return n
+
     def skip_reason(self, study: optuna.Study, params: dict, number: int = 1 << 62) -> str | None:
         """Why ``params`` need not be measured: already measured, a smaller batch with the same settings
         ran out of memory, or compiles are over budget. None when it should be measured."""
         same_settings = {k: v for k, v in params.items() if k != "batch_size"}
         done = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
         for prev in study.get_trials(deepcopy=False, states=done + (optuna.trial.TrialState.RUNNING,)):
-            if prev.number == number:
+            if prev.number == number or not counts_as_measured(prev):
                 continue
             if prev.params == params:
                 if prev.state == optuna.trial.TrialState.RUNNING:
@@ -424,6 +449,12 @@ class Tuner:
         except PassError as exc:
             trial.set_user_attr("fail_reason", str(exc))
             raise CandidateRejected(str(exc)) from exc
+        except (ModelFileError, UsageError):
+            raise  # the user's files or options: one clear error for the whole run
+        except Exception as exc:  # anything else a candidate raises costs that trial, not the study
+            reason = f"{type(exc).__name__}: {_first_line(exc)}"
+            trial.set_user_attr("fail_reason", reason)
+            raise CandidateRejected(reason) from exc
         for k, v in metrics.items():
             trial.set_user_attr(k, v)
         limits = {"max_error": (metrics["max_rel_error"], self.cfg.max_error, "relative error", "--max-error"),
@@ -447,7 +478,7 @@ class Tuner:
         Twice: the running trial is abandoned (marked failed). Finished trials are always kept.
         """
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        optuna.logging.set_verbosity(optuna.logging.ERROR)  # tctune reports failed trials itself
         study = self.create_study()
         bar = None
         if not self.cfg.quiet:
@@ -457,6 +488,7 @@ class Tuner:
         stop_requested = []
 
         def on_sigint(signum, frame):
+            self.interrupted = True
             if stop_requested:
                 raise KeyboardInterrupt
             stop_requested.append(True)
@@ -465,6 +497,8 @@ class Tuner:
         def callback(st: optuna.Study, tr: optuna.trial.FrozenTrial) -> None:
             if stop_requested:
                 st.stop()
+            if tr.state == optuna.trial.TrialState.FAIL and bar is None:
+                log.info("trial %d rejected: %s", tr.number, tr.user_attrs.get("fail_reason"))
             if bar is None:
                 return
             best = best_trial(st)
@@ -475,9 +509,12 @@ class Tuner:
                 f"{state}; best {best.user_attrs['throughput']:.4g}/s" if best else f"#{tr.number} {state}")
             bar.update(1)
 
-        if len(self.measured(study)) >= self.space_size():
+        if self.space_size() <= BRUTE_FORCE_MAX and len(self.measured(study)) >= self.space_size():
             log.info("all %d candidates of this search space are already measured; nothing to add "
                      "(widen --batch-sizes or --runtimes to search more)", self.space_size())
+            if bar is not None:
+                bar.close()
+            return study
         previous = None
         if threading.current_thread() is threading.main_thread():
             previous = signal.signal(signal.SIGINT, on_sigint)
@@ -485,6 +522,7 @@ class Tuner:
             study.optimize(self.objective, n_trials=self.cfg.trials, timeout=self.cfg.timeout_s,
                            catch=(CandidateRejected,), callbacks=[callback])
         except KeyboardInterrupt:
+            self.interrupted = True
             log.warning("interrupted: finished trials are kept in %s; writing the report", self.storage_url())
         finally:
             if previous is not None:
@@ -499,7 +537,11 @@ class Tuner:
     def measured(study: optuna.Study) -> set[str]:
         """Parameter sets already measured (complete or failed), as canonical JSON strings."""
         return {json.dumps(t.params, sort_keys=True) for t in study.get_trials(deepcopy=False)
-                if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)}
+                if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL) and counts_as_measured(t)}
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:300]
 
 
 def objective_values(metrics: dict, objective: str) -> float | tuple[float, ...]:
@@ -510,6 +552,15 @@ def objective_values(metrics: dict, objective: str) -> float | tuple[float, ...]
     if objective == "latency":
         return p99
     return metrics["throughput"], p99, metrics["peak_memory_mib"] or 0.0
+
+
+def counts_as_measured(t: optuna.trial.FrozenTrial) -> bool:
+    """A finished trial whose result stands. A trial that failed because the process was interrupted or
+    killed (no reason recorded, or "interrupted") does not: its candidate is measured again later."""
+    if t.state != optuna.trial.TrialState.FAIL:
+        return True
+    reason = t.user_attrs.get("fail_reason")
+    return bool(reason) and not reason.startswith("interrupted")
 
 
 def is_feasible(t: optuna.trial.FrozenTrial) -> bool:

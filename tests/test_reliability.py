@@ -189,10 +189,58 @@ def test_ctrl_c_finishes_the_current_trial_then_writes_the_report(tmp_path):
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err
-    assert "stopping after the current trial" in err
+    assert proc.returncode == 130, err  # interrupted: the conventional status, so scripts can tell
+    assert "stopping after the current trial" in err and "Traceback" not in err
     report = json.loads((out / "report.json").read_text())
     states = [t["state"] for t in report["trials"]]
     assert states and all(s == "COMPLETE" for s in states)  # the running trial was finished, not abandoned
     assert len(states) < 8
     assert any(t["params"]["batch_size"] == 32 for t in report["trials"])
+    assert report["interrupted"] is True and "interrupted" in report["artifacts"]["onnx_error"]
+
+
+RAISES_AT_32 = HANGS_AT_32.replace(
+    'pathlib.Path(os.environ["TCTUNE_TEST_MARKER"]).write_text("in trial")\n            time.sleep(120)',
+    'raise RuntimeError("I fail at batch 32")')
+
+
+def test_model_raising_at_one_batch_size_costs_those_trials_only(tmp_path):
+    f = tmp_path / "raise32.py"
+    f.write_text(RAISES_AT_32)
+    assert "I fail at batch 32" in RAISES_AT_32
+    r = subprocess.run([sys.executable, "-m", "tctune", "optimize", str(f), "--out", str(tmp_path / "out"),
+                        "--batch-sizes", "8,32", "--trials", "8", "--quiet", "--no-export"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    at32 = [t for t in report["trials"] if t["params"]["batch_size"] == 32]
+    assert at32 and all(t["state"] != "COMPLETE" for t in at32)
+    assert all("I fail at batch 32" in (t["fail_reason"] or "") or "duplicate" in (t["fail_reason"] or "") for t in at32)
+    assert report["best"]["params"]["batch_size"] == 8
+
+
+def test_interrupted_candidate_is_measured_again_on_resume(tmp_path):
+    """A trial cut off by a kill is failed on resume *and* its candidate queued again (the enumerating
+    sampler would otherwise count it as visited)."""
+    model = tmp_path / "hangs.py"
+    model.write_text(HANGS_AT_32)
+    out, marker = tmp_path / "out", tmp_path / "marker"
+    cmd = [sys.executable, "-m", "tctune", "optimize", str(model), "--out", str(out), "--batch-sizes", "8,32",
+           "--trials", "8", "--quiet", "--no-export"]
+    proc = subprocess.Popen(cmd, env=dict(os.environ, TCTUNE_TEST_MARKER=str(marker)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while not marker.exists():
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    r = subprocess.run(cmd, env=dict(os.environ, TCTUNE_TEST_MARKER=str(marker), TCTUNE_TEST_FAST="1"),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    report = json.loads((out / "report.json").read_text())
+    failed = [t for t in report["trials"] if t["state"] == "FAIL"]
+    assert len(failed) == 1
+    again = [t for t in report["trials"] if t["params"] == failed[0]["params"] and t["state"] == "COMPLETE"]
+    assert again, "the interrupted candidate was never measured again"

@@ -1,0 +1,353 @@
+"""Tests for passes.cast_fp8: eligible linears as scaled FP8 GEMMs (torch._scaled_mm), the rest in bf16."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zoo
+from passes import PASSES, PIPELINE, PassSpec, Skip, run_pipeline
+from passes.cast_fp8 import (
+    FP8_DTYPE,
+    FP8_FLAG,
+    FP8_MAX,
+    cast_fp8_linears,
+    fp8_linear_reference,
+    fp8_scale,
+    quantize_fp8,
+    scaled_mm_works,
+)
+
+FP8 = PassSpec(precision="fp8", alignment={"fp16": 8, "bf16": 8, "tf32": 4, "fp8": 16}, arch="Hopper")
+FP8_TENSOR = PassSpec(precision="fp8", fp8_scaling="tensor")
+#: Signal-to-noise floor against FP32 eager: 25 dB, i.e. relative L2 error <= 10 ** (-25 / 20) = 5.6e-2.
+SQNR_DB = 25.0
+_LINEAR = torch.ops.aten.linear.default
+_SCALED_MM = torch.ops.aten._scaled_mm.default
+
+CPU_ROW = pytest.mark.skipif(not scaled_mm_works("cpu", "row"), reason="torch._scaled_mm row-wise not on this CPU")
+CPU_TENSOR = pytest.mark.skipif(
+    not scaled_mm_works("cpu", "tensor"), reason="torch._scaled_mm tensor-wise not on this CPU"
+)
+
+
+class FP8MLP(nn.Module):
+    """Linear 64 -> 128 -> 64 -> 32 (ReLU, GELU): every K and N a multiple of 16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(64, 128), nn.Linear(128, 64), nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(F.gelu(self.fc2(F.relu(self.fc1(x)))))
+
+
+class OddK(nn.Module):
+    """Linear 61 -> 32 (K=61: not FP8) then 32 -> 16 (FP8), without bias on the second."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.odd, self.even = nn.Linear(61, 32), nn.Linear(32, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.even(torch.relu(self.odd(x)))
+
+
+class Tied(nn.Module):
+    """One Linear(32, 32) applied twice (one weight, two GEMMs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.fc(x)))
+
+
+def _build(cls, *shape, seed=0, device="cpu"):
+    torch.manual_seed(seed)
+    model = cls().eval().to(device)
+    gm = zoo.capture(model, (torch.randn(*shape, device=device),))
+    return model, gm
+
+
+def _targets(gm):
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-12)).item()
+
+
+def _sqnr_db(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return -20 * math.log10(max(_rel_l2(got, ref), 1e-30))
+
+
+# --------------------------------------------------------------------------------------- quantization math
+
+
+def test_quantize_saturates_never_nan():
+    t = torch.tensor([1e6, -1e6, 3.0, 0.0, 500.0])
+
+    q, _ = quantize_fp8(t, scale=torch.tensor(1.0))
+
+    assert q.dtype == FP8_DTYPE
+    assert q.float().tolist() == [FP8_MAX, -FP8_MAX, 3.0, 0.0, FP8_MAX]  # 1e6 -> 448 * scale
+    q2, _ = quantize_fp8(t, scale=torch.tensor(2.0))
+    assert q2.float()[0].item() * 2.0 == 2 * FP8_MAX and torch.isfinite(q2.float()).all()
+
+
+def test_quantize_dynamic_scale_maps_amax_to_448_and_zero_rows_are_fine():
+    t = torch.tensor([[0.0, 0.0, 0.0, 0.0], [1.0, -2.0, 3.0, 0.5], [-7.0, 1e-3, 0.0, 2.0]])
+
+    q, scale = quantize_fp8(t)  # row-wise
+
+    assert scale.shape == (3, 1) and scale.dtype == torch.float32
+    assert torch.isfinite(scale).all() and (scale > 0).all()
+    assert q.float()[0].tolist() == [0.0] * 4  # all-zero row: exact zeros, no 0/0
+    assert q.float().abs().amax(dim=1)[1:].tolist() == [FP8_MAX, FP8_MAX]
+    back = q.float() * scale
+    assert torch.isfinite(back).all()
+    assert _rel_l2(back[1:], t[1:]) < 4e-2  # 3 mantissa bits: <= 2^-4 relative per element
+    s = fp8_scale(t, "tensor")
+    assert s.dim() == 0 and s.item() == pytest.approx(7.0 / FP8_MAX)
+    assert fp8_scale(torch.zeros(4, 4), "tensor").item() > 0
+
+
+@pytest.mark.parametrize("scaling", ["row", "tensor"])
+def test_reference_math_parity_with_fp32(scaling):
+    """The rewritten linear's math in plain torch (no _scaled_mm kernel needed) meets the SQNR floor."""
+    torch.manual_seed(1)
+    x, w, b = torch.randn(5, 7, 64), torch.randn(48, 64) / 8, torch.randn(48)
+
+    got = fp8_linear_reference(x, w, b, scaling)
+
+    assert got.dtype == torch.bfloat16 and got.shape == (5, 7, 48)
+    assert _sqnr_db(got, F.linear(x, w, b)) >= SQNR_DB
+
+
+# ---------------------------------------------------------------------------------------------- spec
+
+
+def test_pass_spec_takes_fp8_stored_as_bf16():
+    assert PassSpec(precision="fp8").dtype == torch.bfloat16
+    assert PassSpec(precision="fp8").fp8_scaling == "row"
+    assert PassSpec(precision="fp8", fp8_scaling="tensor").fp8_scaling == "tensor"
+    with pytest.raises(ValueError, match="fp8_scaling"):
+        PassSpec(precision="fp8", fp8_scaling="block")
+    with pytest.raises(ValueError, match="precision"):
+        PassSpec(precision="fp4")
+    assert FP8.align() == 16
+
+
+def test_registered_right_before_cast_precision():
+    assert PASSES["cast_fp8_linears"] is cast_fp8_linears
+    assert PIPELINE.index("cast_fp8_linears") == PIPELINE.index("cast_precision") - 1
+
+
+# ---------------------------------------------------------------------------------------------- rewrite
+
+
+def test_rewrite_fires_on_eligible_linears():
+    _, gm = _build(FP8MLP, 3, 64)
+    keys = list(gm.state_dict())
+
+    result = cast_fp8_linears(gm, FP8)
+
+    assert result.name == "cast_fp8_linears"
+    assert result.count == 3 and result.changed == ["linear", "linear_1", "linear_2"]
+    assert result.skipped == []
+    assert _LINEAR not in _targets(gm)
+    mms = [n for n in gm.graph.nodes if n.target == _SCALED_MM]
+    assert len(mms) == 3 and all(n.meta.get(FP8_FLAG) for n in mms)
+    assert all(n.kwargs["out_dtype"] == torch.bfloat16 for n in mms)
+    assert result.notes["scaling"] == "row"
+    assert result.notes["fp8_weights"]["fc1.weight"] == ["fc1.weight_fp8", "fc1.weight_fp8_scale"]
+    # the rest of the graph was cast to bf16 first (GELU runs on bf16)
+    assert isinstance(result.notes["cast_precision"], dict) and result.notes["cast_precision"]["changed"] > 0
+    # quantized once, stored as non-persistent buffers: state_dict keys unchanged
+    assert list(gm.state_dict()) == keys
+    assert gm.fc1.weight_fp8.dtype == FP8_DTYPE and gm.fc1.weight_fp8.shape == (128, 64)
+    assert gm.fc1.weight_fp8_scale.dtype == torch.float32 and gm.fc1.weight_fp8_scale.shape == (1, 128)
+    assert "fc1.weight_fp8" not in gm.state_dict()
+
+
+def test_tensor_scaling_stores_scalar_scales():
+    _, gm = _build(FP8MLP, 3, 64)
+
+    result = cast_fp8_linears(gm, FP8_TENSOR)
+
+    assert result.count == 3 and result.notes["scaling"] == "tensor"
+    assert gm.fc2.weight_fp8_scale.shape == () and gm.fc2.weight_fp8_scale.dtype == torch.float32
+
+
+def test_ineligible_linear_skipped_with_reason():
+    _, gm = _build(OddK, 3, 61)
+
+    result = cast_fp8_linears(gm, FP8)
+
+    assert result.count == 1 and result.changed == ["linear_1"]
+    assert result.skipped == [Skip("linear", "K=61 not a multiple of 16 (FP8 GEMMs need 16)")]
+    assert _targets(gm).count(_LINEAR) == 1 and _targets(gm).count(_SCALED_MM) == 1
+    (mm,) = [n for n in gm.graph.nodes if n.target == _SCALED_MM]
+    assert mm.kwargs["bias"] is None
+
+
+def test_zoo_mlp_all_odd_reports_both_dims():
+    _, gm, _ = zoo.build("mlp")  # 37 -> 61 -> 13
+
+    result = cast_fp8_linears(gm, FP8)
+
+    assert result.count == 0
+    assert [s.reason for s in result.skipped] == [
+        "K=37, N=61 not multiples of 16 (FP8 GEMMs need 16)",
+        "K=61, N=13 not multiples of 16 (FP8 GEMMs need 16)",
+    ]
+
+
+def test_tied_weight_quantized_once():
+    _, gm = _build(Tied, 4, 32)
+
+    result = cast_fp8_linears(gm, FP8)
+
+    assert result.count == 2
+    assert result.notes["fp8_weights"] == {"fc.weight": ["fc.weight_fp8", "fc.weight_fp8_scale"]}
+    assert not hasattr(gm.fc, "weight_fp8_1")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "fp16", "bf16"])
+def test_skips_other_precisions_with_one_reason(precision):
+    _, gm = _build(FP8MLP, 3, 64)
+    code = gm.code
+
+    result = cast_fp8_linears(gm, PassSpec(precision=precision))
+
+    assert result.count == 0 and not result.modified
+    assert result.skipped == [Skip("<graph>", f"precision {precision}: FP8 linears only at precision fp8")]
+    assert gm.code == code
+
+
+def test_training_skips_every_linear():
+    _, gm = _build(FP8MLP, 3, 64)
+
+    result = cast_fp8_linears(gm, PassSpec(precision="fp8", training=True))
+
+    assert result.count == 0 and _SCALED_MM not in _targets(gm)
+    assert {s.reason for s in result.skipped} == {"training: FP8 linears are inference-only here"}
+
+
+def test_idempotent():
+    _, gm = _build(FP8MLP, 3, 64)
+    cast_fp8_linears(gm, FP8)
+    code = gm.code
+
+    again = cast_fp8_linears(gm, FP8)
+
+    assert again.count == 0 and gm.code == code
+    assert again.notes["cast_precision"].startswith("not run")
+
+
+def test_eager_model_untouched():
+    model, gm = _build(FP8MLP, 3, 64)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    cast_fp8_linears(gm, FP8)
+
+    for k, v in model.state_dict().items():
+        assert v.dtype == torch.float32 and torch.equal(v, before[k]), k
+
+
+# ---------------------------------------------------------------------------------------------- parity (CPU)
+
+
+@pytest.mark.parametrize("scaling", [pytest.param("row", marks=CPU_ROW), pytest.param("tensor", marks=CPU_TENSOR)])
+def test_parity_with_fp32_eager_on_cpu(scaling):
+    model, gm = _build(FP8MLP, 3, 8, 64)  # 3-D input, dynamic batch
+    cast_fp8_linears(gm, PassSpec(precision="fp8", fp8_scaling=scaling))
+
+    for seed in (10, 11):
+        torch.manual_seed(seed)
+        x = torch.randn(5, 8, 64)  # a batch size not seen at capture
+        with torch.no_grad():
+            ref, got = model(x), gm(x)
+        assert got.shape == ref.shape and got.dtype == ref.dtype  # outputs cast back to FP32
+        assert torch.isfinite(got).all()
+        assert _sqnr_db(got, ref) >= SQNR_DB, f"{scaling}: SQNR {_sqnr_db(got, ref):.1f} dB"
+
+
+@CPU_ROW
+def test_graph_matches_reference_math_on_cpu():
+    """One linear: the graph's _scaled_mm path equals the plain-torch reference up to bf16 rounding."""
+    torch.manual_seed(3)
+    model = nn.Linear(64, 48).eval()
+    gm = zoo.capture(model, (torch.randn(4, 64),))
+    cast_fp8_linears(gm, FP8)
+    x = torch.randn(6, 64)
+    x[2] = 0.0  # an all-zero token: scale eps/448, output = bias
+
+    with torch.no_grad():
+        got = gm(x)
+    ref = fp8_linear_reference(x, model.weight, model.bias).float()
+
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, ref, rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(got[2], model.bias.detach().to(torch.bfloat16).float())
+
+
+@CPU_ROW
+def test_saturation_in_graph_on_cpu():
+    """An activation outlier far outside the FP8 range saturates: finite output."""
+    model, gm = _build(FP8MLP, 3, 64)
+    cast_fp8_linears(gm, FP8)
+    x = torch.randn(4, 64)
+    x[0, 5] = 1e30
+
+    with torch.no_grad():
+        out = gm(x)
+
+    assert torch.isfinite(out).all()
+
+
+@CPU_ROW
+def test_pipeline_at_fp8_pads_then_runs_fp8():
+    """The whole pipeline at fp8: pad_linear_dims aligns N=61 to 16, so that linear is FP8 too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 61), nn.GELU(), nn.Linear(61, 32)).eval()
+    gm = zoo.capture(model, (torch.randn(3, 64),))
+
+    results = {r.name: r for r in run_pipeline(gm, FP8)}
+
+    assert results["cast_fp8_linears"].count == 2 and _LINEAR not in _targets(gm)
+    assert results["cast_precision"].count == 0
+    x = torch.randn(7, 64)
+    with torch.no_grad():
+        assert _sqnr_db(gm(x), model(x)) >= SQNR_DB
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (FP8 Tensor Cores: sm_89+)")
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9), reason="FP8 needs sm_89+"
+)
+@pytest.mark.parametrize("scaling", ["row", "tensor"])
+def test_parity_on_cuda(scaling):
+    model, gm = _build(FP8MLP, 3, 8, 64, device="cuda")
+
+    result = cast_fp8_linears(gm, PassSpec(precision="fp8", fp8_scaling=scaling))
+
+    assert result.count == 3
+    torch.manual_seed(5)
+    x = torch.randn(5, 8, 64, device="cuda")
+    with torch.no_grad():
+        ref, got = model(x), gm(x)
+    assert got.dtype == ref.dtype and torch.isfinite(got).all()
+    assert _sqnr_db(got, ref) >= SQNR_DB
+    with torch.no_grad():
+        single = fp8_linear_reference(x, model.fc1.weight, model.fc1.bias, scaling)
+    assert _sqnr_db(single, F.linear(x, model.fc1.weight, model.fc1.bias)) >= SQNR_DB
