@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the lent H200: tctune's own runs plus the pass benchmarks, every baseline measured in the
 # same call. Usage there (after installing the wheels, see benchmarks/NOTES.md):
-#   OUT=/some/dir bash benchmarks/run_h200.sh [part...]     parts: optimize fusion train pareto backend padding
+#   OUT=/some/dir bash benchmarks/run_h200.sh [part...]     parts: optimize fusion train pareto backend padding suite
 # Each step has its own time limit so one slow step cannot cost the others; logs and JSON go to $OUT, and
 # everything is packed into $OUT/results.tar.gz (the device returns at most 8 files).
 set -u
@@ -24,6 +24,7 @@ for p in $parts; do case $p in
               --batch-sizes 8,32,128 --runtimes eager,cudagraphs --trials 12 --no-export --quiet ;;
   backend)  step bench_backend 280 python3 benchmarks/bench_backend.py --out "$OUT/r/bench_backend.json" ;;
   padding)  step bench_padding 90 python3 benchmarks/bench_padding.py --out "$OUT/r/bench_padding.json" ;;
+  suite)    step suite 420 python3 benchmarks/suite.py --out "$OUT/r/suite" ;;
 esac; done
 find "$OUT/r" \( -name '*.onnx' -o -name '*.onnx.data' -o -name 'study.db' -o -name '*.pt2' \) -delete
 for f in "$OUT"/r/*/report.md; do echo "== $f"; grep -E "^Best:|^- Against|keep FP32" "$f"; done

@@ -104,7 +104,8 @@ def cast_precision(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
     """
     result = PassResult(name=NAME, graph_module=gm)
     if spec.precision not in ("fp16", "bf16"):
-        reason = f"precision {spec.precision}: nothing to cast, compute stays FP32"
+        reason = (f"precision {spec.precision}: nothing to cast, compute stays FP32" if spec.precision != "fp8"
+                  else "precision fp8: the bf16 cast is done by cast_fp8_linears, around its FP8 GEMMs")
         result.skipped.append(Skip("<graph>", reason))
         return result
     low = spec.dtype

@@ -72,6 +72,8 @@ def fuse_epilogue(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         kind, reason = _activation(user, spec)
         if reason is None:
             reason = _operands_reason(node)
+        if reason is None and spec.precision == "fp8" and _fp8_eligible(node):
+            reason = "precision fp8: left for cast_fp8_linears (an FP8 GEMM beats the bf16 epilogue)"
         if reason is not None:
             result.skipped.append(Skip(node.name, reason))
             continue
@@ -93,6 +95,12 @@ def _is_last_dim_prefix(node: fx.Node) -> bool:
     dim, start = node.args[1], node.args[2]
     step = node.args[4] if len(node.args) > 4 else 1
     return isinstance(dim, int) and dim % val.dim() == val.dim() - 1 and start == 0 and step == 1
+
+
+def _fp8_eligible(linear: fx.Node) -> bool:
+    """K and N of ``linear``'s weight are multiples of 16 (what cast_fp8_linears needs)."""
+    w = linear.args[1].meta.get("val") if isinstance(linear.args[1], fx.Node) else None
+    return isinstance(w, torch.Tensor) and w.dim() == 2 and all(int(d) % 16 == 0 for d in w.shape)
 
 
 def _activation(act: fx.Node, spec: PassSpec) -> tuple[str, str | None]:

@@ -123,6 +123,8 @@ def _parser() -> argparse.ArgumentParser:
                         "peak memory together; the report lists the Pareto front); default %(default)s")
     o.add_argument("--max-latency-ms", type=float, metavar="MS", help="constraint: p99 latency per batch at most this")
     o.add_argument("--max-memory-mib", type=float, metavar="MIB", help="constraint: peak CUDA memory at most this")
+    o.add_argument("--max-error-fp8", type=float, default=5e-2, metavar="E",
+                   help="the same limit for FP8 candidates (Ada/Hopper and newer), default %(default)g")
     o.add_argument("--target", metavar="NAME", help="plan for this GPU (sm_XX, h100, a100, ...): its alignment; measuring stays on this machine")
     o.add_argument("--storage", metavar="URL", help="Optuna storage URL to share a study (default: sqlite file OUT/study.db)")
     o.add_argument("--devices", metavar="LIST",
@@ -190,7 +192,7 @@ def _cmd_optimize(args) -> int:
     from .search import TuneConfig
     out = Path(args.out) if args.out else Path("tctune_out") / Path(args.model_file).stem
     cfg = TuneConfig(out_dir=str(out), batch_sizes=parse_batch_sizes(args.batch_sizes), trials=args.trials,
-                     timeout_s=args.timeout, max_error=args.max_error, target=args.target, storage=args.storage,
+                     timeout_s=args.timeout, max_error=args.max_error, max_error_fp8=args.max_error_fp8, target=args.target, storage=args.storage,
                      seed=args.seed, export=not args.no_export, quiet=args.quiet,
                      runtimes=tuple(x.strip() for x in args.runtimes.split(",") if x.strip()) if args.runtimes else None,
                      compile_budget_s=args.compile_budget, objective=args.objective, mode=args.mode,

@@ -250,7 +250,7 @@ class HardwareSpec:
         """True for a detected or targeted GPU, False for the CPU."""
         return self.source != "cpu"
 
-    def search_precisions(self, measure_on_gpu: bool) -> tuple[str, ...]:
+    def search_precisions(self, measure_on_gpu: bool, training: bool = False) -> tuple[str, ...]:
         """Compute precisions the tuner may search, in the order to try them.
 
         Args:
@@ -259,24 +259,29 @@ class HardwareSpec:
 
         Returns:
             On a GPU: ``"fp32"``, then ``"tf32"`` (Ampere and newer), ``"fp16"`` (Volta and newer), ``"bf16"``
-            (Ampere and newer). FP8 is not searched yet. Measuring on the CPU: ``("fp32", "bf16")`` (the CPU
-            has bf16 kernels but no useful fp16 or tf32).
+            (Ampere and newer), ``"fp8"`` (Ada and newer, inference only: E4M3 GEMMs via ``torch._scaled_mm``,
+            everything else bf16). Measuring on the CPU: ``("fp32", "bf16")`` (the CPU has bf16 kernels but
+            no useful fp16 or tf32).
         """
         if not self.is_gpu or not measure_on_gpu:
             return ("fp32", "bf16")
-        return ("fp32",) + tuple(p for p in ("tf32", "fp16", "bf16") if p in self.tensor_core_precisions)
+        wanted = ("tf32", "fp16", "bf16") if training else ("tf32", "fp16", "bf16", "fp8")
+        return ("fp32",) + tuple(p for p in wanted if p in self.tensor_core_precisions)
 
     def pass_spec(self, precision: str, training: bool = False) -> PassSpec:
         """The plain facts the graph passes need for one candidate.
 
         Args:
-            precision: ``"fp32"``, ``"tf32"``, ``"fp16"`` or ``"bf16"``.
+            precision: ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``.
             training: True when the rewritten graph will be trained.
 
         Raises:
             ValueError: ``precision`` is not one PassSpec accepts.
         """
-        return PassSpec(precision=precision, alignment=dict(self.alignment), arch=self.arch, training=training)
+        # Row-wise FP8 scaling is what cuBLAS offers on sm_89/sm_90; Blackwell's cuBLAS lacks it (passes/cast_fp8.py).
+        scaling = "tensor" if self.arch == "Blackwell" else "row"
+        return PassSpec(precision=precision, alignment=dict(self.alignment), arch=self.arch, training=training,
+                        fp8_scaling=scaling)
 
     def to_dict(self) -> dict:
         """Every field, JSON-ready (tuples become lists), plus ``is_gpu``."""

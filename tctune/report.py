@@ -230,6 +230,8 @@ def render_markdown(r: dict) -> str:
         lines.append(f"- ONNX: `{a['onnx']}` (max abs error in onnxruntime vs PyTorch: {_fmt(a.get('onnx_max_abs_error'), '.2e')})")
     if a.get("onnx_error"):
         lines.append(f"- ONNX note: {a['onnx_error']}")
+    if a.get("onnx_note"):
+        lines.append(f"- ONNX note: {a['onnx_note']}")
     if a.get("onnx_fp32"):
         lines.append(f"- ONNX, same graph in FP32 (runs in any onnxruntime): `{a['onnx_fp32']}` "
                      f"(max abs error vs PyTorch: {_fmt(a.get('onnx_fp32_max_abs_error'), '.2e')})")

@@ -58,6 +58,7 @@ class TuneConfig:
         trials: trials to add to the study in this run (≥ 1).
         timeout_s: stop starting new trials after this many seconds (None: no limit).
         max_error: largest relative L2 error against the FP32 reference a candidate may have.
+        max_error_fp8: the same for FP8 candidates (E4M3 keeps 3 mantissa bits; 5e-2 ≈ 26 dB SQNR).
         target: ``--target`` name or ``sm_XX`` (plan for that GPU's alignment); None: the detected device.
         storage: Optuna storage URL; None: ``sqlite:///<out>/study.db``.
         seed: sampler seed.
@@ -82,6 +83,7 @@ class TuneConfig:
     trials: int = 16
     timeout_s: float | None = None
     max_error: float = 1e-2
+    max_error_fp8: float = 5e-2
     target: str | None = None
     storage: str | None = None
     seed: int = 0
@@ -125,6 +127,8 @@ class TuneConfig:
             raise UsageError(f"--timeout must be a positive number of seconds, got {self.timeout_s}")
         if not (self.max_error > 0):
             raise UsageError(f"--max-error must be positive, got {self.max_error}")
+        if not (self.max_error_fp8 > 0):
+            raise UsageError(f"--max-error-fp8 must be positive, got {self.max_error_fp8}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -182,7 +186,7 @@ class Tuner:
         self.device = device or measuring_device()
         self.model = mf.model().to(self.device)
         self.model.train(cfg.mode == "train")
-        self.precisions = hw.search_precisions(measure_on_gpu=self.device.type == "cuda")
+        self.precisions = hw.search_precisions(measure_on_gpu=self.device.type == "cuda", training=cfg.mode == "train")
         if cfg.mode == "train":
             self.captured = Captured(None, TRAIN_NO_PASSES)
         else:
@@ -416,6 +420,8 @@ class Tuner:
             if ("out of memory" in reason and {k: v for k, v in prev.params.items() if k != "batch_size"} == same_settings
                     and prev.params.get("batch_size", 0) <= params["batch_size"]):
                 return f"batch {prev.params['batch_size']} already ran out of memory with these settings (trial {prev.number})"
+        if params["precision"] == "fp8" and not params.get("graph_passes"):
+            return "fp8 needs tctune's graph (FP8 GEMMs are a graph rewrite; the model as written has none)"
         if params.get("runtime", "").startswith("inductor") and self.compile_over_budget:
             return f"compiles are over --compile-budget ({self.compile_over_budget})"
         return None
@@ -457,7 +463,9 @@ class Tuner:
             raise CandidateRejected(reason) from exc
         for k, v in metrics.items():
             trial.set_user_attr(k, v)
-        limits = {"max_error": (metrics["max_rel_error"], self.cfg.max_error, "relative error", "--max-error"),
+        fp8 = params["precision"] == "fp8"
+        limits = {"max_error": (metrics["max_rel_error"], self.cfg.max_error_fp8 if fp8 else self.cfg.max_error,
+                                "relative error", "--max-error-fp8" if fp8 else "--max-error"),
                   "max_latency_ms": (metrics["latency_p99_ms"], self.cfg.max_latency_ms, "p99 latency ms", "--max-latency-ms"),
                   "max_memory_mib": (metrics["peak_memory_mib"], self.cfg.max_memory_mib, "peak memory MiB", "--max-memory-mib")}
         over = []

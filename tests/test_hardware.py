@@ -115,8 +115,18 @@ def test_search_precisions_cpu(cpu):
 def test_search_precisions_h100():
     h100 = hardware.resolve("h100")
 
-    assert h100.search_precisions(measure_on_gpu=True) == ("fp32", "tf32", "fp16", "bf16")
+    assert h100.search_precisions(measure_on_gpu=True) == ("fp32", "tf32", "fp16", "bf16", "fp8")
+    assert h100.search_precisions(measure_on_gpu=True, training=True) == ("fp32", "tf32", "fp16", "bf16")
     assert h100.search_precisions(measure_on_gpu=False) == ("fp32", "bf16")
+
+
+def test_search_precisions_ampere_has_no_fp8():
+    assert "fp8" not in hardware.resolve("a100").search_precisions(measure_on_gpu=True)
+
+
+def test_pass_spec_fp8_scaling_by_arch():
+    assert hardware.resolve("h100").pass_spec("fp8").fp8_scaling == "row"
+    assert hardware.resolve("b200").pass_spec("fp8").fp8_scaling == "tensor"
 
 
 def test_search_precisions_volta_has_no_bf16_or_tf32():

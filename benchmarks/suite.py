@@ -1,0 +1,643 @@
+"""Model suite: tctune against every plain baseline on five models, one process, under 7 minutes on an H200.
+
+Usage::
+
+    python benchmarks/suite.py --out DIR [--models bert_base,bert_large,gpt2,resnet50,seed_cnn] [--quick]
+    python benchmarks/suite.py --out DIR --dry-run      # tiny configs on the CPU, to check the script
+
+Without a CUDA GPU (and without ``--dry-run``) it prints why and exits 0. Writes ``DIR/latest.json`` (rewritten
+after every model, so a killed run keeps what it finished) and prints a compact table.
+
+Models (recipes/*.py, random weights) and shapes: ``bert_base`` (64, 128), ``bert_large`` (64, 384), ``gpt2``
+(32, 512; logits over V = 50257), ``resnet50`` (256, 3, 224, 224), ``seed_cnn`` (1024, 3, 32, 32), inference.
+
+Variants per model, all on the same fresh inputs (seeded), each compared with FP32 eager's output
+(relative L2 over the flattened output, float64, NaN/inf counted):
+
+baselines (the model as written)
+    ``fp32_eager``      IEEE FP32 (TF32 off): the reference; its forward is also counted by FlopCounterMode
+    ``tf32_eager``      TF32 on for matmul and cuDNN
+    ``autocast_bf16``   ``torch.autocast(dtype=bfloat16)`` (tctune.runtime.Autocast)
+    ``fp16_eager``      ``copy.deepcopy(model).half()``; channels-last for the conv nets; floating inputs are
+                        cast (and made channels-last) inside the timed call
+    ``fp16_compile``    ``torch.compile`` of that fp16 model (mode default); compile time is recorded apart
+tctune
+    ``tctune_{bf16,fp16}_eager``        the captured graph (tctune.capture: torch.export, dynamic batch) after
+                                        ``tctune.search.apply_passes`` with the spec from ``tctune.hardware.resolve()``
+    ``tctune_{bf16,fp16}_cudagraphs``   the same graph replayed as one CUDA graph (``tctune.runtime.wrap``;
+                                        the input copy is timed)
+    ``tctune_compile_fp16``             ``torch.compile(fp32 model, backend=tctune.backend.backend(precision="fp16"))``
+
+Timing: ``tctune.measure.time_call`` (CUDA events, 2 warm-up calls, median of 5 repeats of ~0.05 s; no
+single-call percentiles). Throughput is items/s (sequences or images). ``tctune`` in the JSON is the fastest
+tctune variant whose error is within ``--max-error`` (1e-2) and finite; ``best_baseline`` the fastest
+baseline within the same tolerance. The GEMM ceiling (8192³ matmul at fp32, tf32, fp16, bf16, and fp8 e4m3
+through ``torch._scaled_mm`` with per-tensor scales, bf16 output) is measured once; ``achieved_tflops`` is
+FlopCounterMode's FLOPs of one FP32 forward (useful FLOPs: padding is not counted) times batches/s.
+
+Time budget (``--budget``, default 390 s for the whole process, imports included): each model gets
+``min(its limit, its share of what is left)``; limits (s): bert_base 85, bert_large 105, gpt2 85, resnet50 85,
+seed_cnn 20 (380 in all; the run_h200.sh step is killed at 420). Planned from the H200 numbers of
+benchmarks/RESULTS.md (BERT-base: Inductor compile 11.5 s, tctune backend compile 44.8 s): each model's eager
+and CUDA-graph variants and capture take 15-40 s, the Inductor baseline compile 10-30 s, and tctune's backend
+gets what is left; on BERT-large (24 layers) that compile is expected not to fit and to be recorded as a
+timeout. Cheap variants run first, compiles last. Every variant runs under a SIGALRM deadline (the model's
+remaining time; for a compile also ``--compile-budget``, default 60 s): when it fires the variant is recorded
+as ``timeout`` with the reason and the model goes on (a compile is abandoned and Dynamo reset). A variant is
+not started when the model has less time left than it needs (recorded as ``skipped``). ``--quick`` skips the
+two ``torch.compile`` variants. Memory is released between variants.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import datetime as _dt
+import gc
+import json
+import math
+import os
+import signal
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+_T_START = time.perf_counter()
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from torch.utils._pytree import tree_map  # noqa: E402
+
+from tctune.measure import float_leaves, precision_mode, time_call  # noqa: E402
+from tctune.modelfile import load_model_file  # noqa: E402
+from tctune.runtime import Autocast, wrap  # noqa: E402
+
+INPUT_SEED = 1234
+MAX_ERROR = 1e-2
+GEMM_N = 8192
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One suite model: its recipe, batch, whether it is a conv net, its time limit and its tiny dry-run form."""
+
+    recipe: str
+    batch: int
+    items: str
+    conv: bool
+    limit_s: float
+    tiny_batch: int
+
+
+MODELS: dict[str, ModelSpec] = {
+    "bert_base": ModelSpec("bert_base", 64, "seq", False, 85, 2),
+    "bert_large": ModelSpec("bert_large", 64, "seq", False, 105, 2),
+    "gpt2": ModelSpec("gpt2", 32, "seq", False, 85, 2),
+    "resnet50": ModelSpec("resnet50", 256, "img", True, 85, 2),
+    "seed_cnn": ModelSpec("seed_cnn", 1024, "img", True, 20, 8),
+}
+
+BASELINES = ("fp32_eager", "tf32_eager", "autocast_bf16", "fp16_eager", "fp16_compile")
+TCTUNE = ("tctune_bf16_eager", "tctune_bf16_cudagraphs", "tctune_fp16_eager", "tctune_fp16_cudagraphs",
+          "tctune_compile_fp16")
+PRECISION = {"fp32_eager": "fp32", "tf32_eager": "tf32", "autocast_bf16": "bf16", "fp16_eager": "fp16",
+             "fp16_compile": "fp16", "tctune_bf16_eager": "bf16", "tctune_bf16_cudagraphs": "bf16",
+             "tctune_fp16_eager": "fp16", "tctune_fp16_cudagraphs": "fp16", "tctune_compile_fp16": "fp16"}
+#: Seconds a variant needs left on its model's clock to be started (compiles: see ``--compile-budget``).
+MIN_LEFT_S = {"cudagraphs": 6.0, "compile": 12.0, "other": 3.0}
+#: Elements per chunk when the error is computed in float64 on the device (GPT-2's logits are 823 M).
+ERROR_CHUNK = 1 << 25
+
+
+# ------------------------------------------------------------------------------------------------ deadlines
+
+
+class VariantTimeout(BaseException):
+    """Raised by SIGALRM; a BaseException so library code's ``except Exception`` does not swallow it."""
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, what: str):
+    """Raise :class:`VariantTimeout` in the main thread after ``seconds`` (inside Python code, including a
+    compile waiting on its worker pool)."""
+    if seconds <= 0:
+        raise VariantTimeout(f"{what}: no time left")
+
+    def fire(signum, frame):
+        raise VariantTimeout(f"{what} passed its {seconds:.0f} s limit")
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+# ------------------------------------------------------------------------------------------------ models
+
+
+def load_recipe(name: str):
+    """The recipe's checked :class:`~tctune.modelfile.ModelFile` and its imported module."""
+    mf = load_model_file(ROOT / "recipes" / f"{name}.py")
+    return mf, sys.modules[f"tctune_model_{mf.name}"]
+
+
+TINY_BERT = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 96,
+             "vocab_size": 1000, "max_position_embeddings": 64}
+
+
+def build(name: str, dry_run: bool, device: torch.device) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    """The FP32 eval model on ``device`` and its seeded fresh inputs (dry run: a tiny config of the same family).
+
+    Raises:
+        tctune.errors.ModelFileError: the recipe cannot be built (e.g. ``transformers``/``torchvision`` missing).
+    """
+    spec = MODELS[name]
+    mf, mod = load_recipe(spec.recipe)
+    if not dry_run:
+        with device:  # random initialization on the GPU: seconds faster for BERT-large than on the CPU
+            model = mf.model()
+        torch.manual_seed(INPUT_SEED + spec.batch)
+        inputs = mf.inputs(spec.batch, device)
+        return model.eval().to(device), inputs
+    b = spec.tiny_batch
+    torch.manual_seed(INPUT_SEED + b)
+    if name == "seed_cnn":
+        model, inputs = mf.model(), mf.inputs(b)
+    elif name == "bert_base":
+        from transformers import BertConfig, BertModel
+
+        torch.manual_seed(0)
+        model = mod.BertEncoder(BertModel(BertConfig(**TINY_BERT), add_pooling_layer=False))
+        inputs = (torch.randint(0, 1000, (b, 16)),)
+    elif name == "bert_large":
+        model = mod.make_model(**TINY_BERT)
+        inputs = (torch.randint(0, 1000, (b, 16)),)
+    elif name == "gpt2":  # vocabulary 1001: misaligned like 50257, so the padding pass has work
+        model = mod.make_model(n_embd=64, n_layer=2, n_head=4, vocab_size=1001, n_positions=64,
+                               bos_token_id=0, eos_token_id=0)
+        inputs = (torch.randint(0, 1001, (b, 16)),)
+    elif name == "resnet50":
+        try:
+            from torchvision.models.resnet import Bottleneck, ResNet
+        except ImportError as exc:
+            from tctune.errors import ModelFileError
+            raise ModelFileError(f"resnet50 (tiny) needs torchvision: {exc}") from exc
+        torch.manual_seed(0)
+        model = ResNet(Bottleneck, [1, 1, 1, 1], num_classes=10)
+        inputs = (torch.randn(b, 3, 32, 32),)
+    else:
+        raise KeyError(name)
+    return model.eval().to(device), tuple(x.to(device) for x in inputs)
+
+
+class HalfModel(torch.nn.Module):
+    """``model.half()`` (channels-last for conv nets); floating inputs are cast inside the call."""
+
+    def __init__(self, model: torch.nn.Module, channels_last: bool):
+        super().__init__()
+        self.model = copy.deepcopy(model).half()
+        self.channels_last = channels_last
+        if channels_last:
+            self.model = self.model.to(memory_format=torch.channels_last)
+
+    def forward(self, *inputs):
+        args = []
+        for x in inputs:
+            if x.is_floating_point():
+                x = x.half()
+                if self.channels_last and x.dim() == 4:
+                    x = x.contiguous(memory_format=torch.channels_last)
+            args.append(x)
+        return self.model(*args)
+
+
+# ------------------------------------------------------------------------------------------------ measuring
+
+
+def release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def error_stats(out: Any, ref: Any) -> dict:
+    """Relative L2 (max over floating outputs), max-abs and NaN/inf count of ``out`` against ``ref``, in float64
+    on the outputs' device, a chunk at a time."""
+    outs, refs = float_leaves(out), float_leaves(ref)
+    if len(outs) != len(refs):
+        raise RuntimeError(f"variant returns {len(outs)} floating outputs, the model {len(refs)}")
+    rel, max_abs, nonfinite = 0.0, 0.0, 0
+    for o, r in zip(outs, refs):
+        if o.shape != r.shape:
+            raise RuntimeError(f"output shape {tuple(o.shape)} differs from the model's {tuple(r.shape)}")
+        o, r = o.detach().reshape(-1), r.detach().reshape(-1).to(o.device)
+        num = torch.zeros((), dtype=torch.float64, device=o.device)
+        den, mx = num.clone(), num.clone()
+        bad = torch.zeros((), dtype=torch.int64, device=o.device)
+        for i in range(0, o.numel(), ERROR_CHUNK):
+            oc, rc = o[i:i + ERROR_CHUNK].double(), r[i:i + ERROR_CHUNK].double()
+            fin = torch.isfinite(oc)
+            bad += (~fin).sum()
+            d = torch.where(fin, oc, torch.zeros_like(oc)) - rc
+            num += (d * d).sum()
+            den += (rc * rc).sum()
+            mx = torch.maximum(mx, d.abs().max()) if d.numel() else mx
+        denom = math.sqrt(float(den)) or 1.0
+        rel = max(rel, math.sqrt(float(num)) / denom)
+        max_abs = max(max_abs, float(mx))
+        nonfinite += int(bad)
+    return {"rel_l2_error": rel, "max_abs_error": max_abs, "nonfinite": nonfinite}
+
+
+def timed(fn: Callable[[], Any], batch: int, device: torch.device) -> dict:
+    """``time_call`` by the suite's protocol (the CPU dry run only checks the code: 1 warm-up, 3 short repeats)."""
+    if device.type == "cuda":
+        t = time_call(fn, batch, device, warmup=2, repeats=5, target_repeat_s=0.05, max_iterations=100,
+                      single_calls=0)
+    else:
+        t = time_call(fn, batch, device, warmup=1, repeats=3, target_repeat_s=0.01, max_iterations=20,
+                      single_calls=0)
+    return {"throughput": t.throughput, "latency_ms": t.latency_ms, "repeats_ms": t.repeats_ms,
+            "iterations": t.iterations, "peak_memory_mib": t.peak_memory_mib}
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
+
+
+def gemm_ceilings(device: torch.device, n: int) -> dict:
+    """TFLOP/s of an n×n×n matmul per precision (fp8: e4m3 × e4m3 → bf16 via ``torch._scaled_mm``)."""
+    out: dict[str, Any] = {}
+    flops = 2.0 * n ** 3
+    for prec in ("fp32", "tf32", "fp16", "bf16", "fp8"):
+        try:
+            gen = torch.Generator(device=device).manual_seed(0)
+            if prec == "fp8":
+                a = torch.randn(n, n, device=device, generator=gen).to(torch.float8_e4m3fn)
+                b = torch.randn(n, n, device=device, generator=gen).to(torch.float8_e4m3fn).t()  # column-major
+                one = torch.ones((), device=device)
+                fn = lambda a=a, b=b, one=one: torch._scaled_mm(a, b, scale_a=one, scale_b=one,  # noqa: E731
+                                                                 out_dtype=torch.bfloat16)
+            else:
+                dt = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[prec]
+                a = torch.randn(n, n, device=device, generator=gen).to(dt)
+                b = torch.randn(n, n, device=device, generator=gen).to(dt)
+                fn = lambda a=a, b=b: a @ b  # noqa: E731
+            with precision_mode(prec):
+                t = time_call(fn, 1, device, warmup=2, repeats=5, target_repeat_s=0.05, single_calls=0)
+            out[prec] = float(f"{flops / (t.latency_ms / 1e3) / 1e12:.4g}")
+        except Exception as exc:  # noqa: BLE001 - an unsupported precision is recorded, not fatal
+            out[prec] = None
+            out.setdefault("errors", {})[prec] = first_line(exc)
+        finally:
+            a = b = fn = None  # noqa: F841
+            release(device)
+    return out
+
+
+class Clock:
+    """The whole run's budget and the current model's deadline."""
+
+    def __init__(self, budget_s: float):
+        self.end = _T_START + budget_s
+        self.model_end = self.end
+
+    def left(self) -> float:
+        return self.end - time.perf_counter()
+
+    def model_left(self) -> float:
+        return min(self.model_end, self.end) - time.perf_counter()
+
+    def start_model(self, name: str, todo: list[str]) -> float:
+        """Set the model's deadline: its limit, or its share of what is left when that is less."""
+        weights = sum(MODELS[m].limit_s for m in todo) or 1.0
+        share = max(0.0, self.left() - 5.0) * MODELS[name].limit_s / weights
+        limit = min(MODELS[name].limit_s, share)
+        self.model_end = time.perf_counter() + limit
+        return limit
+
+
+def run_model(name: str, args, device: torch.device, hw, clock: Clock, ceilings: dict) -> dict:
+    """Measure every variant of one model; returns its JSON entry."""
+    import tctune.backend as tb
+    from tctune.capture import capture
+    from tctune.search import apply_passes
+
+    spec = MODELS[name]
+    batch = spec.tiny_batch if args.dry_run else spec.batch
+    entry: dict[str, Any] = {"batch": batch, "items": spec.items, "variants": {}}
+    variants: dict[str, dict] = entry["variants"]
+    t_model = time.perf_counter()
+    try:
+        with deadline(clock.model_left(), f"{name}: building the model"):
+            model, inputs = build(name, args.dry_run, device)
+    except (Exception, VariantTimeout) as exc:
+        entry["error"] = f"cannot build {name}: {first_line(exc)}"
+        print(f"{name}: {entry['error']}", flush=True)
+        return finish(entry, ceilings)
+    entry["input_shapes"] = [list(x.shape) for x in inputs]
+    entry["parameters"] = sum(p.numel() for p in model.parameters())
+    cuda = device.type == "cuda"
+
+    # FP32 reference (and FLOPs of one forward), kept for every variant's error.
+    from torch.utils.flop_counter import FlopCounterMode
+    try:
+        with precision_mode("fp32"), torch.inference_mode(), FlopCounterMode(display=False) as counter:
+            ref = model(*inputs)
+        entry["flops_per_batch"] = int(counter.get_total_flops())
+    except Exception as exc:  # noqa: BLE001
+        entry["error"] = f"FP32 reference failed: {first_line(exc)}"
+        return finish(entry, ceilings)
+    ref = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, ref)
+
+    def measure(vname: str, make: Callable[[], tuple[Callable, float]], kind: str = "other",
+                limit_s: float | None = None, extra: Callable[[], dict] | None = None) -> None:
+        """Build (``make`` returns ``(fn, setup_s)``), check against ``ref`` and time one variant."""
+        row: dict[str, Any] = {"kind": "baseline" if vname in BASELINES else "tctune",
+                               "precision": PRECISION[vname]}
+        variants[vname] = row
+        left = clock.model_left()
+        if left < MIN_LEFT_S[kind]:
+            row.update(status="skipped", reason=f"model time limit: {left:.0f} s left, needs {MIN_LEFT_S[kind]:.0f} s")
+            print(f"  {name:<10} {vname:<24} skipped: {row['reason']}", flush=True)
+            return
+        fn = None
+        t0 = time.perf_counter()
+        try:
+            with deadline(min(left, limit_s) if limit_s else left, vname), precision_mode(PRECISION[vname]):
+                fn, setup_s = make()
+                if setup_s:
+                    row["compile_s" if kind == "compile" else "setup_s"] = round(setup_s, 2)
+                with torch.inference_mode():
+                    out = fn(*inputs)
+                row.update(error_stats(out, ref))
+                del out
+                if row["nonfinite"]:
+                    raise RuntimeError(f"{row['nonfinite']} NaN/inf values in the output")
+                row.update(timed(lambda: fn(*inputs), batch, device))
+            row["status"] = "ok"
+            if entry.get("flops_per_batch"):
+                row["achieved_tflops"] = entry["flops_per_batch"] * row["throughput"] / batch / 1e12
+            if extra:
+                row.update(extra())
+        except VariantTimeout as exc:
+            row.update(status="timeout", reason=str(exc))
+            if cuda:
+                with contextlib.suppress(Exception):
+                    torch.cuda.synchronize(device)
+        except Exception as exc:  # noqa: BLE001 - one variant failing must not lose the others
+            row.update(status="failed", reason=first_line(exc))
+            if args.debug:
+                traceback.print_exc()
+        finally:
+            row["wall_s"] = round(time.perf_counter() - t0, 2)
+            fn = None
+            if kind == "compile":
+                torch._dynamo.reset()
+            release(device)
+        if row["status"] == "ok":
+            setup = f"  setup {row.get('compile_s', row.get('setup_s', 0)):.1f} s" if (
+                "compile_s" in row or "setup_s" in row) else ""
+            print(f"  {name:<10} {vname:<24} {row['latency_ms']:9.3f} ms {row['throughput']:12.1f}/s  "
+                  f"rel_l2 {row['rel_l2_error']:.2e}{setup}", flush=True)
+        else:
+            print(f"  {name:<10} {vname:<24} {row['status']}: {row['reason']}", flush=True)
+
+    # -- baselines, cheap first
+    measure("fp32_eager", lambda: (model, 0.0))
+    measure("tf32_eager", lambda: (model, 0.0))
+    measure("autocast_bf16", lambda: (Autocast(model, torch.bfloat16, device.type), 0.0))
+    measure("fp16_eager", lambda: (HalfModel(model, spec.conv), 0.0))
+
+    # -- tctune graph: capture once, passes per precision
+    gm, capture_reason = None, None
+    if clock.model_left() >= MIN_LEFT_S["other"]:
+        t0 = time.perf_counter()
+        try:
+            cap_inputs = tuple(x[:2] for x in inputs) if batch >= 2 else inputs
+            with deadline(clock.model_left(), "capture"), precision_mode("fp32"), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                gm = capture(model, cap_inputs)
+            entry["capture_s"] = round(time.perf_counter() - t0, 2)
+        except (Exception, VariantTimeout) as exc:
+            capture_reason = f"capture failed: {first_line(exc)}"
+    else:
+        capture_reason = "model time limit reached before capture"
+    entry["capture"] = {"ok": gm is not None, "reason": capture_reason}
+
+    for prec in ("bf16", "fp16"):
+        passes_info: dict = {}
+        built: dict = {}  # the rewritten graph, shared by the eager and CUDA-graph variants of this precision
+
+        def graph(prec=prec, info=passes_info, built=built):
+            if "g" not in built:
+                t0 = time.perf_counter()
+                g, results = apply_passes(gm, hw, prec)
+                built["g"] = g.to(device)
+                info["passes"] = {r.name: r.count for r in results}
+                info["passes_s"] = round(time.perf_counter() - t0, 2)
+            return built["g"]
+
+        def eager(graph=graph):
+            return graph(), 0.0
+
+        def graphed(graph=graph):
+            if not cuda:
+                raise RuntimeError("CUDA graphs need a CUDA GPU")
+            return wrap(graph(), "cudagraphs", inputs)
+
+        if gm is None:
+            for v in (f"tctune_{prec}_eager", f"tctune_{prec}_cudagraphs"):
+                variants[v] = {"kind": "tctune", "precision": prec, "status": "skipped", "reason": capture_reason}
+            continue
+        measure(f"tctune_{prec}_eager", eager, extra=lambda info=passes_info: dict(info))
+        if cuda:
+            measure(f"tctune_{prec}_cudagraphs", graphed, kind="cudagraphs", extra=lambda info=passes_info: dict(info))
+        else:
+            variants[f"tctune_{prec}_cudagraphs"] = {"kind": "tctune", "precision": prec, "status": "skipped",
+                                                     "reason": "CUDA graphs need a CUDA GPU"}
+        built.clear()
+        release(device)
+    gm = None
+    release(device)
+
+    # -- compiles last: the Inductor baseline, then tctune's backend
+    def compiled(module: torch.nn.Module, **kw) -> tuple[Callable, float]:
+        torch._dynamo.reset()
+        tb.reset()
+        c = torch.compile(module, dynamic=False, **kw)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            c(*inputs)
+        if cuda:
+            torch.cuda.synchronize(device)
+        return c, time.perf_counter() - t0
+
+    def backend_report() -> dict:
+        fallbacks = [r.fallback for r in tb.reports if r.fallback]
+        rewrites: dict[str, int] = {}
+        for rep in tb.reports:
+            for r in rep.results:
+                rewrites[r.name] = rewrites.get(r.name, 0) + r.count
+        return {"subgraphs": len(tb.reports), "fallbacks": fallbacks, "passes": rewrites}
+
+    for vname, make, extra in (
+        ("fp16_compile", lambda: compiled(HalfModel(model, spec.conv)), None),
+        ("tctune_compile_fp16", lambda: compiled(model, backend=tb.backend(precision="fp16")), backend_report),
+    ):
+        if args.quick:
+            variants[vname] = {"kind": "baseline" if vname in BASELINES else "tctune", "precision": "fp16",
+                               "status": "skipped", "reason": "--quick skips torch.compile variants"}
+            continue
+        measure(vname, make, kind="compile", limit_s=args.compile_budget, extra=extra)
+        if variants[vname]["status"] == "timeout":
+            variants[vname]["reason"] += f" (--compile-budget {args.compile_budget:g} s or the model's time limit)"
+
+    del model, ref, inputs
+    release(device)
+    entry["wall_s"] = round(time.perf_counter() - t_model, 1)
+    return finish(entry, ceilings)
+
+
+def finish(entry: dict, ceilings: dict) -> dict:
+    """Fill the summary keys from the measured variants."""
+    def ok(v: dict) -> bool:
+        return v.get("status") == "ok" and v.get("nonfinite", 1) == 0 and v.get("rel_l2_error", 1) <= MAX_ERROR
+
+    variants = entry.get("variants", {})
+    base = {k: v for k, v in variants.items() if v.get("kind") == "baseline" and ok(v)}
+    tct = {k: v for k, v in variants.items() if v.get("kind") == "tctune" and ok(v)}
+    bname = max(base, key=lambda k: base[k]["throughput"], default=None)
+    tname = max(tct, key=lambda k: tct[k]["throughput"], default=None)
+    best_b = base[bname]["throughput"] if bname else None
+    best_t = tct[tname]["throughput"] if tname else None
+    prec = tct[tname]["precision"] if tname else None
+    ceiling = ceilings.get(prec) if prec else None
+    achieved = tct[tname].get("achieved_tflops") if tname else None
+    summary = {
+        "best_baseline_name": bname, "best_baseline": best_b,
+        "tctune_name": tname, "tctune": best_t,
+        "ratio": (best_t / best_b) if best_b and best_t else None,
+        "max_rel_error": tct[tname]["rel_l2_error"] if tname else None,
+        "achieved_tflops": achieved,
+        "ceiling_tflops": ceiling,
+        "ceiling_precision": prec,
+        "fraction_of_ceiling": (achieved / ceiling) if achieved and ceiling else None,
+    }
+    return {**summary, **entry}
+
+
+# ------------------------------------------------------------------------------------------------ output
+
+
+def fmt(x: float | None, spec: str = ".4g") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(report: dict) -> str:
+    head = (f"{'model':<11} {'best baseline':<15} {'items/s':>10} {'tctune':<24} {'items/s':>10} {'ratio':>6} "
+            f"{'rel err':>8} {'TFLOP/s':>8} {'ceiling':>8}")
+    lines = [head, "-" * len(head)]
+    for name, m in report["models"].items():
+        if m.get("error"):
+            lines.append(f"{name:<11} {m['error'][:110]}")
+            continue
+        lines.append(f"{name:<11} {m['best_baseline_name'] or '-':<15} {fmt(m['best_baseline'], ',.0f'):>10} "
+                     f"{m['tctune_name'] or '-':<24} {fmt(m['tctune'], ',.0f'):>10} {fmt(m['ratio'], '.2f'):>6} "
+                     f"{fmt(m['max_rel_error'], '.1e'):>8} {fmt(m['achieved_tflops'], '.1f'):>8} "
+                     f"{fmt(m['ceiling_tflops'], '.0f'):>8}")
+    return "\n".join(lines)
+
+
+def write(out_dir: Path, report: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / "latest.json.tmp"
+    tmp.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    os.replace(tmp, out_dir / "latest.json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="output folder (latest.json is written there)")
+    p.add_argument("--models", default=",".join(MODELS), help="comma-separated, from: %(default)s")
+    p.add_argument("--quick", action="store_true", help="skip the torch.compile variants")
+    p.add_argument("--dry-run", action="store_true", help="tiny configs on the CPU, to check the script")
+    p.add_argument("--budget", type=float, default=390.0, help="seconds for the whole run (default %(default)s)")
+    p.add_argument("--compile-budget", type=float, default=60.0,
+                   help="seconds one torch.compile may take before it is abandoned (default %(default)s)")
+    p.add_argument("--debug", action="store_true", help="print tracebacks of failing variants")
+    args = p.parse_args(argv)
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in names if m not in MODELS]
+    if unknown or not names:
+        p.error(f"--models: unknown {unknown or '(empty)'}; choose from {', '.join(MODELS)}")
+    if not args.dry_run and not torch.cuda.is_available():
+        print("suite: no CUDA GPU here; nothing measured (use --dry-run to check the script on the CPU)")
+        return 0
+
+    from tctune.hardware import resolve
+
+    device = torch.device("cpu" if args.dry_run else "cuda:0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.benchmark = True  # every variant alike; the warm-up calls absorb the autotuning
+    hw = resolve()
+    if args.dry_run:  # plan for the H200's alignment so the padding passes have work on the CPU too
+        with contextlib.suppress(Exception):
+            hw = resolve("h200")
+    clock = Clock(args.budget)
+    out_dir = Path(args.out)
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)",
+        "date": _dt.datetime.now().isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "hardware": hw.to_dict(),
+        "dry_run": args.dry_run, "quick": args.quick,
+        "max_error": MAX_ERROR, "budget_s": args.budget, "compile_budget_s": args.compile_budget,
+        "protocol": ("tctune.measure.time_call: 2 warm-up calls, median of 5 repeats of ~0.05 s (CUDA events on a "
+                     "GPU); cudnn.benchmark on; error: relative L2 vs FP32 eager (TF32 off) on the same seeded inputs; throughput in "
+                     "items/s"),
+        "models": {},
+    }
+    t0 = time.perf_counter()
+    n = 128 if args.dry_run else GEMM_N
+    report["ceilings_tflops"] = gemm_ceilings(device, n)
+    report["ceilings_tflops"]["shape"] = f"{n}x{n}x{n}"
+    report["ceilings_tflops"]["wall_s"] = round(time.perf_counter() - t0, 1)
+    print("GEMM ceiling TFLOP/s:", {k: v for k, v in report["ceilings_tflops"].items() if k != "errors"}, flush=True)
+    write(out_dir, report)
+
+    for i, name in enumerate(names):
+        limit = clock.start_model(name, names[i:])
+        print(f"{name}: time limit {limit:.0f} s", flush=True)
+        if limit < MIN_LEFT_S["other"] * 2:
+            report["models"][name] = finish({"error": f"skipped: {clock.left():.0f} s of --budget left",
+                                             "variants": {}}, report["ceilings_tflops"])
+        else:
+            report["models"][name] = run_model(name, args, device, hw, clock, report["ceilings_tflops"])
+            report["models"][name]["time_limit_s"] = round(limit, 1)
+        report["wall_s"] = round(time.perf_counter() - _T_START, 1)
+        write(out_dir, report)
+
+    print()
+    print(table(report))
+    print(f"wrote {out_dir / 'latest.json'} ({report['wall_s']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""The bundled recipes load as model files and keep the contract, without building the big models.
+
+Full-size builds are left to the GPU suite (benchmarks/suite.py); here only cheap builds run: the seed CNN,
+tiny configurations of the BERT-large and GPT-2 recipes (through their ``make_model``), and the error a
+missing package gives.
+"""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tctune.errors import ModelFileError
+from tctune.modelfile import load_model_file
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+#: recipe -> (example_inputs(batch) shapes for batch 3, dtype, has training functions)
+CONTRACT = {
+    "seed_cnn": ([(3, 3, 32, 32)], torch.float32, True),
+    "bert_base": ([(3, 128)], torch.int64, False),
+    "bert_large": ([(3, 384)], torch.int64, False),
+    "gpt2": ([(3, 512)], torch.int64, False),
+    "resnet50": ([(3, 3, 224, 224)], torch.float32, True),
+}
+VOCAB = {"bert_base": 30522, "bert_large": 30522, "gpt2": 50257}
+
+
+def module_of(mf):
+    return sys.modules[f"tctune_model_{mf.name}"]
+
+
+@pytest.mark.parametrize("name", sorted(CONTRACT))
+def test_recipe_loads_and_inputs_keep_the_contract(name):
+    mf = load_model_file(RECIPES / f"{name}.py")
+    shapes, dtype, trainable = CONTRACT[name]
+    inputs = mf.inputs(3)
+    assert [tuple(x.shape) for x in inputs] == shapes
+    assert all(x.dtype == dtype for x in inputs)
+    if name in VOCAB:  # token ids inside the vocabulary, and fresh (not constant)
+        (ids,) = inputs
+        assert 0 <= int(ids.min()) and int(ids.max()) < VOCAB[name]
+        assert ids.unique().numel() > 1
+    else:
+        assert inputs[0].std() > 0
+    assert (mf.loss_fn is not None and mf.example_targets is not None) == trainable
+
+
+def test_resnet50_training_functions():
+    mf = load_model_file(RECIPES / "resnet50.py")
+    targets = mf.example_targets(4)
+    assert targets.shape == (4,) and targets.dtype == torch.int64 and int(targets.max()) < 1000
+    loss = mf.loss_fn(torch.randn(4, 1000, requires_grad=True), targets)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+
+
+def test_resnet50_builds_when_torchvision_is_there():
+    if importlib.util.find_spec("torchvision") is None:
+        pytest.skip("torchvision is not installed here (it is on the H200 machine, where benchmarks/suite.py builds "
+                    "ResNet-50); the missing-package error is tested instead")
+    mf = load_model_file(RECIPES / "resnet50.py")
+    model = mf.model().eval()
+    assert sum(p.numel() for p in model.parameters()) == 25_557_032  # torchvision's ResNet-50
+    with torch.inference_mode():
+        assert model(torch.randn(1, 3, 224, 224)).shape == (1, 1000)
+
+
+def test_resnet50_without_torchvision_gives_the_model_file_error():
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: the missing-package path cannot happen here")
+    mf = load_model_file(RECIPES / "resnet50.py")  # importing the file must not need torchvision
+    with pytest.raises(ModelFileError, match="build_model.*torchvision"):
+        mf.model()
+
+
+def test_seed_cnn_builds_and_runs():
+    mf = load_model_file(RECIPES / "seed_cnn.py")
+    out = mf.model()(*mf.inputs(2))
+    assert out.shape == (2, 10)
+
+
+def test_bert_large_config_sizes_and_tiny_smoke():
+    transformers = pytest.importorskip("transformers")
+    mf = load_model_file(RECIPES / "bert_large.py")
+    mod = module_of(mf)
+    cfg = transformers.BertConfig(**mod.CONFIG)  # the sizes, without building 335 M parameters
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.intermediate_size) == (1024, 24, 16, 4096)
+    assert cfg.vocab_size == mod.VOCAB_SIZE == 30522 and cfg.max_position_embeddings >= mod.SEQ_LEN == 384
+    tiny = mod.make_model(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                          vocab_size=100).eval()
+    with torch.inference_mode():
+        out = tiny(torch.randint(0, 100, (2, 384)))
+    assert out.shape == (2, 384, 32) and out.dtype == torch.float32  # a plain tensor: the last hidden state
+
+
+def test_gpt2_config_sizes_and_tiny_smoke():
+    transformers = pytest.importorskip("transformers")
+    mf = load_model_file(RECIPES / "gpt2.py")
+    mod = module_of(mf)
+    cfg = transformers.GPT2Config()
+    assert cfg.vocab_size == mod.VOCAB_SIZE == 50257 and cfg.n_positions >= mod.SEQ_LEN == 512
+    tiny = mod.make_model(n_embd=32, n_layer=1, n_head=2, vocab_size=101, n_positions=512,
+                          bos_token_id=0, eos_token_id=0).eval()
+    with torch.inference_mode():
+        out = tiny(torch.randint(0, 101, (2, 512)))
+    assert isinstance(out, torch.Tensor) and out.shape == (2, 512, 101)  # logits, no KV cache
+
+
+# -- benchmarks/suite.py, which measures these recipes on a GPU: its cheap, GPU-free parts ------------------------
+
+
+def load_suite():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "suite.py"
+    spec = importlib.util.spec_from_file_location("tctune_bench_suite", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_suite_models_are_the_recipes():
+    suite = load_suite()
+    assert set(suite.MODELS) == set(CONTRACT)
+    for name, spec in suite.MODELS.items():
+        assert (RECIPES / f"{spec.recipe}.py").exists()
+    assert sum(s.limit_s for s in suite.MODELS.values()) <= 400  # the run_h200.sh step is killed at 420 s
+
+
+def test_suite_summary_takes_the_fastest_variant_within_the_error_limit():
+    suite = load_suite()
+    v = {
+        "fp32_eager": {"kind": "baseline", "precision": "fp32", "status": "ok", "throughput": 100.0,
+                       "rel_l2_error": 0.0, "nonfinite": 0},
+        "fp16_eager": {"kind": "baseline", "precision": "fp16", "status": "ok", "throughput": 400.0,
+                       "rel_l2_error": 2e-2, "nonfinite": 0},  # over 1e-2: not a valid baseline
+        "tf32_eager": {"kind": "baseline", "precision": "tf32", "status": "ok", "throughput": 300.0,
+                       "rel_l2_error": 1e-3, "nonfinite": 0},
+        "tctune_bf16_eager": {"kind": "tctune", "precision": "bf16", "status": "ok", "throughput": 600.0,
+                              "rel_l2_error": 5e-3, "nonfinite": 0, "achieved_tflops": 60.0},
+        "tctune_fp16_cudagraphs": {"kind": "tctune", "precision": "fp16", "status": "ok", "throughput": 900.0,
+                                   "rel_l2_error": 1e-3, "nonfinite": 3},  # NaN/inf: never chosen
+        "tctune_compile_fp16": {"kind": "tctune", "precision": "fp16", "status": "timeout", "reason": "x"},
+    }
+    m = suite.finish({"variants": v}, {"bf16": 600.0, "fp16": 650.0})
+    assert (m["best_baseline_name"], m["best_baseline"]) == ("tf32_eager", 300.0)
+    assert (m["tctune_name"], m["tctune"], m["ratio"]) == ("tctune_bf16_eager", 600.0, 2.0)
+    assert m["max_rel_error"] == 5e-3 and m["ceiling_tflops"] == 600.0 and m["fraction_of_ceiling"] == 0.1
+
+
+def test_suite_without_a_gpu_says_so_and_exits_0(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present")
+    assert load_suite().main(["--out", str(tmp_path)]) == 0
+    assert "no CUDA GPU" in capsys.readouterr().out
+    assert not (tmp_path / "latest.json").exists()
