@@ -421,3 +421,86 @@ ZOO.update(
         )
     }
 )
+
+
+# ---------------------------------------------------------------------------------------------- coverage zoo
+# Models for the zoo-wide pass tests (tests/test_passes_zoo.py): the remaining kinds of model the issue lists.
+
+
+class MHABlock(nn.Module):
+    """A pre-norm transformer block with ``nn.MultiheadAttention(batch_first=True)``, LayerNorm and a GELU MLP.
+
+    ``(batch, seq, 48)`` -> ``(batch, seq, 48)``; 4 heads, FFN 72 -> 50 -> 48 (an odd hidden width).
+    """
+
+    def __init__(self, d: int = 48, heads: int = 4, ff: int = 50) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(d)
+        self.ff1 = nn.Linear(d, ff)
+        self.ff2 = nn.Linear(ff, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.ff2(F.gelu(self.ff1(self.ln2(x))))
+
+
+class GPT2Logits(nn.Module):
+    """A 2-layer GPT-2 (``n_embd`` 64, 4 heads, V = 50257, 64 positions) from ``transformers``, returning the
+    logits ``(batch, seq, 50257)`` of ``GPT2LMHeadModel`` (LM head tied to the token embedding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=50257, n_positions=64)
+        self.gpt2 = GPT2LMHeadModel(cfg)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.gpt2(input_ids=ids, use_cache=False).logits
+
+
+class ScaledByBuffer(nn.Module):
+    """Linear 29 -> 45 plus a positional table and a per-feature scale kept as *non-persistent* buffers.
+
+    ``(batch, 7, 29)`` -> ``(batch, 7, 45)``. The buffers are used in ``forward`` but are absent from
+    ``state_dict``; in the exported graph they are constants.
+    """
+
+    def __init__(self, seq: int = 7, d_in: int = 29, d_out: int = 45) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d_in, d_out)
+        self.register_buffer("pos", torch.randn(seq, d_in) * 0.1, persistent=False)
+        self.register_buffer("scale", torch.rand(d_out) + 0.5, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x + self.pos) * self.scale
+
+
+class DictOutput(nn.Module):
+    """A shared trunk (Linear 23 -> 33, ReLU) with two heads, returned as ``{"logits": (batch, 11),
+    "embedding": (batch, 33)}`` (a dict output, as the export boundary must preserve)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(23, 33)
+        self.head = nn.Linear(33, 11)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = F.relu(self.trunk(x))
+        return {"logits": self.head(h), "embedding": h}
+
+
+ZOO.update(
+    {
+        e.name: e
+        for e in (
+            ZooEntry("mha_block", _seeded(MHABlock), _randn(9, 48)),
+            ZooEntry("gpt2", _seeded(GPT2Logits), _ids(50257, 8)),
+            ZooEntry("nonpersistent_buffer", _seeded(ScaledByBuffer), _randn(7, 29)),
+            ZooEntry("dict_output", _seeded(DictOutput), _randn(23)),
+        )
+    }
+)
