@@ -65,6 +65,41 @@ def set_attr_tensor(gm: fx.GraphModule, target: str, value: torch.Tensor) -> Non
         setattr(owner, name, value.detach())
 
 
+def keep_outputs_contiguous(gm: fx.GraphModule) -> int:
+    """Route every floating graph output through ``aten.contiguous`` (a no-op on a contiguous tensor).
+
+    Padding passes slice results back to the original size; a slice (or an op on one) is a strided view,
+    and the caller must see eager's layout (it may ``.view()`` the output). Returns how many were added.
+    """
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+    added = 0
+    for leaf in list(out.all_input_nodes):
+        val = leaf.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not val.is_floating_point() or leaf.target == _CONTIGUOUS:
+            continue
+        with gm.graph.inserting_before(out):
+            dense = gm.graph.call_function(_CONTIGUOUS, (leaf,))
+        dense.meta.update(leaf.meta)
+        out.replace_input_with(leaf, dense)
+        added += 1
+    return added
+
+
+_CONTIGUOUS = torch.ops.aten.contiguous.default
+
+
+def add_constant(gm: fx.GraphModule, target: str, value: torch.Tensor) -> None:
+    """Store a tensor a pass *creates* under the free dotted path ``target`` as a non-persistent buffer, so
+    ``state_dict`` keys stay those of the user's model (it still moves with ``.to()``)."""
+    *path, name = target.split(".")
+    owner: nn.Module = gm
+    for part in path:
+        if not hasattr(owner, part):
+            owner.add_module(part, nn.Module())
+        owner = getattr(owner, part)
+    owner.register_buffer(name, value.detach(), persistent=False)
+
+
 def alias_targets(gm: fx.GraphModule, tensor: torch.Tensor) -> list[str]:
     """Every parameter/buffer name of ``gm`` bound to exactly ``tensor`` (tied weights have several)."""
     names = [n for n, p in gm.named_parameters(remove_duplicate=False) if p is tensor]

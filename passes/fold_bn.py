@@ -11,7 +11,8 @@ This holds per output channel, so grouped and depthwise convolutions need nothin
 eval-only: in training BN uses batch statistics and updates its running ones.
 
 Weights are replaced (never mutated: the exported module shares tensors with the eager model) under the same
-attribute names; a conv without bias gains one stored as ``<conv>.bias`` (or a free variant of that name).
+attribute names; a conv without bias gains one stored as the non-persistent buffer ``<conv>.bias_bnfolded``
+(``state_dict`` keys stay those of the user's model).
 The BN's own attributes stay on the module, unused, so ``state_dict`` keeps all its keys.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch import fx
 
 from passes._graph import (
+    add_constant,
     alias_targets,
     copy_meta,
     fake_from_tensor,
@@ -137,9 +139,9 @@ def fold_conv_batchnorm(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
             for target in alias_targets(gm, bias) or [b_node.target]:
                 set_attr_tensor(gm, target, new_bias)
         else:
-            base = b_node.target + "_bnfolded" if b_node is not None else _bias_name(w_node.target)
+            base = (b_node.target if b_node is not None else _bias_name(w_node.target)) + "_bnfolded"
             b_target = unique_attr_name(gm, base)
-            set_attr_tensor(gm, b_target, new_bias)
+            add_constant(gm, b_target, new_bias)  # a new tensor: no new state_dict key
             with gm.graph.inserting_before(conv):
                 new_b_node = gm.graph.get_attr(b_target)
             copy_meta(w_node, new_b_node, fake_from_tensor(w_node.meta.get("val"), new_bias))

@@ -31,6 +31,7 @@ from passes._graph import (
     fake_from_tensor,
     finish,
     get_attr_value,
+    keep_outputs_contiguous,
     round_up,
     set_attr_tensor,
 )
@@ -187,6 +188,7 @@ def pad_linear_dims(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         result.notes["should_pad"] = decisions
     if result.count:
         result.notes["padded"] = padded
+        keep_outputs_contiguous(gm)
         finish(gm)
     return result
 

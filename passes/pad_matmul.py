@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from passes._graph import copy_meta, fake_eval, finish, get_attr_value, op_name, round_up
+from passes._graph import copy_meta, fake_eval, finish, get_attr_value, keep_outputs_contiguous, op_name, round_up
 from passes.base import PassResult, PassSpec, Skip
 from passes.pad_linear import PADDED_FLAG, _replace_tensor, _slice_back, _weight_users
 from passes.should_pad import should_pad
@@ -151,6 +151,7 @@ def pad_matmul_dims(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         result.notes["should_pad"] = decisions
     if result.count:
         result.notes["padded"] = padded
+        keep_outputs_contiguous(gm)
         finish(gm)
     return result
 

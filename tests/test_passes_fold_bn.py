@@ -36,8 +36,9 @@ def test_fold_conv_batchnorm_bias_free_conv_gains_bias():
     fold_conv_batchnorm(gm, SPEC)
 
     convs = [n for n in gm.graph.nodes if n.target == torch.ops.aten.conv2d.default]
-    assert [c.args[2].target for c in convs] == ["conv1.bias", "conv2.bias"]
-    assert set(gm.state_dict()) - set(model.state_dict()) == {"conv1.bias", "conv2.bias"}
+    assert [c.args[2].target for c in convs] == ["conv1.bias_bnfolded", "conv2.bias_bnfolded"]
+    assert set(gm.state_dict()) == set(model.state_dict())  # the new biases are non-persistent buffers
+    zoo.assert_matches_eager(model, gm, entry.example_inputs(5), "fp32")
 
 
 def test_fold_conv_batchnorm_leaves_eager_model_untouched():

@@ -146,24 +146,10 @@ _SLICED_OUTPUT = (
     "pad_linear_dims on {model}: the model's output comes from a linear whose N is padded, and the slice back "
     "to N leaves a non-contiguous view (row stride N' instead of N){where}; the caller-visible layout changed"
 )
-STRIDE_FINDINGS: dict[tuple[str, str, str], str] = {
-    **{(m, "pad_linear_dims", "fp16"): _SLICED_OUTPUT.format(model=m, where="")
-       for m in ("mlp", "simple_cnn", "tied_lm", "tied_lm_odd", "gpt2", "dict_output")},
-    # at fp16 / bf16 the pipeline's cast back to FP32 copies the view into a contiguous tensor; tf32 has no cast
-    **{(m, "pipeline", "tf32"): _SLICED_OUTPUT.format(model=m, where=" (pipeline at tf32, align 4)")
-       for m in ("mlp", "simple_cnn", "tied_lm", "tied_lm_odd", "gpt2", "dict_output")},
-}
+STRIDE_FINDINGS: dict[tuple[str, str, str], str] = {}
 
 #: Pass runs known to break an invariant: ``(model, pass or "pipeline", precision): reason`` (strict xfail).
-_BIAS_KEYS = (
-    "fold_conv_batchnorm on conv_bn_nobias: folding into a conv without bias registers new parameters "
-    "conv1.bias / conv2.bias, so state_dict gains 2 keys (the eager model cannot load it strictly)"
-)
-KNOWN_BUGS: dict[tuple[str, str, str], str] = {
-    ("conv_bn_nobias", "fold_conv_batchnorm", "fp32"): _BIAS_KEYS,
-    ("conv_bn_nobias", "fold_conv_batchnorm", "fp16"): _BIAS_KEYS,
-    **{("conv_bn_nobias", "pipeline", p): _BIAS_KEYS for p in ("fp32", "tf32", "fp16", "bf16")},
-}
+KNOWN_BUGS: dict[tuple[str, str, str], str] = {}
 
 
 def _single_pass_cases() -> list:
