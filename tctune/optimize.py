@@ -84,6 +84,27 @@ def worker_args(cfg: TuneConfig, storage: str, index: int) -> list[str]:
     return args
 
 
+def write_onnx_runners(tuner: Tuner, params: dict, artifacts: dict, graph: torch.nn.Module) -> None:
+    """A manifest and ``runner.py`` beside each ONNX file, so ``tctune bench`` and the runner can time it."""
+    from .export.runner import describe_inputs, write_runner
+
+    sizes = sorted(tuner.cfg.batch_sizes)
+    for key, precision in (("onnx", params["precision"]), ("onnx_fp32", "fp32")):
+        path = artifacts.get(key)
+        if not path or (key == "onnx" and not artifacts.get("onnx_inputs")):
+            continue
+        try:
+            names = [i["name"] for i in artifacts["onnx_inputs"]]
+            inputs = describe_inputs(graph, lambda b: tuner.mf.inputs(b, "cpu"), names, (2, 3))
+            manifest = {"model": tuner.mf.name, "model_file": str(tuner.mf.path), "precision": precision,
+                        "format": "onnx", "artifact": Path(path).name, "device": "cpu", "inputs": inputs,
+                        "batch_sizes": {"min": sizes[0], "opt": params["batch_size"], "max": sizes[-1]},
+                        "written_by": "tctune optimize"}
+            artifacts[f"{key}_runner"] = str(write_runner(path, manifest))
+        except Exception as exc:  # a runner is a convenience: never lose the run over it
+            log.warning("no runner for %s: %s", path, exc)
+
+
 def export_best(tuner: Tuner, params: dict, out: Path) -> tuple[dict, list[dict]]:
     """Export the best configuration's graph (passes at its precision) to ONNX, and TensorRT if importable.
 
@@ -136,6 +157,7 @@ def export_best(tuner: Tuner, params: dict, out: Path) -> tuple[dict, list[dict]
             artifacts["onnx_fp32_error"] = info32.get("onnx_error")
         except ExportError as exc:
             artifacts["onnx_fp32_error"] = str(exc)
+    write_onnx_runners(tuner, params, artifacts, g)
     ok, reason = tensorrt_available()
     if not artifacts.get("onnx"):
         artifacts["tensorrt_skipped_reason"] = "no ONNX to build from"

@@ -33,6 +33,16 @@ def test_optimize_writes_every_output(seed_run):
         assert (out / name).is_file(), name
 
 
+def test_bench_times_the_onnx_optimize_wrote(seed_run):
+    out, _ = seed_run
+    onnx = out / "model.fp32.onnx" if (out / "model.fp32.onnx").exists() else out / "model.onnx"
+    assert (out / "runner.py").is_file() and Path(str(onnx) + ".manifest.json").is_file()
+    r = run_cli("bench", onnx, "--batch", "4", "--iters", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    row = json.loads(r.stdout)
+    assert row["batch_size"] == 4 and row["throughput"] > 0 and row["artifact"] == onnx.name
+
+
 def test_report_json_has_the_documented_fields(seed_run):
     out, _ = seed_run
     r = json.loads((out / "report.json").read_text())
