@@ -6,8 +6,11 @@ in ``ExportedProgram.module()``: the graph the passes in ``passes/`` rewrite.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import logging
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -50,8 +53,11 @@ def capture(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.f
     batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
     dynamic = tuple({0: batch} for _ in inputs)
     model = copy.deepcopy(model)
+    printed = io.StringIO()
     try:
-        with warnings.catch_warnings():
+        # torch.export prints graph dumps and logs shape warnings when it fails: keep the user's terminal clean.
+        with warnings.catch_warnings(), _quiet_torch_logs(), contextlib.redirect_stdout(printed), \
+                contextlib.redirect_stderr(printed):
             warnings.simplefilter("ignore")
             ep = torch.export.export(model, tuple(inputs), dynamic_shapes=dynamic, strict=False)
         return ep.module()
@@ -59,7 +65,38 @@ def capture(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.f
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CaptureError(
             f"torch.export could not capture the model with a dynamic batch: {type(exc).__name__}: {first[:300]}"
+            + _hint(str(exc), printed.getvalue())
         ) from exc
+
+
+_WHERE = re.compile(r"# File: (\S+?:\d+) in \w+, code: (.*)")
+
+
+def _hint(message: str, printed: str) -> str:
+    """Plain words and a fix for the usual reasons torch.export fails, with the user's line where known."""
+    where = _WHERE.search(printed) or _WHERE.search(message)
+    at = f" at {where.group(1)} (`{where.group(2).strip()}`)" if where else ""
+    if "data-dependent" in message or "DataDependent" in message:
+        return (f"\n  cause: Python control flow on tensor *values*{at}\n"
+                "  fix: use torch.where / torch.cond instead of `if` on a tensor (tctune runs the model eagerly meanwhile)")
+    if "Constraints violated" in message and "batch" in message:
+        return (f"\n  cause: the model fixes the batch size{at} (a branch on x.shape[0], or a hard-coded batch in "
+                "view/reshape/expand)\n  fix: use x.shape[0] or -1 (tctune runs the model eagerly meanwhile)")
+    return ""
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    names = ("torch.fx.experimental.symbolic_shapes", "torch.export", "torch._dynamo", "torch._export")
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def try_capture(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> Captured:
@@ -67,5 +104,5 @@ def try_capture(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> Cap
     try:
         return Captured(capture(model, inputs))
     except CaptureError as exc:
-        log.warning("%s; tctune will run the model eagerly without graph passes", exc)
+        log.debug("%s; tctune will run the model eagerly without graph passes", exc)
         return Captured(None, str(exc))

@@ -166,6 +166,11 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
     cfg = read_config(config_path)
     formats = tuple(formats)
     mf = load_model_file(model_file)
+    tuned_for = cfg.get("model_path") or cfg.get("model")
+    if tuned_for and Path(str(tuned_for)).stem != mf.name:
+        logging.getLogger("tctune").warning(
+            "%s was tuned for %s, not %s: its batch size and precision may not suit this model "
+            "(run `tctune optimize %s` for a config of its own)", config_path, tuned_for, mf.path.name, mf.path.name)
     out = Path(out_dir) if out_dir else Path(config_path).resolve().parent
     out.mkdir(parents=True, exist_ok=True)
     params = cfg["params"]

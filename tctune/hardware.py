@@ -754,7 +754,7 @@ def _describe_one(spec: HardwareSpec) -> list[str]:
     rows.append(("Tensor Cores", tcp))
     lines += [f"  {k:<19} {v}" for k, v in rows]
     if spec.alignment:
-        lines.append("  alignment (GEMM M/N/K and conv channels should be multiples of):")
+        lines.append("  alignment (GEMM N and K and conv channels should be multiples of; M never matters):")
         lines.append(f"    {'dtype':<6} {'elements':>8} {'bytes':>6}")
         for dtype, n in spec.alignment.items():
             lines.append(f"    {dtype:<6} {n:>8} {n * _BYTES.get(dtype, 0):>6g}")

@@ -42,7 +42,10 @@ def check_out_dir(out_dir: str | Path) -> Path:
         probe.write_text("ok")
         probe.unlink()
     except OSError as exc:
-        raise UsageError(f"output folder {p} is not writable ({exc.strerror or exc})\n  fix: pass --out DIR with a folder you can write") from exc
+        blocker = next((q for q in (p, *p.parents) if q.is_file()), None)
+        what = (f"cannot be created: {blocker} is a file" if blocker is not None
+                else f"is not writable ({exc.strerror or exc})")
+        raise UsageError(f"output folder {p} {what}\n  fix: pass --out DIR with a folder you can write") from exc
     return p
 
 
@@ -182,7 +185,6 @@ def optimize(model_path: str | Path, cfg: TuneConfig) -> dict:
     """
     mf = load_model_file(model_path)
     hw: HardwareSpec = resolve(cfg.target)
-    out = check_out_dir(cfg.out_dir)
     devices = check_devices(cfg)
     workers: list[tuple[int, subprocess.Popen]] = []
     if len(devices) > 1:  # this process measures on the first GPU, one worker process on each other
@@ -193,6 +195,7 @@ def optimize(model_path: str | Path, cfg: TuneConfig) -> dict:
         tuner: Tuner = TrainTuner(cfg, mf, hw, device)
     else:
         tuner = Tuner(cfg, mf, hw, device)
+    out = check_out_dir(cfg.out_dir)  # after every input check: a rejected run leaves no empty folder
     if len(devices) > 1:
         tuner.create_study()  # enqueue the baselines and fail interrupted trials once, before workers start
         for i, d in enumerate(devices[1:], start=1):
