@@ -376,11 +376,35 @@ def bench_artifact(artifact: str | Path, batch: int | None = None, iters: int = 
         raise ExportError(f"cannot time {path.name}: {exc}{fix}") from exc
 
 
+def _bench_in_child(artifact: str, args) -> list[dict]:
+    """Run ``tctune bench ARTIFACT --json`` in a child process; its rows, or its error as ExportError."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "tctune", "bench", str(artifact), "--json", "--iters", str(args.iters),
+           "--warmup", str(args.warmup)]
+    if args.batch:
+        cmd += ["--batch", args.batch]
+    if args.provider:
+        cmd += ["--provider", args.provider]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode:
+        msg = r.stderr.strip().removeprefix("tctune: error: ") or f"exit status {r.returncode}"
+        raise (UsageError if r.returncode == 2 else ExportError)(msg)
+    rows = json.loads(r.stdout)
+    return rows if isinstance(rows, list) else [rows]
+
+
 def _cmd_bench(args) -> int:
     from .cli import parse_batch_sizes
 
     batches = list(parse_batch_sizes(args.batch)) if args.batch else [None]
-    rows = [bench_artifact(a, b, args.iters, args.warmup, args.provider) for a in args.artifact for b in batches]
+    if len(args.artifact) > 1:
+        # Each artifact in a process of its own: runtimes (onnxruntime's thread pool, torch's) left alive by
+        # one would otherwise slow the next one down (seen: a .pt2 timed 300x slower after an .onnx).
+        rows = [row for a in args.artifact for row in _bench_in_child(a, args)]
+    else:
+        rows = [bench_artifact(args.artifact[0], b, args.iters, args.warmup, args.provider) for b in batches]
     if args.json:
         print(json.dumps(rows if len(rows) > 1 else rows[0], indent=2))
         return 0
