@@ -65,7 +65,8 @@ def pad_conv_channels(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         if node.op == "call_function" and node.target in _TRANSPOSED:
             result.skipped.append(Skip(node.name, "transposed convolution: channels not padded"))
     if spec.precision not in ("fp16", "bf16"):
-        result.skipped.extend(Skip(n.name, TF32_REASON) for n in convs)
+        reason = TF32_REASON if spec.precision == "tf32" else f"precision {spec.precision}: only fp16/bf16 convs are padded"
+        result.skipped.extend(Skip(n.name, reason) for n in convs)
         return result
     align = spec.align()
     if align <= 1:

@@ -659,6 +659,12 @@ def format_text(ins: Inspection) -> str:
             if padded:
                 for node, dims in list(padded.items())[:8]:
                     lines.append(f"    {node}: " + ", ".join(f"{k} {a}->{b}" for k, (a, b) in dims.items()))
+            reasons: dict[str, list[str]] = {}
+            for sk in r.skipped:
+                reasons.setdefault(sk.reason, []).append(sk.node)
+            for reason, nodes in list(reasons.items())[:6]:  # grouped: one line per distinct reason
+                more = f" (+{len(nodes) - 3} more)" if len(nodes) > 3 else ""
+                lines.append(f"    skipped {', '.join(nodes[:3])}{more}: {reason}")
     else:
         lines.append(f"passes not run: {ins.passes_error}")
     lines.append("")
