@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .errors import ExportError, TctuneError, UsageError
+from .errors import ExportError, UsageError
 
 log = logging.getLogger("tctune")
 

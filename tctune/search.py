@@ -295,31 +295,15 @@ class Tuner:
         except CandidateRejected:
             raise
         except Exception as exc:
-            release_memory(self.device)
-            if is_oom(exc):
-                raise CandidateRejected(f"out of memory at batch size {bs}") from exc
-            first = (str(exc).strip().splitlines() or [""])[0][:300]
-            raise CandidateRejected(f"{runtime} run failed: {type(exc).__name__}: {first}") from exc
+            raise rejection(exc, self.device, bs, f"{runtime} run") from exc
         finally:
-            del cand.module, fn
+            cand.module = fn = None  # drop the candidate's weights / CUDA graph / compiled code now
             release_memory(self.device)
         peak = None
         if timing.peak_memory_mib is not None:
             peak = timing.peak_memory_mib - (held - own) / 2**20
-        return {
-            "throughput": timing.throughput,
-            "latency_ms": timing.latency_ms,
-            "latency_p50_ms": timing.latency_p50_ms,
-            "latency_p99_ms": timing.latency_p99_ms,
-            "peak_memory_mib": peak,
-            "max_rel_error": err.rel_l2_error,
-            "max_abs_error": err.max_abs_error,
-            "nonfinite": err.nonfinite,
-            "repeats_ms": timing.repeats_ms,
-            "passes": [{"name": r.name, "changed": r.count} for r in cand.passes],
-            "description": cand.description,
-            "setup_s": setup_s,
-        }
+        return trial_metrics(timing, err, peak_memory_mib=peak, setup_s=setup_s, description=cand.description,
+                             passes=[{"name": r.name, "changed": r.count} for r in cand.passes])
 
     # -- study ------------------------------------------------------------------------------------------
     def space_size(self) -> int:
@@ -546,6 +530,31 @@ class Tuner:
         """Parameter sets already measured (complete or failed), as canonical JSON strings."""
         return {json.dumps(t.params, sort_keys=True) for t in study.get_trials(deepcopy=False)
                 if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL) and counts_as_measured(t)}
+
+
+def rejection(exc: BaseException, device: torch.device, batch_size: int, what: str) -> CandidateRejected:
+    """The :class:`CandidateRejected` for an exception a candidate raised, after freeing its memory."""
+    release_memory(device)
+    if is_oom(exc):
+        return CandidateRejected(f"out of memory at batch size {batch_size}")
+    return CandidateRejected(f"{what} failed: {type(exc).__name__}: {_first_line(exc)}")
+
+
+def trial_metrics(timing, err: ErrorStats, **extra) -> dict:
+    """The user attributes every measured trial records (units: items/s, ms, MiB)."""
+    metrics = {
+        "throughput": timing.throughput,
+        "latency_ms": timing.latency_ms,
+        "latency_p50_ms": timing.latency_p50_ms,
+        "latency_p99_ms": timing.latency_p99_ms,
+        "peak_memory_mib": timing.peak_memory_mib,
+        "max_rel_error": err.rel_l2_error,
+        "max_abs_error": err.max_abs_error,
+        "nonfinite": err.nonfinite,
+        "repeats_ms": timing.repeats_ms,
+    }
+    metrics.update(extra)
+    return metrics
 
 
 def _first_line(exc: BaseException) -> str:

@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from typing import Any
 
 import torch
 
 from .errors import CandidateRejected, ModelFileError
-from .measure import compare, is_oom, precision_mode, release_memory, time_call
+from .measure import compare, precision_mode, time_call
 from .modelfile import SIGNATURES
-from .search import Tuner
+from .search import Tuner, rejection, trial_metrics
 
 LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -71,10 +72,7 @@ class TrainTuner(Tuner):
                     loss = self.mf.loss_fn(model(*inputs), targets)
                     loss.backward()
             except Exception as exc:
-                if is_oom(exc):
-                    release_memory(self.device)
-                    raise CandidateRejected(f"the FP32 reference step ran out of memory at batch size {batch_size}") from exc
-                raise
+                raise rejection(exc, self.device, batch_size, "the FP32 reference step") from exc
             grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
             self._refs[batch_size] = ((inputs, targets), grads)
         return self._refs[batch_size]
@@ -111,8 +109,7 @@ class TrainTuner(Tuner):
 
         try:
             with precision_mode(precision):
-                import time as _t
-                t0 = _t.perf_counter()
+                t0 = time.perf_counter()
                 opt.zero_grad(set_to_none=True)
                 loss = forward_backward()
                 if not torch.isfinite(loss.detach()).all():
@@ -121,7 +118,7 @@ class TrainTuner(Tuner):
                 grads = [p.grad.detach().float() / (scale * 1.0) * accum for p in model.parameters() if p.grad is not None]
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-                setup_s = _t.perf_counter() - t0 if runtime.startswith("inductor") else 0.0
+                setup_s = time.perf_counter() - t0 if runtime.startswith("inductor") else 0.0
                 err = compare(torch.cat([g.flatten() for g in grads]), torch.cat([g.float().flatten() for g in ref_grads]))
                 opt.zero_grad(set_to_none=True)
                 timing = time_call(step, bs * accum, self.device, grad=True, single_calls=10,
@@ -129,30 +126,14 @@ class TrainTuner(Tuner):
         except CandidateRejected:
             raise
         except Exception as exc:
-            release_memory(self.device)
-            if is_oom(exc):
-                raise CandidateRejected(f"out of memory at batch size {bs}") from exc
-            first = (str(exc).strip().splitlines() or [""])[0][:300]
-            raise CandidateRejected(f"{runtime} training step failed: {type(exc).__name__}: {first}") from exc
+            raise rejection(exc, self.device, bs, f"{runtime} training step") from exc
         if scaler and skipped["steps"] and skipped["skipped"] * 2 > skipped["steps"]:
             raise CandidateRejected(f"GradScaler skipped {skipped['skipped']} of {skipped['steps']} fp16 steps (gradients overflow)")
         if err.nonfinite:
             raise CandidateRejected(f"{precision} gradients hold {err.nonfinite} NaN/inf values")
-        return {
-            "throughput": timing.throughput,
-            "latency_ms": timing.latency_ms,
-            "latency_p50_ms": timing.latency_p50_ms,
-            "latency_p99_ms": timing.latency_p99_ms,
-            "peak_memory_mib": timing.peak_memory_mib,
-            "max_rel_error": err.rel_l2_error,
-            "max_abs_error": err.max_abs_error,
-            "nonfinite": err.nonfinite,
-            "repeats_ms": timing.repeats_ms,
-            "passes": [],
-            "description": f"train step {precision}{' + GradScaler' if scaler else ''}, {runtime}, "
-                           f"micro-batch {bs} x {accum} accumulation",
-            "setup_s": setup_s,
-            "accumulation_steps": accum,
-            "scaler_skipped_steps": skipped["skipped"] if scaler else None,
-            "timed_steps": skipped["steps"],
-        }
+        return trial_metrics(
+            timing, err, passes=[], setup_s=setup_s,
+            description=f"train step {precision}{' + GradScaler' if scaler else ''}, {runtime}, "
+                        f"micro-batch {bs} x {accum} accumulation",
+            accumulation_steps=accum, scaler_skipped_steps=skipped["skipped"] if scaler else None,
+            timed_steps=skipped["steps"])
