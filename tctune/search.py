@@ -8,6 +8,7 @@ eager baseline at every searched batch size is enqueued first, so the report's s
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import logging
@@ -24,6 +25,7 @@ import optuna
 import torch
 
 from passes import PIPELINE, run_pipeline
+from passes.calibrate import calibrate_ranges, overflow_nodes
 from passes.base import PassFailure
 
 from .capture import Captured, try_capture
@@ -155,8 +157,14 @@ def measuring_device() -> torch.device:
 
 
 def apply_passes(gm: torch.fx.GraphModule, hw: HardwareSpec, precision: str,
-                 names: tuple[str, ...] = PIPELINE) -> tuple[torch.fx.GraphModule, list]:
+                 names: tuple[str, ...] = PIPELINE,
+                 calibration: list[tuple] | None = None) -> tuple[torch.fx.GraphModule, list]:
     """Deep-copy ``gm`` and run the pass pipeline ``names`` for ``(hw, precision)``.
+
+    Args:
+        calibration: at fp16, inputs to run through the FP32 graph just before the casting passes; nodes
+            whose max |activation| comes within a factor 2 of fp16's 65504 stay FP32 (overflow analysis,
+            ``passes/calibrate.py``), and the report names their source modules.
 
     Raises:
         PassError: a pass failed (the message names it and the passes before it).
@@ -164,8 +172,18 @@ def apply_passes(gm: torch.fx.GraphModule, hw: HardwareSpec, precision: str,
     with warnings.catch_warnings():  # deepcopy of an exported module warns about pytree internals
         warnings.simplefilter("ignore", FutureWarning)
         g = copy.deepcopy(gm)
+    spec = hw.pass_spec(precision)
     try:
-        results = run_pipeline(g, hw.pass_spec(precision), names)
+        if calibration and precision == "fp16":
+            casts = [i for i, n in enumerate(names) if n in ("cast_fp8_linears", "cast_precision")]
+            split = casts[0] if casts else len(names)
+            results = run_pipeline(g, spec, names[:split])
+            with torch.inference_mode():
+                ranges = calibrate_ranges(g, calibration)
+            spec = dataclasses.replace(spec, fp32_nodes=overflow_nodes(ranges, precision, spec.overflow_margin))
+            results += run_pipeline(g, spec, names[split:])
+        else:
+            results = run_pipeline(g, spec, names)
     except PassFailure as exc:
         raise PassError(str(exc)) from exc
     return g, results
@@ -250,7 +268,8 @@ class Tuner:
         precision = params["precision"]
         runtime = params.get("runtime", "eager")
         if params["graph_passes"]:
-            g, results = apply_passes(self.captured.graph_module, self.hw, precision)
+            inputs, _ = self.reference(params["batch_size"])
+            g, results = apply_passes(self.captured.graph_module, self.hw, precision, calibration=[inputs])
             return Candidate(g.to(self.device), precision, results, f"tctune graph {precision}, {runtime}")
         if precision in ("fp16", "bf16"):
             dtype = torch.float16 if precision == "fp16" else torch.bfloat16

@@ -105,3 +105,20 @@ def test_train_mode_needs_loss_fn(tiny, tmp_path):
     from tctune.errors import ModelFileError
     with pytest.raises(ModelFileError, match=r"(?s)needs example_targets\(\) and loss_fn\(\).*def loss_fn"):
         optimize(tiny, TuneConfig(out_dir=str(tmp_path / "out"), batch_sizes=(4,), trials=1, quiet=True, mode="train"))
+
+
+def test_apply_passes_calibration_keeps_overflowing_modules_fp32():
+    """At fp16, calibration inputs make the overflow analysis keep a module FP32 (named in the skip reason)."""
+    import zoo
+    from tctune.search import apply_passes
+
+    model, gm, entry = zoo.build("overflow_mlp")
+    h100 = resolve("h100")
+    x = entry.example_inputs(5)
+    plain, _ = apply_passes(gm, h100, "fp16")
+    calibrated, results = apply_passes(gm, h100, "fp16", calibration=[entry.example_inputs(4)])
+    with torch.no_grad():
+        assert not torch.isfinite(plain(*x)).all()  # without the analysis fp16 overflows
+        assert torch.isfinite(calibrated(*x)).all()
+    cast = {r.name: r for r in results}["cast_precision"]
+    assert any(s.reason.startswith("overflow:") and "module" in s.reason for s in cast.skipped)
