@@ -104,6 +104,8 @@ class PassSpec:
             the precision pass computes them, and every op reading them, in FP32.
         overflow_margin: the head-room factor ``fp32_nodes`` was chosen with (max |x| > limit / margin),
             quoted in the precision pass's skip reasons.
+        residual_fp32: the precision pass keeps residual adds and embedding lookups in FP32, as autocast does
+            (True, the accurate policy); False casts them too, as ``model.half()`` does (the fast policy).
         fp8_scaling: FP8 scale granularity at precision ``"fp8"``: ``"row"`` (per output channel for weights,
             per token for activations; the default) or ``"tensor"`` (one scale per tensor).
     """
@@ -116,6 +118,7 @@ class PassSpec:
     fp32_nodes: frozenset = frozenset()
     overflow_margin: float = 2.0
     fp8_scaling: str = "row"
+    residual_fp32: bool = True
 
     def __post_init__(self) -> None:
         if self.precision not in _DTYPES:

@@ -115,7 +115,7 @@ def cast_precision(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
     new: dict[fx.Node, Any] = {}
     rewriter = _Caster(gm, new)
     overflow = _overflow_reasons(nodes, spec)
-    weights_low, weights_fp32 = _cast_weights(gm, nodes, keep, low, new, frozenset(overflow))
+    weights_low, weights_fp32 = _cast_weights(gm, nodes, keep, low, new, frozenset(overflow), spec.residual_fp32)
     anchors: set[fx.Node] = set()  # FP32 values from keep-list ops / the residual stream (module docstring)
 
     for node in nodes:
@@ -187,7 +187,7 @@ def cast_precision(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
             new[node] = orig[node]
             anchors.add(node)
             continue
-        if orig[node] == torch.float32 and name in _RESIDUAL_OPS:
+        if orig[node] == torch.float32 and name in _RESIDUAL_OPS and spec.residual_fp32:
             reason = _residual_reason(node, name, keep, anchors, new)
             if reason is not None:
                 # Residual add / sub: FP32 like autocast's type promotion (inputs cast up, output FP32).
@@ -296,10 +296,12 @@ def _cast_weights(
     low: torch.dtype,
     new: dict,
     fp32_ops: frozenset = frozenset(),
+    fp32_lookups: bool = True,
 ) -> tuple[list[str], list[str]]:
     """Store floating weights read only by non-keep-list ops in ``low``; returns (low names, FP32 names).
 
     ``fp32_ops``: names of further ops that compute in FP32 (overflow), whose weights stay FP32 too.
+    ``fp32_lookups``: embedding tables read only by lookups stay FP32 (``PassSpec.residual_fp32``).
     """
     by_tensor: dict[int, list[fx.Node]] = {}
     tensors: dict[int, torch.Tensor] = {}
@@ -318,7 +320,7 @@ def _cast_weights(
         if (
             not users
             or any(_reads_fp32(u, keep) or u.name in fp32_ops for u in users)
-            or all(_is_lookup(u, attr_nodes) for u in users)
+            or (fp32_lookups and all(_is_lookup(u, attr_nodes) for u in users))
         ):
             weights_fp32.extend(sorted({n.target for n in attr_nodes}))
             continue

@@ -209,6 +209,14 @@ TARGETS: dict[str, Target] = {
 # --------------------------------------------------------------------------------------------------------------
 
 
+#: Precision policies of the cast pass (see ``HardwareSpec.pass_spec``).
+POLICIES = ("autocast", "pure")
+#: What the "pure" policy still keeps in FP32: losses and the ops whose low-precision results are unsafe.
+PURE_KEEP_LIST = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_nd", "mse_loss", "kl_div",
+                            "binary_cross_entropy_with_logits", "smooth_l1_loss", "l1_loss", "cumsum", "prod",
+                            "logsumexp"})
+
+
 @dataclass(frozen=True)
 class HardwareSpec:
     """The machine a study measures on, or the GPU it plans for (``--target``).
@@ -268,20 +276,26 @@ class HardwareSpec:
         wanted = ("tf32", "fp16", "bf16") if training else ("tf32", "fp16", "bf16", "fp8")
         return ("fp32",) + tuple(p for p in wanted if p in self.tensor_core_precisions)
 
-    def pass_spec(self, precision: str, training: bool = False) -> PassSpec:
+    def pass_spec(self, precision: str, training: bool = False, policy: str = "autocast") -> PassSpec:
         """The plain facts the graph passes need for one candidate.
 
         Args:
             precision: ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``.
             training: True when the rewritten graph will be trained.
+            policy: ``"autocast"`` (the FP32 keep-list, residual adds and embeddings in FP32: autocast's
+                accuracy) or ``"pure"`` (everything in the low dtype except losses, as ``model.half()``:
+                less memory traffic; PyTorch's norm and softmax kernels still accumulate in FP32).
 
         Raises:
             ValueError: ``precision`` is not one PassSpec accepts.
         """
         # Row-wise FP8 scaling is what cuBLAS offers on sm_89/sm_90; Blackwell's cuBLAS lacks it (passes/cast_fp8.py).
         scaling = "tensor" if self.arch == "Blackwell" else "row"
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        extra = {"keep_list": PURE_KEEP_LIST, "residual_fp32": False} if policy == "pure" else {}
         return PassSpec(precision=precision, alignment=dict(self.alignment), arch=self.arch, training=training,
-                        fp8_scaling=scaling)
+                        fp8_scaling=scaling, **extra)
 
     def to_dict(self) -> dict:
         """Every field, JSON-ready (tuples become lists), plus ``is_gpu``."""

@@ -125,7 +125,9 @@ def export_best(tuner: Tuner, params: dict, out: Path) -> tuple[dict, list[dict]
         artifacts["tensorrt_skipped_reason"] = "no ONNX to build from"
         return artifacts, []
     calibration = [tuner.reference(params["batch_size"])[0]]
-    _, measured = apply_passes(tuner.captured.graph_module, tuner.hw, params["precision"], calibration=calibration)
+    policy = params.get("policy", "autocast")
+    _, measured = apply_passes(tuner.captured.graph_module, tuner.hw, params["precision"], calibration=calibration,
+                               policy=policy)
     passes = [r.to_dict() for r in measured]  # what ran in the measured candidate, for the report
     if params.get("graph_passes") is False:
         for p in passes:
@@ -136,7 +138,8 @@ def export_best(tuner: Tuner, params: dict, out: Path) -> tuple[dict, list[dict]
         export_precision = "bf16"
         artifacts["onnx_note"] = ("the best configuration uses FP8 GEMMs; FP8 Q/DQ export is not implemented yet, "
                                   "so model.onnx is the same graph in bf16")
-    g, _ = apply_passes(tuner.captured.graph_module, tuner.hw, export_precision, EXPORT_PIPELINE, calibration)
+    g, _ = apply_passes(tuner.captured.graph_module, tuner.hw, export_precision, EXPORT_PIPELINE, calibration,
+                        policy)
     if not tuner.cfg.export:
         artifacts["onnx_error"] = "export disabled (--no-export)"
         artifacts["tensorrt_skipped_reason"] = "export disabled (--no-export)"

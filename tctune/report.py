@@ -160,7 +160,9 @@ def render_markdown(r: dict) -> str:
     b, base = r["best"], r["baseline"]
     if b:
         p = b["params"]
-        kind = "tctune graph passes" if p.get("graph_passes") else "the model as written"
+        kind = "the model as written"
+        if p.get("graph_passes"):
+            kind = "tctune graph passes" + (", pure policy (like model.half())" if p.get("policy") == "pure" else "")
         lines.append(f"Best: **{p['precision']}**, {kind}, runtime {p.get('runtime', 'eager')}, batch {p['batch_size']}: "
                      f"{_fmt(b['throughput'])} items/s, "
                      f"{_fmt(b['latency_ms'])} ms per batch, relative error {_fmt(b['max_rel_error'], '.2e')}.")
@@ -216,7 +218,8 @@ def render_markdown(r: dict) -> str:
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in r["trials"]:
         p = t["params"]
-        lines.append(f"| {t['number']} | {t['state'].lower()} | {p.get('precision', '–')} | {'yes' if p.get('graph_passes') else 'no'} | "
+        graph = ("yes" + (" (pure)" if p.get("policy") == "pure" else "")) if p.get("graph_passes") else "no"
+        lines.append(f"| {t['number']} | {t['state'].lower()} | {p.get('precision', '–')} | {graph} | "
                      f"{p.get('runtime', 'eager')} | {p.get('batch_size', '–')} | {_fmt(t['throughput'])} | {_fmt(t['latency_ms'])} | "
                      f"{_fmt(t['peak_memory_mib'], '.0f')} | {_fmt(t['max_rel_error'], '.2e')} | {_fmt(t['setup_s'], '.1f')} | {t['fail_reason'] or ''} |")
     if r["study"].get("n_queued_not_run"):

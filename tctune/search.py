@@ -30,7 +30,7 @@ from passes.base import PassFailure
 
 from .capture import Captured, try_capture
 from .errors import CandidateRejected, ModelFileError, PassError, UsageError
-from .hardware import HardwareSpec
+from .hardware import POLICIES, HardwareSpec
 from .measure import (ErrorStats, check_accuracy, compare, is_oom, precision_mode, release_memory,
                       time_call)
 from .modelfile import ModelFile
@@ -158,10 +158,11 @@ def measuring_device() -> torch.device:
 
 def apply_passes(gm: torch.fx.GraphModule, hw: HardwareSpec, precision: str,
                  names: tuple[str, ...] = PIPELINE,
-                 calibration: list[tuple] | None = None) -> tuple[torch.fx.GraphModule, list]:
+                 calibration: list[tuple] | None = None, policy: str = "autocast") -> tuple[torch.fx.GraphModule, list]:
     """Deep-copy ``gm`` and run the pass pipeline ``names`` for ``(hw, precision)``.
 
     Args:
+        policy: the cast pass's precision policy, ``"autocast"`` or ``"pure"`` (``HardwareSpec.pass_spec``).
         calibration: at fp16, inputs to run through the FP32 graph just before the casting passes; nodes
             whose max |activation| comes within a factor 2 of fp16's 65504 stay FP32 (overflow analysis,
             ``passes/calibrate.py``), and the report names their source modules.
@@ -172,7 +173,7 @@ def apply_passes(gm: torch.fx.GraphModule, hw: HardwareSpec, precision: str,
     with warnings.catch_warnings():  # deepcopy of an exported module warns about pytree internals
         warnings.simplefilter("ignore", FutureWarning)
         g = copy.deepcopy(gm)
-    spec = hw.pass_spec(precision)
+    spec = hw.pass_spec(precision, policy=policy)
     try:
         if calibration and precision == "fp16":
             casts = [i for i, n in enumerate(names) if n in ("cast_fp8_linears", "cast_precision")]
@@ -231,8 +232,23 @@ class Tuner:
         return [True, False] if self.captured.ok else [False]
 
     def space(self) -> dict:
-        return {"batch_size": list(self.cfg.batch_sizes), "precision": list(self.precisions),
-                "graph_passes": self.pass_choices, "runtime": list(self.runtimes)}
+        space = {"batch_size": list(self.cfg.batch_sizes), "precision": list(self.precisions),
+                 "graph_passes": self.pass_choices, "runtime": list(self.runtimes)}
+        if self.searches_policy:
+            space["policy"] = list(POLICIES)
+        return space
+
+    @property
+    def searches_policy(self) -> bool:
+        """The cast policy (autocast-accurate or pure, like model.half()) is searched on a GPU, for the graph."""
+        return (self.device.type == "cuda" and self.captured.ok and self.cfg.mode == "infer"
+                and any(p in ("fp16", "bf16") for p in self.precisions))
+
+    def candidate(self, **params) -> dict:
+        """Trial parameters with the defaults of the dimensions this study searches."""
+        if self.searches_policy:
+            params.setdefault("policy", "autocast")
+        return params
 
     def study_name(self) -> str:
         key = json.dumps(self.space(), sort_keys=True)
@@ -269,8 +285,11 @@ class Tuner:
         runtime = params.get("runtime", "eager")
         if params["graph_passes"]:
             inputs, _ = self.reference(params["batch_size"])
-            g, results = apply_passes(self.captured.graph_module, self.hw, precision, calibration=[inputs])
-            return Candidate(g.to(self.device), precision, results, f"tctune graph {precision}, {runtime}")
+            policy = params.get("policy", "autocast")
+            g, results = apply_passes(self.captured.graph_module, self.hw, precision, calibration=[inputs],
+                                      policy=policy)
+            label = f"{precision} ({policy})" if precision in ("fp16", "bf16") else precision
+            return Candidate(g.to(self.device), precision, results, f"tctune graph {label}, {runtime}")
         if precision in ("fp16", "bf16"):
             dtype = torch.float16 if precision == "fp16" else torch.bfloat16
             return Candidate(Autocast(self.model, dtype, self.device.type), precision, [],
@@ -375,12 +394,17 @@ class Tuner:
         self._opened = True
         if not study.trials:
             for bs in self.cfg.batch_sizes:  # FP32 eager baselines, one per batch size
-                study.enqueue_trial({"batch_size": bs, "precision": "fp32", "graph_passes": False, "runtime": "eager"})
+                study.enqueue_trial(self.candidate(batch_size=bs, precision="fp32", graph_passes=False, runtime="eager"))
             if self.captured.ok:  # then tctune's graph at each low precision, largest batch
                 for p in self.precisions:
                     if p != "fp32":
-                        study.enqueue_trial({"batch_size": max(self.cfg.batch_sizes), "precision": p,
-                                             "graph_passes": True, "runtime": "eager"})
+                        study.enqueue_trial(self.candidate(batch_size=max(self.cfg.batch_sizes), precision=p,
+                                                           graph_passes=True, runtime="eager"))
+                if self.searches_policy:
+                    for p in self.precisions:
+                        if p in ("fp16", "bf16"):
+                            study.enqueue_trial(self.candidate(batch_size=max(self.cfg.batch_sizes), precision=p,
+                                                               graph_passes=True, runtime="eager", policy="pure"))
         return study
 
     def retry_interrupted(self, study: optuna.Study) -> int:
@@ -423,6 +447,8 @@ class Tuner:
             if ("out of memory" in reason and {k: v for k, v in prev.params.items() if k != "batch_size"} == same_settings
                     and prev.params.get("batch_size", 0) <= params["batch_size"]):
                 return f"batch {prev.params['batch_size']} already ran out of memory with these settings (trial {prev.number})"
+        if params.get("policy") == "pure" and (not params.get("graph_passes") or params["precision"] not in ("fp16", "bf16")):
+            return "policy pure applies only to tctune's fp16/bf16 graph (this candidate equals its autocast twin)"
         if params["precision"] == "fp8" and not params.get("graph_passes"):
             return "fp8 needs tctune's graph (FP8 GEMMs are a graph rewrite; the model as written has none)"
         if params.get("runtime", "").startswith("inductor") and self.compile_over_budget:

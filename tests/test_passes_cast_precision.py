@@ -195,3 +195,19 @@ def test_cast_precision_residual_idempotent():
     assert again.count == 0 and again.notes["casts_inserted"] == 0
     assert gm.code == code
     zoo.assert_matches_eager(model, gm, entry.example_inputs(3), "bf16")
+
+
+def test_cast_precision_pure_policy_casts_residuals_and_embeddings_too():
+    """residual_fp32=False (the "pure" policy, like model.half()): no residual/embedding FP32 rule."""
+    from passes.base import PassSpec as Spec
+
+    model, gm_autocast, entry = zoo.build("bert")
+    _, gm_pure, _ = zoo.build("bert")
+    auto = cast_precision(gm_autocast, Spec(precision="bf16"))
+    pure = cast_precision(gm_pure, Spec(precision="bf16", keep_list=frozenset(), residual_fp32=False))
+
+    assert pure.count > auto.count
+    assert not any(s.reason.startswith("residual") for s in pure.skipped)
+    assert gm_pure.get_parameter("embeddings.word_embeddings.weight").dtype == torch.bfloat16
+    assert gm_autocast.get_parameter("embeddings.word_embeddings.weight").dtype == torch.float32
+    zoo.assert_matches_eager(model, gm_pure, entry.example_inputs(5), "bf16")

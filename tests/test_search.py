@@ -122,3 +122,17 @@ def test_apply_passes_calibration_keeps_overflowing_modules_fp32():
         assert torch.isfinite(calibrated(*x)).all()
     cast = {r.name: r for r in results}["cast_precision"]
     assert any(s.reason.startswith("overflow:") and "module" in s.reason for s in cast.skipped)
+
+
+def test_policy_dimension_measures_pure_graphs_and_prunes_twins(tiny, tmp_path, monkeypatch):
+    """The cast policy (searched on GPUs) as it runs: "pure" only for the fp16/bf16 graph, else pruned."""
+    monkeypatch.setattr(Tuner, "searches_policy", property(lambda self: True))
+    t = tuner(tiny, tmp_path, trials=16)
+    study = t.run()
+    assert t.space()["policy"] == ["autocast", "pure"]
+    pure = [tr for tr in study.trials if tr.params.get("policy") == "pure"]
+    measured = [tr for tr in pure if tr.state == optuna.trial.TrialState.COMPLETE]
+    assert measured and all(tr.params["graph_passes"] and tr.params["precision"] == "bf16" for tr in measured)
+    assert all("(pure)" in tr.user_attrs["description"] for tr in measured)
+    twins = [tr for tr in pure if tr.state == optuna.trial.TrialState.PRUNED]
+    assert twins and all("policy pure applies only" in tr.user_attrs["fail_reason"] for tr in twins)
