@@ -363,23 +363,7 @@ class Tuner:
         sampler = self.make_sampler()
         url = self.storage_url()
         try:
-            if url.startswith(("sqlite:", "postgresql", "mysql")):
-                # A heartbeat lets any worker fail the trials of a worker that was killed (shared studies).
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                    storage = optuna.storages.RDBStorage(url, heartbeat_interval=30, grace_period=120)
-            else:
-                storage = url
-            for attempt in (1, 2):  # two workers creating the same study at once: the loser loads it
-                try:
-                    study = optuna.create_study(study_name=self.study_name(), storage=storage,
-                                                directions=list(OBJECTIVES[self.cfg.objective]), sampler=sampler,
-                                                load_if_exists=True)
-                    break
-                except optuna.exceptions.DuplicatedStudyError:
-                    if attempt == 2:
-                        raise
-                    time.sleep(0.5)
+            study, storage = _open_study(url, self.study_name(), list(OBJECTIVES[self.cfg.objective]), sampler)
         except Exception as exc:
             raise UsageError(
                 f"cannot open the study storage {url}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}\n"
@@ -575,6 +559,34 @@ class Tuner:
         """Parameter sets already measured (complete or failed), as canonical JSON strings."""
         return {json.dumps(t.params, sort_keys=True) for t in study.get_trials(deepcopy=False)
                 if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL) and counts_as_measured(t)}
+
+
+def _open_study(url: str, name: str, directions: list[str], sampler, attempts: int = 5):
+    """Create or load study ``name`` in the storage at ``url``; returns ``(study, storage)``.
+
+    Several workers starting at once race to create the storage's tables (PostgreSQL: a unique-constraint
+    violation in its catalog) and the study (``DuplicatedStudyError``): the losers wait and try again, and
+    then find what the winner created.
+    """
+    import sqlalchemy.exc
+
+    for attempt in range(1, attempts + 1):
+        try:
+            if url.startswith(("sqlite:", "postgresql", "mysql")):
+                # A heartbeat lets any worker fail the trials of a worker that was killed (shared studies).
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                    storage = optuna.storages.RDBStorage(url, heartbeat_interval=30, grace_period=120)
+            else:
+                storage = url
+            study = optuna.create_study(study_name=name, storage=storage, directions=directions, sampler=sampler,
+                                        load_if_exists=True)
+            return study, storage
+        except (optuna.exceptions.DuplicatedStudyError, sqlalchemy.exc.IntegrityError):
+            if attempt == attempts:
+                raise
+            time.sleep(0.3 * attempt)
+    raise AssertionError("unreachable")
 
 
 def rejection(exc: BaseException, device: torch.device, batch_size: int, what: str) -> CandidateRejected:

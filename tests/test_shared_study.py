@@ -32,18 +32,19 @@ def test_postgres_is_available_where_required():
 
 @pytest.mark.skipif(not PG_URL, reason="no PostgreSQL server: set TCTUNE_TEST_POSTGRES_URL (.ci/run starts one)")
 def test_two_workers_share_one_postgres_study(tmp_path):
-    model = tmp_path / f"tiny_shared_{os.getpid()}.py"  # a study name of its own on a shared server
+    model = tmp_path / f"tiny_shared_{os.getpid()}.py"
     model.write_text(TINY)
+    url = _fresh_database(PG_URL, f"tctune_test_{os.getpid()}")  # empty: the workers race to create the tables
     procs = []
     for seed in (0, 1):
-        cmd = [sys.executable, "-m", "tctune", "optimize", str(model), "--storage", PG_URL, "--out", str(tmp_path / f"w{seed}"),
+        cmd = [sys.executable, "-m", "tctune", "optimize", str(model), "--storage", url, "--out", str(tmp_path / f"w{seed}"),
                "--batch-sizes", "4,16", "--trials", "4", "--seed", str(seed), "--quiet", "--no-export"]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     for p in procs:
         out, err = p.communicate(timeout=600)
         assert p.returncode == 0, err
     report = json.loads((tmp_path / "w0" / "report.json").read_text())
-    study = optuna.load_study(study_name=report["study"]["name"], storage=PG_URL)
+    study = optuna.load_study(study_name=report["study"]["name"], storage=url)
     trials = study.trials
     assert len(trials) == 8  # 4 + 4: no trial lost
     complete = [json.dumps(t.params, sort_keys=True) for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
@@ -53,7 +54,19 @@ def test_two_workers_share_one_postgres_study(tmp_path):
         assert t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
         if t.state == optuna.trial.TrialState.PRUNED:
             assert "duplicate" in t.user_attrs["fail_reason"]
-    optuna.delete_study(study_name=study.study_name, storage=PG_URL)
+    optuna.delete_study(study_name=study.study_name, storage=url)
+
+
+def _fresh_database(server_url: str, name: str) -> str:
+    """Create an empty database ``name`` on the server (dropping an old one) and return its URL."""
+    import sqlalchemy
+
+    engine = sqlalchemy.create_engine(server_url, isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.execute(sqlalchemy.text(f'DROP DATABASE IF EXISTS "{name}"'))
+        conn.execute(sqlalchemy.text(f'CREATE DATABASE "{name}"'))
+    engine.dispose()
+    return server_url.rsplit("/", 1)[0] + "/" + name
 
 
 def test_worker_args_round_trip_through_the_cli():
