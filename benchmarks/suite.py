@@ -105,11 +105,14 @@ MODELS: dict[str, ModelSpec] = {
 }
 
 BASELINES = ("fp32_eager", "tf32_eager", "autocast_bf16", "fp16_eager", "fp16_compile")
-TCTUNE = ("tctune_bf16_eager", "tctune_bf16_cudagraphs", "tctune_fp16_eager", "tctune_fp16_cudagraphs",
-          "tctune_compile_fp16")
+#: tctune's graph at each precision and cast policy ("" = autocast-accurate, "_pure" = like model.half()).
+GRAPH_VARIANTS = tuple((prec, policy) for policy in ("autocast", "pure") for prec in ("bf16", "fp16"))
+_SFX = {"autocast": "", "pure": "_pure"}
+TCTUNE = tuple(f"tctune_{p}{_SFX[pol]}_{rt}" for p, pol in GRAPH_VARIANTS for rt in ("eager", "cudagraphs")) + (
+    "tctune_compile_fp16",)
 PRECISION = {"fp32_eager": "fp32", "tf32_eager": "tf32", "autocast_bf16": "bf16", "fp16_eager": "fp16",
-             "fp16_compile": "fp16", "tctune_bf16_eager": "bf16", "tctune_bf16_cudagraphs": "bf16",
-             "tctune_fp16_eager": "fp16", "tctune_fp16_cudagraphs": "fp16", "tctune_compile_fp16": "fp16"}
+             "fp16_compile": "fp16", "tctune_compile_fp16": "fp16",
+             **{f"tctune_{p}{_SFX[pol]}_{rt}": p for p, pol in GRAPH_VARIANTS for rt in ("eager", "cudagraphs")}}
 #: Seconds a variant needs left on its model's clock to be started (compiles: see ``--compile-budget``).
 MIN_LEFT_S = {"cudagraphs": 6.0, "compile": 12.0, "other": 3.0}
 #: Elements per chunk when the error is computed in float64 on the device (GPT-2's logits are 823 M).
@@ -437,14 +440,15 @@ def run_model(name: str, args, device: torch.device, hw, clock: Clock, ceilings:
         capture_reason = "model time limit reached before capture"
     entry["capture"] = {"ok": gm is not None, "reason": capture_reason}
 
-    for prec in ("bf16", "fp16"):
+    for prec, policy in GRAPH_VARIANTS:
         passes_info: dict = {}
         built: dict = {}  # the rewritten graph, shared by the eager and CUDA-graph variants of this precision
+        tag = f"{prec}{_SFX[policy]}"
 
-        def graph(prec=prec, info=passes_info, built=built):
+        def graph(prec=prec, policy=policy, info=passes_info, built=built):
             if "g" not in built:
                 t0 = time.perf_counter()
-                g, results = apply_passes(gm, hw, prec)
+                g, results = apply_passes(gm, hw, prec, policy=policy)
                 built["g"] = g.to(device)
                 info["passes"] = {r.name: r.count for r in results}
                 info["passes_s"] = round(time.perf_counter() - t0, 2)
@@ -459,15 +463,15 @@ def run_model(name: str, args, device: torch.device, hw, clock: Clock, ceilings:
             return wrap(graph(), "cudagraphs", inputs)
 
         if gm is None:
-            for v in (f"tctune_{prec}_eager", f"tctune_{prec}_cudagraphs"):
+            for v in (f"tctune_{tag}_eager", f"tctune_{tag}_cudagraphs"):
                 variants[v] = {"kind": "tctune", "precision": prec, "status": "skipped", "reason": capture_reason}
             continue
-        measure(f"tctune_{prec}_eager", eager, extra=lambda info=passes_info: dict(info))
+        measure(f"tctune_{tag}_eager", eager, extra=lambda info=passes_info: dict(info))
         if cuda:
-            measure(f"tctune_{prec}_cudagraphs", graphed, kind="cudagraphs", extra=lambda info=passes_info: dict(info))
+            measure(f"tctune_{tag}_cudagraphs", graphed, kind="cudagraphs", extra=lambda info=passes_info: dict(info))
         else:
-            variants[f"tctune_{prec}_cudagraphs"] = {"kind": "tctune", "precision": prec, "status": "skipped",
-                                                     "reason": "CUDA graphs need a CUDA GPU"}
+            variants[f"tctune_{tag}_cudagraphs"] = {"kind": "tctune", "precision": prec, "status": "skipped",
+                                                    "reason": "CUDA graphs need a CUDA GPU"}
         built.clear()
         release(device)
     gm = None
