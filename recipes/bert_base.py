@@ -29,3 +29,16 @@ def build_model() -> torch.nn.Module:
 
 def example_inputs(batch_size: int):
     return (torch.randint(0, 30522, (batch_size, SEQ_LEN)),)
+
+
+def example_targets(batch_size: int):
+    """Regression targets for ``--mode train``: (batch, 128, 768) float32, fresh random data."""
+    return torch.randn(batch_size, SEQ_LEN, 768)
+
+
+def loss_fn(output, targets):
+    """A fine-tuning step's shape of work: forward, a loss over the encoder output, backward, optimizer step.
+
+    (MSE to random targets: the same kernels as fine-tuning with a head, without a labelled dataset.)
+    """
+    return torch.nn.functional.mse_loss(output, targets)

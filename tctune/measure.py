@@ -115,6 +115,7 @@ def time_call(
     max_iterations: int = 200,
     single_calls: int = 30,
     grad: bool = False,
+    on_repeat: Callable[[int, float], None] | None = None,
 ) -> Timing:
     """Time ``fn`` (one batch per call) by the protocol above.
 
@@ -128,6 +129,8 @@ def time_call(
         max_iterations: cap on iterations per repeat.
         single_calls: calls timed one at a time for the latency percentiles (0: skip).
         grad: run with autograd on (training steps); otherwise under ``torch.inference_mode``.
+        on_repeat: called after each repeat with ``(repeat index, items/s so far)`` (median of the repeats
+            done); it may raise (e.g. ``optuna.TrialPruned``) to stop a candidate that is clearly worse.
 
     Raises:
         CandidateRejected: out of memory (memory is released first).
@@ -146,7 +149,9 @@ def time_call(
             one = max(time.perf_counter() - t0, 1e-6)
             iters = int(min(max_iterations, max(1, target_repeat_s / one)))
             samples = []
-            for _ in range(repeats):
+            for rep in range(repeats):
+                if rep and on_repeat is not None:
+                    on_repeat(rep - 1, batch_size / (statistics.median(samples) / 1e3))
                 if cuda:
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record()

@@ -296,7 +296,7 @@ class Tuner:
                              f"model autocast {precision}, {runtime}")
         return Candidate(self.model, precision, [], f"model {precision}, {runtime}")
 
-    def evaluate(self, params: dict) -> dict:
+    def evaluate(self, params: dict, on_repeat=None) -> dict:
         """Build, check and time one candidate; returns the trial's metrics.
 
         Raises:
@@ -328,9 +328,9 @@ class Tuner:
             check_accuracy(err, cand.precision, out)
             del out
             with precision_mode(cand.precision):
-                timing = time_call(lambda: fn(*inputs), bs, self.device,
+                timing = time_call(lambda: fn(*inputs), bs, self.device, on_repeat=on_repeat,
                                    target_repeat_s=0.1 if self.device.type == "cuda" else 0.15)
-        except CandidateRejected:
+        except (CandidateRejected, optuna.TrialPruned):
             raise
         except Exception as exc:
             raise rejection(exc, self.device, bs, f"{runtime} run") from exc
@@ -362,6 +362,8 @@ class Tuner:
     def create_study(self) -> optuna.Study:
         sampler = self.make_sampler()
         url = self.storage_url()
+        if self.cfg.storage is None:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
         try:
             study, storage = _open_study(url, self.study_name(), list(OBJECTIVES[self.cfg.objective]), sampler)
         except Exception as exc:
@@ -460,16 +462,26 @@ class Tuner:
         if skip:
             trial.set_user_attr("fail_reason", skip)
             raise optuna.TrialPruned(skip)
+        def on_repeat(step: int, throughput: float) -> None:
+            if self.cfg.objective != "throughput":
+                return
+            trial.report(throughput, step)
+            if trial.should_prune():
+                reason = (f"stopped early: {throughput:.4g} items/s after {step + 1} repeat(s), in the slowest "
+                          "quarter of the trials so far (Optuna PercentilePruner)")
+                trial.set_user_attr("fail_reason", reason)
+                raise optuna.TrialPruned(reason)
+
         try:
-            metrics = self.evaluate(params)
+            metrics = self.evaluate(params, on_repeat=on_repeat)
         except CandidateRejected as exc:
             trial.set_user_attr("fail_reason", str(exc))
             raise
         except PassError as exc:
             trial.set_user_attr("fail_reason", str(exc))
             raise CandidateRejected(str(exc)) from exc
-        except (ModelFileError, UsageError):
-            raise  # the user's files or options: one clear error for the whole run
+        except (ModelFileError, UsageError, optuna.TrialPruned):
+            raise  # the user's files or options: one clear error for the whole run; or stopped early
         except Exception as exc:  # anything else a candidate raises costs that trial, not the study
             reason = f"{type(exc).__name__}: {_first_line(exc)}"
             trial.set_user_attr("fail_reason", reason)
@@ -561,6 +573,14 @@ class Tuner:
                 if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL) and counts_as_measured(t)}
 
 
+def make_pruner(directions: list[str]) -> optuna.pruners.BasePruner:
+    """A candidate whose throughput after its first repeats is below the slowest quarter of the trials
+    measured so far stops early (throughput studies; Optuna does not prune multi-objective studies)."""
+    if directions == ["maximize"]:
+        return optuna.pruners.PercentilePruner(25.0, n_startup_trials=6, n_warmup_steps=1)
+    return optuna.pruners.NopPruner()
+
+
 def _open_study(url: str, name: str, directions: list[str], sampler, attempts: int = 5):
     """Create or load study ``name`` in the storage at ``url``; returns ``(study, storage)``.
 
@@ -580,7 +600,7 @@ def _open_study(url: str, name: str, directions: list[str], sampler, attempts: i
             else:
                 storage = url
             study = optuna.create_study(study_name=name, storage=storage, directions=directions, sampler=sampler,
-                                        load_if_exists=True)
+                                        pruner=make_pruner(directions), load_if_exists=True)
             return study, storage
         except (optuna.exceptions.DuplicatedStudyError, sqlalchemy.exc.IntegrityError):
             if attempt == attempts:

@@ -21,6 +21,7 @@ import math
 import time
 from typing import Any
 
+import optuna
 import torch
 
 from .errors import CandidateRejected, ModelFileError
@@ -77,7 +78,7 @@ class TrainTuner(Tuner):
             self._refs[batch_size] = ((inputs, targets), grads)
         return self._refs[batch_size]
 
-    def evaluate(self, params: dict) -> dict:
+    def evaluate(self, params: dict, on_repeat=None) -> dict:
         bs, precision, runtime = params["batch_size"], params["precision"], params.get("runtime", "eager")
         (inputs, targets), ref_grads = self.reference(bs)
         accum = self.accumulation(bs)
@@ -121,9 +122,9 @@ class TrainTuner(Tuner):
                 setup_s = time.perf_counter() - t0 if runtime.startswith("inductor") else 0.0
                 err = compare(torch.cat([g.flatten() for g in grads]), torch.cat([g.float().flatten() for g in ref_grads]))
                 opt.zero_grad(set_to_none=True)
-                timing = time_call(step, bs * accum, self.device, grad=True, single_calls=10,
+                timing = time_call(step, bs * accum, self.device, grad=True, single_calls=10, on_repeat=on_repeat,
                                    target_repeat_s=0.1 if self.device.type == "cuda" else 0.15)
-        except CandidateRejected:
+        except (CandidateRejected, optuna.TrialPruned):
             raise
         except Exception as exc:
             raise rejection(exc, self.device, bs, f"{runtime} training step") from exc

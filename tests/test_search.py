@@ -136,3 +136,35 @@ def test_policy_dimension_measures_pure_graphs_and_prunes_twins(tiny, tmp_path, 
     assert all("(pure)" in tr.user_attrs["description"] for tr in measured)
     twins = [tr for tr in pure if tr.state == optuna.trial.TrialState.PRUNED]
     assert twins and all("policy pure applies only" in tr.user_attrs["fail_reason"] for tr in twins)
+
+
+def test_pruner_stops_a_clearly_slower_candidate():
+    """Intermediate throughput is reported per repeat; a candidate in the slowest quarter stops early."""
+    from tctune.search import make_pruner
+
+    study = optuna.create_study(direction="maximize", pruner=make_pruner(["maximize"]))
+    assert isinstance(make_pruner(["maximize", "minimize", "minimize"]), optuna.pruners.NopPruner)
+    for i in range(6):  # six finished trials at ~1000 items/s
+        tr = study.ask()
+        for step in range(4):
+            tr.report(1000.0 + i, step)
+        study.tell(tr, 1000.0 + i)
+    slow = study.ask()
+    slow.report(10.0, 0)
+    assert not slow.should_prune()  # one repeat is not enough evidence (warm-up step)
+    slow.report(10.0, 1)
+    assert slow.should_prune()
+    fast = study.ask()
+    fast.report(5000.0, 0)
+    fast.report(5000.0, 1)
+    assert not fast.should_prune()
+
+
+def test_train_step_on_bert_base_recipe_contract():
+    """recipes/bert_base.py is also a fine-tuning step: targets match the encoder output and the loss is scalar."""
+    from pathlib import Path
+    mf = load_model_file(Path(__file__).parents[1] / "recipes" / "bert_base.py")
+    assert mf.example_targets is not None and mf.loss_fn is not None
+    out = torch.randn(2, 128, 768)
+    loss = mf.loss_fn(out, mf.example_targets(2))
+    assert loss.dim() == 0 and torch.isfinite(loss)
