@@ -19,7 +19,7 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 #: recipe -> (example_inputs(batch) shapes for batch 3, dtype, has training functions)
 CONTRACT = {
     "seed_cnn": ([(3, 3, 32, 32)], torch.float32, True),
-    "bert_base": ([(3, 128)], torch.int64, False),
+    "bert_base": ([(3, 128)], torch.int64, True),  # also a fine-tuning step (regression targets)
     "bert_large": ([(3, 384)], torch.int64, False),
     "gpt2": ([(3, 512)], torch.int64, False),
     "resnet50": ([(3, 3, 224, 224)], torch.float32, True),
