@@ -36,6 +36,20 @@ class Autocast(torch.nn.Module):
             return self.model(*args)
 
 
+class ChannelsLast(torch.nn.Module):
+    """A module converted to channels-last (NHWC) weights; 4-D floating inputs are converted on every call
+    (that copy is part of the measured time)."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args):
+        return self.module(*(a.contiguous(memory_format=torch.channels_last)
+                             if isinstance(a, torch.Tensor) and a.dim() == 4 and a.is_floating_point() else a
+                             for a in args))
+
+
 class CudaGraphed:
     """Replay ``fn`` as one CUDA graph captured on ``example_inputs`` (same shapes on every call).
 

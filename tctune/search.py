@@ -34,7 +34,7 @@ from .hardware import POLICIES, HardwareSpec
 from .measure import (ErrorStats, check_accuracy, compare, is_oom, precision_mode, release_memory,
                       time_call)
 from .modelfile import ModelFile
-from .runtime import RUNTIMES_CPU, RUNTIMES_GPU, Autocast, detach_outputs, wrap
+from .runtime import RUNTIMES_CPU, RUNTIMES_GPU, Autocast, ChannelsLast, detach_outputs, wrap
 
 log = logging.getLogger("tctune")
 
@@ -236,7 +236,15 @@ class Tuner:
                  "graph_passes": self.pass_choices, "runtime": list(self.runtimes)}
         if self.searches_policy:
             space["policy"] = list(POLICIES)
+        if self.searches_memory_format:
+            space["memory_format"] = ["contiguous", "channels_last"]
         return space
+
+    @property
+    def searches_memory_format(self) -> bool:
+        """Channels-last is searched for models with 2-D convolutions, on a GPU (cuDNN's NHWC kernels)."""
+        return (self.device.type == "cuda" and self.cfg.mode == "infer"
+                and any(isinstance(m, torch.nn.Conv2d) for m in self.model.modules()))
 
     @property
     def searches_policy(self) -> bool:
@@ -248,6 +256,8 @@ class Tuner:
         """Trial parameters with the defaults of the dimensions this study searches."""
         if self.searches_policy:
             params.setdefault("policy", "autocast")
+        if self.searches_memory_format:
+            params.setdefault("memory_format", "contiguous")
         return params
 
     def study_name(self) -> str:
@@ -280,7 +290,15 @@ class Tuner:
 
     def build(self, params: dict) -> Candidate:
         """The candidate for trial ``params`` before its runtime wrapper (``batch_size``, ``precision``,
-        ``graph_passes``; ``runtime`` is applied by :meth:`evaluate`)."""
+        ``graph_passes``, ``policy``, ``memory_format``; ``runtime`` is applied by :meth:`evaluate`)."""
+        cand = self._build(params)
+        if params.get("memory_format") == "channels_last":
+            module = cand.module if params["graph_passes"] else copy.deepcopy(cand.module)  # never the reference
+            cand.module = ChannelsLast(module.to(memory_format=torch.channels_last))
+            cand.description += ", channels-last"
+        return cand
+
+    def _build(self, params: dict) -> Candidate:
         precision = params["precision"]
         runtime = params.get("runtime", "eager")
         if params["graph_passes"]:

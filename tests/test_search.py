@@ -168,3 +168,30 @@ def test_train_step_on_bert_base_recipe_contract():
     out = torch.randn(2, 128, 768)
     loss = mf.loss_fn(out, mf.example_targets(2))
     assert loss.dim() == 0 and torch.isfinite(loss)
+
+
+CONV = '''
+import torch
+def build_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
+                               torch.nn.Linear(8 * 6 * 6, 5))
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 3, 6, 6),)
+'''
+
+
+def test_memory_format_dimension_runs_channels_last(tmp_path, monkeypatch):
+    """Channels-last (searched for conv nets on GPUs) converts weights and inputs and keeps the numbers."""
+    monkeypatch.setattr(Tuner, "searches_memory_format", property(lambda self: True))
+    f = tmp_path / "conv.py"
+    f.write_text(CONV)
+    t = tuner(f, tmp_path, trials=16)
+    study = t.run()
+    nhwc = [tr for tr in study.trials if tr.params.get("memory_format") == "channels_last"
+            and tr.state == optuna.trial.TrialState.COMPLETE]
+    assert nhwc and all("channels-last" in tr.user_attrs["description"] for tr in nhwc)
+    fp32 = [tr for tr in nhwc if tr.params["precision"] == "fp32"]
+    assert fp32 and all(tr.user_attrs["max_rel_error"] < 1e-5 for tr in fp32)
+    # the reference model itself was never converted
+    assert next(t.model.parameters()).is_contiguous()
