@@ -30,7 +30,6 @@ import contextlib
 import copy
 import datetime as _dt
 import json
-import statistics
 import sys
 import time
 import warnings
@@ -43,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from passes import PIPELINE, PassSpec, run_pipeline  # noqa: E402
 from tctune.capture import capture  # noqa: E402
+from tctune.measure import time_call  # noqa: E402
 
 FUSIONS = ("fuse_attention", "simplify_attention_mask", "fuse_qkv", "fuse_epilogue")
 ALIGNMENT = {"fp16": 8, "bf16": 8, "tf32": 4}
@@ -79,37 +79,11 @@ def arch_name(device: torch.device) -> str:
     )
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_ms(fn: Callable[[], Any], device: torch.device) -> tuple[float, list[float], int]:
-    """Median ms per call over ``REPEATS`` repeats after ``WARMUP`` calls; returns (median, repeats, iters)."""
-    with torch.no_grad():
-        for _ in range(WARMUP):
-            fn()
-        _sync(device)
-        t = time.perf_counter()
-        fn()
-        _sync(device)
-        iters = max(1, min(200, int(REPEAT_S / max(time.perf_counter() - t, 1e-6))))
-        reps = []
-        for _ in range(REPEATS):
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(iters):
-                    fn()
-                end.record()
-                end.synchronize()
-                reps.append(start.elapsed_time(end) / iters)
-            else:
-                t = time.perf_counter()
-                for _ in range(iters):
-                    fn()
-                reps.append((time.perf_counter() - t) * 1e3 / iters)
-    return statistics.median(reps), reps, iters
+    """Median ms per call over ``REPEATS`` repeats after ``WARMUP`` calls (tctune's own protocol,
+    ``tctune.measure.time_call``); returns (median, repeats, iters)."""
+    t = time_call(fn, 1, device, warmup=WARMUP, repeats=REPEATS, target_repeat_s=REPEAT_S, single_calls=0)
+    return t.latency_ms, t.repeats_ms, t.iterations
 
 
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
