@@ -137,6 +137,8 @@ def _parser() -> argparse.ArgumentParser:
                         "(default: eager,cudagraphs,inductor on a GPU; eager on the CPU)")
     o.add_argument("--compile-budget", type=float, default=300.0, metavar="SECONDS",
                    help="an Inductor compile slower than this rejects its trial and stops further compiles (default %(default)g)")
+    o.add_argument("--no-prune", action="store_true",
+                   help="measure every candidate fully (default: one in the slowest quarter so far stops early)")
     o.add_argument("--no-export", action="store_true", help="skip ONNX/TensorRT export")
     o.add_argument("--quiet", "-q", action="store_true", help="no progress bar or log lines; only the summary")
     o.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -196,7 +198,7 @@ def _cmd_optimize(args) -> int:
                      seed=args.seed, export=not args.no_export, quiet=args.quiet,
                      runtimes=tuple(x.strip() for x in args.runtimes.split(",") if x.strip()) if args.runtimes else None,
                      compile_budget_s=args.compile_budget, objective=args.objective, mode=args.mode,
-                     effective_batch=args.effective_batch, worker=args.worker,
+                     effective_batch=args.effective_batch, worker=args.worker, prune=not args.no_prune,
                      devices=parse_devices(args.devices) if args.devices else None,
                      max_latency_ms=args.max_latency_ms, max_memory_mib=args.max_memory_mib)
     report = optimize(args.model_file, cfg)

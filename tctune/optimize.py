@@ -77,7 +77,7 @@ def worker_args(cfg: TuneConfig, storage: str, index: int) -> list[str]:
     args = ["--out", cfg.out_dir, "--storage", storage, "--worker", "--quiet", "--no-export",
             "--trials", str(cfg.trials), "--batch-sizes", ",".join(map(str, cfg.batch_sizes)),
             "--max-error", repr(cfg.max_error), "--max-error-fp8", repr(cfg.max_error_fp8), "--seed", str(cfg.seed + index), "--objective", cfg.objective,
-            "--mode", cfg.mode, "--compile-budget", repr(cfg.compile_budget_s)]
+            "--mode", cfg.mode, "--compile-budget", repr(cfg.compile_budget_s)] + ([] if cfg.prune else ["--no-prune"])
     optional = {"--timeout": cfg.timeout_s, "--target": cfg.target, "--max-latency-ms": cfg.max_latency_ms,
                 "--max-memory-mib": cfg.max_memory_mib, "--effective-batch": cfg.effective_batch,
                 "--runtimes": ",".join(cfg.runtimes) if cfg.runtimes else None}

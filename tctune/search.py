@@ -78,6 +78,7 @@ class TuneConfig:
             micro-batches of the searched batch size (None: one micro-batch per step).
         devices: CUDA device indices; with more than one, one worker process per GPU shares the study.
         worker: this process is a worker started by ``devices`` (no export, no report).
+        prune: stop clearly slower candidates early (Optuna's PercentilePruner); False measures every one fully.
     """
 
     out_dir: str
@@ -98,6 +99,7 @@ class TuneConfig:
     effective_batch: int | None = None
     devices: tuple[int, ...] | None = None
     worker: bool = False
+    prune: bool = True
     max_latency_ms: float | None = None
     max_memory_mib: float | None = None
 
@@ -383,7 +385,8 @@ class Tuner:
         if self.cfg.storage is None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         try:
-            study, storage = _open_study(url, self.study_name(), list(OBJECTIVES[self.cfg.objective]), sampler)
+            study, storage = _open_study(url, self.study_name(), list(OBJECTIVES[self.cfg.objective]), sampler,
+                                         prune=self.cfg.prune)
         except Exception as exc:
             raise UsageError(
                 f"cannot open the study storage {url}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}\n"
@@ -591,15 +594,15 @@ class Tuner:
                 if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL) and counts_as_measured(t)}
 
 
-def make_pruner(directions: list[str]) -> optuna.pruners.BasePruner:
+def make_pruner(directions: list[str], enabled: bool = True) -> optuna.pruners.BasePruner:
     """A candidate whose throughput after its first repeats is below the slowest quarter of the trials
     measured so far stops early (throughput studies; Optuna does not prune multi-objective studies)."""
-    if directions == ["maximize"]:
+    if enabled and directions == ["maximize"]:
         return optuna.pruners.PercentilePruner(25.0, n_startup_trials=6, n_warmup_steps=1)
     return optuna.pruners.NopPruner()
 
 
-def _open_study(url: str, name: str, directions: list[str], sampler, attempts: int = 5):
+def _open_study(url: str, name: str, directions: list[str], sampler, attempts: int = 5, prune: bool = True):
     """Create or load study ``name`` in the storage at ``url``; returns ``(study, storage)``.
 
     Several workers starting at once race to create the storage's tables (PostgreSQL: a unique-constraint
@@ -618,7 +621,7 @@ def _open_study(url: str, name: str, directions: list[str], sampler, attempts: i
             else:
                 storage = url
             study = optuna.create_study(study_name=name, storage=storage, directions=directions, sampler=sampler,
-                                        pruner=make_pruner(directions), load_if_exists=True)
+                                        pruner=make_pruner(directions, prune), load_if_exists=True)
             return study, storage
         except (optuna.exceptions.DuplicatedStudyError, sqlalchemy.exc.IntegrityError):
             if attempt == attempts:

@@ -40,7 +40,7 @@ def test_sigkill_mid_trial_then_resume_keeps_finished_trials(tmp_path):
     out = tmp_path / "out"
     marker = tmp_path / "marker"
     cmd = [sys.executable, "-m", "tctune", "optimize", str(model), "--out", str(out), "--batch-sizes", "8,32",
-           "--trials", "4", "--quiet", "--no-export"]
+           "--trials", "4", "--quiet", "--no-export", "--no-prune"]
     env = dict(os.environ, TCTUNE_TEST_MARKER=str(marker))
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + 120
@@ -87,7 +87,8 @@ def example_inputs(batch_size):
 def test_out_of_memory_is_recorded_and_the_study_goes_on(tmp_path):
     f = tmp_path / "oom.py"
     f.write_text(OOM_AT_32)
-    cfg = TuneConfig(out_dir=str(tmp_path / "out"), batch_sizes=(8, 32, 64), trials=12, quiet=True, export=False)
+    cfg = TuneConfig(out_dir=str(tmp_path / "out"), batch_sizes=(8, 32, 64), trials=12, quiet=True, export=False,
+                     prune=False)
     tuner = Tuner(cfg, load_model_file(f), resolve(None), device=torch.device("cpu"))
     study = tuner.run()
     states = {(t.params["batch_size"], t.params["precision"], t.params["graph_passes"]): t for t in study.trials}
@@ -179,7 +180,7 @@ def test_ctrl_c_finishes_the_current_trial_then_writes_the_report(tmp_path):
     model.write_text(SLOW_AT_32)
     out, marker = tmp_path / "out", tmp_path / "marker"
     cmd = [sys.executable, "-m", "tctune", "optimize", str(model), "--out", str(out), "--batch-sizes", "8,32",
-           "--trials", "8", "--quiet", "--no-export"]
+           "--trials", "8", "--quiet", "--no-export", "--no-prune"]
     proc = subprocess.Popen(cmd, env=dict(os.environ, TCTUNE_TEST_MARKER=str(marker)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
@@ -209,7 +210,7 @@ def test_model_raising_at_one_batch_size_costs_those_trials_only(tmp_path):
     f.write_text(RAISES_AT_32)
     assert "I fail at batch 32" in RAISES_AT_32
     r = subprocess.run([sys.executable, "-m", "tctune", "optimize", str(f), "--out", str(tmp_path / "out"),
-                        "--batch-sizes", "8,32", "--trials", "8", "--quiet", "--no-export"],
+                        "--batch-sizes", "8,32", "--trials", "8", "--quiet", "--no-export", "--no-prune"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr
@@ -227,7 +228,7 @@ def test_interrupted_candidate_is_measured_again_on_resume(tmp_path):
     model.write_text(HANGS_AT_32)
     out, marker = tmp_path / "out", tmp_path / "marker"
     cmd = [sys.executable, "-m", "tctune", "optimize", str(model), "--out", str(out), "--batch-sizes", "8,32",
-           "--trials", "8", "--quiet", "--no-export"]
+           "--trials", "8", "--quiet", "--no-export", "--no-prune"]
     proc = subprocess.Popen(cmd, env=dict(os.environ, TCTUNE_TEST_MARKER=str(marker)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + 120

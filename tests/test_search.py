@@ -28,7 +28,9 @@ def tiny(tmp_path):
 
 
 def tuner(tiny, tmp_path, **kw):
-    cfg = TuneConfig(out_dir=str(tmp_path / "out"), batch_sizes=(4, 16), quiet=True, export=False, **kw)
+    # prune=False: these tests assert which candidates complete; early stopping on a noisy CPU would make
+    # that a matter of timing (the pruner has its own test below).
+    cfg = TuneConfig(out_dir=str(tmp_path / "out"), batch_sizes=(4, 16), quiet=True, export=False, prune=False, **kw)
     return Tuner(cfg, load_model_file(tiny), resolve(None), device=torch.device("cpu"))
 
 

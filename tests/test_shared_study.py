@@ -52,8 +52,9 @@ def test_two_workers_share_one_postgres_study(tmp_path):
     assert len(complete) >= 4
     for t in trials:
         assert t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
-        if t.state == optuna.trial.TrialState.PRUNED:
-            assert "duplicate" in t.user_attrs["fail_reason"]
+        if t.state == optuna.trial.TrialState.PRUNED:  # skipped as another worker's twin, or stopped early
+            reason = t.user_attrs["fail_reason"]
+            assert "duplicate" in reason or reason.startswith("stopped early"), reason
     optuna.delete_study(study_name=study.study_name, storage=url)
 
 
