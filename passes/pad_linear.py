@@ -152,14 +152,7 @@ def pad_linear_dims(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
             new_bias = F.pad(bias.detach(), (0, n_new - n_old))
             _replace_tensor(gm, bias, bias_node.target, new_bias)
         if k_new != k_old:
-            key = (x_node, k_new)
-            if key not in pad_cache:
-                # Before the linear, not after x: x may be a placeholder followed by other placeholders.
-                with gm.graph.inserting_before(node):
-                    pad = gm.graph.call_function(_PAD, (x_node, [0, k_new - k_old], 0.0))
-                copy_meta(x_node, pad, fake_eval(_PAD, pad.args))
-                pad_cache[key] = pad
-            node.replace_input_with(x_node, pad_cache[key])
+            _pad_input_k(gm, node, x_node, k_old, k_new, pad_cache)
         if n_new != n_old:
             padded_tables[id(new_weight)] = (n_old, n_new)
             _slice_back(gm, node, n_old)
@@ -223,6 +216,21 @@ def _rows_paddable(user: fx.Node, w_node: fx.Node) -> bool:
     if user.target == _EMBEDDING:
         return user.args[0] is w_node and w_node not in user.args[1:]
     return False
+
+
+def _pad_input_k(gm: fx.GraphModule, node: fx.Node, x_node: fx.Node, k_old: int, k_new: int, pad_cache: dict) -> None:
+    """Feed ``node`` its activation ``x_node`` zero-padded on the last dim from ``k_old`` to ``k_new``.
+
+    One pad node per ``(x_node, k_new)`` (``pad_cache``), shared by every GEMM reading the same input.
+    """
+    key = (x_node, k_new)
+    if key not in pad_cache:
+        # Before the GEMM, not after x: x may be a placeholder followed by other placeholders.
+        with gm.graph.inserting_before(node):
+            pad = gm.graph.call_function(_PAD, (x_node, [0, k_new - k_old], 0.0))
+        copy_meta(x_node, pad, fake_eval(_PAD, pad.args))
+        pad_cache[key] = pad
+    node.replace_input_with(x_node, pad_cache[key])
 
 
 def _slice_back(gm: fx.GraphModule, node: fx.Node, n_old: int) -> None:

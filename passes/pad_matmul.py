@@ -22,14 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from passes._graph import copy_meta, fake_eval, finish, get_attr_value, keep_outputs_contiguous, op_name, round_up
+from passes._graph import fake_eval, finish, get_attr_value, keep_outputs_contiguous, op_name, round_up
 from passes.base import PassResult, PassSpec, Skip
-from passes.pad_linear import PADDED_FLAG, _replace_tensor, _slice_back, _weight_users
+from passes.pad_linear import PADDED_FLAG, _pad_input_k, _replace_tensor, _slice_back, _weight_users
 from passes.should_pad import should_pad
 
 NAME = "pad_matmul_dims"
 
-_PAD = torch.ops.aten.constant_pad_nd.default
 _ADDMM = torch.ops.aten.addmm.default
 #: GEMM ops and the argument index of their right operand.
 _RIGHT = {
@@ -128,14 +127,7 @@ def pad_matmul_dims(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
                         new_bias = F.pad(bias.detach(), (0, n_new - n_old, *pad_b))
                         _replace_tensor(gm, bias, bias_node.target, new_bias)
             if k_new != k_old:
-                x_node = n.args[_RIGHT[n.target] - 1]
-                cache_key = (x_node, k_new)
-                if cache_key not in pad_cache:
-                    with gm.graph.inserting_before(n):
-                        pad_node = gm.graph.call_function(_PAD, (x_node, [0, k_new - k_old], 0.0))
-                    copy_meta(x_node, pad_node, fake_eval(_PAD, pad_node.args))
-                    pad_cache[cache_key] = pad_node
-                n.replace_input_with(x_node, pad_cache[cache_key])
+                _pad_input_k(gm, n, n.args[_RIGHT[n.target] - 1], k_old, k_new, pad_cache)
             if n_new != n_old:
                 _slice_back(gm, n, n_old)
             else:
