@@ -13,6 +13,7 @@ import logging
 import re
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -50,23 +51,93 @@ def capture(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.f
     Raises:
         CaptureError: torch.export failed; the message gives its first line and the fix (run eagerly).
     """
-    batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
-    dynamic = tuple({0: batch} for _ in inputs)
     model = copy.deepcopy(model)
+    named = torch.export.Dim("batch", min=1, max=MAX_BATCH)
+    try:
+        ep = _export(model, inputs, named)
+    except Exception as exc:
+        message = str(exc)
+        if "Constraints violated" not in message:
+            raise _capture_error(exc) from exc
+        # The model (or an op's meta function, e.g. a 32-bit-indexing check on a large image batch) bounds the
+        # batch below MAX_BATCH. Dim.DYNAMIC lets export narrow the range instead of failing; a batch it pins
+        # to one value is still an error.
+        try:
+            ep = _export(model, inputs, torch.export.Dim.DYNAMIC)
+        except Exception:
+            raise _capture_error(exc) from exc  # the named-batch error reads better ("(batch)")
+        lo, hi = _batch_range(ep)
+        if lo is None:
+            raise _capture_error(exc) from exc
+        log.info("torch.export narrowed the dynamic batch to [%s, %s]", lo, hi)
+        if lo > 1:  # Dim.DYNAMIC starts at 2; a named Dim with the narrowed max keeps batch 1 (best effort)
+            try:
+                ep = _export(model, inputs, torch.export.Dim("batch", min=1, max=hi))
+            except Exception:  # noqa: BLE001 - keep the Dim.DYNAMIC program
+                pass
+    gm = ep.module()
+    lo, hi = _batch_range(ep)
+    gm.meta["tctune_batch_range"] = (lo if lo is not None else 1, hi if hi is not None else MAX_BATCH)
+    return gm
+
+
+def batch_range(gm: torch.fx.GraphModule) -> tuple[int, int]:
+    """``(min, max)`` batch a graph from :func:`capture` accepts (export may narrow it below ``MAX_BATCH``)."""
+    return tuple(gm.meta.get("tctune_batch_range", (1, MAX_BATCH)))  # type: ignore[return-value]
+
+
+def _export(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], batch: Any):
+    dynamic = tuple({0: batch} for _ in inputs)
     printed = io.StringIO()
     try:
         # torch.export prints graph dumps and logs shape warnings when it fails: keep the user's terminal clean.
         with warnings.catch_warnings(), _quiet_torch_logs(), contextlib.redirect_stdout(printed), \
                 contextlib.redirect_stderr(printed):
             warnings.simplefilter("ignore")
-            ep = torch.export.export(model, tuple(inputs), dynamic_shapes=dynamic, strict=False)
-        return ep.module()
+            return torch.export.export(model, tuple(inputs), dynamic_shapes=dynamic, strict=False)
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CaptureError(
-            f"torch.export could not capture the model with a dynamic batch: {type(exc).__name__}: {first[:300]}"
-            + _hint(str(exc), printed.getvalue())
-        ) from exc
+        exc._tctune_printed = printed.getvalue()  # type: ignore[attr-defined]
+        raise
+
+
+def _capture_error(exc: BaseException) -> CaptureError:
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    return CaptureError(
+        f"torch.export could not capture the model with a dynamic batch: {type(exc).__name__}: {first[:300]}"
+        + _hint(text, getattr(exc, "_tctune_printed", ""))
+    )
+
+
+def _batch_range(ep) -> tuple[int | None, int | None]:
+    """The range of the first input's dim 0 in an ExportedProgram; ``(None, None)`` when it is a constant."""
+    for node in ep.graph.nodes:
+        if node.op != "placeholder" or node.name not in _user_input_names(ep):
+            continue
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.dim() == 0:
+            continue
+        size = val.shape[0]
+        if not isinstance(size, torch.SymInt):
+            return None, None
+        vr = ep.range_constraints.get(size.node.expr)
+        if vr is None:
+            return 1, MAX_BATCH
+        return _as_int(vr.lower, 1), min(_as_int(vr.upper, MAX_BATCH), MAX_BATCH)
+    return None, None
+
+
+def _as_int(bound: Any, default: int) -> int:
+    try:
+        return int(bound)
+    except (TypeError, ValueError, OverflowError):  # sympy's int_oo / -int_oo
+        return default
+
+
+def _user_input_names(ep) -> set[str]:
+    from torch.export.graph_signature import InputKind
+
+    return {spec.arg.name for spec in ep.graph_signature.input_specs if spec.kind == InputKind.USER_INPUT}
 
 
 _WHERE = re.compile(r"# File: (\S+?:\d+) in \w+, code: (.*)")

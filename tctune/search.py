@@ -28,7 +28,7 @@ from passes import PIPELINE, run_pipeline
 from passes.calibrate import calibrate_ranges, overflow_nodes
 from passes.base import PassFailure
 
-from .capture import Captured, try_capture
+from .capture import Captured, batch_range, try_capture
 from .errors import CandidateRejected, ModelFileError, PassError, UsageError
 from .hardware import POLICIES, HardwareSpec
 from .measure import (ErrorStats, check_accuracy, compare, is_oom, precision_mode, release_memory,
@@ -458,6 +458,11 @@ class Tuner:
             return "policy pure applies only to tctune's fp16/bf16 graph (this candidate equals its autocast twin)"
         if params["precision"] == "fp8" and not params.get("graph_passes"):
             return "fp8 needs tctune's graph (FP8 GEMMs are a graph rewrite; the model as written has none)"
+        if params.get("graph_passes") and self.captured.ok:
+            lo, hi = batch_range(self.captured.graph_module)
+            if not lo <= params["batch_size"] <= hi:
+                return (f"tctune's graph accepts batch {lo}..{hi} (torch.export narrowed the dynamic batch); "
+                        f"batch {params['batch_size']} runs only as written")
         if params.get("runtime", "").startswith("inductor") and self.compile_over_budget:
             return f"compiles are over --compile-budget ({self.compile_over_budget})"
         return None

@@ -1,0 +1,81 @@
+"""tctune.capture: dynamic batch, a batch range narrowed by the model, and a batch the model fixes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tctune.capture import MAX_BATCH, batch_range, capture
+from tctune.errors import CaptureError
+
+
+class _Bounded(torch.nn.Module):
+    """Bounds the batch below MAX_BATCH, as an op's 32-bit indexing check on a big image batch can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        torch._check(x.shape[0] <= 1000)
+        return self.fc(x)
+
+
+class _Fixed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x).view(4, 8)  # hard-coded batch
+
+
+def test_plain_model_gets_full_dynamic_batch():
+    gm = capture(torch.nn.Linear(8, 8).eval(), (torch.randn(4, 8),))
+    assert batch_range(gm) == (1, MAX_BATCH)
+    x = torch.randn(9, 8)
+    torch.testing.assert_close(gm(x), torch.nn.functional.linear(x, gm.weight, gm.bias))
+
+
+def test_bounded_batch_is_narrowed_not_refused():
+    model = _Bounded().eval()
+    gm = capture(model, (torch.randn(4, 8),))
+    assert batch_range(gm) == (1, 1000)
+    for b in (1, 7, 1000):  # batch 1 kept by the re-export with the narrowed max
+        x = torch.randn(b, 8)
+        torch.testing.assert_close(gm(x), model(x))
+
+
+def test_fixed_batch_is_one_clear_error():
+    with pytest.raises(CaptureError, match=r"fixes the batch size.*\n.*fix: use x.shape\[0\] or -1"):
+        capture(_Fixed().eval(), (torch.randn(4, 8),))
+
+
+def test_search_skips_graph_candidates_outside_the_range(tmp_path):
+    from tctune.search import Tuner, TuneConfig
+    from tctune.hardware import resolve
+    from tctune.modelfile import load_model_file
+
+    src = tmp_path / "bounded.py"
+    src.write_text(
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.fc = torch.nn.Linear(8, 8)\n"
+        "    def forward(self, x):\n"
+        "        torch._check(x.shape[0] <= 16)\n"
+        "        return self.fc(x)\n"
+        "def build_model():\n    return M()\n"
+        "def example_inputs(batch_size):\n    return (torch.randn(batch_size, 8),)\n"
+    )
+    mf = load_model_file(src)
+    tuner = Tuner(TuneConfig(out_dir=str(tmp_path / "out"), batch_sizes=(8, 32)), mf, resolve(None),
+                  device=torch.device("cpu"))
+    assert tuner.captured.ok, tuner.captured.reason
+    import optuna
+
+    study = optuna.create_study()
+    base = {"precision": "fp32", "graph_passes": True, "runtime": "eager"}
+    assert tuner.skip_reason(study, {"batch_size": 8, **base}) is None
+    reason = tuner.skip_reason(study, {"batch_size": 32, **base})
+    assert reason and "batch 1..16" in reason
+    assert tuner.skip_reason(study, {"batch_size": 32, **base, "graph_passes": False}) is None
