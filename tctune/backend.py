@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -53,7 +54,7 @@ last_results: list[PassResult] = []
 reports: list["SubgraphReport"] = []
 _MAX_REPORTS = 256
 
-_OPTION_KEYS = ("precision", "pad", "target", "passes")
+_OPTION_KEYS = ("precision", "pad", "target", "passes", "policy")
 
 
 @dataclass(frozen=True)
@@ -66,18 +67,26 @@ class BackendConfig:
         pad: run ``pad_linear_dims`` (Tensor Core alignment of linear N and K).
         target: ``--target``-style name (``"h100"``, ``"sm_90"``) to plan for; None: the inputs' device.
         passes: pass names in order (default :data:`passes.PIPELINE`); ``pad=False`` removes the padding pass.
+        policy: cast policy (``tctune.hardware.POLICIES``): ``"autocast"`` keeps the FP32 keep-list, residual
+            adds and embeddings in FP32 (autocast's accuracy); ``"pure"`` casts everything but losses, like
+            ``model.half()`` (less memory traffic, ``model.half()``'s error).
     """
 
     precision: str | None = None
     pad: bool = True
     target: str | None = None
     passes: tuple[str, ...] | None = None
+    policy: str = "autocast"
 
     def __post_init__(self) -> None:
         if self.precision is not None and self.precision not in ("fp32", "tf32", "fp16", "bf16"):
             raise ValueError(f"precision must be fp32, tf32, fp16, bf16 or None, got {self.precision!r}")
         if self.passes is not None:
             object.__setattr__(self, "passes", tuple(self.passes))
+        from tctune.hardware import POLICIES
+
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
 
     def pass_names(self) -> tuple[str, ...]:
         names = self.passes if self.passes is not None else PIPELINE
@@ -94,6 +103,9 @@ class SubgraphReport:
         results: the pass results (empty after a fallback).
         fallback: the reason plain Inductor compiled this subgraph, or ``""``.
         frozen: names of the weights stored in the compiled graph (inference only).
+        seconds: wall time of each step, in seconds: ``export`` (re-export of Dynamo's graph), ``passes``
+            (tctune's pipeline) and ``inductor`` (``compile_fx``: AOT autograd + code generation up to the
+            first call; Triton kernels may still compile lazily on that call).
     """
 
     precision: str
@@ -101,6 +113,7 @@ class SubgraphReport:
     results: list[PassResult] = field(default_factory=list)
     fallback: str = ""
     frozen: list[str] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
 
     def count(self, pass_name: str) -> int:
         """Rewrites made by ``pass_name`` in this subgraph (0 when it did not run)."""
@@ -118,6 +131,7 @@ def backend(
     pad: bool = True,
     target: str | None = None,
     passes: Sequence[str] | None = None,
+    policy: str = "autocast",
 ) -> Callable[[fx.GraphModule, list], Callable]:
     """A ``torch.compile`` backend with these settings: ``torch.compile(m, backend=backend(precision="bf16"))``.
 
@@ -126,16 +140,18 @@ def backend(
         pad: pad linear layers' N and K to the Tensor Core alignment (elements per dtype from the hardware).
         target: plan for this GPU (``"h100"``, ``"sm_90"``); None: the GPU the inputs are on, or the CPU.
         passes: pass names in order (default: fold BN, pad, cast).
+        policy: ``"autocast"`` (FP32 keep-list, residual adds and embeddings in FP32) or ``"pure"`` (all low
+            precision except losses, as ``model.half()``).
 
     Returns:
         ``compiler(gm, example_inputs) -> callable``, the signature Dynamo expects of a backend.
 
     Raises:
-        ValueError: unknown precision or pass name (raised here, before any compile).
+        ValueError: unknown precision, policy or pass name (raised here, before any compile).
     """
     from passes import PASSES
 
-    cfg = BackendConfig(precision=precision, pad=pad, target=target, passes=passes)
+    cfg = BackendConfig(precision=precision, pad=pad, target=target, passes=passes, policy=policy)
     unknown = [n for n in cfg.pass_names() if n not in PASSES]
     if unknown:
         raise ValueError(f"unknown pass(es) {unknown}; known passes: {sorted(PASSES)}")
@@ -195,7 +211,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, cfg: BackendConfig) -> Ca
         if training:
             logger.info("training graph (grad enabled, inputs require grad): eval-only passes skipped, "
                         "weights stay graph inputs")
-        compiled = _compile_with_passes(gm, example_inputs, hw.pass_spec(report.precision, training), cfg, report)
+        compiled = _compile_with_passes(gm, example_inputs, hw.pass_spec(report.precision, training, cfg.policy), cfg, report)
     except Exception as exc:  # noqa: BLE001 - never break the user's compile
         reason = f"{type(exc).__name__}: {exc}"
         report.fallback = reason
@@ -327,6 +343,7 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
     dims = _dynamic_shapes(nodes, inputs.runtime)
     # forward(*runtime): export sees one varargs tuple, so the specs are nested one level.
     # Export outside Dynamo's tracing context: its guards and symbols must not leak into Dynamo's.
+    t0 = time.perf_counter()
     with torch._guards.tracing(None):
         ep = torch.export.export(
             wrapper, runtime_args, dynamic_shapes=None if dims is None else (dims,), strict=False
@@ -341,10 +358,15 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
     exported = ep.module()
     _strip_export_checks(exported)
     report.frozen = sorted(inputs.weights.values())
+    t1 = time.perf_counter()
+    report.seconds["export"] = round(t1 - t0, 3)
     report.results = run_pipeline(exported, spec, cfg.pass_names())
+    t2 = time.perf_counter()
+    report.seconds["passes"] = round(t2 - t1, 3)
     for r in report.results:
         logger.debug("tctune pass %s: %d rewrites, %d skipped", r.name, r.count, len(r.skipped))
     compiled = compile_fx(exported, list(runtime_args))
+    report.seconds["inductor"] = round(time.perf_counter() - t2, 3)
     runtime = inputs.runtime
 
     def run(*args: Any):

@@ -121,11 +121,33 @@ def test_backend_string_name_takes_options():
     assert [r.name for r in tb.last_results] == [n for n in PIPELINE if n != "pad_linear_dims"]
 
 
+def test_backend_policy_pure_casts_the_keep_list_too():
+    entry = ZOO["encoder_block"]
+    model = entry.build()
+    x = entry.example_inputs(3)
+    kept = {}
+    for policy in ("autocast", "pure"):
+        torch._dynamo.reset()
+        tb.reset()
+        compiled = torch.compile(model, backend="tctune", options={"precision": "bf16", "policy": policy})
+        with torch.no_grad():
+            _assert_close(compiled(*x), model(*x), "bf16")
+        rep = tb.reports[-1]
+        assert not rep.fallback, rep.fallback
+        assert set(rep.seconds) == {"export", "passes", "inductor"} and all(v >= 0 for v in rep.seconds.values())
+        cast = next(r for r in rep.results if r.name == "cast_precision")
+        kept[policy] = [s for s in cast.skipped if "keep-list" in s.reason]
+    assert kept["autocast"], "autocast policy keeps layer_norm / softmax in FP32"
+    assert len(kept["pure"]) < len(kept["autocast"]), kept
+
+
 def test_backend_rejects_unknown_option():
     with pytest.raises(ValueError, match="precision"):
         tb.backend(precision="fp64")
     with pytest.raises(ValueError, match="unknown pass"):
         tb.backend(passes=["no_such_pass"])
+    with pytest.raises(ValueError, match="policy"):
+        tb.backend(policy="half")
 
 
 # ------------------------------------------------------------------------------------------------ graphs
