@@ -26,7 +26,12 @@ tctune
                                         ``tctune.search.apply_passes`` with the spec from ``tctune.hardware.resolve()``
     ``tctune_{bf16,fp16}_cudagraphs``   the same graph replayed as one CUDA graph (``tctune.runtime.wrap``;
                                         the input copy is timed)
-    ``tctune_compile_fp16``             ``torch.compile(fp32 model, backend=tctune.backend.backend(precision="fp16"))``
+    ``tctune_fp16_pure_inductor``       the fp16 pure-policy graph compiled by Inductor (``tctune.runtime.wrap``
+                                        runtime ``inductor``: ``torch.compile`` mode default, the search's runtime)
+    ``tctune_fp16_pure_inductor_cudagraphs``  that compiled graph replayed as one CUDA graph
+    ``tctune_compile_fp16_pure``        ``torch.compile(fp32 model, backend=tctune.backend.backend(precision="fp16",
+                                        policy="pure"))``; ``backend_seconds`` splits its compile into export,
+                                        passes and Inductor
 
 Timing: ``tctune.measure.time_call`` (CUDA events, 2 warm-up calls, median of 5 repeats of ~0.05 s; no
 single-call percentiles). Throughput is items/s (sequences or images). ``tctune`` in the JSON is the fastest
@@ -45,13 +50,15 @@ timeout. Cheap variants run first, compiles last. Every variant runs under a SIG
 remaining time; for a compile also ``--compile-budget``, default 60 s): when it fires the variant is recorded
 as ``timeout`` with the reason and the model goes on (a compile is abandoned and Dynamo reset). A variant is
 not started when the model has less time left than it needs (recorded as ``skipped``). ``--quick`` skips the
-two ``torch.compile`` variants. Memory is released between variants.
+``torch.compile`` variants (baseline, tctune graph + Inductor, backend). ``--model-limit S`` replaces every
+model's limit (for runs of one or two models with every compile). Memory is released between variants.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import copy
+import dataclasses
 import datetime as _dt
 import gc
 import json
@@ -108,10 +115,13 @@ BASELINES = ("fp32_eager", "tf32_eager", "autocast_bf16", "fp16_eager", "fp16_co
 #: tctune's graph at each precision and cast policy ("" = autocast-accurate, "_pure" = like model.half()).
 GRAPH_VARIANTS = tuple((prec, policy) for policy in ("autocast", "pure") for prec in ("bf16", "fp16"))
 _SFX = {"autocast": "", "pure": "_pure"}
+#: tctune's fp16 pure graph handed to Inductor (the search's ``inductor`` runtime), alone and replayed as a CUDA graph.
+INDUCTOR_VARIANTS = ("tctune_fp16_pure_inductor", "tctune_fp16_pure_inductor_cudagraphs")
 TCTUNE = tuple(f"tctune_{p}{_SFX[pol]}_{rt}" for p, pol in GRAPH_VARIANTS for rt in ("eager", "cudagraphs")) + (
-    "tctune_compile_fp16",)
+    INDUCTOR_VARIANTS + ("tctune_compile_fp16_pure",))
 PRECISION = {"fp32_eager": "fp32", "tf32_eager": "tf32", "autocast_bf16": "bf16", "fp16_eager": "fp16",
-             "fp16_compile": "fp16", "tctune_compile_fp16": "fp16",
+             "fp16_compile": "fp16", "tctune_compile_fp16_pure": "fp16",
+             **{v: "fp16" for v in INDUCTOR_VARIANTS},
              **{f"tctune_{p}{_SFX[pol]}_{rt}": p for p, pol in GRAPH_VARIANTS for rt in ("eager", "cudagraphs")}}
 #: Seconds a variant needs left on its model's clock to be started (compiles: see ``--compile-budget``).
 MIN_LEFT_S = {"cudagraphs": 6.0, "compile": 12.0, "other": 3.0}
@@ -366,7 +376,7 @@ def run_model(name: str, args, device: torch.device, hw, clock: Clock, ceilings:
     ref = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, ref)
 
     def measure(vname: str, make: Callable[[], tuple[Callable, float]], kind: str = "other",
-                limit_s: float | None = None, extra: Callable[[], dict] | None = None) -> None:
+                limit_s: float | None = None, extra: Callable[[], dict] | None = None, reset: bool = True) -> None:
         """Build (``make`` returns ``(fn, setup_s)``), check against ``ref`` and time one variant."""
         row: dict[str, Any] = {"kind": "baseline" if vname in BASELINES else "tctune",
                                "precision": PRECISION[vname]}
@@ -407,7 +417,7 @@ def run_model(name: str, args, device: torch.device, hw, clock: Clock, ceilings:
         finally:
             row["wall_s"] = round(time.perf_counter() - t0, 2)
             fn = None
-            if kind == "compile":
+            if kind == "compile" and (reset or row.get("status") != "ok"):
                 torch._dynamo.reset()
             release(device)
         if row["status"] == "ok":
@@ -474,6 +484,40 @@ def run_model(name: str, args, device: torch.device, hw, clock: Clock, ceilings:
                                                     "reason": "CUDA graphs need a CUDA GPU"}
         built.clear()
         release(device)
+
+    # -- tctune's fp16 pure graph through Inductor (the search's "inductor" runtime), then as a CUDA graph
+    ind: dict = {}
+
+    def graph_inductor():
+        torch._dynamo.reset()
+        t0 = time.perf_counter()
+        g, results = apply_passes(gm, hw, "fp16", policy="pure")
+        ind["info"] = {"passes": {r.name: r.count for r in results}, "passes_s": round(time.perf_counter() - t0, 2)}
+        ind["fn"], setup = wrap(g.to(device), "inductor", inputs)
+        return ind["fn"], setup
+
+    def graph_inductor_graphed():
+        if "fn" not in ind:
+            raise RuntimeError("tctune_fp16_pure_inductor did not build")
+        if not cuda:
+            raise RuntimeError("CUDA graphs need a CUDA GPU")
+        return wrap(ind["fn"], "cudagraphs", inputs)
+
+    for vname in INDUCTOR_VARIANTS:
+        if gm is None or args.quick:
+            variants[vname] = {"kind": "tctune", "precision": "fp16", "status": "skipped",
+                               "reason": capture_reason if gm is None else "--quick skips torch.compile variants"}
+    if gm is not None and not args.quick:
+        measure(INDUCTOR_VARIANTS[0], graph_inductor, kind="compile", limit_s=args.compile_budget, reset=False,
+                extra=lambda: dict(ind.get("info", {})))
+        if cuda:
+            measure(INDUCTOR_VARIANTS[1], graph_inductor_graphed, kind="cudagraphs",
+                    extra=lambda: dict(ind.get("info", {})))
+        else:
+            variants[INDUCTOR_VARIANTS[1]] = {"kind": "tctune", "precision": "fp16", "status": "skipped",
+                                              "reason": "CUDA graphs need a CUDA GPU"}
+        ind.clear()
+        torch._dynamo.reset()
     gm = None
     release(device)
 
@@ -495,11 +539,16 @@ def run_model(name: str, args, device: torch.device, hw, clock: Clock, ceilings:
         for rep in tb.reports:
             for r in rep.results:
                 rewrites[r.name] = rewrites.get(r.name, 0) + r.count
-        return {"subgraphs": len(tb.reports), "fallbacks": fallbacks, "passes": rewrites}
+        seconds: dict[str, float] = {}
+        for rep in tb.reports:
+            for k, v in rep.seconds.items():
+                seconds[k] = round(seconds.get(k, 0.0) + v, 2)
+        return {"subgraphs": len(tb.reports), "fallbacks": fallbacks, "passes": rewrites, "backend_seconds": seconds}
 
     for vname, make, extra in (
         ("fp16_compile", lambda: compiled(HalfModel(model, spec.conv)), None),
-        ("tctune_compile_fp16", lambda: compiled(model, backend=tb.backend(precision="fp16")), backend_report),
+        ("tctune_compile_fp16_pure", lambda: compiled(model, backend=tb.backend(precision="fp16", policy="pure")),
+         backend_report),
     ):
         if args.quick:
             variants[vname] = {"kind": "baseline" if vname in BASELINES else "tctune", "precision": "fp16",
@@ -581,8 +630,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=390.0, help="seconds for the whole run (default %(default)s)")
     p.add_argument("--compile-budget", type=float, default=60.0,
                    help="seconds one torch.compile may take before it is abandoned (default %(default)s)")
+    p.add_argument("--model-limit", type=float, default=None,
+                   help="seconds per model, replacing the built-in limits (still capped by --budget)")
     p.add_argument("--debug", action="store_true", help="print tracebacks of failing variants")
     args = p.parse_args(argv)
+    if args.model_limit is not None:
+        if args.model_limit <= 0:
+            p.error("--model-limit must be positive")
+        for m in MODELS:
+            MODELS[m] = dataclasses.replace(MODELS[m], limit_s=args.model_limit)
     names = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in names if m not in MODELS]
     if unknown or not names:

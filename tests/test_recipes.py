@@ -140,7 +140,7 @@ def test_suite_summary_takes_the_fastest_variant_within_the_error_limit():
                               "rel_l2_error": 5e-3, "nonfinite": 0, "achieved_tflops": 60.0},
         "tctune_fp16_cudagraphs": {"kind": "tctune", "precision": "fp16", "status": "ok", "throughput": 900.0,
                                    "rel_l2_error": 1e-3, "nonfinite": 3},  # NaN/inf: never chosen
-        "tctune_compile_fp16": {"kind": "tctune", "precision": "fp16", "status": "timeout", "reason": "x"},
+        "tctune_compile_fp16_pure": {"kind": "tctune", "precision": "fp16", "status": "timeout", "reason": "x"},
     }
     m = suite.finish({"variants": v}, {"bf16": 600.0, "fp16": 650.0})
     assert (m["best_baseline_name"], m["best_baseline"]) == ("tf32_eager", 300.0)
