@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One device call on the lent H200: tctune's own runs plus the pass benchmarks, every baseline measured in the
 # same call. Usage there (after installing the wheels, see benchmarks/NOTES.md):
-#   OUT=/some/dir bash benchmarks/run_h200.sh [part...]     parts: optimize fusion train pareto backend padding suite
+#   OUT=/some/dir bash benchmarks/run_h200.sh [part...]
+#   parts: optimize fusion train pareto backend padding suite suite_a suite_b aoti
+#   (suite: every model, --quick; suite_a / suite_b: GPT-2 + BERT-base / BERT-large + ResNet-50 + seed CNN with
+#   every torch.compile variant, one device call each)
 # Each step has its own time limit so one slow step cannot cost the others; logs and JSON go to $OUT, and
 # everything is packed into $OUT/results.tar.gz (the device returns at most 8 files).
 set -u
@@ -24,7 +27,12 @@ for p in $parts; do case $p in
               --batch-sizes 8,32,128 --runtimes eager,cudagraphs --trials 12 --no-export --quiet ;;
   backend)  step bench_backend 280 python3 benchmarks/bench_backend.py --out "$OUT/r/bench_backend.json" ;;
   padding)  step bench_padding 90 python3 benchmarks/bench_padding.py --out "$OUT/r/bench_padding.json" ;;
-  suite)    step suite 420 python3 benchmarks/suite.py --out "$OUT/r/suite" ;;
+  suite)    step suite 420 python3 benchmarks/suite.py --out "$OUT/r/suite" --quick ;;
+  suite_a)  step suite_a 390 python3 benchmarks/suite.py --out "$OUT/r/suite_a" --models gpt2,bert_base \
+              --budget 375 --model-limit 185 --compile-budget 110 ;;
+  suite_b)  step suite_b 400 python3 benchmarks/suite.py --out "$OUT/r/suite_b" --models bert_large,resnet50,seed_cnn \
+              --budget 385 --model-limit 175 --compile-budget 110 ;;
+  aoti)     step bench_aoti 185 python3 benchmarks/bench_aoti.py --out "$OUT/r/aoti" ;;
 esac; done
 find "$OUT/r" \( -name '*.onnx' -o -name '*.onnx.data' -o -name 'study.db' -o -name '*.pt2' \) -delete
 for f in "$OUT"/r/*/report.md; do echo "== $f"; grep -E "^Best:|^- Against|keep FP32" "$f"; done

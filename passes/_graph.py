@@ -80,6 +80,9 @@ def keep_outputs_contiguous(gm: fx.GraphModule) -> int:
         with gm.graph.inserting_before(out):
             dense = gm.graph.call_function(_CONTIGUOUS, (leaf,))
         dense.meta.update(leaf.meta)
+        dense_val = fake_eval(_CONTIGUOUS, (leaf,))  # the dense result's own strides, not the view's
+        if dense_val is not None:
+            dense.meta["val"] = dense_val
         out.replace_input_with(leaf, dense)
         added += 1
     return added

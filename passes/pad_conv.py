@@ -177,9 +177,11 @@ def pad_conv_channels(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
             with gm.graph.inserting_after(node):
                 sliced = gm.graph.call_function(_SLICE, (node, 1, 0, cout))
             node.replace_all_uses_with(sliced, delete_user_cb=lambda user: user is not sliced)
-            copy_meta(node, sliced, old_val)
         if new_val is not None:
             node.meta["val"] = new_val
+        if cout_new != cout:
+            sliced_val = fake_eval(_SLICE, sliced.args)  # the view's own strides (row stride Cout')
+            copy_meta(node, sliced, old_val if sliced_val is None else sliced_val)
         node.meta[PADDED_FLAG] = True
         padded[node.name] = {"Cin": [cin, cin_new], "Cout": [cout, cout_new]}
         result.changed.append(node.name)
@@ -320,13 +322,10 @@ def _unary_bound(name: str, node: fx.Node, b: float) -> float | None:
     return None
 
 
-def _padded_bound(gm: fx.GraphModule, node: fx.Node, padded: dict[fx.Node, _Padded]) -> _Padded | None:
-    """The ``_Padded`` fact of ``node`` when a channel slice can sink below it, else None."""
+def _padded_bound(node: fx.Node, padded: dict[fx.Node, _Padded]) -> _Padded | None:
+    """The ``_Padded`` fact of ``node`` when the channel slice(s) it reads can sink below it, else None."""
     if node.op != "call_function" or not hasattr(node.target, "_schema"):
         return None
-    source = _source_slice(gm, node)
-    if source is not None:
-        return source
     name = op_name(node)
     in_place = name.endswith("_") and node.target._schema.is_mutable
     base = name[:-1] if in_place else name
@@ -426,9 +425,16 @@ def _keep_channels_padded(gm: fx.GraphModule) -> tuple[int, list[str]]:
     nodes = list(gm.graph.nodes)
     # Forward: which nodes are a slice of a padded tensor, through ops a slice may sink below.
     padded: dict[fx.Node, _Padded] = {}
+    sources: set[fx.Node] = set()
     for node in nodes:
-        fact = _padded_bound(gm, node, padded)
-        if fact is not None and not _pinned(node):
+        if node.op != "call_function" or _pinned(node):
+            continue
+        fact = _source_slice(gm, node)
+        if fact is not None:
+            sources.add(node)
+        else:
+            fact = _padded_bound(node, padded)
+        if fact is not None:
             padded[node] = fact
     # Backward: keep only what leads to a cancellable pad (each sunk op must feed one, through sunk ops).
     wanted: set[fx.Node] = set()
@@ -437,7 +443,7 @@ def _keep_channels_padded(gm: fx.GraphModule) -> tuple[int, list[str]]:
         if _cancellable_pad(gm, node, padded):
             pads.append(node)
             wanted.add(node.args[0])
-        elif node in wanted and _source_slice(gm, node) is None:
+        elif node in wanted and node not in sources:
             wanted.update(a for a in node.all_input_nodes if a in padded)
     if not pads:
         return 0, []
@@ -448,19 +454,22 @@ def _keep_channels_padded(gm: fx.GraphModule) -> tuple[int, list[str]]:
     for node in nodes:
         if node not in wanted:
             continue
-        if _source_slice(gm, node) is not None:
+        if node in sources:
             full[node] = node.args[0]
             continue
-        args = tuple(full.get(a, a) if isinstance(a, fx.Node) else a for a in node.args)
-        with graph.inserting_before(node):
-            new = graph.call_function(node.target, args, dict(node.kwargs))
-            copy_meta(node, new, fake_eval(node.target, args, node.kwargs))
-            view = graph.call_function(_SLICE, (new, 1, 0, padded[node].C))
-            copy_meta(node, view, fake_eval(_SLICE, view.args) or node.meta.get("val"))
-        node.replace_all_uses_with(view)
-        graph.erase_node(node)
-        full[view] = new
-        moved.append(new.name)
+        # The op keeps its node (and name); it now reads the padded tensors, and a slice serves its readers.
+        old_val = node.meta.get("val")
+        node.args = tuple(full.get(a, a) if isinstance(a, fx.Node) else a for a in node.args)
+        new_val = fake_eval(node.target, node.args, node.kwargs)
+        if new_val is not None:
+            node.meta["val"] = new_val
+        with graph.inserting_after(node):
+            view = graph.call_function(_SLICE, (node, 1, 0, padded[node].C))
+        node.replace_all_uses_with(view, delete_user_cb=lambda user: user is not view)
+        view_val = fake_eval(_SLICE, view.args)
+        copy_meta(node, view, old_val if view_val is None else view_val)
+        full[view] = node
+        moved.append(node.name)
     for pad in pads:
         pad.replace_all_uses_with(full[pad.args[0]])
         graph.erase_node(pad)
