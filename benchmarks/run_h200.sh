@@ -32,7 +32,7 @@ for p in $parts; do case $p in
               --budget 375 --model-limit 185 --compile-budget 110 ;;
   suite_b)  step suite_b 400 python3 benchmarks/suite.py --out "$OUT/r/suite_b" --models bert_large,resnet50,seed_cnn \
               --budget 385 --model-limit 175 --compile-budget 110 ;;
-  aoti)     step bench_aoti 185 python3 benchmarks/bench_aoti.py --out "$OUT/r/aoti" ;;
+  aoti)     step bench_aoti 330 python3 benchmarks/bench_aoti.py --out "$OUT/r/aoti" --bert-timeout 240 ;;
 esac; done
 find "$OUT/r" \( -name '*.onnx' -o -name '*.onnx.data' -o -name 'study.db' -o -name '*.pt2' \) -delete
 for f in "$OUT"/r/*/report.md; do echo "== $f"; grep -E "^Best:|^- Against|keep FP32" "$f"; done
