@@ -1,4 +1,5 @@
-"""Drop attention masks that provably mask nothing, so SDPA can pick its flash / cuDNN kernels.
+"""Drop attention masks that provably mask nothing, and turn provably causal ones into ``is_causal=True``, so
+SDPA can pick its flash / cuDNN kernels.
 
 Why: under ``torch.export`` ``transformers`` materializes the "no padding" attention mask instead of passing
 ``attn_mask=None`` as it does eagerly: BERT's graph builds ``ge(unsqueeze(arange(S) + 0), 0)`` and expands it
@@ -21,11 +22,22 @@ the real value is ``R.expand(real_shape)``:
 * element-wise ops (ATen's ``pointwise`` tag, ``where``, ``_to_copy``, ``clone``, eval dropout) apply to the
   ``R`` of their inputs: broadcasting commutes with element-wise functions.
 
+* factories of a symbolic size (``new_ones``, ``zeros``, ``full``) are uniform; ``cumsum`` / ``diff`` apply to
+  ``R`` along a dimension that has its real, static size in ``R``;
+* ``arange`` of a symbolic size (``arange(batch)``) has unknown values: it may only be an ``index.Tensor`` index
+  into a dimension along which the indexed ``R`` is a broadcast (every in-range index reads the same values).
+
 A graph input (placeholder) anywhere on the path, other than through the *sizes* of shape ops, makes the mask
 data-dependent and it is kept. The mask is dropped when ``R`` is all True (bool) or all 0 (float; SDPA adds a
 float mask) and the mask's shape broadcasts to the attention scores' ``(..., L, S)`` without enlarging them;
-then ``attn_mask=None`` computes exactly the same attention. Real masks (padding from an input, causal
-triangles, ALiBi biases) are never touched.
+then ``attn_mask=None`` computes exactly the same attention.
+
+Causal masks: ``transformers`` decoders (GPT-2, Llama) under ``torch.export`` build the causal mask from
+``arange`` and position ids instead of passing ``is_causal=True``, which keeps SDPA off its flash kernel. When
+``R`` is, in every batch and head, exactly SDPA's own causal triangle (``torch.ones(L, S).tril()``, top-left
+aligned; bool, or float 0 / ``-inf`` or ``<= finfo.min``) with static ``L <= S`` and no dropout, the mask is
+replaced by ``is_causal=True`` (``notes["causal"]`` lists those nodes). Other masks (padding from an input,
+shifted or bottom-right triangles, ALiBi biases, ``-1e4`` fills) are never touched.
 """
 from __future__ import annotations
 
@@ -47,8 +59,12 @@ _MAX_ELEMENTS = 1 << 24
 
 _RESHAPES = frozenset({"view", "reshape", "_unsafe_view", "squeeze", "flatten", "unflatten", "alias"})
 _ELEMENTWISE = frozenset(
-    {"where", "_to_copy", "to", "clone", "contiguous", "detach", "lift_fresh_copy", "type_as", "masked_fill"}
+    {"where", "_to_copy", "to", "clone", "contiguous", "detach", "lift_fresh_copy", "type_as", "masked_fill",
+     "__and__", "__or__", "__xor__", "__invert__", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not",
+     "logical_and", "logical_or", "logical_xor", "logical_not"}
 )
+#: Factories whose sizes may be symbolic (read from a graph input's shape): a uniform tensor of that rank.
+_FILLS = {"new_ones": 1, "new_zeros": 0, "ones": 1, "zeros": 0, "new_full": None, "full": None}
 
 
 class _Unprovable(Exception):
@@ -60,6 +76,19 @@ class _Sym:
 
 
 _SYM = _Sym()
+
+
+class _Idx:
+    """An integer tensor whose values are not known (``arange`` of a symbolic size, e.g. the batch), good only
+    as an ``index.Tensor`` index into a dimension along which the indexed value is a broadcast (all slices
+    equal), where any in-range index selects the same values. ``rank`` is its number of dimensions."""
+
+    def __init__(self, rank: int, source: str) -> None:
+        self.rank = rank
+        self.source = source
+
+    def unprovable(self) -> "_Unprovable":
+        return _Unprovable(f"mask depends on graph input {self.source} (values of an arange over its size)")
 
 
 def simplify_attention_mask(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
@@ -91,14 +120,23 @@ def simplify_attention_mask(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         if not isinstance(mask, fx.Node):
             result.skipped.append(Skip(node.name, "mask is not a graph value"))
             continue
+        causal = False
         try:
             _check_broadcast(node, mask)
             rep = _rep(gm, mask, memo)
-            _check_trivial(rep)
+            try:
+                _check_trivial(rep)
+            except _Unprovable as not_trivial:
+                if not _is_causal(node, rep):
+                    raise not_trivial
+                causal = True
         except _Unprovable as exc:
             result.skipped.append(Skip(node.name, str(exc)))
             continue
         _set_mask_none(node)
+        if causal:
+            _set_causal(node)
+            result.notes.setdefault("causal", []).append(node.name)
         result.changed.append(node.name)
         result.count += 1
     if result.count:
@@ -118,6 +156,46 @@ def _set_mask_none(node: fx.Node) -> None:
         node.args = (*node.args[:3], None, *node.args[4:])
     else:
         node.kwargs = {**node.kwargs, "attn_mask": None}
+
+
+def _set_causal(node: fx.Node) -> None:
+    if len(node.args) > 5:
+        node.args = (*node.args[:5], True, *node.args[6:])
+    else:
+        node.kwargs = {**node.kwargs, "is_causal": True}
+
+
+def _is_causal(sdpa: fx.Node, rep: Any) -> bool:
+    """Whether the mask is exactly SDPA's ``is_causal=True`` mask: for every batch and head, position ``i`` of
+    the ``L`` queries sees keys ``j <= i`` (top-left aligned, ``torch.ones(L, S).tril()``, as SDPA defines it).
+
+    Bool masks must equal that triangle. Float masks must be 0 on it and ``-inf`` or at most
+    ``torch.finfo(dtype).min`` off it (what ``transformers`` writes): every row keeps its diagonal, so
+    ``exp`` of such a score is exactly 0 as with ``-inf``. Needs static ``L`` and ``S``, no dropout and no
+    ``is_causal`` already set, and the representative broadcast (size 1) in every leading dimension.
+    """
+    if not isinstance(rep, torch.Tensor) or rep.dim() < 2:
+        return False
+    dropout = sdpa.args[4] if len(sdpa.args) > 4 else sdpa.kwargs.get("dropout_p", 0.0)
+    already = sdpa.args[5] if len(sdpa.args) > 5 else sdpa.kwargs.get("is_causal", False)
+    if dropout != 0.0 or already:
+        return False
+    q, k = (a.meta.get("val") for a in sdpa.args[:2])
+    L, S = q.shape[-2], k.shape[-2]
+    if not (isinstance(L, int) and isinstance(S, int)) or L > S or tuple(rep.shape[-2:]) != (L, S):
+        return False
+    if any(d != 1 for d in rep.shape[:-2]):
+        return False
+    tri = torch.ones(L, S, dtype=torch.bool).tril()
+    plane = rep.reshape(L, S)
+    if plane.dtype == torch.bool:
+        return bool(torch.equal(plane, tri))
+    if not plane.is_floating_point():
+        return False
+    allowed_zero = bool((plane[tri] == 0).all())
+    off = plane[~tri]
+    masked = bool(((off == float("-inf")) | (off <= torch.finfo(plane.dtype).min)).all())
+    return allowed_zero and masked
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -215,6 +293,14 @@ def _rep_uncached(gm: fx.GraphModule, node: fx.Node, memo: dict) -> Any:
     if not isinstance(val, torch.Tensor):
         raise _Unprovable(f"mask depends on graph input {sorted(inputs)[0]} (through {name})")
     rank = val.dim()
+    if name == "arange":
+        return _Idx(1, sorted(inputs)[0])  # arange(batch): values unknown, usable only as an index (_index)
+    if name == "unsqueeze" and isinstance(_rep(gm, node.args[0], memo), _Idx):
+        return _Idx(rank, _rep(gm, node.args[0], memo).source)
+    if name == "index":
+        return _index(gm, node, memo, rank)
+    if name in _ALONG_DIM:
+        return _along_dim(gm, node, memo, name)
     if name == "expand":
         r = _tensor_arg(gm, node.args[0], memo)
         return r.reshape((1,) * (rank - r.dim()) + tuple(r.shape))
@@ -228,6 +314,14 @@ def _rep_uncached(gm: fx.GraphModule, node: fx.Node, memo: dict) -> Any:
         return _slice(gm, node, memo, rank)
     if name in _RESHAPES:
         return _uniform(_tensor_arg(gm, node.args[0], memo), rank, name)
+    if name in _FILLS:
+        # new_ones(x, size) / ones(size) / full(size, v): the same value everywhere, whatever the sizes.
+        fill = _FILLS[name]
+        if fill is None:
+            fill = node.args[2] if name == "new_full" else node.args[1]
+            if isinstance(fill, fx.Node):
+                raise _Unprovable(f"mask path fills with a graph value ({name})")
+        return torch.full((1,) * rank, fill, dtype=val.dtype)
     if name == "dropout" and (len(node.args) < 3 or node.args[2] is False):
         return _tensor_arg(gm, node.args[0], memo)  # eval dropout is the identity
     if name in _ELEMENTWISE or torch.Tag.pointwise in getattr(node.target, "tags", ()):
@@ -241,8 +335,54 @@ def _rep_uncached(gm: fx.GraphModule, node: fx.Node, memo: dict) -> Any:
     )
 
 
+#: Ops that mix values only along one dimension (``dim`` argument at position 1): valid on a representative
+#: when that dimension has its real size there (not a broadcast), since every other slice is a copy.
+_ALONG_DIM = frozenset({"cumsum", "cumprod", "diff"})
+
+
+def _along_dim(gm: fx.GraphModule, node: fx.Node, memo: dict, name: str) -> torch.Tensor:
+    r = _tensor_arg(gm, node.args[0], memo)
+    val = node.meta["val"]
+    dim_pos = 2 if name == "diff" else 1
+    dim = node.args[dim_pos] if len(node.args) > dim_pos else node.kwargs.get("dim", -1)
+    dim = _int_arg(dim) % val.dim()
+    if not (isinstance(val.shape[dim], int) and r.shape[dim] == val.shape[dim]):
+        raise _Unprovable(f"mask path applies {name} along a broadcast or symbolic dimension")
+    args = _map_args(gm, node.args, memo)
+    kwargs = _map_args(gm, node.kwargs, memo)
+    return node.target(*args, **kwargs)
+
+
+def _index(gm: fx.GraphModule, node: fx.Node, memo: dict, rank: int) -> torch.Tensor:
+    """``index.Tensor(x, [i0, i1, ...])`` (leading indices, none skipped) on representatives: an index whose
+    values are unknown (``_Idx``) is allowed only into a dimension where ``x`` is a broadcast, where every
+    in-range index gives the same value (index 0 of the representative)."""
+    r = _tensor_arg(gm, node.args[0], memo)
+    indices = node.args[1]
+    if not isinstance(indices, (list, tuple)) or any(i is None for i in indices) or len(indices) > r.dim():
+        raise _Unprovable("mask path uses an index.Tensor form that is not understood")
+    reps = []
+    for d, idx in enumerate(indices):
+        rep = _rep(gm, idx, memo) if isinstance(idx, fx.Node) else idx
+        if isinstance(rep, _Idx):
+            if r.shape[d] != 1:
+                raise _Unprovable("mask path indexes a varying dimension with data-dependent indices")
+            rep = torch.zeros((1,) * rep.rank, dtype=torch.long)
+        elif not isinstance(rep, torch.Tensor) or rep.dtype not in (torch.long, torch.int):
+            raise _Unprovable("mask path has a non-integer index")
+        elif r.shape[d] == 1:
+            rep = torch.zeros_like(rep)  # a broadcast dimension: every in-range index reads the same value
+        reps.append(rep)
+    out = torch.ops.aten.index.Tensor(r, reps)
+    if out.dim() != rank:
+        raise _Unprovable("mask path index.Tensor changed rank unexpectedly")
+    return out
+
+
 def _tensor_arg(gm: fx.GraphModule, arg: Any, memo: dict) -> torch.Tensor:
     r = _rep(gm, arg, memo) if isinstance(arg, fx.Node) else arg
+    if isinstance(r, _Idx):
+        raise r.unprovable()
     if not isinstance(r, torch.Tensor):
         raise _Unprovable("mask path has a non-tensor operand")
     return r
@@ -261,6 +401,8 @@ def _map_args(gm: fx.GraphModule, args: Any, memo: dict) -> Any:
         r = _rep(gm, arg, memo)
         if r is _SYM:
             raise _Unprovable("mask path uses a symbolic size as a value")
+        if isinstance(r, _Idx):
+            raise r.unprovable()
         return r
 
     return fx.node.map_arg(args, one)

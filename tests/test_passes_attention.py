@@ -58,17 +58,27 @@ def test_simplify_attention_mask_skips_mask_from_graph_input():
 
 class _ConstMaskAttention(nn.Module):
     """SDPA with a mask built from constants and broadcast to the batch: ``kind`` "causal" (a real mask),
-    "all_true" (trivial), "from_batch" (all True, but built from ``arange(batch)``)."""
+    "all_true" (trivial), "from_batch" (all True, but built from ``arange(batch)``), "shifted" (a triangle
+    that also hides the diagonal below row 0: not SDPA's causal mask), "causal_float" (0 / finfo.min),
+    "causal_1e4" (0 / -1e4: not exactly causal for large scores)."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
         self.kind = kind
         self.register_buffer("causal", torch.ones(8, 8, dtype=torch.bool).tril())
+        shifted = torch.ones(8, 8, dtype=torch.bool).tril(-1)
+        shifted[0, 0] = True
+        self.register_buffer("shifted", shifted)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (batch, heads 2, seq 8, dim 4)
         b = x.shape[0]
         if self.kind == "causal":
             mask = self.causal[None, None].expand(b, 1, 8, 8)
+        elif self.kind == "shifted":
+            mask = self.shifted[None, None].expand(b, 1, 8, 8)
+        elif self.kind in ("causal_float", "causal_1e4"):
+            fill = torch.finfo(torch.float32).min if self.kind == "causal_float" else -1e4
+            mask = torch.zeros(8, 8).masked_fill(~self.causal, fill)[None, None].expand(b, 1, 8, 8)
         elif self.kind == "all_true":
             mask = (torch.arange(8) >= 0)[None, None, :, None].expand(b, 1, 8, 8)
         else:
@@ -104,13 +114,52 @@ def test_simplify_attention_mask_idempotent():
 
 
 def test_simplify_attention_mask_skips_false_entries():
-    model, gm = _capture_const("causal")
+    model, gm = _capture_const("shifted")
 
     result = simplify_attention_mask(gm, SPEC)
 
     assert result.count == 0
     assert [s.reason for s in result.skipped] == ["mask has False entries (a real mask)"]
     zoo.assert_matches_eager(model, gm, (torch.randn(5, 2, 8, 4),), "fp32")
+
+
+def _is_causal(node):
+    return (node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)) is True
+
+
+@pytest.mark.parametrize("kind", ["causal", "causal_float"])
+def test_simplify_attention_mask_makes_causal_triangle_is_causal(kind):
+    model, gm = _capture_const(kind)
+
+    result = simplify_attention_mask(gm, SPEC)
+
+    assert result.count == 1 and result.notes["causal"] == [_sdpa(gm)[0].name]
+    assert _mask(_sdpa(gm)[0]) is None and _is_causal(_sdpa(gm)[0])
+    zoo.assert_matches_eager(model, gm, (torch.randn(5, 2, 8, 4),), "fp32")
+    again = simplify_attention_mask(gm, SPEC)
+    assert again.count == 0 and not again.skipped
+
+
+def test_simplify_attention_mask_keeps_minus_1e4_causal_float_mask():
+    # -1e4 is not -inf: a score above 1e4 would still see the masked key, so the mask is not provably causal.
+    _, gm = _capture_const("causal_1e4")
+
+    result = simplify_attention_mask(gm, SPEC)
+
+    assert result.count == 0 and _mask(_sdpa(gm)[0]) is not None and not _is_causal(_sdpa(gm)[0])
+
+
+def test_simplify_attention_mask_makes_gpt2_causal_mask_is_causal():
+    pytest.importorskip("transformers")
+    model, gm, entry = zoo.build("gpt2", batch=3)
+    assert all(_mask(n) is not None for n in _sdpa(gm))  # transformers materialized the causal mask
+
+    result = simplify_attention_mask(gm, SPEC)
+
+    assert result.count == len(_sdpa(gm)) == 2 and not result.skipped
+    assert all(_mask(n) is None and _is_causal(n) for n in _sdpa(gm))
+    for batch in (1, 4):  # fresh inputs at other batch sizes: the proof holds for every batch
+        zoo.assert_matches_eager(model, gm, entry.example_inputs(batch), "fp32")
 
 
 def test_simplify_attention_mask_skips_mask_built_from_batch_size():

@@ -90,6 +90,7 @@ EXPECTED_FIRES: dict[tuple[str, str], int] = {
                                           "attn_zero_mask", "attn_3d", "attn_v_nobias")},
     ("bert", "fuse_attention"): 2,
     ("bert_sdpa", "simplify_attention_mask"): 2,
+    ("gpt2", "simplify_attention_mask"): 2,  # transformers' materialized causal mask -> is_causal=True
     **{(m, "fuse_qkv"): 2 for m in ("bert", "bert_sdpa", "bert_padded")},
     **{(m, "fuse_qkv"): 1 for m in ("attn", "attn_scaled", "attn_causal", "attn_zero_mask", "attn_3d",
                                     "attn_leak", "attn_v_nobias")},
@@ -115,7 +116,6 @@ MUST_NOT_FIRE: set[tuple[str, str]] = {
     ("conv_transpose_bn", "fold_conv_batchnorm"),  # transposed conv: not handled
     ("attn_leak", "fuse_attention"),  # the scores have a second user
     ("bert_padded", "simplify_attention_mask"),  # the mask depends on the attention_mask input
-    ("gpt2", "simplify_attention_mask"),  # causal: a real mask
     ("mha_block", "fuse_qkv"),  # one in_proj linear already
     ("encoder_block", "fuse_qkv"),  # one qkv linear already
     ("mlp_gelu", "fuse_epilogue"),  # exact GELU: the epilogue computes another function on CUDA
@@ -133,11 +133,11 @@ PIPELINE_FIRES: dict[tuple[str, str], int] = {
     ("bert_sdpa", "simplify_attention_mask"): 2,
     ("conv_bn", "fold_conv_batchnorm"): 2,
     ("gpt2", "pad_linear_dims"): 1,
+    ("gpt2", "simplify_attention_mask"): 2,  # the causal mask becomes is_causal=True
 }
 PIPELINE_MUST_NOT_FIRE: set[tuple[str, str]] = {
-    ("attn_causal", "simplify_attention_mask"),  # the causal mask is real
+    ("attn_causal", "simplify_attention_mask"),  # a -1e4 causal float mask: not provably SDPA's is_causal
     ("bert_padded", "simplify_attention_mask"),
-    ("gpt2", "simplify_attention_mask"),
 }
 
 #: Findings: ``(model, pass or "pipeline", precision)`` whose output strides differ from eager's. Each is
