@@ -207,6 +207,22 @@ def _cmd_optimize(args) -> int:
     return 130 if report.get("interrupted") else 0
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at each record (not the one at the first ``main()``): a caller that
+    swaps stderr (pytest's capture, a notebook) never leaves tctune's logger writing to a closed stream."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -216,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet = getattr(args, "quiet", False)
     logger = logging.getLogger("tctune")  # our logger only: libraries (onnxscript, optuna) stay quiet
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("tctune: %(message)s"))
         logger.addHandler(handler)
         logger.propagate = False

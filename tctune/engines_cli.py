@@ -4,7 +4,9 @@
 batch, then the graph passes at the config's precision for the config's hardware) and writes, per format:
 
 - ONNX ``model.onnx``, validated by onnxruntime at batch 1, the tuned batch and the largest searched batch;
-  a batch axis that froze to a constant fails the command;
+  a batch axis that froze to a constant fails the command. At precision fp8 every FP8 linear is written as
+  float8e4m3fn QuantizeLinear/DequantizeLinear (opset 19, static per-tensor activation scales calibrated on
+  the model file's example inputs; ``tctune.export.onnx_fp8``), everything else bf16;
 - TensorRT ``model.engine`` (strongly typed, one profile min/opt/max = 1 / tuned / largest) where the
   ``tensorrt`` package is importable; otherwise the reason is printed;
 - AOTInductor ``model.pt2`` (dynamic batch), compared with PyTorch at two batch sizes;
@@ -28,6 +30,9 @@ from .errors import ExportError, UsageError
 log = logging.getLogger("tctune")
 
 FORMATS = ("onnx", "tensorrt", "aoti")
+#: Goes into the ONNX/TensorRT cache keys at precision fp8: what the FP8 ONNX holds (a bf16 export of the
+#: same graph would otherwise share the key).
+FP8_ONNX_SCHEME = "float8e4m3fn Q/DQ, static per-tensor activation scales, opset 19"
 ARTIFACT_NAMES = {"onnx": "model.onnx", "tensorrt": "model.engine", "aoti": "model.pt2"}
 
 EPILOG_EXPORT = """\
@@ -185,8 +190,17 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
     except CaptureError as exc:
         raise ExportError(f"cannot export {mf.path.name}: {exc}\n  fix: make the batch dimension dynamic in "
                           "forward (no hard-coded batch size in reshape/view/expand; use x.shape[0] or -1)") from exc
-    graph, _ = apply_passes(gm, hw, precision, EXPORT_PIPELINE)
-    graph = graph.to(device)
+    fp8 = None
+    if precision == "fp8":
+        # The PyTorch graph (AOTInductor, cache key) runs _scaled_mm; the ONNX is its bf16 twin with float8 Q/DQ.
+        from .export.onnx_fp8 import build_fp8_graphs
+
+        policy = params.get("policy", "autocast")
+        fp8 = build_fp8_graphs(gm, hw.pass_spec("fp8", policy=policy), EXPORT_PIPELINE).to(device)
+        graph = fp8.fp8
+    else:
+        graph, _ = apply_passes(gm, hw, precision, EXPORT_PIPELINE)
+        graph = graph.to(device)
     make_inputs = lambda b: mf.inputs(b, device)  # noqa: E731
     digest = cache.graph_hash(graph)
     cc = hw.compute_capability or None
@@ -205,6 +219,8 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
     results: dict[str, Any] = {}
 
     def cache_key(fmt: str, extra: dict | None = None) -> dict:
+        if fp8 is not None and fmt in ("onnx", "tensorrt"):  # their file is the Q/DQ ONNX, not the _scaled_mm graph
+            extra = {**(extra or {}), "fp8_onnx": FP8_ONNX_SCHEME}
         return cache.artifact_key(graph, fmt=fmt, precision=precision, inputs=inputs, batch_sizes=sizes,
                                   compute_capability=cc if fmt != "onnx" or device.type == "cuda" else None,
                                   graph_digest=digest, extra=extra)
@@ -230,7 +246,7 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
     if "onnx" in formats or "tensorrt" in formats:
         key = cache_key("onnx")
         if not reuse("onnx", key):
-            onnx_inputs = _build_onnx(graph, make_inputs, out / ARTIFACT_NAMES["onnx"], (1, tuned, largest))
+            onnx_inputs = _build_onnx(graph, make_inputs, out / ARTIFACT_NAMES["onnx"], (1, tuned, largest), fp8=fp8)
             started = time.perf_counter() - onnx_inputs.pop("_seconds")
             onnx_names = {i["name"] for i in onnx_inputs["onnx_inputs"]}
             finish("onnx", key, _summary(onnx_inputs, "onnx"), started, device="cpu",
@@ -258,16 +274,24 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
             "batch_sizes": sizes, "formats": results}
 
 
-def _build_onnx(graph, make_inputs, path: Path, check: tuple[int, int, int]) -> dict:
-    """export_onnx at two of ``check`` and validate_onnx at the third; frozen/failed batches raise ExportError."""
+def _build_onnx(graph, make_inputs, path: Path, check: tuple[int, int, int], fp8=None) -> dict:
+    """export_onnx at two of ``check`` and validate_onnx at the third; frozen/failed batches raise ExportError.
+
+    With ``fp8`` (an ``FP8Graphs``), ``export_onnx_fp8`` writes the float8 Q/DQ model and validates it at all
+    three batch sizes against the PyTorch FP8 graph (relative L2 <= 5e-2, else ExportError).
+    """
     from .export.onnx import export_onnx, validate_onnx
+    from .export.onnx_fp8 import export_onnx_fp8
 
     started = time.perf_counter()
     first, tuned, largest = check
     pair = (tuned, largest) if tuned != largest else (tuned, first if first != tuned else tuned + 1)
-    info = export_onnx(graph, make_inputs, path, batch_sizes=pair)
+    if fp8 is not None:
+        info = export_onnx_fp8(fp8, make_inputs, path, batch_sizes=tuple(dict.fromkeys((first, tuned, largest))))
+    else:
+        info = export_onnx(graph, make_inputs, path, batch_sizes=pair)
     extra = [b for b in dict.fromkeys(check) if b not in pair]
-    if extra and info.get("onnx_error") is None:
+    if fp8 is None and extra and info.get("onnx_error") is None:
         entries = validate_onnx(graph, make_inputs, path, extra)
         info["onnx_validation"] += entries
         errors = [e["error"] for e in entries if "error" in e]
@@ -311,7 +335,7 @@ def _build_tensorrt(out: Path, inputs: list, sizes: dict, key: dict, finish, reu
 def _summary(info: dict, prefix: str) -> dict:
     """The JSON-ready subset of a build result kept in the manifest."""
     keep = {"onnx": ("onnx_opset", "onnx_max_abs_error", "onnx_validation", "onnx_error", "onnx_dynamic",
-                     "onnx_export_s", "onnx_outputs"),
+                     "onnx_export_s", "onnx_outputs", "onnx_note", "onnx_fp8"),
             "aoti": ("aoti_device", "aoti_export_s", "aoti_compile_s", "aoti_validation", "aoti_max_abs_error",
                      "aoti_error")}[prefix]
     return {k: info.get(k) for k in keep}
@@ -335,6 +359,8 @@ def _cmd_export(args) -> int:
         detail = f", max abs error vs PyTorch {err:.2e}" if isinstance(err, float) else ""
         took = f" in {r['seconds']:.1f} s" if "seconds" in r and r["status"] == "built" else ""
         print(f"  {fmt:9s} {r.get('status')}{took}: {r.get('path')}{detail}")
+        if fmt == "onnx" and r.get("onnx_note"):
+            print(f"  {'':9s} note: {r['onnx_note']}")
     runners = {r.get("runner") for r in result["formats"].values() if r.get("runner")}
     for runner in sorted(runners):
         print(f"  runner:   python {runner} [ARTIFACT] --batch N --iters N")

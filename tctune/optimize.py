@@ -103,18 +103,46 @@ def write_onnx_runners(tuner: Tuner, params: dict, artifacts: dict, graph: torch
                         "format": "onnx", "artifact": Path(path).name, "device": "cpu", "inputs": inputs,
                         "batch_sizes": {"min": sizes[0], "opt": params["batch_size"], "max": sizes[-1]},
                         "written_by": "tctune optimize"}
+            if key == "onnx" and artifacts.get("onnx_note"):
+                manifest["note"] = artifacts["onnx_note"]  # e.g. FP8: static activation scales, how validated
             artifacts[f"{key}_runner"] = str(write_runner(path, manifest))
         except Exception as exc:  # a runner is a convenience: never lose the run over it
             log.warning("no runner for %s: %s", path, exc)
 
 
+def _fp8_calibration(tuner: Tuner, first: list[tuple]) -> list[tuple]:
+    """Inputs for the FP8 ONNX activation scales: the reference inputs of every searched batch size.
+
+    A static scale is max |x| / 448 over these; the tuned batch alone can be a handful of samples whose max
+    misses the tail (seen: 4 samples put a layer's scale at 0.36 / 448 where 1.0 / 448 was needed, and the
+    clipped model was 10% off instead of 4%). The search already drew (and cached) these inputs.
+    """
+    inputs = list(first)
+    for b in sorted(set(tuner.cfg.batch_sizes)):
+        try:
+            candidate = tuner.reference(b)[0]
+        except Exception as exc:  # e.g. the FP32 reference ran out of memory at that batch size
+            log.debug("FP8 calibration skips batch %d: %s", b, exc)
+            continue
+        if not any(candidate is seen for seen in inputs):
+            inputs.append(candidate)
+    return inputs
+
+
 def export_best(tuner: Tuner, params: dict, out: Path) -> tuple[dict, list[dict]]:
     """Export the best configuration's graph (passes at its precision) to ONNX, and TensorRT if importable.
+
+    At precision fp8, ``model.onnx`` is the bf16 graph with each FP8 linear as float8e4m3fn
+    QuantizeLinear/DequantizeLinear (opset 19, :func:`tctune.export.export_onnx_fp8`): static per-tensor
+    activation scales calibrated on the reference inputs of every searched batch size (the PyTorch graph's
+    are dynamic per token), validated at batch 1, the tuned batch and one more; ``onnx_note`` and ``onnx_fp8`` say what was
+    quantized and how it was validated, and ``model.fp32.onnx`` is written too when onnxruntime cannot run
+    ``model.onnx`` itself.
 
     Returns:
         ``(artifacts, passes)``: the artifact paths/errors and the pass results (as dicts) for the report.
     """
-    from .export import build_engine, export_onnx, tensorrt_available
+    from .export import build_engine, build_fp8_graphs, export_onnx, export_onnx_fp8, tensorrt_available
 
     artifacts: dict = {"onnx": None, "onnx_max_abs_error": None, "tensorrt": None, "tensorrt_skipped_reason": None}
     if tuner.cfg.mode == "train":
@@ -133,13 +161,16 @@ def export_best(tuner: Tuner, params: dict, out: Path) -> tuple[dict, list[dict]
         for p in passes:
             p["note"] = "the best trial ran the model as written; these are the passes its exported graph carries"
     export_precision = params["precision"]
+    fp8 = None
     if export_precision == "fp8":
-        # torch._scaled_mm has no ONNX translation and the Q/DQ export is not written yet: export bf16.
-        export_precision = "bf16"
-        artifacts["onnx_note"] = ("the best configuration uses FP8 GEMMs; FP8 Q/DQ export is not implemented yet, "
-                                  "so model.onnx is the same graph in bf16")
-    g, _ = apply_passes(tuner.captured.graph_module, tuner.hw, export_precision, EXPORT_PIPELINE, calibration,
-                        policy)
+        # torch._scaled_mm has no ONNX translation: model.onnx is the bf16 graph with every FP8 linear as float8
+        # QuantizeLinear/DequantizeLinear (static per-tensor activation scales from `calibration`), see
+        # tctune/export/onnx_fp8.py; its onnx_note says how it was validated.
+        fp8 = build_fp8_graphs(tuner.captured.graph_module, tuner.hw.pass_spec("fp8", policy=policy), EXPORT_PIPELINE)
+        g = fp8.bf16
+    else:
+        g, _ = apply_passes(tuner.captured.graph_module, tuner.hw, export_precision, EXPORT_PIPELINE, calibration,
+                            policy)
     if not tuner.cfg.export:
         artifacts["onnx_error"] = "export disabled (--no-export)"
         artifacts["tensorrt_skipped_reason"] = "export disabled (--no-export)"
@@ -147,12 +178,21 @@ def export_best(tuner: Tuner, params: dict, out: Path) -> tuple[dict, list[dict]
     bs = params["batch_size"]
     check = (bs, 3 if bs != 3 else 5)
     try:
-        info = export_onnx(g.to(tuner.device), lambda b: tuner.mf.inputs(b, tuner.device), out / "model.onnx", batch_sizes=check)
+        if fp8 is not None:  # validated at batch 1 too, as `tctune export` does
+            info = export_onnx_fp8(fp8.to(tuner.device), lambda b: tuner.mf.inputs(b, tuner.device), out / "model.onnx",
+                                   batch_sizes=(1, *check), calibration=_fp8_calibration(tuner, calibration))
+        else:
+            info = export_onnx(g.to(tuner.device), lambda b: tuner.mf.inputs(b, tuner.device), out / "model.onnx",
+                               batch_sizes=check)
         artifacts.update(info)
     except ExportError as exc:
         artifacts["onnx_error"] = str(exc)
         log.warning("ONNX export failed: %s", exc)
-    if artifacts.get("onnx") and artifacts.get("onnx_max_abs_error") is None and export_precision in ("fp16", "bf16"):
+    if fp8 is not None:  # the FP8 errors come from an FP32 twin when onnxruntime cannot run model.onnx itself
+        ort_ran_model = (artifacts.get("onnx_fp8") or {}).get("validated_on") == "model"
+    else:
+        ort_ran_model = artifacts.get("onnx_max_abs_error") is not None
+    if artifacts.get("onnx") and not ort_ran_model and export_precision in ("fp16", "bf16", "fp8"):
         # onnxruntime's CPU provider lacks many fp16/bf16 kernels: the typed model.onnx is for TensorRT or a GPU
         # provider. Also write the same graph in FP32 so there is an engine that runs (and is validated) anywhere.
         g32, _ = apply_passes(tuner.captured.graph_module, tuner.hw, "fp32", EXPORT_PIPELINE)

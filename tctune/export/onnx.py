@@ -261,9 +261,10 @@ def _ort_session(path: Path, basic_optimizations: bool = False) -> tuple[Any, st
     """An onnxruntime CPU session for ``path``, or ``(None, reason)``.
 
     ``basic_optimizations``: graph optimization level ``ORT_ENABLE_BASIC`` instead of the default (all). The
-    FP8 Q/DQ export needs it: onnxruntime's level-2 ``ReluQuantFusion`` (CPU provider) deletes a ``Relu``
-    that feeds a float8 ``QuantizeLinear`` as if float8's zero point 0 were the bottom of the range (uint8
-    logic), which gives wrong results (seen with onnxruntime 1.32: relative L2 error 0.29 instead of 0.01).
+    FP8 Q/DQ export needs it: onnxruntime's level-2 fusions mishandle float8 Q/DQ on the CPU provider. In
+    1.32 ``ReluQuantFusion`` deletes a ``Relu`` that feeds a float8 ``QuantizeLinear`` as if float8's zero
+    point 0 were the bottom of the range (uint8 logic): relative L2 error 0.29 instead of 0.01. In 1.30 the
+    DQ + MatMul fusion into ``MatMulIntegerToFloat`` rejects float8 and the session is not created.
     """
     try:
         import onnxruntime as ort

@@ -6,6 +6,13 @@ graph passes already put fp16/bf16 weights and explicit casts into the ONNX, so 
 precision flag: it parses the ONNX into a STRONGLY_TYPED network, adds one optimization profile for the
 batch axis and serializes the engine.
 
+FP8: the FP8 ONNX (``tctune.export.onnx_fp8``) carries float8e4m3fn QuantizeLinear/DequantizeLinear pairs
+(opset 19) with bf16 scales; a strongly typed network takes the FP8 GEMMs from those Q/DQ nodes (explicit
+quantization), so no ``BuilderFlag.FP8`` / ``INT8`` / ``BF16`` flag is set or needed here (in a strongly
+typed network such flags are not allowed anyway). TensorRT older than 10 (no ``STRONGLY_TYPED`` flag) builds
+a weakly typed network, which needs ``BuilderFlag.FP8`` for float8 Q/DQ: such versions are not supported for
+FP8 models. The manifest's ``weight_dtypes`` counts the ``float8e4m3fn`` initializers.
+
 Not run in tctune's own test machines: TensorRT cannot be installed there. The code follows TensorRT's
 documented Python API (``Builder``, ``create_network``, ``OnnxParser.parse_from_file``,
 ``create_optimization_profile``/``set_shape``, ``builder_optimization_level``, timing cache,
@@ -52,7 +59,8 @@ def build_engine(
     """Build a strongly typed TensorRT engine from ``onnx_path`` and write it with a JSON manifest.
 
     Args:
-        onnx_path: the ONNX file from :func:`tctune.export.export_onnx` (its precision is the engine's).
+        onnx_path: the ONNX file from :func:`tctune.export.export_onnx` or
+            :func:`tctune.export.export_onnx_fp8` (its precision, float8 Q/DQ included, is the engine's).
         engine_path: the ``.engine`` file to write (atomically); ``<engine_path>.json`` gets the manifest.
         input_shapes: ONNX input name -> shape with ``-1`` for the batch axis, e.g.
             ``{"x": (-1, 3, 32, 32)}`` or ``{"input_ids": (-1, 128)}``.
