@@ -14,6 +14,11 @@ Cases, each at fp16 and bf16, in one run:
   and a linear built with V=50304.
 * 3x3 conv, 61 -> 61 channels, batch 256, 56x56, channels-last: as is; after ``pad_conv_channels`` on the
   captured graph; and a 64-channel conv.
+* 3x3 conv chain: 4 consecutive 3x3 convs, 61 -> 61 channels, ReLU between, batch 256, 56x56, channels-last:
+  as is; after ``pad_conv_channels`` on the captured graph (which keeps the channels padded between the
+  convs: one pad at the input, one slice at the output); and a chain built with 64 channels. Rows report
+  ``ms`` for the whole chain, ``ms_per_conv`` (ms / 4) and ``ratio_vs_native`` (ms / the 64-channel chain's);
+  target: the padded chain within 10 % of the native one.
 * 7x7 stride-2 stem conv, Cin 3 -> 64, batch 256, 224x224, channels-last: Cin 3 as is, built with Cin 4 and
   Cin 8, and Cin 3 after ``pad_conv_channels`` (which includes the channel-pad op).
 
@@ -46,8 +51,10 @@ ALIGNMENT = {"fp16": 8, "bf16": 8, "tf32": 4}
 WARMUP, REPEATS = 3, 5
 #: Full shapes (GPU) and tiny shapes (``--dry-run`` on the CPU).
 SHAPES = {
-    "full": {"lm": (16384, 768, 50257, 50304), "conv3": (256, 61, 64, 56), "stem": (256, 64, 224), "iters": 10},
-    "tiny": {"lm": (4, 16, 50257, 50304), "conv3": (2, 61, 64, 8), "stem": (2, 8, 16), "iters": 2},
+    "full": {"lm": (16384, 768, 50257, 50304), "conv3": (256, 61, 64, 56), "chain": (256, 61, 64, 56, 4),
+             "stem": (256, 64, 224), "iters": 10},
+    "tiny": {"lm": (4, 16, 50257, 50304), "conv3": (2, 61, 64, 8), "chain": (2, 61, 64, 8, 4), "stem": (2, 8, 16),
+             "iters": 2},
 }
 
 
@@ -158,6 +165,57 @@ def bench_conv3x3(prec: str, device, s: dict, arch: str) -> list[dict]:
     return rows
 
 
+class ConvChain(nn.Module):
+    """``depth`` 3x3 convs of ``c`` channels (stride 1, padding 1) with a ReLU between consecutive ones."""
+
+    def __init__(self, c: int, depth: int) -> None:
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(c, c, 3, padding=1) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, conv in enumerate(self.convs):
+            x = conv(x)
+            if i < len(self.convs) - 1:
+                x = torch.relu(x)
+        return x
+
+
+def _chain(c: int, depth: int, device, dt) -> nn.Module:
+    return ConvChain(c, depth).to(device, dt).eval().to(memory_format=torch.channels_last)
+
+
+def bench_conv3x3_chain(prec: str, device, s: dict, arch: str) -> list[dict]:
+    n, c, c_big, hw, depth = s["chain"]
+    dt = DTYPES[prec]
+    g = torch.Generator(device="cpu").manual_seed(3)
+    x = torch.randn(n, c, hw, hw, generator=g).to(device, dt).to(memory_format=torch.channels_last)
+    x_big = torch.randn(n, c_big, hw, hw, generator=g).to(device, dt).to(memory_format=torch.channels_last)
+    torch.manual_seed(3)
+    chain = _chain(c, depth, device, dt)
+    shape = f"{depth}x conv3x3 {n}x{c}x{hw}x{hw} NHWC"
+    per_conv = lambda row: {"ms_per_conv": row["ms"] / depth}  # noqa: E731
+    r_as_is, ref = _row("conv3x3_chain", f"C={c} as is", prec, shape, lambda: chain(x), device, s["iters"])
+    with torch.no_grad():
+        gm = _capture(chain, x)
+    res = pad_conv_channels(gm, PassSpec(precision=prec, alignment=ALIGNMENT, arch=arch))
+    gm = gm.to(memory_format=torch.channels_last)  # a measurement-time choice, not a graph change
+    ops = [nd.target for nd in gm.graph.nodes if nd.op == "call_function"]
+    padded = sorted({f"{a}->{b}" for dims in res.notes.get("padded", {}).values() for a, b in dims.values()})
+    r_pad, _ = _row("conv3x3_chain", f"pad_conv_channels C {', '.join(padded)}", prec, shape, lambda: gm(x), device,
+                    s["iters"], ref, {"kept_padded": res.notes.get("kept_padded", 0),
+                                      "pads": ops.count(torch.ops.aten.constant_pad_nd.default),
+                                      "slices": ops.count(torch.ops.aten.slice.Tensor)})
+    torch.manual_seed(3)
+    big = _chain(c_big, depth, device, dt)
+    r_big, _ = _row("conv3x3_chain", f"built C={c_big}", prec, f"{depth}x conv3x3 {n}x{c_big}x{hw}x{hw} NHWC",
+                    lambda: big(x_big), device, s["iters"])
+    rows = [r_as_is, r_pad, r_big]
+    for r in rows:
+        r.update(per_conv(r))
+        r["ratio_vs_native"] = r["ms"] / r_big["ms"]
+    return rows
+
+
 def bench_stem(prec: str, device, s: dict, arch: str) -> list[dict]:
     n, cout, hw = s["stem"]
     dt = DTYPES[prec]
@@ -196,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows: list[dict] = []
     for prec in ("fp16", "bf16"):
-        for bench in (bench_lm_head, bench_conv3x3, bench_stem):
+        for bench in (bench_lm_head, bench_conv3x3, bench_conv3x3_chain, bench_stem):
             try:
                 rows.extend(bench(prec, device, shapes, arch))
             except Exception as exc:  # noqa: BLE001 - one failing case must not lose the others
@@ -211,12 +269,15 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(time.perf_counter() - t0, 1),
         "results": rows,
     }
-    print(f"{'case':<9} {'dtype':<5} {'ms':>9}  variant")
+    print(f"{'case':<13} {'dtype':<5} {'ms':>9}  variant")
     for r in rows:
         if "error" in r:
-            print(f"{r['case']:<9} {r['dtype']:<5} {'error':>9}  {r['error']}")
+            print(f"{r['case']:<13} {r['dtype']:<5} {'error':>9}  {r['error']}")
         else:
-            print(f"{r['case']:<9} {r['dtype']:<5} {r['ms']:9.3f}  {r['variant']}")
+            extra = ""
+            if "ms_per_conv" in r:
+                extra = f"  ({r['ms_per_conv']:.3f} ms/conv, {r['ratio_vs_native']:.2f}x native)"
+            print(f"{r['case']:<13} {r['dtype']:<5} {r['ms']:9.3f}  {r['variant']}{extra}")
     print(f"wall time {report['wall_s']} s on {report['device']}")
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

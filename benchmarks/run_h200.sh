@@ -28,11 +28,11 @@ for p in $parts; do case $p in
   backend)  step bench_backend 280 python3 benchmarks/bench_backend.py --out "$OUT/r/bench_backend.json" ;;
   padding)  step bench_padding 90 python3 benchmarks/bench_padding.py --out "$OUT/r/bench_padding.json" ;;
   suite)    step suite 420 python3 benchmarks/suite.py --out "$OUT/r/suite" --quick ;;
-  suite_a)  step suite_a 390 python3 benchmarks/suite.py --out "$OUT/r/suite_a" --models gpt2,bert_base \
-              --budget 375 --model-limit 185 --compile-budget 110 ;;
+  suite_a)  step suite_a 325 python3 benchmarks/suite.py --out "$OUT/r/suite_a" --models gpt2,bert_base \
+              --budget 310 --model-limit 155 --compile-budget 90 ;;
   suite_b)  step suite_b 400 python3 benchmarks/suite.py --out "$OUT/r/suite_b" --models bert_large,resnet50,seed_cnn \
               --budget 385 --model-limit 175 --compile-budget 110 ;;
-  aoti)     step bench_aoti 330 python3 benchmarks/bench_aoti.py --out "$OUT/r/aoti" --bert-timeout 240 ;;
+  aoti)     step bench_aoti 200 python3 benchmarks/bench_aoti.py --out "$OUT/r/aoti" --bert-timeout 150 ;;
 esac; done
 find "$OUT/r" \( -name '*.onnx' -o -name '*.onnx.data' -o -name 'study.db' -o -name '*.pt2' \) -delete
 for f in "$OUT"/r/*/report.md; do echo "== $f"; grep -E "^Best:|^- Against|keep FP32" "$f"; done

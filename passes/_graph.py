@@ -70,17 +70,25 @@ def keep_outputs_contiguous(gm: fx.GraphModule) -> int:
 
     Padding passes slice results back to the original size; a slice (or an op on one) is a strided view,
     and the caller must see eager's layout (it may ``.view()`` the output). Returns how many were added.
+
+    A channel slice of a 4-D tensor (``slice(y, 1, ...)``, what ``pad_conv_channels`` leaves) is copied by
+    ``aten.clone(memory_format=torch.preserve_format)`` instead: dense in the layout its strides suggest,
+    which is eager's layout for NCHW and channels-last runs alike (``contiguous`` would turn a channels-last
+    output into NCHW, a transposing copy eager does not make: 0.33 ms of a 1.7 ms 4-conv chain on the H200).
     """
     (out,) = [n for n in gm.graph.nodes if n.op == "output"]
     added = 0
     for leaf in list(out.all_input_nodes):
         val = leaf.meta.get("val")
-        if not isinstance(val, torch.Tensor) or not val.is_floating_point() or leaf.target == _CONTIGUOUS:
+        if not isinstance(val, torch.Tensor) or not val.is_floating_point() or _is_dense_copy(leaf):
             continue
+        target, kwargs = _CONTIGUOUS, {}
+        if leaf.target == _SLICE and val.dim() == 4 and len(leaf.args) > 1 and leaf.args[1] in (1, -3):
+            target, kwargs = _CLONE, {"memory_format": torch.preserve_format}
         with gm.graph.inserting_before(out):
-            dense = gm.graph.call_function(_CONTIGUOUS, (leaf,))
+            dense = gm.graph.call_function(target, (leaf,), kwargs)
         dense.meta.update(leaf.meta)
-        dense_val = fake_eval(_CONTIGUOUS, (leaf,))  # the dense result's own strides, not the view's
+        dense_val = fake_eval(target, (leaf,), kwargs)  # the dense result's own strides, not the view's
         if dense_val is not None:
             dense.meta["val"] = dense_val
         out.replace_input_with(leaf, dense)
@@ -88,6 +96,15 @@ def keep_outputs_contiguous(gm: fx.GraphModule) -> int:
     return added
 
 
+def _is_dense_copy(node: fx.Node) -> bool:
+    """An output copy ``keep_outputs_contiguous`` made (or would make)."""
+    return node.target == _CONTIGUOUS or (
+        node.target == _CLONE and node.kwargs.get("memory_format") == torch.preserve_format
+    )
+
+
+_SLICE = torch.ops.aten.slice.Tensor
+_CLONE = torch.ops.aten.clone.default
 _CONTIGUOUS = torch.ops.aten.contiguous.default
 
 

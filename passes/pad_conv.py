@@ -39,8 +39,8 @@ per-conv rewrite, a canonicalization lets the padded channels flow from one conv
    ``P`` channels and every reader of the pad is a conv whose weight columns ``C:P`` are all zero.
 
 Why the values left in the padded channels are harmless: a padded conv's extra output channels are exactly 0
-(zero weight rows, zero bias entries; checked on the tensors, not assumed), and a sunk op maps them to some
-other value that is the same for every element of the channel. The next conv multiplies them by its zero
+(zero weight rows, zero bias entries; checked on the tensors, not assumed), and a sunk op maps them to other
+values without ever mixing them into the real channels. The next conv multiplies them by its zero
 weight columns, and ``0 * v`` is exactly (+/-)0 for every *finite* ``v``, so its result is unchanged. Only
 infinities or NaNs would leak (``0 * inf = NaN``), so the canonicalization tracks an upper bound on
 ``|v|`` through every sunk op (0 out of a conv, 1 after sigmoid, ``b + |s|`` after adding a scalar ``s``,
@@ -52,7 +52,9 @@ nothing). Every other reader keeps seeing the original ``C``-channel tensor: whe
 readers (a graph output, a reshape / flatten / linear / mean / cat / batch_norm, any op not listed above),
 a slice is inserted right after the sunk op for them, so a padded tensor never reaches them. An in-place op
 is sunk only when it is the sole reader of the tensor it mutates. Fake values (``meta["val"]``, with their
-channels-last strides) are recomputed for every new node, and graph outputs are still made contiguous.
+channels-last strides) are recomputed for every new node, and graph outputs are still made dense by
+``keep_outputs_contiguous`` (an output channel slice is copied in the layout it has at run time, so a
+channels-last run returns channels-last, as eager does).
 """
 from __future__ import annotations
 
@@ -329,9 +331,13 @@ def _padded_bound(node: fx.Node, padded: dict[fx.Node, _Padded]) -> _Padded | No
     name = op_name(node)
     in_place = name.endswith("_") and node.target._schema.is_mutable
     base = name[:-1] if in_place else name
-    x = node.args[0] if node.args else None
-    fact = padded.get(x)
+    x = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    fact = padded.get(x) if x is not None else None
     if fact is None or _channels(node) != fact.C:
+        return None
+    # Tensors read: the sliced input, and (tensor op tensor) the second operand; nothing else.
+    inputs = set(node.all_input_nodes) - {x}
+    if inputs and not (base in _BINARY and len(node.args) == 2 and inputs == {node.args[1]}):
         return None
     bound: float | None = None
     if base in _UNARY_KWARGS:
@@ -357,7 +363,7 @@ def _padded_bound(node: fx.Node, padded: dict[fx.Node, _Padded]) -> _Padded | No
                 return None
             bound = fact.bound + abs(alpha) * second.bound if base in ("add", "sub") else fact.bound * second.bound
     elif base in _POOLS and not in_place:
-        if any(isinstance(a, fx.Node) for a in node.args[1:]) or node.kwargs:
+        if node.kwargs:
             return None
         bound = fact.bound
         if base == "avg_pool2d":
@@ -370,11 +376,27 @@ def _padded_bound(node: fx.Node, padded: dict[fx.Node, _Padded]) -> _Padded | No
                 bound = fact.bound * kernel[0] * kernel[1] / abs(divisor)
     if bound is None or not math.isfinite(bound) or bound > BOUND_LIMIT:
         return None
-    if in_place:
-        # The mutated tensor must have no other reader, nor (for a slice of a conv) the conv's output.
-        if len(x.users) != 1 or (x.target == _SLICE and len(x.args[0].users) != 1):
-            return None
+    if in_place and not _sole_reader(x):
+        return None
     return _Padded(fact.P, fact.C, bound)
+
+
+#: Handled ops whose result may share storage with their input (eval dropout and a same-dtype ``to``
+#: return the input itself).
+_ALIASING = frozenset({"alias", "detach", "dropout", "to", "slice"})
+
+
+def _sole_reader(x: fx.Node) -> bool:
+    """Whether an in-place op reading ``x`` is the only reader of ``x``'s storage: ``x`` and every tensor it
+    aliases (back through slices, views and earlier in-place ops to a fresh result) have one reader each."""
+    while True:
+        if len(x.users) != 1:
+            return False
+        name = op_name(x) if x.op == "call_function" else ""
+        mutates = name.endswith("_") and getattr(getattr(x.target, "_schema", None), "is_mutable", False)
+        if not (mutates or name in _ALIASING) or not x.args or not isinstance(x.args[0], fx.Node):
+            return True
+        x = x.args[0]
 
 
 def _pinned(node: fx.Node) -> bool:
