@@ -172,7 +172,7 @@ def _is_causal(sdpa: fx.Node, rep: Any) -> bool:
     Bool masks must equal that triangle. Float masks must be 0 on it and ``-inf`` or at most
     ``torch.finfo(dtype).min`` off it (what ``transformers`` writes): every row keeps its diagonal, so
     ``exp`` of such a score is exactly 0 as with ``-inf``. Needs static ``L`` and ``S``, no dropout and no
-    ``is_causal`` already set, and the representative broadcast (size 1) in every leading dimension.
+    ``is_causal`` already set; every leading (batch, head) slice of the representative must be that triangle.
     """
     if not isinstance(rep, torch.Tensor) or rep.dim() < 2:
         return False
@@ -184,17 +184,15 @@ def _is_causal(sdpa: fx.Node, rep: Any) -> bool:
     L, S = q.shape[-2], k.shape[-2]
     if not (isinstance(L, int) and isinstance(S, int)) or L > S or tuple(rep.shape[-2:]) != (L, S):
         return False
-    if any(d != 1 for d in rep.shape[:-2]):
+    tri = torch.ones(L, S, dtype=torch.bool, device=rep.device).tril()
+    planes = rep.reshape(-1, L, S)  # every batch / head slice (static batch: evaluated whole) must be the triangle
+    if planes.dtype == torch.bool:
+        return bool((planes == tri).all())
+    if not planes.is_floating_point():
         return False
-    tri = torch.ones(L, S, dtype=torch.bool).tril()
-    plane = rep.reshape(L, S)
-    if plane.dtype == torch.bool:
-        return bool(torch.equal(plane, tri))
-    if not plane.is_floating_point():
-        return False
-    allowed_zero = bool((plane[tri] == 0).all())
-    off = plane[~tri]
-    masked = bool(((off == float("-inf")) | (off <= torch.finfo(plane.dtype).min)).all())
+    allowed_zero = bool((planes[:, tri] == 0).all())
+    off = planes[:, ~tri]
+    masked = bool(((off == float("-inf")) | (off <= torch.finfo(planes.dtype).min)).all())
     return allowed_zero and masked
 
 
@@ -321,7 +319,7 @@ def _rep_uncached(gm: fx.GraphModule, node: fx.Node, memo: dict) -> Any:
             fill = node.args[2] if name == "new_full" else node.args[1]
             if isinstance(fill, fx.Node):
                 raise _Unprovable(f"mask path fills with a graph value ({name})")
-        return torch.full((1,) * rank, fill, dtype=val.dtype)
+        return torch.full((1,) * rank, fill, dtype=val.dtype, device=val.device)
     if name == "dropout" and (len(node.args) < 3 or node.args[2] is False):
         return _tensor_arg(gm, node.args[0], memo)  # eval dropout is the identity
     if name in _ELEMENTWISE or torch.Tag.pointwise in getattr(node.target, "tags", ()):
@@ -367,7 +365,7 @@ def _index(gm: fx.GraphModule, node: fx.Node, memo: dict, rank: int) -> torch.Te
         if isinstance(rep, _Idx):
             if r.shape[d] != 1:
                 raise _Unprovable("mask path indexes a varying dimension with data-dependent indices")
-            rep = torch.zeros((1,) * rep.rank, dtype=torch.long)
+            rep = torch.zeros((1,) * rep.rank, dtype=torch.long, device=r.device)
         elif not isinstance(rep, torch.Tensor) or rep.dtype not in (torch.long, torch.int):
             raise _Unprovable("mask path has a non-integer index")
         elif r.shape[d] == 1:

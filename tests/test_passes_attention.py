@@ -162,6 +162,19 @@ def test_simplify_attention_mask_makes_gpt2_causal_mask_is_causal():
         zoo.assert_matches_eager(model, gm, entry.example_inputs(batch), "fp32")
 
 
+def test_simplify_attention_mask_causal_with_static_batch():
+    # torch.compile(dynamic=False) hands the backend a static batch: the mask is evaluated whole, (3, 1, L, S).
+    pytest.importorskip("transformers")
+    model = zoo.ZOO["gpt2"].build()
+    x = zoo.ZOO["gpt2"].example_inputs(3)
+    gm = torch.export.export(model, x, strict=False).module()
+
+    result = simplify_attention_mask(gm, SPEC)
+
+    assert result.count == 2 and all(_is_causal(n) for n in _sdpa(gm))
+    zoo.assert_matches_eager(model, gm, zoo.ZOO["gpt2"].example_inputs(3), "fp32")
+
+
 def test_simplify_attention_mask_skips_mask_built_from_batch_size():
     # All True in fact, but arange(batch) reads the batch size: not provable by the pass, so kept.
     _, gm = _capture_const("from_batch")
