@@ -2,7 +2,7 @@
 # One device call on the lent H200: tctune's own runs plus the pass benchmarks, every baseline measured in the
 # same call. Usage there (after installing the wheels, see benchmarks/NOTES.md):
 #   OUT=/some/dir bash benchmarks/run_h200.sh [part...]
-#   parts: optimize fusion train pareto backend padding suite suite_a suite_b aoti
+#   parts: optimize fusion train pareto backend padding suite suite_a suite_b suite_c aoti
 #   (suite: every model, --quick; suite_a / suite_b: GPT-2 + BERT-base / BERT-large + ResNet-50 + seed CNN with
 #   every torch.compile variant, one device call each)
 # Each step has its own time limit so one slow step cannot cost the others; logs and JSON go to $OUT, and
@@ -32,6 +32,8 @@ for p in $parts; do case $p in
               --budget 310 --model-limit 155 --compile-budget 90 ;;
   suite_b)  step suite_b 400 python3 benchmarks/suite.py --out "$OUT/r/suite_b" --models bert_large,resnet50,seed_cnn \
               --budget 385 --model-limit 175 --compile-budget 110 ;;
+  suite_c)  step suite_c 500 python3 benchmarks/suite.py --out "$OUT/r/suite_c" --models gpt2,resnet50,bert_large,seed_cnn \
+              --budget 480 --model-limit 140 --compile-budget 80 --policies pure ;;
   aoti)     step bench_aoti 200 python3 benchmarks/bench_aoti.py --out "$OUT/r/aoti" --bert-timeout 150 ;;
 esac; done
 find "$OUT/r" \( -name '*.onnx' -o -name '*.onnx.data' -o -name 'study.db' -o -name '*.pt2' \) -delete

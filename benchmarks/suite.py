@@ -51,7 +51,8 @@ remaining time; for a compile also ``--compile-budget``, default 60 s): when it 
 as ``timeout`` with the reason and the model goes on (a compile is abandoned and Dynamo reset). A variant is
 not started when the model has less time left than it needs (recorded as ``skipped``). ``--quick`` skips the
 ``torch.compile`` variants (baseline, tctune graph + Inductor, backend). ``--model-limit S`` replaces every
-model's limit (for runs of one or two models with every compile). Memory is released between variants.
+model's limit (for runs of one or two models with every compile); ``--policies pure`` skips the autocast-policy
+graph variants. Memory is released between variants.
 """
 from __future__ import annotations
 
@@ -451,6 +452,11 @@ def run_model(name: str, args, device: torch.device, hw, clock: Clock, ceilings:
     entry["capture"] = {"ok": gm is not None, "reason": capture_reason}
 
     for prec, policy in GRAPH_VARIANTS:
+        if policy not in args.policies:
+            for rt in ("eager", "cudagraphs"):
+                variants[f"tctune_{prec}{_SFX[policy]}_{rt}"] = {
+                    "kind": "tctune", "precision": prec, "status": "skipped", "reason": f"--policies {','.join(args.policies)}"}
+            continue
         passes_info: dict = {}
         built: dict = {}  # the rewritten graph, shared by the eager and CUDA-graph variants of this precision
         tag = f"{prec}{_SFX[policy]}"
@@ -632,8 +638,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds one torch.compile may take before it is abandoned (default %(default)s)")
     p.add_argument("--model-limit", type=float, default=None,
                    help="seconds per model, replacing the built-in limits (still capped by --budget)")
+    p.add_argument("--policies", default="autocast,pure",
+                   help="cast policies of the tctune graph's eager / CUDA-graph variants (default %(default)s)")
     p.add_argument("--debug", action="store_true", help="print tracebacks of failing variants")
     args = p.parse_args(argv)
+    args.policies = tuple(x.strip() for x in args.policies.split(",") if x.strip())
+    if not args.policies or set(args.policies) - {"autocast", "pure"}:
+        p.error(f"--policies: choose from autocast,pure (got {','.join(args.policies) or 'nothing'})")
     if args.model_limit is not None:
         if args.model_limit <= 0:
             p.error("--model-limit must be positive")
