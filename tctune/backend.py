@@ -106,7 +106,6 @@ class SubgraphReport:
         seconds: wall time of each step, in seconds: ``export`` (re-export of Dynamo's graph), ``passes``
             (tctune's pipeline) and ``inductor`` (``compile_fx``: AOT autograd + code generation up to the
             first call; Triton kernels may still compile lazily on that call).
-        constants: stored tensors (weights after the passes) handed to Inductor as inputs on every call.
     """
 
     precision: str
@@ -115,7 +114,6 @@ class SubgraphReport:
     fallback: str = ""
     frozen: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
-    constants: int = 0
 
     def count(self, pass_name: str) -> int:
         """Rewrites made by ``pass_name`` in this subgraph (0 when it did not run)."""
@@ -201,6 +199,7 @@ def _default_precision(hw) -> str:
 
 
 def _compile(gm: fx.GraphModule, example_inputs: list, cfg: BackendConfig) -> Callable:
+    _warm_compile_pool()
     from torch._inductor.compile_fx import compile_fx
 
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
@@ -222,6 +221,19 @@ def _compile(gm: fx.GraphModule, example_inputs: list, cfg: BackendConfig) -> Ca
         compiled = compile_fx(gm, example_inputs)
     _record(report)
     return compiled
+
+
+def _warm_compile_pool() -> None:
+    """Start Inductor's Triton compile worker pool now, as torch's own ``inductor`` backend does before
+    ``compile_fx``: until the pool is ready, kernels compile one at a time in this process."""
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:  # pragma: no cover - other torch versions
+        return
+    try:
+        maybe_warm_pool()
+    except Exception as exc:  # noqa: BLE001 - a pool that cannot start only costs compile time
+        logger.debug("could not warm Inductor's compile pool: %s", exc)
 
 
 def _record(report: SubgraphReport) -> None:
@@ -367,63 +379,15 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
     report.seconds["passes"] = round(t2 - t1, 3)
     for r in report.results:
         logger.debug("tctune pass %s: %d rewrites, %d skipped", r.name, r.count, len(r.skipped))
-    constants = _lift_constants(exported)
-    report.constants = len(constants)
-    compiled = compile_fx(exported, [*runtime_args, *constants])
+    compiled = compile_fx(exported, list(runtime_args))
     report.seconds["inductor"] = round(time.perf_counter() - t2, 3)
     runtime = inputs.runtime
 
     def run(*args: Any):
-        return compiled(*[args[i] for i in runtime], *constants)
+        return compiled(*[args[i] for i in runtime])
 
     run._tctune_report = report  # type: ignore[attr-defined]
     return run
-
-
-def _lift_constants(gm: fx.GraphModule) -> list[torch.Tensor]:
-    """Turn every ``get_attr`` tensor (frozen, padded and cast weights; constants the passes added) into a
-    trailing graph input and return the tensors in that order.
-
-    Why: handed to ``compile_fx`` as ``get_attr`` constants, BERT-base's 200 weights made Inductor's compile
-    take 40 s on the H200 against 4 s for the same graph with its weights as inputs (what Dynamo gives
-    Inductor), with the same run time (benchmarks/NOTES.md, 2026-11-30 second session). The tensors are still
-    computed once; each call passes the stored tensors. The graph's pytree codegen (``ep.module()``'s) is
-    replaced by the plain one: the inputs are flat tensors and the output a flat tuple either way.
-    """
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    anchor = placeholders[-1] if placeholders else None
-    seen: dict[str, fx.Node] = {}
-    tensors: list[torch.Tensor] = []
-    for node in list(gm.graph.nodes):
-        if node.op != "get_attr":
-            continue
-        value = _get_attr(gm, str(node.target))
-        if not isinstance(value, torch.Tensor):
-            continue
-        key = str(node.target)
-        if key not in seen:
-            ctx = gm.graph.inserting_after(anchor) if anchor is not None else gm.graph.inserting_before(
-                next(iter(gm.graph.nodes)))
-            with ctx:
-                ph = gm.graph.placeholder(f"tctune_const_{len(tensors)}")
-            ph.meta.update(node.meta)
-            if "val" not in ph.meta:
-                ph.meta["val"] = value
-            seen[key] = anchor = ph
-            tensors.append(value)
-        node.replace_all_uses_with(seen[key])
-        gm.graph.erase_node(node)
-    if tensors:
-        gm.graph._codegen = fx.graph.CodeGen()
-        gm.recompile()
-    return tensors
-
-
-def _get_attr(gm: fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _strip_export_checks(gm: fx.GraphModule) -> None:

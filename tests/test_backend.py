@@ -135,8 +135,6 @@ def test_backend_policy_pure_casts_the_keep_list_too():
         rep = tb.reports[-1]
         assert not rep.fallback, rep.fallback
         assert set(rep.seconds) == {"export", "passes", "inductor"} and all(v >= 0 for v in rep.seconds.values())
-        # weights reach Inductor as inputs, not get_attr constants (those made its compile 10x slower)
-        assert rep.constants >= len(list(model.parameters()))
         cast = next(r for r in rep.results if r.name == "cast_precision")
         kept[policy] = [s for s in cast.skipped if "keep-list" in s.reason]
     assert kept["autocast"], "autocast policy keeps layer_norm / softmax in FP32"
