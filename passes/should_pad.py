@@ -17,7 +17,9 @@ Tensor Core alignment ``align`` (elements) of the pass spec:
    (H200, bf16, LM head 16384x768: V=50304 2.06 ms vs V=50264 2.09 ms); otherwise the alignment.
 3. Small convolution input channels (``conv2d`` ``Cin <= rules.conv_small_cin.max_cin``, 4 on Hopper) at a
    dtype the evidence covers (fp16): the fastest measured channel count, a multiple of 4 (7x7 NHWC stem
-   conv Cin 3/4/8: 1.12/0.97/1.78 ms, so 3 pads to 4, not 8).
+   conv Cin 3/4/8: 1.12/0.97/1.78 ms, so 3 would pad to 4, not 8) — unless the measurement also timed the
+   padded graph *with its channel-pad op* (``ms_with_pad_op_by_Cin``) and that was no faster than unpadded:
+   on the H200 padding a Cin 3 input to 4 in the graph took 2.44 ms against 1.10 ms, so it is not padded.
 4. Otherwise the alignment (fp16 GEMM K=8191 vs 8192: 140 vs 646 TFLOP/s; 3x3 conv C=61 vs 64: 0.59 vs
    0.29 ms).
 5. Tiny reduction dimensions (``K``, ``Cin``: the roles in ``max_inflation_roles``): if the chosen multiple
@@ -196,6 +198,12 @@ def _small_cin_rule(small: Mapping, entry: Mapping, dtype: str, size: int, where
     if size % multiple == 0:
         return PadDecision(False, multiple, "already aligned")
     padded = -(-size // multiple) * multiple
+    # A faster kernel for Cin 4 is no win if padding the input in the graph costs more than it saves.
+    with_pad = {int(k): float(v) for k, v in ev.get("ms_with_pad_op_by_Cin", {}).items()}
+    if size in times and padded in with_pad and with_pad[padded] >= times[size]:
+        return PadDecision(False, multiple, (
+            f"can pad but should not: Cin {size} -> {padded} with the channel pad itself took {with_pad[padded]} ms "
+            f"vs {times[size]} ms unpadded on {where} ({ev.get('with_pad_op_source', src)})"))
     return PadDecision(True, multiple, f"Cin {size} -> {padded}: small-Cin rule on {where} ({src})")
 
 

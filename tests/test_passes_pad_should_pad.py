@@ -1,6 +1,7 @@
 """Tests for passes.should_pad (the measured should-pad table) and its use by pad_linear_dims."""
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -35,7 +36,7 @@ def test_should_pad_table_holds_design_facts():
         ("linear", {"N": 50257}, "bf16", "cpu", (True, 8)),  # unknown arch: default rules
         ("mm", {"K": 8191}, "fp16", "Hopper", (True, 8)),
         ("linear", {"N": 10}, "fp16", "Hopper", (True, 8)),  # N: widening the output only
-        ("conv2d", {"Cin": 3}, "fp16", "Hopper", (True, 4)),  # stem conv: 3 -> 4, not 8
+        ("conv2d", {"Cin": 3}, "fp16", "Hopper", (False, 4)),  # stem: 3 -> 4 is faster, but not with the pad op
         ("conv2d", {"Cout": 61}, "bf16", "Hopper", (True, 8)),
         ("linear", {"K": 64}, "fp16", "Hopper", (False, 8)),
         ("linear", {"N": 50304}, "bf16", "Hopper", (False, 64)),
@@ -56,6 +57,20 @@ def test_should_pad_small_cin_rule_matches_its_evidence():
 
     assert fastest == hopper["rules"]["conv_small_cin"]["multiple"] == 4
     assert should_pad("conv2d", {"Cin": 3}, "fp16", "Hopper").multiple == fastest
+
+
+def test_should_pad_small_cin_weighs_the_pad_op():
+    """3 -> 4 is the fastest kernel, but the measured graph with its channel-pad op was slower than Cin 3:
+    not padded, and the reason cites that measurement. Without that measurement the rule pads 3 -> 4."""
+    hopper, _ = arch_entry("Hopper")
+    pad, multiple, reason = should_pad("conv2d", {"Cin": 3}, "fp16", "Hopper")
+    assert (pad, multiple) == (False, 4)
+    assert "with the channel pad itself took 2.44 ms" in reason
+
+    table = copy.deepcopy(load_table())
+    measurement(table["arch"]["Hopper"], "stem_conv_7x7_cin").pop("ms_with_pad_op_by_Cin")
+    pad, multiple, reason = should_pad("conv2d", {"Cin": 3}, "fp16", "Hopper", table=table)
+    assert (pad, multiple) == (True, 4) and "small-Cin rule" in reason
 
 
 def test_should_pad_skips_tiny_reduction_dims():
