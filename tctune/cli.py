@@ -24,7 +24,7 @@ and may define score(model) -> float (your own accuracy metric, higher is better
 
 What is searched: batch size x precision (those the hardware allows: fp32, tf32, fp16, bf16 on a GPU;
 fp32 and bf16 on the CPU) x graph passes on/off (off = the model as written, with torch.autocast for
-fp16/bf16) x runtime (eager; cudagraphs and inductor on a GPU; compile time is reported). Every candidate is timed (CUDA events on a GPU, perf_counter on the CPU; warm-up, median of
+fp16/bf16) x runtime (eager; cudagraphs, inductor and inductor-cudagraphs on a GPU; compile time is reported). Every candidate is timed (CUDA events on a GPU, perf_counter on the CPU; warm-up, median of
 repeats) and compared with FP32 eager on the same fresh random inputs; a candidate whose relative L2
 error exceeds --max-error is never chosen. FP32 eager at every batch size is measured first (the
 baseline). The study is kept in OUT/study.db: running the same command again adds trials to it.
@@ -133,8 +133,9 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     o.add_argument("--seed", type=int, default=0, help="sampler seed (default %(default)s)")
     o.add_argument("--runtimes", metavar="LIST",
-                   help="execution backends to search: eager, cudagraphs, inductor, inductor-max-autotune "
-                        "(default: eager,cudagraphs,inductor on a GPU; eager on the CPU)")
+                   help="execution backends to search: eager, cudagraphs, inductor, inductor-max-autotune, "
+                        "inductor-cudagraphs (Inductor's code replayed as a CUDA graph) "
+                        "(default: eager,cudagraphs,inductor,inductor-cudagraphs on a GPU; eager on the CPU)")
     o.add_argument("--compile-budget", type=float, default=300.0, metavar="SECONDS",
                    help="an Inductor compile slower than this rejects its trial and stops further compiles (default %(default)g)")
     o.add_argument("--no-prune", action="store_true",

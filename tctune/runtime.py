@@ -10,6 +10,10 @@ These are the execution-backend choices of the search (``--runtimes``). They wra
 - ``inductor``: ``torch.compile`` (mode ``default`` or ``max-autotune-no-cudagraphs``); the compile time is
   measured on its own and bounded by ``--compile-budget``. DESIGN.md records fp16 ``torch.compile`` of
   BERT-large at 955 seq/s against 1,797 for fp16 eager on the H200: never assume compiling wins.
+- ``inductor-cudagraphs``: the Inductor-compiled callable (mode ``default``) captured as one CUDA graph and
+  replayed like ``cudagraphs``: inference only. On the H200 this was the fastest way to run tctune's graph on
+  all five suite models (benchmarks/RESULTS.md, 2026-11-30 second session), e.g. seed CNN 0.134 ms vs
+  0.187 ms Inductor alone, BERT-base 3.31 vs 3.50 ms.
 """
 from __future__ import annotations
 
@@ -19,9 +23,11 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_map
 
-RUNTIMES_GPU = ("eager", "cudagraphs", "inductor")
+RUNTIMES_GPU = ("eager", "cudagraphs", "inductor", "inductor-cudagraphs")
 RUNTIMES_CPU = ("eager",)
-ALL_RUNTIMES = ("eager", "cudagraphs", "inductor", "inductor-max-autotune")
+ALL_RUNTIMES = ("eager", "cudagraphs", "inductor", "inductor-max-autotune", "inductor-cudagraphs")
+#: Runtimes that replay a CUDA graph (inference on a CUDA GPU only).
+CUDA_GRAPH_RUNTIMES = ("cudagraphs", "inductor-cudagraphs")
 
 
 class Autocast(torch.nn.Module):
@@ -97,12 +103,15 @@ def wrap(fn: Callable, runtime: str, inputs: tuple[torch.Tensor, ...]) -> tuple[
         out = CudaGraphed(fn, inputs)
         torch.cuda.synchronize()
         return out, time.perf_counter() - t0
-    if runtime in ("inductor", "inductor-max-autotune"):
+    if runtime in ("inductor", "inductor-max-autotune", "inductor-cudagraphs"):
         mode = "max-autotune-no-cudagraphs" if runtime == "inductor-max-autotune" else "default"
         compiled = torch.compile(fn, mode=mode, dynamic=False)
         with torch.inference_mode():
             compiled(*inputs)  # compile now, so it is not timed as a call
         if inputs and inputs[0].is_cuda:
+            torch.cuda.synchronize()
+        if runtime == "inductor-cudagraphs":
+            compiled = CudaGraphed(compiled, inputs)
             torch.cuda.synchronize()
         return compiled, time.perf_counter() - t0
     raise ValueError(f"unknown runtime {runtime!r}; choose from {', '.join(ALL_RUNTIMES)}")

@@ -34,7 +34,7 @@ from .hardware import POLICIES, HardwareSpec
 from .measure import (ErrorStats, check_accuracy, compare, is_oom, precision_mode, release_memory,
                       time_call)
 from .modelfile import ModelFile
-from .runtime import RUNTIMES_CPU, RUNTIMES_GPU, Autocast, ChannelsLast, detach_outputs, wrap
+from .runtime import CUDA_GRAPH_RUNTIMES, RUNTIMES_CPU, RUNTIMES_GPU, Autocast, ChannelsLast, detach_outputs, wrap
 
 log = logging.getLogger("tctune")
 
@@ -68,7 +68,8 @@ class TuneConfig:
         export: build ONNX (and TensorRT where importable) for the best configuration.
         quiet: no progress bar.
         runtimes: execution backends to search (``eager``, ``cudagraphs``, ``inductor``,
-            ``inductor-max-autotune``); None: all but max-autotune on a GPU, ``eager`` on the CPU.
+            ``inductor-max-autotune``, ``inductor-cudagraphs``); None: all but max-autotune on a GPU (no CUDA
+            graphs in train mode), ``eager`` on the CPU.
         compile_budget_s: an Inductor compile slower than this rejects its trial and stops further compiles.
         objective: ``throughput`` (items/s, maximized), ``latency`` (p99 ms per batch, minimized) or ``pareto``
             (throughput, p99 latency and peak memory together: the report lists the Pareto front).
@@ -218,12 +219,13 @@ class Tuner:
         self.out_dir = Path(cfg.out_dir)
         default = RUNTIMES_GPU if self.device.type == "cuda" else RUNTIMES_CPU
         if cfg.mode == "train":
-            default = tuple(r for r in default if r != "cudagraphs")
+            default = tuple(r for r in default if r not in CUDA_GRAPH_RUNTIMES)
         self.runtimes = tuple(cfg.runtimes or default)
-        if cfg.mode == "train" and "cudagraphs" in self.runtimes:
-            raise UsageError("--runtimes cudagraphs is for inference; in --mode train use eager or inductor")
-        if self.device.type != "cuda" and "cudagraphs" in self.runtimes:
-            raise UsageError("--runtimes cudagraphs needs a CUDA GPU; this machine measures on the CPU")
+        graphed = [r for r in self.runtimes if r in CUDA_GRAPH_RUNTIMES]
+        if cfg.mode == "train" and graphed:
+            raise UsageError(f"--runtimes {graphed[0]} is for inference; in --mode train use eager or inductor")
+        if self.device.type != "cuda" and graphed:
+            raise UsageError(f"--runtimes {graphed[0]} needs a CUDA GPU; this machine measures on the CPU")
         self.compile_over_budget: str | None = None
         self._opened = False
         self.interrupted = False

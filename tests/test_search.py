@@ -197,3 +197,34 @@ def test_memory_format_dimension_runs_channels_last(tmp_path, monkeypatch):
     assert fp32 and all(tr.user_attrs["max_rel_error"] < 1e-5 for tr in fp32)
     # the reference model itself was never converted
     assert next(t.model.parameters()).is_contiguous()
+
+
+@pytest.mark.parametrize("runtime", ["cudagraphs", "inductor-cudagraphs"])
+def test_cuda_graph_runtimes_need_a_gpu_and_inference(tiny, tmp_path, runtime):
+    from tctune.errors import UsageError
+
+    with pytest.raises(UsageError, match=f"--runtimes {runtime} needs a CUDA GPU"):
+        tuner(tiny, tmp_path, runtimes=(runtime,))
+    with pytest.raises(UsageError, match=f"--runtimes {runtime} is for inference"):
+        tuner(tiny, tmp_path, runtimes=(runtime,), mode="train")
+
+
+def test_default_runtimes_per_device():
+    from tctune.runtime import ALL_RUNTIMES, CUDA_GRAPH_RUNTIMES, RUNTIMES_CPU, RUNTIMES_GPU
+
+    assert RUNTIMES_CPU == ("eager",)
+    assert "inductor-cudagraphs" in RUNTIMES_GPU and set(RUNTIMES_GPU) <= set(ALL_RUNTIMES)
+    assert set(CUDA_GRAPH_RUNTIMES) <= set(ALL_RUNTIMES)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_inductor_cudagraphs_matches_eager_on_gpu():
+    from tctune.runtime import wrap
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()).cuda().eval()
+    x = torch.randn(8, 64, device="cuda")
+    fn, setup_s = wrap(model, "inductor-cudagraphs", (x,))
+    y = torch.randn(8, 64, device="cuda")  # fresh values into the static input buffer
+    with torch.no_grad():
+        torch.testing.assert_close(fn(y).clone(), model(y), rtol=1e-4, atol=1e-4)
+    assert setup_s > 0
