@@ -83,7 +83,7 @@ sys.path.insert(0, str(ROOT))
 
 from torch.utils._pytree import tree_map  # noqa: E402
 
-from tctune.measure import float_leaves, precision_mode, time_call  # noqa: E402
+from tctune.measure import compare, precision_mode, time_call  # noqa: E402
 from tctune.modelfile import load_model_file  # noqa: E402
 from tctune.runtime import Autocast, wrap  # noqa: E402
 
@@ -126,8 +126,6 @@ PRECISION = {"fp32_eager": "fp32", "tf32_eager": "tf32", "autocast_bf16": "bf16"
              **{f"tctune_{p}{_SFX[pol]}_{rt}": p for p, pol in GRAPH_VARIANTS for rt in ("eager", "cudagraphs")}}
 #: Seconds a variant needs left on its model's clock to be started (compiles: see ``--compile-budget``).
 MIN_LEFT_S = {"cudagraphs": 6.0, "compile": 12.0, "other": 3.0}
-#: Elements per chunk when the error is computed in float64 on the device (GPT-2's logits are 823 M).
-ERROR_CHUNK = 1 << 25
 
 
 # ------------------------------------------------------------------------------------------------ deadlines
@@ -246,32 +244,10 @@ def release(device: torch.device) -> None:
 
 
 def error_stats(out: Any, ref: Any) -> dict:
-    """Relative L2 (max over floating outputs), max-abs and NaN/inf count of ``out`` against ``ref``, in float64
-    on the outputs' device, a chunk at a time."""
-    outs, refs = float_leaves(out), float_leaves(ref)
-    if len(outs) != len(refs):
-        raise RuntimeError(f"variant returns {len(outs)} floating outputs, the model {len(refs)}")
-    rel, max_abs, nonfinite = 0.0, 0.0, 0
-    for o, r in zip(outs, refs):
-        if o.shape != r.shape:
-            raise RuntimeError(f"output shape {tuple(o.shape)} differs from the model's {tuple(r.shape)}")
-        o, r = o.detach().reshape(-1), r.detach().reshape(-1).to(o.device)
-        num = torch.zeros((), dtype=torch.float64, device=o.device)
-        den, mx = num.clone(), num.clone()
-        bad = torch.zeros((), dtype=torch.int64, device=o.device)
-        for i in range(0, o.numel(), ERROR_CHUNK):
-            oc, rc = o[i:i + ERROR_CHUNK].double(), r[i:i + ERROR_CHUNK].double()
-            fin = torch.isfinite(oc)
-            bad += (~fin).sum()
-            d = torch.where(fin, oc, torch.zeros_like(oc)) - rc
-            num += (d * d).sum()
-            den += (rc * rc).sum()
-            mx = torch.maximum(mx, d.abs().max()) if d.numel() else mx
-        denom = math.sqrt(float(den)) or 1.0
-        rel = max(rel, math.sqrt(float(num)) / denom)
-        max_abs = max(max_abs, float(mx))
-        nonfinite += int(bad)
-    return {"rel_l2_error": rel, "max_abs_error": max_abs, "nonfinite": nonfinite}
+    """Relative L2 (max over floating outputs), max-abs and NaN/inf count of ``out`` against ``ref``: tctune's own
+    ``tctune.measure.compare`` (float64 on the outputs' device, a chunk at a time)."""
+    err = compare(out, ref)
+    return {"rel_l2_error": err.rel_l2_error, "max_abs_error": err.max_abs_error, "nonfinite": err.nonfinite}
 
 
 def timed(fn: Callable[[], Any], batch: int, device: torch.device) -> dict:
