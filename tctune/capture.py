@@ -67,7 +67,7 @@ def capture(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.f
         except Exception:
             raise _capture_error(exc) from exc  # the named-batch error reads better ("(batch)")
         lo, hi = _batch_range(ep)
-        if lo is None:
+        if lo is None or not _only_bounds(ep):
             raise _capture_error(exc) from exc
         log.info("torch.export narrowed the dynamic batch to [%s, %s]", lo, hi)
         if lo > 1:  # Dim.DYNAMIC starts at 2; a named Dim with the narrowed max keeps batch 1 (best effort)
@@ -127,10 +127,18 @@ def _batch_range(ep) -> tuple[int | None, int | None]:
     return None, None
 
 
+def _only_bounds(ep) -> bool:
+    """Whether the exported program's input guards are bounds only (``size <= 1000``, ``size < 32``), which
+    :func:`batch_range` describes. A guard like ``size != 32`` (a model branching on one batch size) is a hole
+    in the range that the tuner could not see: such a model is not captured."""
+    guards = getattr(ep, "_guards_code", None) or []  # torch >= 2.9; absent: the range is all there is
+    return all(("!=" not in g and "==" not in g) for g in guards)
+
+
 def _as_int(bound: Any, default: int) -> int:
     try:
         return int(bound)
-    except (TypeError, ValueError, OverflowError):  # sympy's int_oo / -int_oo
+    except Exception:  # noqa: BLE001 - sympy's oo / int_oo raise TypeError, OverflowError or AttributeError
         return default
 
 

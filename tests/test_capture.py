@@ -45,6 +45,22 @@ def test_bounded_batch_is_narrowed_not_refused():
         torch.testing.assert_close(gm(x), model(x))
 
 
+class _Hole(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.shape[0] == 32:  # one batch size takes another path: not a range
+            return self.fc(x) * 2
+        return self.fc(x)
+
+
+def test_branch_on_one_batch_size_is_not_captured():
+    with pytest.raises(CaptureError, match="fixes the batch size"):
+        capture(_Hole().eval(), (torch.randn(4, 8),))
+
+
 def test_fixed_batch_is_one_clear_error():
     with pytest.raises(CaptureError, match=r"fixes the batch size.*\n.*fix: use x.shape\[0\] or -1"):
         capture(_Fixed().eval(), (torch.randn(4, 8),))

@@ -96,7 +96,13 @@ def test_out_of_memory_is_recorded_and_the_study_goes_on(tmp_path):
     assert ok8, "batch 8 trials must complete"
     big = [t for t in study.trials if t.params["batch_size"] >= 32]
     assert big and all(t.state != optuna.trial.TrialState.COMPLETE for t in big)
-    assert all("out of memory" in t.user_attrs["fail_reason"] for t in big)
+    # The model as written runs out of memory; tctune's graph was captured for the batches the model's
+    # `x.shape[0] >= 32` branch allows (1..31), so its candidates there are skipped with that reason.
+    eager = [t for t in big if not t.params["graph_passes"]]
+    assert eager and all("out of memory" in t.user_attrs["fail_reason"] for t in eager)
+    assert all(("out of memory" in t.user_attrs.get("fail_reason", "")
+                or "accepts batch 1..31" in t.user_attrs.get("fail_reason", t.user_attrs.get("skip_reason", "")))
+               for t in big if t.params["graph_passes"])
 
 
 def test_nonfinite_output_is_rejected_with_count():
