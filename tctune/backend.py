@@ -81,7 +81,12 @@ class BackendConfig:
     def __post_init__(self) -> None:
         if self.precision is not None and self.precision not in ("fp32", "tf32", "fp16", "bf16"):
             raise ValueError(f"precision must be fp32, tf32, fp16, bf16 or None, got {self.precision!r}")
+        if not isinstance(self.pad, bool):
+            raise ValueError(f"pad must be True or False, got {self.pad!r}")
         if self.passes is not None:
+            if isinstance(self.passes, str):
+                raise ValueError(f"passes must be a list of pass names, got the string {self.passes!r} "
+                                 f"(write passes=[{self.passes!r}])")
             object.__setattr__(self, "passes", tuple(self.passes))
         from tctune.hardware import POLICIES
 
@@ -106,14 +111,30 @@ class SubgraphReport:
         seconds: wall time of each step, in seconds: ``export`` (re-export of Dynamo's graph), ``passes``
             (tctune's pipeline) and ``inductor`` (``compile_fx``: AOT autograd + code generation up to the
             first call; Triton kernels may still compile lazily on that call).
+        policy: the cast policy used (``"autocast"`` or ``"pure"``).
+
+    ``summary()`` (also its ``repr``) gives all of that in one line.
     """
 
     precision: str
     training: bool
-    results: list[PassResult] = field(default_factory=list)
+    results: list[PassResult] = field(default_factory=list, repr=False)
     fallback: str = ""
     frozen: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
+    policy: str = "autocast"
+
+    def summary(self) -> str:
+        """One line: precision, policy, what each pass rewrote, fallback reason and step seconds."""
+        fired = ", ".join(f"{r.name} {r.count}" for r in self.results if r.count) or "no rewrites"
+        mode = "training" if self.training else "inference"
+        head = f"{self.precision} ({self.policy} policy, {mode}): "
+        body = f"plain Inductor ({self.fallback})" if self.fallback else fired
+        secs = ", ".join(f"{k} {v:.2f} s" for k, v in self.seconds.items())
+        return head + body + (f"; {secs}" if secs else "")
+
+    def __repr__(self) -> str:
+        return f"SubgraphReport({self.summary()})"
 
     def count(self, pass_name: str) -> int:
         """Rewrites made by ``pass_name`` in this subgraph (0 when it did not run)."""
@@ -155,6 +176,13 @@ def backend(
     unknown = [n for n in cfg.pass_names() if n not in PASSES]
     if unknown:
         raise ValueError(f"unknown pass(es) {unknown}; known passes: {sorted(PASSES)}")
+    if target is not None:
+        from tctune.errors import HardwareError, UsageError
+
+        try:
+            _hardware(target, True)
+        except (HardwareError, UsageError) as exc:  # a user error: raised here, not a silent Inductor fallback
+            raise ValueError(f"target {target!r}: {str(exc).splitlines()[0]}") from None
 
     def tctune(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
         return _compile(gm, example_inputs, cfg)
@@ -204,7 +232,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, cfg: BackendConfig) -> Ca
 
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
     training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    report = SubgraphReport(precision=cfg.precision or "?", training=training)
+    report = SubgraphReport(precision=cfg.precision or "?", training=training, policy=cfg.policy)
     try:
         on_gpu = any(t.is_cuda for t in tensors)
         hw = _hardware(cfg.target, on_gpu)

@@ -69,12 +69,12 @@ def capture(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.f
         lo, hi = _batch_range(ep)
         if lo is None or not _only_bounds(ep):
             raise _capture_error(exc) from exc
-        log.info("torch.export narrowed the dynamic batch to [%s, %s]", lo, hi)
         if lo > 1:  # Dim.DYNAMIC starts at 2; a named Dim with the narrowed max keeps batch 1 (best effort)
             try:
                 ep = _export(model, inputs, torch.export.Dim("batch", min=1, max=hi))
             except Exception:  # noqa: BLE001 - keep the Dim.DYNAMIC program
                 pass
+        log.info("torch.export bounded the dynamic batch: tctune's graph accepts batch %s..%s", *_batch_range(ep))
     gm = ep.module()
     lo, hi = _batch_range(ep)
     gm.meta["tctune_batch_range"] = (lo if lo is not None else 1, hi if hi is not None else MAX_BATCH)
@@ -166,11 +166,14 @@ def _hint(message: str, printed: str) -> str:
 
 @contextlib.contextmanager
 def _quiet_torch_logs():
-    names = ("torch.fx.experimental.symbolic_shapes", "torch.export", "torch._dynamo", "torch._export")
+    # torch logs a failing fake-tensor op at ERROR level with its traceback, through a handler bound to the
+    # terminal's stderr (not redirectable): tctune reports the failure itself, in one message.
+    names = ("torch.fx.experimental.symbolic_shapes", "torch.export", "torch._dynamo", "torch._export",
+             "torch._subclasses.fake_tensor")
     loggers = [logging.getLogger(n) for n in names]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
-        lg.setLevel(logging.ERROR)
+        lg.setLevel(logging.CRITICAL)
     try:
         yield
     finally:

@@ -22,11 +22,14 @@ It must define:
   example_inputs(batch_size: int) -> tuple[torch.Tensor, ...]   (batch on dim 0, fresh random data)
 and may define score(model) -> float (your own accuracy metric, higher is better).
 
-What is searched: batch size x precision (those the hardware allows: fp32, tf32, fp16, bf16 on a GPU;
-fp32 and bf16 on the CPU) x graph passes on/off (off = the model as written, with torch.autocast for
-fp16/bf16) x runtime (eager; cudagraphs, inductor and inductor-cudagraphs on a GPU; compile time is reported). Every candidate is timed (CUDA events on a GPU, perf_counter on the CPU; warm-up, median of
-repeats) and compared with FP32 eager on the same fresh random inputs; a candidate whose relative L2
-error exceeds --max-error is never chosen. FP32 eager at every batch size is measured first (the
+What is searched: batch size x precision (those the hardware allows: fp32, tf32, fp16, bf16 on a GPU,
+plus fp8 E4M3 GEMMs on sm_89 and newer for inference; fp32 and bf16 on the CPU) x graph passes on/off
+(off = the model as written, with torch.autocast for fp16/bf16) x runtime (eager; cudagraphs, inductor and
+inductor-cudagraphs on a GPU; compile time is reported); on a GPU also the cast policy of tctune's graph
+(autocast: FP32 keep-list, residual adds and embeddings; pure: everything low, like model.half()) and, for
+conv nets, the memory format (contiguous or channels-last). Every candidate is timed (CUDA events on a GPU,
+perf_counter on the CPU; warm-up, median of repeats) and compared with FP32 eager on the same fresh random
+inputs; a candidate whose relative L2 error exceeds --max-error (--max-error-fp8 for fp8) is never chosen. FP32 eager at every batch size is measured first (the
 baseline). The study is kept in OUT/study.db: running the same command again adds trials to it.
 
 Outputs in OUT (default tctune_out/<model name>/): report.json, report.md, study.db,
@@ -110,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--batch-sizes", default="8,32,128", metavar="LIST",
                    help="batch sizes to search: 8,32,128 or a range 16-256 (powers of two); default %(default)s")
     o.add_argument("--trials", type=int, default=16, metavar="N", help="trials to add to the study in this run (default %(default)s)")
-    o.add_argument("--timeout", type=float, metavar="SECONDS", help="stop starting new trials after this long")
+    o.add_argument("--timeout", type=float, metavar="SECONDS", help="stop starting new trials after this long (default: no time limit; --trials bounds the run)")
     o.add_argument("--max-error", type=float, default=1e-2, metavar="E",
                    help="largest relative L2 error against FP32 eager a result may have (default %(default)g)")
     o.add_argument("--mode", choices=("infer", "train"), default="infer",
@@ -164,7 +167,10 @@ def _cmd_detect(args) -> int:
         from .hardware import no_gpu_reason
         payload = {"gpus": [s.to_dict() for s in specs]}
         if not specs:
+            from .hardware import _cpu_spec
+
             payload["reason"] = no_gpu_reason()
+            payload["cpu"] = _cpu_spec().to_dict()  # what `tctune optimize` plans for and measures on here
         print(json.dumps(payload if not args.target else specs[0].to_dict(), indent=2))
     else:
         print(describe(specs))
@@ -182,12 +188,26 @@ def _summary(report: dict, out: Path) -> str:
         if base and b.get("speedup_vs_baseline"):
             lines.append(f"      {b['speedup_vs_baseline']:.2f}x FP32 eager at the same batch ({base['throughput']:.4g} items/s)")
     else:
-        lines.append("no configuration met --max-error; see the report")
+        from .report import failure_summary
+
+        lines.append(f"no configuration qualified: {failure_summary(report.get('trials', []))}")
     a = report.get("artifacts", {})
     if a.get("tensorrt_skipped_reason"):
         lines.append(f"TensorRT: {a['tensorrt_skipped_reason']}")
     lines.append(f"report: {out / 'report.md'}  ({report['study']['n_complete']} of {report['study']['n_trials']} trials complete in the study)")
     return "\n".join(lines)
+
+
+def _parse_runtimes(text: str | None) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not names:
+        from .runtime import ALL_RUNTIMES
+
+        raise UsageError(f"--runtimes is empty\n  fix: a comma list from {', '.join(ALL_RUNTIMES)}, or leave it out "
+                         "for the default")
+    return names
 
 
 def _cmd_optimize(args) -> int:
@@ -197,7 +217,7 @@ def _cmd_optimize(args) -> int:
     cfg = TuneConfig(out_dir=str(out), batch_sizes=parse_batch_sizes(args.batch_sizes), trials=args.trials,
                      timeout_s=args.timeout, max_error=args.max_error, max_error_fp8=args.max_error_fp8, target=args.target, storage=args.storage,
                      seed=args.seed, export=not args.no_export, quiet=args.quiet,
-                     runtimes=tuple(x.strip() for x in args.runtimes.split(",") if x.strip()) if args.runtimes else None,
+                     runtimes=_parse_runtimes(args.runtimes),
                      compile_budget_s=args.compile_budget, objective=args.objective, mode=args.mode,
                      effective_batch=args.effective_batch, worker=args.worker, prune=not args.no_prune,
                      devices=parse_devices(args.devices) if args.devices else None,
@@ -205,7 +225,9 @@ def _cmd_optimize(args) -> int:
     report = optimize(args.model_file, cfg)
     if not cfg.worker:
         print(_summary(report, out))
-    return 130 if report.get("interrupted") else 0
+    if report.get("interrupted"):
+        return 130
+    return 0 if report.get("best") or cfg.worker else 1  # nothing qualified: a non-zero status scripts can see
 
 
 class _StderrHandler(logging.StreamHandler):

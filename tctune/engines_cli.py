@@ -115,6 +115,12 @@ def read_config(path: str | Path) -> dict:
     if not isinstance(params, dict) or not isinstance(params.get("batch_size"), int) \
             or not isinstance(params.get("precision"), str):
         raise UsageError(f"{p} has no params.batch_size (int) and params.precision (str)\n{fix}")
+    known = ("fp32", "tf32", "fp16", "bf16", "fp8")
+    if params["precision"] not in known:
+        raise UsageError(f"{p}: params.precision {params['precision']!r} is not one tctune tunes ({', '.join(known)})\n{fix}")
+    if params["precision"] == "fp8" and params.get("graph_passes") is False:
+        raise UsageError(f"{p}: precision fp8 needs tctune's graph (FP8 GEMMs are a graph rewrite), but "
+                         f"params.graph_passes is false\n{fix}")
     sizes = cfg.get("batch_sizes") or [params["batch_size"]]
     if not isinstance(sizes, list) or not all(isinstance(b, int) and b >= 1 for b in sizes):
         raise UsageError(f"{p}: batch_sizes must be a list of positive ints, got {sizes!r}\n{fix}")
@@ -142,6 +148,9 @@ def _config_target(cfg: dict) -> str | None:
     if cfg.get("target"):
         return str(cfg["target"])
     hw = cfg.get("hardware") or {}
+    if not isinstance(hw, dict):
+        raise UsageError(f"the config's hardware must be the object `tctune optimize` wrote, got {hw!r}\n"
+                         "  fix: remove it, or name the GPU with a \"target\" key (e.g. \"h100\" or \"sm_90\")")
     if hw.get("is_gpu") and hw.get("compute_capability"):
         return str(hw["compute_capability"])
     return None
@@ -239,6 +248,9 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
         manifest = {**base, "format": fmt, "artifact": path.name, **manifest_extra, "cache_key": key,
                     "result": info}
         runner = write_runner(path, manifest)
+        if fmt == "onnx" and info.get("onnx_fp32"):  # FP8: the validated FP32 twin with the same Q/DQ, CPU-runnable
+            twin = Path(info["onnx_fp32"])
+            write_runner(twin, {**manifest, "artifact": twin.name, "precision": "fp32", "qdq": "float8e4m3fn"})
         results[fmt] = {"status": "built", "path": str(path), "manifest": str(path) + ".manifest.json",
                         "runner": str(runner), "seconds": round(time.perf_counter() - started, 2), **info}
 
@@ -335,7 +347,7 @@ def _build_tensorrt(out: Path, inputs: list, sizes: dict, key: dict, finish, reu
 def _summary(info: dict, prefix: str) -> dict:
     """The JSON-ready subset of a build result kept in the manifest."""
     keep = {"onnx": ("onnx_opset", "onnx_max_abs_error", "onnx_validation", "onnx_error", "onnx_dynamic",
-                     "onnx_export_s", "onnx_outputs", "onnx_note", "onnx_fp8"),
+                     "onnx_export_s", "onnx_outputs", "onnx_note", "onnx_fp8", "onnx_fp32"),
             "aoti": ("aoti_device", "aoti_export_s", "aoti_compile_s", "aoti_validation", "aoti_max_abs_error",
                      "aoti_error")}[prefix]
     return {k: info.get(k) for k in keep}
@@ -399,6 +411,11 @@ def bench_artifact(artifact: str | Path, batch: int | None = None, iters: int = 
     except rt.RunnerError as exc:
         fix = ("\n  fix: bench it on a machine with TensorRT and a GPU, or bench the .onnx file"
                if path.suffix == ".engine" else "")
+        if path.suffix == ".onnx" and any(w in str(exc).lower() for w in ("bfloat16", "float16", "float8")):
+            twin = path.with_name(path.stem + ".fp32.onnx")
+            fix = ("\n  fix: onnxruntime's CPU provider lacks kernels for this precision; bench it with "
+                   "--provider CUDAExecutionProvider on a GPU, or TensorRT"
+                   + (f", or bench {twin.name} (the same graph in FP32) here" if twin.exists() else ""))
         raise ExportError(f"cannot time {path.name}: {exc}{fix}") from exc
 
 
@@ -424,7 +441,11 @@ def _bench_in_child(artifact: str, args) -> list[dict]:
 def _cmd_bench(args) -> int:
     from .cli import parse_batch_sizes
 
-    batches = list(parse_batch_sizes(args.batch)) if args.batch else [None]
+    try:
+        batches = list(parse_batch_sizes(args.batch)) if args.batch else [None]
+    except UsageError:
+        raise UsageError(f"invalid --batch {args.batch!r}\n  fix: a positive integer, a comma list (1,8,32) or a range "
+                         "LO-HI (1-64, powers of two)") from None
     if len(args.artifact) > 1:
         # Each artifact in a process of its own: runtimes (onnxruntime's thread pool, torch's) left alive by
         # one would otherwise slow the next one down (seen: a .pt2 timed 300x slower after an .onnx).

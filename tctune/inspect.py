@@ -554,7 +554,7 @@ def inspect_model_file(path: str, target: str | None = None, precision: str | No
     """
     import torch
 
-    from .capture import MAX_BATCH, capture
+    from .capture import MAX_BATCH, batch_range, capture
     from .hardware import resolve
     from .modelfile import load_model_file
     from .search import apply_passes
@@ -569,6 +569,10 @@ def inspect_model_file(path: str, target: str | None = None, precision: str | No
     capture_inputs = mf.inputs(max(2, min(batch_size, 8)))  # batch ≥ 2 so export keeps it symbolic
     with torch.no_grad():
         gm = capture(model, capture_inputs)
+    lo, hi = batch_range(gm)
+    if not lo <= batch_size <= hi:
+        raise UsageError(f"--batch-size {batch_size} is outside the batch range the model allows ({lo}..{hi}: "
+                         f"torch.export found a bound in its forward)\n  fix: --batch-size {min(max(lo, 8), hi)}")
     inputs = mf.inputs(batch_size)
     before = inspect_graph(gm, inputs, hw, precision, as_eager=True)
     after, results, error = None, [], None

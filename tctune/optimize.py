@@ -105,6 +105,8 @@ def write_onnx_runners(tuner: Tuner, params: dict, artifacts: dict, graph: torch
                         "written_by": "tctune optimize"}
             if key == "onnx" and artifacts.get("onnx_note"):
                 manifest["note"] = artifacts["onnx_note"]  # e.g. FP8: static activation scales, how validated
+            if params["precision"] == "fp8" and artifacts.get("onnx_fp8"):
+                manifest["qdq"] = "float8e4m3fn"  # the runner then avoids onnxruntime's float8 Q/DQ fusions
             artifacts[f"{key}_runner"] = str(write_runner(path, manifest))
         except Exception as exc:  # a runner is a convenience: never lose the run over it
             log.warning("no runner for %s: %s", path, exc)
@@ -192,7 +194,8 @@ def export_best(tuner: Tuner, params: dict, out: Path) -> tuple[dict, list[dict]
         ort_ran_model = (artifacts.get("onnx_fp8") or {}).get("validated_on") == "model"
     else:
         ort_ran_model = artifacts.get("onnx_max_abs_error") is not None
-    if artifacts.get("onnx") and not ort_ran_model and export_precision in ("fp16", "bf16", "fp8"):
+    if (artifacts.get("onnx") and not ort_ran_model and export_precision in ("fp16", "bf16", "fp8")
+            and not artifacts.get("onnx_fp32")):  # FP8: the validated FP32 twin with the same Q/DQ is already kept
         # onnxruntime's CPU provider lacks many fp16/bf16 kernels: the typed model.onnx is for TensorRT or a GPU
         # provider. Also write the same graph in FP32 so there is an engine that runs (and is validated) anywhere.
         g32, _ = apply_passes(tuner.captured.graph_module, tuner.hw, "fp32", EXPORT_PIPELINE)

@@ -183,7 +183,7 @@ def render_markdown(r: dict) -> str:
             lines.append("- The passes changed nothing in this graph: any difference from the model as written "
                          "is the runtime or measurement noise.")
     else:
-        lines.append("No trial met the accuracy limit; see the trials table for the reasons.")
+        lines.append(f"No trial met the limits: {failure_summary(r.get('trials', []))}. The trials table has each reason.")
     if r.get("pareto_front"):
         lines += ["", "## Pareto front (throughput ↑, p99 latency ↓, peak memory ↓)", "",
                   "| trial | precision | graph passes | runtime | batch | items/s | p99 ms | peak MiB | rel. error |",
@@ -255,3 +255,24 @@ def write_report(report: dict, out_dir: str | Path) -> tuple[Path, Path]:
     write_atomic(j, json.dumps(report, indent=2, default=str) + "\n")
     write_atomic(m, render_markdown(report))
     return j, m
+
+
+def failure_summary(trials: list[dict], top: int = 2) -> str:
+    """Why no trial qualified, in one line: the most common ``fail_reason`` texts (numbers stripped so trials
+    that failed the same way count together), e.g. ``"12 of 12 trials did not qualify; most common: the
+    model raised at batch size N (8x)"``."""
+    import collections
+    import re
+
+    bad = [t for t in trials if t.get("state") != "COMPLETE" or t.get("fail_reason")]
+    if not trials:
+        return "no trial ran"
+    reasons = collections.Counter()
+    example: dict[str, str] = {}
+    for t in bad:
+        text = (t.get("fail_reason") or t.get("state") or "unknown").splitlines()[0]
+        key = re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "N", text)[:160]
+        reasons[key] += 1
+        example.setdefault(key, text[:200])
+    common = "; ".join(f"{example[k]} ({n}x)" for k, n in reasons.most_common(top))
+    return f"{len(bad)} of {len(trials)} trials did not qualify" + (f"; most common: {common}" if common else "")

@@ -226,6 +226,9 @@ class Tuner:
             raise UsageError(f"--runtimes {graphed[0]} is for inference; in --mode train use eager or inductor")
         if self.device.type != "cuda" and graphed:
             raise UsageError(f"--runtimes {graphed[0]} needs a CUDA GPU; this machine measures on the CPU")
+        if cfg.max_memory_mib is not None and self.device.type != "cuda":
+            log.warning("--max-memory-mib limits peak CUDA memory; this run measures on the %s, where it is not "
+                        "measured, so the limit is ignored", self.device.type.upper())
         self.compile_over_budget: str | None = None
         self._opened = False
         self.interrupted = False

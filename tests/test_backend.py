@@ -159,6 +159,7 @@ def test_backend_policy_pure_casts_the_keep_list_too():
         rep = tb.reports[-1]
         assert not rep.fallback, rep.fallback
         assert set(rep.seconds) == {"export", "passes", "inductor"} and all(v >= 0 for v in rep.seconds.values())
+        assert rep.policy == policy and f"({policy} policy, inference)" in repr(rep) and "cast_precision" in rep.summary()
         cast = next(r for r in rep.results if r.name == "cast_precision")
         kept[policy] = [s for s in cast.skipped if "keep-list" in s.reason]
     assert kept["autocast"], "autocast policy keeps layer_norm / softmax in FP32"
@@ -172,6 +173,12 @@ def test_backend_rejects_unknown_option():
         tb.backend(passes=["no_such_pass"])
     with pytest.raises(ValueError, match="policy"):
         tb.backend(policy="half")
+    with pytest.raises(ValueError, match="target 'h999'"):
+        tb.backend(target="h999")  # a user error, raised now: not a silent fallback at compile time
+    with pytest.raises(ValueError, match=r"write passes=\['fuse_qkv'\]"):
+        tb.backend(passes="fuse_qkv")
+    with pytest.raises(ValueError, match="pad must be True or False"):
+        tb.backend(pad="yes")
 
 
 # ------------------------------------------------------------------------------------------------ graphs

@@ -124,7 +124,8 @@ def test_unknown_target_lists_names(tmp_path):
     assert r.returncode == 2 and "h100" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("args,match", [(["--trials", "0"], "--trials"), (["--batch-sizes", "8,x"], "--batch-sizes")])
+@pytest.mark.parametrize("args,match", [(["--trials", "0"], "--trials"), (["--batch-sizes", "8,x"], "--batch-sizes"),
+                                        (["--runtimes", ""], "--runtimes is empty")])
 def test_bad_options(tmp_path, args, match):
     r = run_cli("optimize", SEED_CNN, "--out", tmp_path, "--quiet", *args)
     assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr
@@ -143,3 +144,31 @@ def test_help_says_the_file_is_executed(capsys):
     with pytest.raises(SystemExit):
         main(["optimize", "--help"])
     assert "executed" in capsys.readouterr().out
+
+
+FIXED_BATCH = ("import torch\nclass M(torch.nn.Module):\n    def __init__(self):\n"
+               "        super().__init__(); self.fc = torch.nn.Linear(8, 4)\n"
+               "    def forward(self, x):\n        return self.fc(x.view(4, -1))\n"
+               "def build_model():\n    return M()\n"
+               "def example_inputs(b):\n    return (torch.randn(b, 8),)\n")
+
+
+def test_nothing_qualifies_names_the_cause_and_exits_1(tmp_path):
+    """Every trial fails (the model only runs at batch 4): the summary says why, not "--max-error"."""
+    f = tmp_path / "fixed.py"
+    f.write_text(FIXED_BATCH)
+    r = run_cli("optimize", f, "--out", tmp_path / "out", "--batch-sizes", "8", "--trials", "4", "--quiet",
+                "--no-export")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "no configuration qualified" in r.stdout and "did not qualify" in r.stdout
+    assert "batch size 8" in r.stdout and "--max-error" not in r.stdout
+    assert "Traceback" not in r.stdout + r.stderr
+
+
+def test_inspect_batch_outside_the_models_range(tmp_path):
+    f = tmp_path / "bounded.py"
+    f.write_text(FIXED_BATCH.replace("return self.fc(x.view(4, -1))",
+                                     "torch._check(x.shape[0] <= 16)\n        return self.fc(x)"))
+    r = run_cli("inspect", f, "--batch-size", "32")
+    assert r.returncode == 2 and "outside the batch range the model allows (1..16" in r.stderr
+    assert "fix: --batch-size 8" in r.stderr and "Traceback" not in r.stderr

@@ -336,3 +336,24 @@ def test_aoti_loader_crash_is_reported_not_fatal(tmp_path, monkeypatch):
     ok_python.chmod(0o755)
     monkeypatch.setattr(aoti.sys, "executable", str(ok_python))
     assert aoti._load_crashes(tmp_path / "model.pt2") is None
+
+
+@pytest.mark.parametrize("edit,match", [
+    ({"params": {"batch_size": 8, "precision": "fp64", "graph_passes": True}}, "params.precision 'fp64'"),
+    ({"params": {"batch_size": 8, "precision": "fp8", "graph_passes": False}}, "fp8 needs tctune's graph"),
+    ({"params": {"batch_size": 8, "precision": "fp32", "graph_passes": True}, "hardware": "H100"},
+     "the config's hardware must be"),
+])
+def test_export_rejects_bad_config_values(tmp_path, edit, match, capsys):
+    cfg = tmp_path / "best_config.json"
+    cfg.write_text(json.dumps(edit))
+    rc = main(["export", str(SEED_CNN), "--config", str(cfg), "--format", "onnx", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and match in err and "Traceback" not in err
+
+
+def test_bench_bad_batch_names_its_own_flag(tmp_path, capsys):
+    f = tmp_path / "m.onnx"
+    f.write_bytes(b"x")
+    assert main(["bench", str(f), "--batch", "0"]) == 2
+    assert "invalid --batch '0'" in capsys.readouterr().err

@@ -516,7 +516,14 @@ def test_optimize_export_best_fp8_writes_qdq_onnx(tmp_path):
     assert [e["batch_size"] for e in artifacts["onnx_validation"]] == [1, 4, 3]
     assert artifacts["onnx_fp8"]["calibration_batches"] == 2  # the reference inputs at batch 4 and 64
     if artifacts["onnx_fp8"]["validated_on"] != "model":  # onnxruntime cannot run bf16: an FP32 engine too
-        assert Path(artifacts["onnx_fp32"]).exists() and artifacts["onnx_fp32_error"] is None
+        # the validated FP32 twin, with the same float8 Q/DQ, runs on onnxruntime's CPU provider
+        import onnxruntime as ort
+
+        assert Path(artifacts["onnx_fp32"]) == tmp_path / "model.fp32.onnx"
+        twin = onnx.load(str(tmp_path / "model.fp32.onnx"))
+        assert sum(n.op_type == "QuantizeLinear" for n in twin.graph.node) == 3
+        sess = ort.InferenceSession(str(tmp_path / "model.fp32.onnx"), providers=["CPUExecutionProvider"])
+        assert sess.get_inputs()
     manifest = json.loads(Path(str(artifacts["onnx"]) + ".manifest.json").read_text())
     assert manifest["precision"] == "fp8" and "static per-tensor" in manifest["note"]
     assert any(p["name"] == "cast_fp8_linears" and p["changed"] == 3 for p in passes)

@@ -90,6 +90,10 @@ def load_onnx(artifact: str, manifest: dict, provider: str | None = None):
         providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available] or available
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    if manifest.get("precision") == "fp8" or manifest.get("qdq"):
+        # float8 Q/DQ: onnxruntime's extended graph fusions were seen to drop an op (1.32) or refuse the model
+        # (1.30); the basic level runs it as written.
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     try:
         session = ort.InferenceSession(artifact, options, providers=providers)
     except Exception as exc:  # noqa: BLE001 - e.g. no bf16 kernel on the CPU provider

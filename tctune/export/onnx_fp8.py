@@ -36,7 +36,8 @@ Validation: onnxruntime's CPU provider has no bf16 QuantizeLinear/MatMul kernels
 shape and type inference), and an *FP32 twin* is validated numerically in its place: the same graph exported
 in FP32 with the identical Q/DQ nodes, float8 weights and (bf16-rounded) scales, run by onnxruntime and
 compared with the PyTorch FP8 graph (``_scaled_mm``) on fresh inputs at each batch size; it proves the Q/DQ
-placement, the weight layout/axis and the scales. The twin is written to a temporary folder and deleted.
+placement, the weight layout/axis and the scales. The twin is built in a temporary folder and, once it
+validates, kept beside the model as ``<name>.fp32.onnx`` (a CPU-runnable copy with the same Q/DQ).
 The limit on the relative L2 error is ``max(tolerance, 2 * e)`` with tolerance 5e-2 (tctune's FP8 limit)
 and ``e`` the PyTorch FP8 graph's own relative L2 error against the FP32 graph on the same inputs: the two
 models quantize activations independently (static per-tensor here, dynamic per-token there), and two
@@ -643,6 +644,9 @@ def export_onnx_fp8(
             problems.append(f"model.onnx not run by onnxruntime ({main_reason}); FP32 twin: {twin_problem}")
         else:
             fp8_info["validated_on"] = "fp32 twin"
+            kept = path.with_name(path.stem + ".fp32.onnx")
+            if kept.exists():
+                info["onnx_fp32"] = str(kept)
     problems += [e["error"] for e in entries if "error" in e]
 
     info["onnx_validation"] = entries
@@ -755,7 +759,12 @@ def _validate_twin(graphs: FP8Graphs, make_inputs: Callable, path: Path, export_
         if session is None:
             return [], reason
         device = _module_device(reference)
-        return [_validate_fp8_batch(reference, make_inputs, b, device, names, session, *check) for b in sizes], None
+        entries = [_validate_fp8_batch(reference, make_inputs, b, device, names, session, *check) for b in sizes]
+        del session
+        if not any("error" in e for e in entries) and not (tmpdir / "twin.onnx.data").exists():
+            # Keep it beside model.onnx: the same Q/DQ graph in FP32, which onnxruntime's CPU provider runs.
+            os.replace(twin, path.with_name(path.stem + ".fp32.onnx"))
+        return entries, None
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
 
@@ -800,9 +809,12 @@ def _note(fp8: dict, main_reason: str, ref_problem: str | None) -> str:
     if fp8["validated_on"] == "model":
         text += f"; validated with onnxruntime against the {fp8['reference']}"
     elif fp8["validated_on"] == "fp32 twin":
-        text += ("; onnxruntime cannot run model.onnx on the CPU (" + main_reason.split(": ", 1)[-1][:160]
+        why = main_reason.split(": ", 1)[-1].strip()
+        why = why if len(why) <= 160 else why[:157].rstrip() + "..."
+        text += ("; onnxruntime cannot run model.onnx on the CPU (" + why
                  + "), so it was checked with onnx.checker (full shape/type inference) and an FP32 twin with "
-                 f"identical Q/DQ, float8 weights and scales was validated against the {fp8['reference']}")
+                 f"identical Q/DQ, float8 weights and scales was validated against the {fp8['reference']}"
+                 " (kept as model.fp32.onnx, which runs on the CPU)")
     else:
         text += "; checked with onnx.checker (full shape/type inference) only, not run by onnxruntime"
     if ref_problem:
