@@ -209,16 +209,23 @@ def _export_atomically(module: torch.nn.Module, example: tuple[torch.Tensor, ...
         except Exception as exc:  # noqa: BLE001 - onnx raises ValidationError and friends
             raise ExportError(f"onnx.checker rejected the exported {path.name}: {_one_line(exc)}") from exc
 
-        produced = {p.name for p in tmpdir.iterdir()}
-        for name in sorted(produced - {path.name}):  # external data first, the model last
-            os.replace(tmpdir / name, path.parent / name)
-        stale = path.parent / (path.name + ".data")
-        if stale.name not in produced and stale.exists():
-            stale.unlink()
-        os.replace(tmp, path)
+        publish(tmpdir, path)
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
     return dynamic, caught
+
+
+def publish(tmpdir: Path, path: Path) -> None:
+    """Move a model written as ``tmpdir / path.name`` (and its external-data files) to ``path``: the data
+    first, the model last, so a reader never sees a model without its data; a stale ``<name>.data`` from an
+    earlier export that this one does not have is removed."""
+    produced = {p.name for p in tmpdir.iterdir()}
+    for name in sorted(produced - {path.name}):
+        os.replace(tmpdir / name, path.parent / name)
+    stale = path.parent / (path.name + ".data")
+    if stale.name not in produced and stale.exists():
+        stale.unlink()
+    os.replace(tmpdir / path.name, path)
 
 
 @contextlib.contextmanager

@@ -88,6 +88,7 @@ from tctune.export.onnx import (
     _to_device,
     _validate_batch,
     export_onnx,
+    publish,
 )
 
 #: The opset of FP8 exports: the lowest with float8 QuantizeLinear/DequantizeLinear (per-tensor and per-axis).
@@ -784,13 +785,7 @@ def _save_checked(model: Any, path: Path, external: bool) -> None:
             onnx.checker.check_model(str(tmp), full_check=True)
         except Exception as exc:  # noqa: BLE001 - onnx raises ValidationError / InferenceError
             raise ExportError(f"onnx.checker rejected the FP8 Q/DQ model {path.name}: {_one_line(exc)}") from exc
-        produced = {p.name for p in tmpdir.iterdir()}
-        for name in sorted(produced - {path.name}):
-            os.replace(tmpdir / name, path.parent / name)
-        stale = path.parent / (path.name + ".data")
-        if stale.name not in produced and stale.exists():
-            stale.unlink()
-        os.replace(tmp, path)
+        publish(tmpdir, path)
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
 
