@@ -187,6 +187,11 @@ def _summary(report: dict, out: Path) -> str:
                      f"{b['throughput']:.4g} items/s, rel. error {b['max_rel_error']:.2e}")
         if base and b.get("speedup_vs_baseline"):
             lines.append(f"      {b['speedup_vs_baseline']:.2f}x FP32 eager at the same batch ({base['throughput']:.4g} items/s)")
+            from .report import base_trial, unstable_timing
+
+            shaky = unstable_timing(b, base_trial(report))
+            if shaky:
+                lines.append(f"      unstable timing ({shaky}): not a reliable speedup; measure on an idle machine")
     else:
         from .report import failure_summary
 

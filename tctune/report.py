@@ -88,6 +88,28 @@ def measurement_noise(*rows: dict | None) -> float | None:
     return max(spreads) if spreads else None
 
 
+#: Above this spread of a trial's repeats, or this ratio between its repeat median and its single-call p50,
+#: its timing is reported as unstable (a busy machine: other processes, CPU frequency changes).
+UNSTABLE_SPREAD = 0.5
+UNSTABLE_RATIO = 2.0
+
+
+def unstable_timing(*rows: dict | None) -> str | None:
+    """Why the timing of these trial rows cannot be trusted, or None: repeats spread by more than
+    ``UNSTABLE_SPREAD`` of their median, or the repeat median (``latency_ms``) and the single-call median
+    (``latency_p50_ms``) disagreeing by more than ``UNSTABLE_RATIO``x and 0.05 ms."""
+    spread = measurement_noise(*rows)
+    if spread is not None and spread > UNSTABLE_SPREAD:
+        return f"repeats spread by {spread:.0%} of their median"
+    for row in rows:
+        a, b = (row or {}).get("latency_ms"), (row or {}).get("latency_p50_ms")
+        # (a small absolute gap is a synchronized single call's fixed overhead on a tiny GPU workload, not noise)
+        if a and b and max(a, b) / min(a, b) > UNSTABLE_RATIO and abs(a - b) > 0.05:
+            return (f"trial {row.get('number')}: median of repeats {a:.3g} ms vs single calls {b:.3g} ms "
+                    f"({max(a, b) / min(a, b):.1f}x apart)")
+    return None
+
+
 def build_report(study: optuna.Study, *, hardware: dict, measured_on: str, config: dict, model: dict,
                  passes: list[dict], artifacts: dict, capture: dict, extra: dict | None = None) -> dict:
     """Assemble the report dictionary (see README, "Output files", for every field)."""
@@ -179,6 +201,10 @@ def render_markdown(r: dict) -> str:
             lines.append(f"- **Within measurement noise**: the repeats of these two trials spread by up to "
                          f"{noise:.0%}, more than the difference between them. Measure on a quiet machine "
                          "(or more repeats) before relying on this speedup.")
+        shaky = unstable_timing(b, base_trial(r))
+        if shaky:
+            lines.append(f"- **Unstable timing** ({shaky}): the machine was busy while measuring; the speedup above "
+                         "is not reliable. Measure again on an idle machine.")
         if p.get("graph_passes") and r["passes"] and all(ps["changed"] == 0 for ps in r["passes"]):
             lines.append("- The passes changed nothing in this graph: any difference from the model as written "
                          "is the runtime or measurement noise.")

@@ -228,3 +228,16 @@ def test_inductor_cudagraphs_matches_eager_on_gpu():
     with torch.no_grad():
         torch.testing.assert_close(fn(y).clone(), model(y), rtol=1e-4, atol=1e-4)
     assert setup_s > 0
+
+
+def test_unstable_timing_is_flagged():
+    from tctune.report import unstable_timing
+
+    steady = {"number": 1, "repeats_ms": [1.0, 1.02, 0.99], "latency_ms": 1.0, "latency_p50_ms": 1.05}
+    assert unstable_timing(steady, steady) is None
+    spread = {"number": 2, "repeats_ms": [0.02, 1.1, 0.5], "latency_ms": 0.5, "latency_p50_ms": 0.5}
+    assert "spread" in unstable_timing(steady, spread)
+    apart = {"number": 3, "repeats_ms": [15.0, 15.1, 15.0], "latency_ms": 15.0, "latency_p50_ms": 0.02}
+    assert "trial 3" in unstable_timing(apart)
+    tiny_gpu = {"number": 4, "repeats_ms": [0.010, 0.010], "latency_ms": 0.010, "latency_p50_ms": 0.030}
+    assert unstable_timing(tiny_gpu) is None  # 3x apart but 0.02 ms: a synchronized call's fixed cost
