@@ -21,7 +21,7 @@ baselines (the model as written)
     ``fp16_eager``      ``copy.deepcopy(model).half()``; channels-last for the conv nets; floating inputs are
                         cast (and made channels-last) inside the timed call
     ``fp16_compile``    ``torch.compile`` of that fp16 model (mode default); compile time is recorded apart
-tctune
+tctune (conv nets channels-last, weights and inputs, like their fp16 baselines)
     ``tctune_{bf16,fp16}_eager``        the captured graph (tctune.capture: torch.export, dynamic batch) after
                                         ``tctune.search.apply_passes`` with the spec from ``tctune.hardware.resolve()``
     ``tctune_{bf16,fp16}_cudagraphs``   the same graph replayed as one CUDA graph (``tctune.runtime.wrap``;
@@ -85,7 +85,7 @@ from torch.utils._pytree import tree_map  # noqa: E402
 
 from tctune.measure import compare, precision_mode, time_call  # noqa: E402
 from tctune.modelfile import load_model_file  # noqa: E402
-from tctune.runtime import Autocast, wrap  # noqa: E402
+from tctune.runtime import Autocast, ChannelsLast, wrap  # noqa: E402
 
 INPUT_SEED = 1234
 MAX_ERROR = 1e-2
@@ -411,6 +411,12 @@ def run_model(name: str, args, device: torch.device, hw, clock: Clock, ceilings:
     measure("autocast_bf16", lambda: (Autocast(model, torch.bfloat16, device.type), 0.0))
     measure("fp16_eager", lambda: (HalfModel(model, spec.conv), 0.0))
 
+    def layout(module: torch.nn.Module) -> torch.nn.Module:
+        """Conv nets run channels-last, as their fp16 baselines do (the search's memory-format dimension)."""
+        if not spec.conv:
+            return module
+        return ChannelsLast(module.to(memory_format=torch.channels_last))
+
     # -- tctune graph: capture once, passes per precision
     gm, capture_reason = None, None
     if clock.model_left() >= MIN_LEFT_S["other"]:
@@ -441,7 +447,7 @@ def run_model(name: str, args, device: torch.device, hw, clock: Clock, ceilings:
             if "g" not in built:
                 t0 = time.perf_counter()
                 g, results = apply_passes(gm, hw, prec, policy=policy)
-                built["g"] = g.to(device)
+                built["g"] = layout(g.to(device))
                 info["passes"] = {r.name: r.count for r in results}
                 info["passes_s"] = round(time.perf_counter() - t0, 2)
             return built["g"]
@@ -475,7 +481,7 @@ def run_model(name: str, args, device: torch.device, hw, clock: Clock, ceilings:
         t0 = time.perf_counter()
         g, results = apply_passes(gm, hw, "fp16", policy="pure")
         ind["info"] = {"passes": {r.name: r.count for r in results}, "passes_s": round(time.perf_counter() - t0, 2)}
-        ind["fn"], setup = wrap(g.to(device), "inductor", inputs)
+        ind["fn"], setup = wrap(layout(g.to(device)), "inductor", inputs)
         return ind["fn"], setup
 
     def graph_inductor_graphed():
@@ -529,7 +535,8 @@ def run_model(name: str, args, device: torch.device, hw, clock: Clock, ceilings:
 
     for vname, make, extra in (
         ("fp16_compile", lambda: compiled(HalfModel(model, spec.conv)), None),
-        ("tctune_compile_fp16_pure", lambda: compiled(model, backend=tb.backend(precision="fp16", policy="pure")),
+        ("tctune_compile_fp16_pure", lambda: compiled(layout(copy.deepcopy(model)),
+                                                       backend=tb.backend(precision="fp16", policy="pure")),
          backend_report),
     ):
         if args.quick:
