@@ -547,7 +547,10 @@ class Tuner:
         bar = None
         if not self.cfg.quiet:
             from tqdm.auto import tqdm
-            bar = tqdm(total=self.cfg.trials, desc="trials", unit="trial", file=sys.stderr, dynamic_ncols=True)
+            total = self.cfg.trials
+            if self.space_size() <= BRUTE_FORCE_MAX:  # an enumerated space ends when every candidate is measured
+                total = min(total, max(0, self.space_size() - len(self.measured(study))))
+            bar = tqdm(total=total, desc="trials", unit="trial", file=sys.stderr, dynamic_ncols=True)
 
         stop_requested = []
 
