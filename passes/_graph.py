@@ -154,7 +154,10 @@ def fake_eval(target: Any, args: tuple, kwargs: dict | None = None) -> Any:
     fargs = fake_value(tuple(args))
     fkwargs = {k: fake_value(v) for k, v in (kwargs or {}).items()}
     flat = [v for v in torch.utils._pytree.tree_leaves((fargs, fkwargs)) if isinstance(v, torch.Tensor)]
-    mode = torch._guards.detect_fake_mode(flat)
+    # The arguments' own fake mode first: inside a torch.compile backend, detect_fake_mode would return Dynamo's
+    # (the active tracing context's), which cannot mix with the exported graph's fake tensors.
+    mode = next((t.fake_mode for t in flat if getattr(t, "fake_mode", None) is not None), None)
+    mode = mode or torch._guards.detect_fake_mode(flat)
     if mode is None:
         return None
     try:

@@ -402,7 +402,8 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
     report.frozen = sorted(inputs.weights.values())
     t1 = time.perf_counter()
     report.seconds["export"] = round(t1 - t0, 3)
-    report.results = run_pipeline(exported, spec, cfg.pass_names())
+    with torch._guards.tracing(None):  # the passes' fake tensors are export's, not Dynamo's (mixing them fails)
+        report.results = run_pipeline(exported, spec, cfg.pass_names())
     t2 = time.perf_counter()
     report.seconds["passes"] = round(t2 - t1, 3)
     for r in report.results:
