@@ -21,6 +21,19 @@ def op_name(node: fx.Node) -> str:
     return getattr(target, "__name__", str(target))
 
 
+def node_arg(node: fx.Node, i: int, name: str, default: Any = None) -> Any:
+    """Argument ``name`` of a call node, given positionally at index ``i`` or by keyword; ``default`` if absent."""
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+def set_node_arg(node: fx.Node, i: int, name: str, value: Any) -> None:
+    """Set argument ``name`` where the node gives it: positionally at index ``i``, else by keyword."""
+    if len(node.args) > i:
+        node.args = (*node.args[:i], value, *node.args[i + 1:])
+    else:
+        node.kwargs = {**node.kwargs, name: value}
+
+
 def round_up(n: int, align: int) -> int:
     """Smallest multiple of ``align`` that is >= ``n``."""
     return -(-n // align) * align

@@ -45,7 +45,7 @@ import dataclasses
 import torch
 from torch import fx, nn
 
-from passes._graph import copy_meta, fake_eval, fake_from_tensor, finish, get_attr_value, unique_attr_name
+from passes._graph import copy_meta, fake_eval, fake_from_tensor, finish, get_attr_value, node_arg, unique_attr_name
 from passes.base import PassResult, PassSpec, Skip
 from passes.cast_precision import cast_precision
 
@@ -237,7 +237,7 @@ def _ineligible(gm: fx.GraphModule, node: fx.Node, spec: PassSpec, cast_skips: d
         return f"input is {str(x_val.dtype).replace('torch.', '')}, not bf16, after cast_precision"
     if x_val.dim() < 1:
         return "input is a scalar"
-    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    bias = node_arg(node, 2, "bias")
     if bias is not None and not isinstance(bias, fx.Node):
         return "bias is not a tensor"
     return None
@@ -265,7 +265,7 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, w8_name: str, sw_name: str, scal
     """Replace the linear ``node`` by dynamic activation quantization + ``aten._scaled_mm`` (module docstring)."""
     graph = gm.graph
     x, w_node = node.args[0], node.args[1]
-    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    bias = node_arg(node, 2, "bias")
     weight = get_attr_value(gm, w8_name)
     n, k = weight.shape
     x_val = x.meta["val"]

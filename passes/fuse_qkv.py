@@ -28,7 +28,8 @@ import operator
 import torch
 from torch import fx, nn
 
-from passes._graph import copy_meta, fake_eval, fake_from_tensor, finish, get_attr_value, op_name, unique_attr_name
+from passes._graph import (copy_meta, fake_eval, fake_from_tensor, finish, get_attr_value, node_arg, op_name,
+                           unique_attr_name)
 from passes.base import PassResult, PassSpec, Skip
 
 NAME = "fuse_qkv"
@@ -94,7 +95,7 @@ def fuse_qkv(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
 def _key(gm: fx.GraphModule, node: fx.Node) -> tuple[tuple, str | None]:
     """``(compatibility key, None)`` for a fusable linear, or ``((), reason)``."""
     w = node.args[1]
-    b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    b = node_arg(node, 2, "bias")
     if not isinstance(w, fx.Node) or w.op != "get_attr":
         return (), "weight is not a parameter"
     weight = get_attr_value(gm, w.target)

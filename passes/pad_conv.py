@@ -66,7 +66,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from passes._graph import copy_meta, fake_eval, finish, get_attr_value, keep_outputs_contiguous, op_name, round_up
+from passes._graph import (copy_meta, fake_eval, finish, get_attr_value, keep_outputs_contiguous, node_arg, op_name,
+                           round_up)
 from passes.base import PassResult, PassSpec, Skip
 from passes.pad_linear import PADDED_FLAG, _replace_tensor, _weight_users
 from passes.should_pad import should_pad
@@ -117,8 +118,8 @@ def pad_conv_channels(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
     decisions: dict[str, dict] = {}
     for node in convs:
         x_node, w_node = node.args[0], node.args[1]
-        bias_node = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-        groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
+        bias_node = node_arg(node, 2, "bias")
+        groups = node_arg(node, 6, "groups", 1)
         # The weight must be a module attribute we can replace.
         if not isinstance(w_node, fx.Node) or w_node.op != "get_attr":
             result.skipped.append(Skip(node.name, "weight is not a parameter"))
@@ -244,10 +245,6 @@ def _scalar(value: Any) -> float | None:
     return value if math.isfinite(value) and abs(value) <= _F32_MAX else None
 
 
-def _arg(node: fx.Node, i: int, name: str, default: Any) -> Any:
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
-
-
 def _val(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else None
 
@@ -303,21 +300,21 @@ def _unary_bound(name: str, node: fx.Node, b: float) -> float | None:
     if name == "tanh":
         return min(b, 1.0)
     if name == "hardtanh":
-        lo, hi = _scalar(_arg(node, 1, "min_val", -1.0)), _scalar(_arg(node, 2, "max_val", 1.0))
+        lo, hi = _scalar(node_arg(node, 1, "min_val", -1.0)), _scalar(node_arg(node, 2, "max_val", 1.0))
         if lo is None or hi is None:
             return None
         return b if lo <= 0.0 <= hi else max(b, abs(lo), abs(hi))
     if name == "leaky_relu":
-        slope = _scalar(_arg(node, 1, "negative_slope", 0.01))
+        slope = _scalar(node_arg(node, 1, "negative_slope", 0.01))
         return None if slope is None else max(1.0, abs(slope)) * b
     if name == "elu":
-        alpha, scale = _scalar(_arg(node, 1, "alpha", 1.0)), _scalar(_arg(node, 2, "scale", 1.0))
-        input_scale = _scalar(_arg(node, 3, "input_scale", 1.0))
+        alpha, scale = _scalar(node_arg(node, 1, "alpha", 1.0)), _scalar(node_arg(node, 2, "scale", 1.0))
+        input_scale = _scalar(node_arg(node, 3, "input_scale", 1.0))
         if alpha is None or scale is None or input_scale is None or input_scale < 0:
             return None
         return abs(scale) * max(b, abs(alpha))  # v <= 0: alpha * (exp(input_scale * v) - 1) in (-alpha, 0]
     if name == "dropout":
-        return b if _arg(node, 2, "train", None) is False else None
+        return b if node_arg(node, 2, "train", None) is False else None
     if name in ("_to_copy", "to"):
         val = _val(node)
         return b if isinstance(val, torch.Tensor) and val.is_floating_point() else None
@@ -367,7 +364,7 @@ def _padded_bound(node: fx.Node, padded: dict[fx.Node, _Padded]) -> _Padded | No
             return None
         bound = fact.bound
         if base == "avg_pool2d":
-            divisor = _arg(node, 6, "divisor_override", None)
+            divisor = node_arg(node, 6, "divisor_override", None)
             if divisor is not None:
                 kernel = node.args[1]
                 kernel = list(kernel) * (2 // len(kernel)) if isinstance(kernel, (list, tuple)) else [kernel] * 2

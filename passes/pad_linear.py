@@ -32,6 +32,7 @@ from passes._graph import (
     finish,
     get_attr_value,
     keep_outputs_contiguous,
+    node_arg,
     round_up,
     set_attr_tensor,
 )
@@ -122,7 +123,7 @@ def pad_linear_dims(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         if n_new != n_old and not all(_rows_paddable(u, w) for u, w in users):
             result.skipped.append(Skip(node.name, "shared weight: N not padded (used by a non-linear op)"))
             n_new = n_old
-        bias_node = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        bias_node = node_arg(node, 2, "bias")
         bias = None
         if n_new != n_old and bias_node is not None:
             # The bias must be a module attribute used by this linear alone.

@@ -48,7 +48,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from passes._graph import finish, get_attr_value, op_name
+from passes._graph import finish, get_attr_value, node_arg, op_name, set_node_arg
 from passes.base import PassResult, PassSpec, Skip
 
 NAME = "simplify_attention_mask"
@@ -113,7 +113,7 @@ def simplify_attention_mask(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target != _SDPA:
             continue
-        mask = _mask_arg(node)
+        mask = node_arg(node, 3, "attn_mask")
         # No mask: nothing to simplify (also covers an earlier run of this pass).
         if mask is None:
             continue
@@ -133,36 +133,15 @@ def simplify_attention_mask(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         except _Unprovable as exc:
             result.skipped.append(Skip(node.name, str(exc)))
             continue
-        _set_mask_none(node)
+        set_node_arg(node, 3, "attn_mask", None)
         if causal:
-            _set_causal(node)
+            set_node_arg(node, 5, "is_causal", True)
             result.notes.setdefault("causal", []).append(node.name)
         result.changed.append(node.name)
         result.count += 1
     if result.count:
         finish(gm)
     return result
-
-
-def _mask_arg(node: fx.Node) -> Any:
-    """The ``attn_mask`` argument of an SDPA node (positional 3 or keyword), None when absent."""
-    if len(node.args) > 3:
-        return node.args[3]
-    return node.kwargs.get("attn_mask")
-
-
-def _set_mask_none(node: fx.Node) -> None:
-    if len(node.args) > 3:
-        node.args = (*node.args[:3], None, *node.args[4:])
-    else:
-        node.kwargs = {**node.kwargs, "attn_mask": None}
-
-
-def _set_causal(node: fx.Node) -> None:
-    if len(node.args) > 5:
-        node.args = (*node.args[:5], True, *node.args[6:])
-    else:
-        node.kwargs = {**node.kwargs, "is_causal": True}
 
 
 def _is_causal(sdpa: fx.Node, rep: Any) -> bool:
@@ -176,9 +155,7 @@ def _is_causal(sdpa: fx.Node, rep: Any) -> bool:
     """
     if not isinstance(rep, torch.Tensor) or rep.dim() < 2:
         return False
-    dropout = sdpa.args[4] if len(sdpa.args) > 4 else sdpa.kwargs.get("dropout_p", 0.0)
-    already = sdpa.args[5] if len(sdpa.args) > 5 else sdpa.kwargs.get("is_causal", False)
-    if dropout != 0.0 or already:
+    if node_arg(sdpa, 4, "dropout_p", 0.0) != 0.0 or node_arg(sdpa, 5, "is_causal", False):
         return False
     q, k = (a.meta.get("val") for a in sdpa.args[:2])
     L, S = q.shape[-2], k.shape[-2]
@@ -192,7 +169,7 @@ def _is_causal(sdpa: fx.Node, rep: Any) -> bool:
         return False
     allowed_zero = bool((planes[:, tri] == 0).all())
     off = planes[:, ~tri]
-    masked = bool(((off == float("-inf")) | (off <= torch.finfo(planes.dtype).min)).all())
+    masked = bool((off <= torch.finfo(planes.dtype).min).all())  # -inf included
     return allowed_zero and masked
 
 
@@ -293,8 +270,8 @@ def _rep_uncached(gm: fx.GraphModule, node: fx.Node, memo: dict) -> Any:
     rank = val.dim()
     if name == "arange":
         return _Idx(1, sorted(inputs)[0])  # arange(batch): values unknown, usable only as an index (_index)
-    if name == "unsqueeze" and isinstance(_rep(gm, node.args[0], memo), _Idx):
-        return _Idx(rank, _rep(gm, node.args[0], memo).source)
+    if name == "unsqueeze" and isinstance(src := _rep(gm, node.args[0], memo), _Idx):
+        return _Idx(rank, src.source)
     if name == "index":
         return _index(gm, node, memo, rank)
     if name in _ALONG_DIM:
