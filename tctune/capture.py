@@ -72,11 +72,13 @@ def capture(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.f
         if lo > 1:  # Dim.DYNAMIC starts at 2; a named Dim with the narrowed max keeps batch 1 (best effort)
             try:
                 ep = _export(model, inputs, torch.export.Dim("batch", min=1, max=hi))
+                lo = 1
             except Exception:  # noqa: BLE001 - keep the Dim.DYNAMIC program
                 pass
-        log.info("torch.export bounded the dynamic batch: tctune's graph accepts batch %s..%s", *_batch_range(ep))
+        log.info("torch.export bounded the dynamic batch: tctune's graph accepts batch %s..%s", lo, hi)
+    else:
+        lo, hi = _batch_range(ep)
     gm = ep.module()
-    lo, hi = _batch_range(ep)
     gm.meta["tctune_batch_range"] = (lo if lo is not None else 1, hi if hi is not None else MAX_BATCH)
     return gm
 
@@ -111,8 +113,9 @@ def _capture_error(exc: BaseException) -> CaptureError:
 
 def _batch_range(ep) -> tuple[int | None, int | None]:
     """The range of the first input's dim 0 in an ExportedProgram; ``(None, None)`` when it is a constant."""
+    user_inputs = _user_input_names(ep)
     for node in ep.graph.nodes:
-        if node.op != "placeholder" or node.name not in _user_input_names(ep):
+        if node.op != "placeholder" or node.name not in user_inputs:
             continue
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor) or val.dim() == 0:
