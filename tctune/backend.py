@@ -384,25 +384,25 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
     runtime_args = tuple(example_inputs[i] for i in inputs.runtime)
     dims = _dynamic_shapes(nodes, inputs.runtime)
     # forward(*runtime): export sees one varargs tuple, so the specs are nested one level.
-    # Export outside Dynamo's tracing context: its guards and symbols must not leak into Dynamo's.
+    # Export and passes run outside Dynamo's tracing context: its guards and symbols must not leak into Dynamo's,
+    # and the passes' fake tensors are export's (Dynamo's fake mode cannot mix with them).
     t0 = time.perf_counter()
     with torch._guards.tracing(None):
         ep = torch.export.export(
             wrapper, runtime_args, dynamic_shapes=None if dims is None else (dims,), strict=False
         )
-    sig = ep.graph_signature
-    mutated = dict(getattr(sig, "buffers_to_mutate", {}) or {})
-    if mutated:
-        # A module in train mode updating BN statistics: freezing would update a copy. Keep them inputs.
-        raise RuntimeError(f"the graph mutates module buffers {sorted(mutated.values())}; not frozen")
-    if getattr(sig, "user_inputs_to_mutate", None):
-        raise RuntimeError("the graph mutates its inputs in place; tctune does not rewrite such graphs")
-    exported = ep.module()
-    _strip_export_checks(exported)
-    report.frozen = sorted(inputs.weights.values())
-    t1 = time.perf_counter()
-    report.seconds["export"] = round(t1 - t0, 3)
-    with torch._guards.tracing(None):  # the passes' fake tensors are export's, not Dynamo's (mixing them fails)
+        sig = ep.graph_signature
+        mutated = dict(getattr(sig, "buffers_to_mutate", {}) or {})
+        if mutated:
+            # A module in train mode updating BN statistics: freezing would update a copy. Keep them inputs.
+            raise RuntimeError(f"the graph mutates module buffers {sorted(mutated.values())}; not frozen")
+        if getattr(sig, "user_inputs_to_mutate", None):
+            raise RuntimeError("the graph mutates its inputs in place; tctune does not rewrite such graphs")
+        exported = ep.module()
+        _strip_export_checks(exported)
+        report.frozen = sorted(inputs.weights.values())
+        t1 = time.perf_counter()
+        report.seconds["export"] = round(t1 - t0, 3)
         report.results = run_pipeline(exported, spec, cfg.pass_names())
     t2 = time.perf_counter()
     report.seconds["passes"] = round(t2 - t1, 3)
