@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from passes.base import DEFAULT_KEEP_LIST, PassFailure, PassResult, PassSpec, Skip
+from passes.base import DEFAULT_KEEP_LIST, PRECISIONS, PassFailure, PassResult, PassSpec, Skip
 from passes.cast_fp8 import cast_fp8_linears
 from passes.cast_precision import cast_precision
 from passes.fold_bn import fold_conv_batchnorm
@@ -95,6 +95,7 @@ __all__ = [
     "DEFAULT_KEEP_LIST",
     "PASSES",
     "PIPELINE",
+    "PRECISIONS",
     "PassFailure",
     "PassResult",
     "PassSpec",

@@ -34,6 +34,8 @@ _DTYPES = {
     "fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
     "fp8": torch.bfloat16,
 }
+#: The precisions a ``PassSpec`` (and so tctune's search and export) takes.
+PRECISIONS = tuple(_DTYPES)
 #: FP8 scaling granularities (``PassSpec.fp8_scaling``).
 FP8_SCALINGS = ("row", "tensor")
 

@@ -115,9 +115,11 @@ def read_config(path: str | Path) -> dict:
     if not isinstance(params, dict) or not isinstance(params.get("batch_size"), int) \
             or not isinstance(params.get("precision"), str):
         raise UsageError(f"{p} has no params.batch_size (int) and params.precision (str)\n{fix}")
-    known = ("fp32", "tf32", "fp16", "bf16", "fp8")
-    if params["precision"] not in known:
-        raise UsageError(f"{p}: params.precision {params['precision']!r} is not one tctune tunes ({', '.join(known)})\n{fix}")
+    from passes import PRECISIONS
+
+    if params["precision"] not in PRECISIONS:
+        raise UsageError(f"{p}: params.precision {params['precision']!r} is not one tctune tunes "
+                         f"({', '.join(PRECISIONS)})\n{fix}")
     if params["precision"] == "fp8" and params.get("graph_passes") is False:
         raise UsageError(f"{p}: precision fp8 needs tctune's graph (FP8 GEMMs are a graph rewrite), but "
                          f"params.graph_passes is false\n{fix}")

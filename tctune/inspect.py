@@ -82,6 +82,7 @@ _ALL_OPS = frozenset(GEMM_OPS + CONV_OPS + ATTENTION_OPS)
 _PRECISION_OF_DTYPE = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
 _FP32_REASON = "fp32: Tensor Cores need tf32/fp16/bf16; choose --precision tf32 or lower"
 _CPU_REASON = "no Tensor Cores (CPU)"
+#: ``passes.PRECISIONS``, written out so that building the CLI parser does not import torch (tests check they agree).
 _PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")
 
 

@@ -5,9 +5,11 @@ file + rename), so an interrupted run never leaves a half-written report.
 """
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -287,9 +289,6 @@ def failure_summary(trials: list[dict], top: int = 2) -> str:
     """Why no trial qualified, in one line: the most common ``fail_reason`` texts (numbers stripped so trials
     that failed the same way count together), e.g. ``"12 of 12 trials did not qualify; most common: the
     model raised at batch size N (8x)"``."""
-    import collections
-    import re
-
     bad = [t for t in trials if t.get("state") != "COMPLETE" or t.get("fail_reason")]
     if not trials:
         return "no trial ran"

@@ -174,3 +174,10 @@ def test_bert_reports_sdpa_and_named_linears(tmp_path):
     assert sdpa[0].flops == 2 * 4 * 4 * 16 * 16 * (16 + 16)  # its two GEMMs
     inter = next(o for o in before if o.module.endswith("intermediate.dense"))
     assert inter.tensor_core  # 64 -> 96 at bf16: aligned, and 64*16*96*64 multiply-adds
+
+
+def test_cli_precision_choices_are_the_pass_precisions():
+    import passes
+    import tctune.inspect as ti
+
+    assert ti._PRECISIONS == passes.PRECISIONS

@@ -152,11 +152,9 @@ def export_onnx(
             "reshape or a static capture")
 
     session, reason = _ort_session(path) if validate else (None, "")
-    if not validate:
-        pass
-    elif session is None:
+    if validate and session is None:
         problems.append(reason)
-    else:
+    elif validate:
         for batch in batch_sizes:
             entry = _validate_batch(module, make_inputs, batch, device, input_names, session)
             result["onnx_validation"].append(entry)
