@@ -21,6 +21,9 @@ baselines (the model as written)
     ``fp16_eager``      ``copy.deepcopy(model).half()``; channels-last for the conv nets; floating inputs are
                         cast (and made channels-last) inside the timed call
     ``fp16_compile``    ``torch.compile`` of that fp16 model (mode default); compile time is recorded apart
+    ``fp8_torchao_compile``  torchao's FP8 inference recipe (``quantize_`` with
+                        ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())`` on the bf16 model, every
+                        ``nn.Linear``), then ``torch.compile``; transformer models on sm_89+ with torchao installed
 tctune (conv nets channels-last, weights and inputs, like their fp16 baselines)
     ``tctune_{bf16,fp16}_eager``        the captured graph (tctune.capture: torch.export, dynamic batch) after
                                         ``tctune.search.apply_passes`` with the spec from ``tctune.hardware.resolve()``
@@ -29,13 +32,18 @@ tctune (conv nets channels-last, weights and inputs, like their fp16 baselines)
     ``tctune_fp16_pure_inductor``       the fp16 pure-policy graph compiled by Inductor (``tctune.runtime.wrap``
                                         runtime ``inductor``: ``torch.compile`` mode default, the search's runtime)
     ``tctune_fp16_pure_inductor_cudagraphs``  that compiled graph replayed as one CUDA graph
+    ``tctune_fp8_inductor_cudagraphs``  tctune's FP8 graph (``apply_passes(..., "fp8", policy="pure")``: eligible
+                                        linears as per-row FP8 ``_scaled_mm``, the rest bf16) through Inductor as
+                                        one CUDA graph (the search's ``inductor-cudagraphs`` runtime)
+    ``tctune_fp8keep_inductor_cudagraphs``  the same with the model's FP8 keep-list in bf16 (BERT:
+                                        ``*.output.dense``, the attention-output and FFN-down projections)
     ``tctune_compile_fp16_pure``        ``torch.compile(fp32 model, backend=tctune.backend.backend(precision="fp16",
                                         policy="pure"))``; ``backend_seconds`` splits its compile into export,
                                         passes and Inductor
 
 Timing: ``tctune.measure.time_call`` (CUDA events, 2 warm-up calls, median of 5 repeats of ~0.05 s; no
 single-call percentiles). Throughput is items/s (sequences or images). ``tctune`` in the JSON is the fastest
-tctune variant whose error is within ``--max-error`` (1e-2) and finite; ``best_baseline`` the fastest
+tctune variant whose error is within 1e-2 (5e-2 for FP8 variants, issue 4's limits) and finite; ``best_baseline`` the fastest
 baseline within the same tolerance. The GEMM ceiling (8192³ matmul at fp32, tf32, fp16, bf16, and fp8 e4m3
 through ``torch._scaled_mm`` with per-tensor scales, bf16 output) is measured once; ``achieved_tflops`` is
 FlopCounterMode's FLOPs of one FP32 forward (useful FLOPs: padding is not counted) times batches/s.
@@ -52,7 +60,8 @@ as ``timeout`` with the reason and the model goes on (a compile is abandoned and
 not started when the model has less time left than it needs (recorded as ``skipped``). ``--quick`` skips the
 ``torch.compile`` variants (baseline, tctune graph + Inductor, backend). ``--model-limit S`` replaces every
 model's limit (for runs of one or two models with every compile); ``--policies pure`` skips the autocast-policy
-graph variants. Memory is released between variants.
+graph variants; ``--variants PATTERNS`` runs only the named variants (fnmatch, e.g. ``'fp16_*,*fp8*'``) and
+records the rest as skipped. Memory is released between variants.
 """
 from __future__ import annotations
 
@@ -61,7 +70,9 @@ import contextlib
 import copy
 import dataclasses
 import datetime as _dt
+import fnmatch
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -89,6 +100,8 @@ from tctune.runtime import Autocast, ChannelsLast, wrap  # noqa: E402
 
 INPUT_SEED = 1234
 MAX_ERROR = 1e-2
+#: Issue 4's error limit for FP8 variants (relative to FP32); every other precision has MAX_ERROR.
+MAX_ERROR_FP8 = 5e-2
 GEMM_N = 8192
 
 
@@ -102,26 +115,32 @@ class ModelSpec:
     conv: bool
     limit_s: float
     tiny_batch: int
+    #: FP8 keep-list of the ``tctune_fp8keep`` variant (``PassSpec.fp8_keep``); empty: no such variant.
+    fp8_keep: tuple = ()
 
 
 MODELS: dict[str, ModelSpec] = {
-    "bert_base": ModelSpec("bert_base", 64, "seq", False, 85, 2),
-    "bert_large": ModelSpec("bert_large", 64, "seq", False, 105, 2),
+    "bert_base": ModelSpec("bert_base", 64, "seq", False, 85, 2, fp8_keep=("*.output.dense",)),
+    "bert_large": ModelSpec("bert_large", 64, "seq", False, 105, 2, fp8_keep=("*.output.dense",)),
     "gpt2": ModelSpec("gpt2", 32, "seq", False, 85, 2),
     "resnet50": ModelSpec("resnet50", 256, "img", True, 85, 2),
     "seed_cnn": ModelSpec("seed_cnn", 1024, "img", True, 20, 8),
 }
 
-BASELINES = ("fp32_eager", "tf32_eager", "autocast_bf16", "fp16_eager", "fp16_compile")
+BASELINES = ("fp32_eager", "tf32_eager", "autocast_bf16", "fp16_eager", "fp16_compile", "fp8_torchao_compile")
 #: tctune's graph at each precision and cast policy ("" = autocast-accurate, "_pure" = like model.half()).
 GRAPH_VARIANTS = tuple((prec, policy) for policy in ("autocast", "pure") for prec in ("bf16", "fp16"))
 _SFX = {"autocast": "", "pure": "_pure"}
 #: tctune's fp16 pure graph handed to Inductor (the search's ``inductor`` runtime), alone and replayed as a CUDA graph.
 INDUCTOR_VARIANTS = ("tctune_fp16_pure_inductor", "tctune_fp16_pure_inductor_cudagraphs")
+#: tctune's FP8 graph (pure policy) through Inductor as one CUDA graph: every eligible linear, and with the
+#: model's FP8 keep-list (``ModelSpec.fp8_keep``) in bf16.
+FP8_VARIANTS = ("tctune_fp8_inductor_cudagraphs", "tctune_fp8keep_inductor_cudagraphs")
 TCTUNE = tuple(f"tctune_{p}{_SFX[pol]}_{rt}" for p, pol in GRAPH_VARIANTS for rt in ("eager", "cudagraphs")) + (
-    INDUCTOR_VARIANTS + ("tctune_compile_fp16_pure",))
+    INDUCTOR_VARIANTS + FP8_VARIANTS + ("tctune_compile_fp16_pure",))
 PRECISION = {"fp32_eager": "fp32", "tf32_eager": "tf32", "autocast_bf16": "bf16", "fp16_eager": "fp16",
-             "fp16_compile": "fp16", "tctune_compile_fp16_pure": "fp16",
+             "fp16_compile": "fp16", "tctune_compile_fp16_pure": "fp16", "fp8_torchao_compile": "fp8",
+             **{v: "fp8" for v in FP8_VARIANTS},
              **{v: "fp16" for v in INDUCTOR_VARIANTS},
              **{f"tctune_{p}{_SFX[pol]}_{rt}": p for p, pol in GRAPH_VARIANTS for rt in ("eager", "cudagraphs")}}
 #: Seconds a variant needs left on its model's clock to be started (compiles: see ``--compile-budget``).
@@ -359,6 +378,9 @@ def run_model(name: str, args, device: torch.device, hw, clock: Clock, ceilings:
                                "precision": PRECISION[vname]}
         variants[vname] = row
         left = clock.model_left()
+        if not selected(vname, args):
+            row.update(status="skipped", reason=f"--variants {','.join(args.variants)}")
+            return
         if left < MIN_LEFT_S[kind]:
             row.update(status="skipped", reason=f"model time limit: {left:.0f} s left, needs {MIN_LEFT_S[kind]:.0f} s")
             print(f"  {name:<10} {vname:<24} skipped: {row['reason']}", flush=True)
@@ -486,7 +508,7 @@ def run_model(name: str, args, device: torch.device, hw, clock: Clock, ceilings:
 
     def graph_inductor_graphed():
         if "fn" not in ind:
-            raise RuntimeError("tctune_fp16_pure_inductor did not build")
+            graph_inductor()  # the compile-only variant was not selected (--variants) or failed
         if not cuda:
             raise RuntimeError("CUDA graphs need a CUDA GPU")
         return wrap(ind["fn"], "cudagraphs", inputs)
@@ -506,6 +528,27 @@ def run_model(name: str, args, device: torch.device, hw, clock: Clock, ceilings:
                                               "reason": "CUDA graphs need a CUDA GPU"}
         ind.clear()
         torch._dynamo.reset()
+
+    # -- tctune's FP8 graph (pure policy) through Inductor, replayed as one CUDA graph: every eligible linear in
+    #    FP8, then with the model's FP8 keep-list in bf16
+    for vname, keep in zip(FP8_VARIANTS, ((), spec.fp8_keep)):
+        reason = fp8_skip_reason(spec, hw, args, gm is None and capture_reason)
+        if reason is None and vname == FP8_VARIANTS[1] and not keep:
+            reason = "no FP8 keep-list for this model"
+        if reason:
+            variants[vname] = {"kind": "tctune", "precision": "fp8", "status": "skipped", "reason": reason}
+            continue
+        fp8_info: dict = {}
+
+        def fp8_graph(keep=keep, info=fp8_info):
+            torch._dynamo.reset()
+            t0 = time.perf_counter()
+            g, results = apply_passes(gm, hw, "fp8", policy="pure", fp8_keep=keep)
+            info.update(passes={r.name: r.count for r in results}, passes_s=round(time.perf_counter() - t0, 2),
+                        fp8_keep=list(keep))
+            return wrap(g.to(device), "inductor-cudagraphs" if cuda else "inductor", inputs)
+
+        measure(vname, fp8_graph, kind="compile", limit_s=args.compile_budget, extra=lambda info=fp8_info: dict(info))
     gm = None
     release(device)
 
@@ -533,15 +576,33 @@ def run_model(name: str, args, device: torch.device, hw, clock: Clock, ceilings:
                 seconds[k] = round(seconds.get(k, 0.0) + v, 2)
         return {"subgraphs": len(tb.reports), "fallbacks": fallbacks, "passes": rewrites, "backend_seconds": seconds}
 
+    def torchao_fp8() -> tuple[Callable, float]:
+        """torchao's FP8 inference recipe: bf16 model, every ``nn.Linear`` dynamic per-row FP8, torch.compile."""
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+        m = copy.deepcopy(model).to(torch.bfloat16)
+        saved = torch._inductor.config.save_config()  # torchao sets its recommended Inductor flags globally
+        try:
+            quantize_(m, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+            return compiled(m)
+        finally:
+            torch._inductor.config.load_config(saved)
+
     for vname, make, extra in (
         ("fp16_compile", lambda: compiled(HalfModel(model, spec.conv)), None),
+        ("fp8_torchao_compile", torchao_fp8, None),
         ("tctune_compile_fp16_pure", lambda: compiled(layout(copy.deepcopy(model)),
                                                        backend=tb.backend(precision="fp16", policy="pure")),
          backend_report),
     ):
-        if args.quick:
-            variants[vname] = {"kind": "baseline" if vname in BASELINES else "tctune", "precision": "fp16",
-                               "status": "skipped", "reason": "--quick skips torch.compile variants"}
+        reason = "--quick skips torch.compile variants" if args.quick else None
+        if vname == "fp8_torchao_compile":
+            reason = fp8_skip_reason(spec, hw, args, None)
+            if reason is None and importlib.util.find_spec("torchao") is None:
+                reason = "torchao is not installed"
+        if reason:
+            variants[vname] = {"kind": "baseline" if vname in BASELINES else "tctune", "precision": PRECISION[vname],
+                               "status": "skipped", "reason": reason}
             continue
         measure(vname, make, kind="compile", limit_s=args.compile_budget, extra=extra)
         if variants[vname]["status"] == "timeout":
@@ -553,10 +614,29 @@ def run_model(name: str, args, device: torch.device, hw, clock: Clock, ceilings:
     return finish(entry, ceilings)
 
 
+def selected(vname: str, args) -> bool:
+    """Whether ``--variants`` (fnmatch patterns; empty: all) selects the variant ``vname``."""
+    return not args.variants or any(fnmatch.fnmatchcase(vname, p) for p in args.variants)
+
+
+def fp8_skip_reason(spec: ModelSpec, hw, args, capture_reason: str | None) -> str | None:
+    """Why an FP8 variant does not run for this model, or None."""
+    if capture_reason:
+        return capture_reason
+    if args.quick:
+        return "--quick skips torch.compile variants"
+    if spec.conv:
+        return "conv net: FP8 here covers linears only"
+    if "fp8" not in hw.tensor_core_precisions:
+        return f"no FP8 Tensor Cores on {hw.arch}"
+    return None
+
+
 def finish(entry: dict, ceilings: dict) -> dict:
     """Fill the summary keys from the measured variants."""
     def ok(v: dict) -> bool:
-        return v.get("status") == "ok" and v.get("nonfinite", 1) == 0 and v.get("rel_l2_error", 1) <= MAX_ERROR
+        limit = MAX_ERROR_FP8 if v.get("precision") == "fp8" else MAX_ERROR
+        return v.get("status") == "ok" and v.get("nonfinite", 1) == 0 and v.get("rel_l2_error", 1) <= limit
 
     variants = entry.get("variants", {})
     base = {k: v for k, v in variants.items() if v.get("kind") == "baseline" and ok(v)}
@@ -623,8 +703,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds per model, replacing the built-in limits (still capped by --budget)")
     p.add_argument("--policies", default="autocast,pure",
                    help="cast policies of the tctune graph's eager / CUDA-graph variants (default %(default)s)")
+    p.add_argument("--variants", default="",
+                   help="comma-separated fnmatch patterns of the variants to run (e.g. 'fp16_*,*fp8*'); the rest are "
+                        "recorded as skipped (default: all)")
     p.add_argument("--debug", action="store_true", help="print tracebacks of failing variants")
     args = p.parse_args(argv)
+    args.variants = tuple(x.strip() for x in args.variants.split(",") if x.strip())
+    known = BASELINES + TCTUNE
+    unmatched = [v for v in args.variants if not any(fnmatch.fnmatchcase(k, v) for k in known)]
+    if unmatched:
+        p.error(f"--variants: {unmatched} match no variant; variants: {', '.join(known)}")
     args.policies = tuple(x.strip() for x in args.policies.split(",") if x.strip())
     if not args.policies or set(args.policies) - {"autocast", "pure"}:
         p.error(f"--policies: choose from autocast,pure (got {','.join(args.policies) or 'nothing'})")

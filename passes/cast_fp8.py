@@ -41,12 +41,14 @@ Nodes made by this pass carry ``node.meta["tctune_fp8"] = True``.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 
 import torch
 from torch import fx, nn
 
 from passes._graph import copy_meta, fake_eval, fake_from_tensor, finish, get_attr_value, node_arg, unique_attr_name
 from passes.base import PassResult, PassSpec, Skip
+from passes.calibrate import source_module
 from passes.cast_precision import cast_precision
 
 NAME = "cast_fp8_linears"
@@ -149,7 +151,8 @@ def cast_fp8_linears(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
     """At precision fp8: cast the graph to bf16, then run eligible linears as scaled FP8 GEMMs, in place.
 
     For ``y = linear(x, W, b)`` with ``x: (..., K)``, ``W: (N, K)``: eligible when ``W`` is a ``get_attr``
-    2-D floating tensor and K, N are multiples of 16. Shapes are unchanged; the output is bf16 (as the bf16
+    2-D floating tensor, K and N are multiples of 16, and the linear's source module matches no
+    ``spec.fp8_keep`` pattern. Shapes are unchanged; the output is bf16 (as the bf16
     cast gave the linear). See the module docstring for the exact graph.
 
     Args:
@@ -230,6 +233,11 @@ def _ineligible(gm: fx.GraphModule, node: fx.Node, spec: PassSpec, cast_skips: d
         return f"{', '.join(bad)} {verb} of {FP8_MULTIPLE} (FP8 GEMMs need {FP8_MULTIPLE})"
     if node.name in cast_skips:
         return f"kept out of bf16 by cast_precision ({cast_skips[node.name]})"
+    if spec.fp8_keep:
+        module = source_module(node) or node.name
+        hit = next((p for p in spec.fp8_keep if fnmatch.fnmatchcase(module, p)), None)
+        if hit is not None:
+            return f"FP8 keep-list: module {module} matches {hit!r} (stays bf16)"
     x_val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
     if not isinstance(x_val, torch.Tensor):
         return "input has no shape metadata (meta['val'])"

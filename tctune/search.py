@@ -161,11 +161,13 @@ def measuring_device() -> torch.device:
 
 def apply_passes(gm: torch.fx.GraphModule, hw: HardwareSpec, precision: str,
                  names: tuple[str, ...] = PIPELINE,
-                 calibration: list[tuple] | None = None, policy: str = "autocast") -> tuple[torch.fx.GraphModule, list]:
+                 calibration: list[tuple] | None = None, policy: str = "autocast",
+                 fp8_keep: tuple[str, ...] = ()) -> tuple[torch.fx.GraphModule, list]:
     """Deep-copy ``gm`` and run the pass pipeline ``names`` for ``(hw, precision)``.
 
     Args:
         policy: the cast pass's precision policy, ``"autocast"`` or ``"pure"`` (``HardwareSpec.pass_spec``).
+        fp8_keep: at precision fp8, module-path patterns whose linears stay bf16 (``PassSpec.fp8_keep``).
         calibration: at fp16, inputs to run through the FP32 graph just before the casting passes; nodes
             whose max |activation| comes within a factor 2 of fp16's 65504 stay FP32 (overflow analysis,
             ``passes/calibrate.py``), and the report names their source modules.
@@ -177,6 +179,8 @@ def apply_passes(gm: torch.fx.GraphModule, hw: HardwareSpec, precision: str,
         warnings.simplefilter("ignore", FutureWarning)
         g = copy.deepcopy(gm)
     spec = hw.pass_spec(precision, policy=policy)
+    if fp8_keep:
+        spec = dataclasses.replace(spec, fp8_keep=tuple(fp8_keep))
     try:
         if calibration and precision == "fp16":
             casts = [i for i, n in enumerate(names) if n in ("cast_fp8_linears", "cast_precision")]

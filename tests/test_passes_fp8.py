@@ -196,6 +196,32 @@ def test_ineligible_linear_skipped_with_reason():
     assert mm.kwargs["bias"] is None
 
 
+def test_keep_list_leaves_matching_linears_in_bf16_with_reason():
+    model, gm = _build(FP8MLP, 3, 64)
+    spec = PassSpec(precision="fp8", fp8_keep=("fc2", "*.nothing"))
+
+    result = cast_fp8_linears(gm, spec)
+
+    assert result.count == 2 and result.changed == ["linear", "linear_2"]
+    assert result.skipped == [Skip("linear_1", "FP8 keep-list: module fc2 matches 'fc2' (stays bf16)")]
+    assert _targets(gm).count(_SCALED_MM) == 2 and _targets(gm).count(_LINEAR) == 1
+    (kept,) = [n for n in gm.graph.nodes if n.target == _LINEAR]
+    assert kept.meta["val"].dtype == torch.bfloat16  # kept in bf16, not FP32
+    assert "fp8_weights" in result.notes and "fc2.weight" not in result.notes["fp8_weights"]
+    if scaled_mm_works("cpu", "row"):
+        x = torch.randn(5, 64)
+        with torch.no_grad():
+            assert _rel_l2(gm(x), model(x)) < 5e-2
+
+
+def test_keep_list_patterns_are_checked():
+    with pytest.raises(ValueError, match="fp8_keep"):
+        PassSpec(precision="fp8", fp8_keep="fc2")  # a bare string would match character by character
+    with pytest.raises(ValueError, match="fp8_keep"):
+        PassSpec(precision="fp8", fp8_keep=("",))
+    assert PassSpec(precision="fp8", fp8_keep=["a.*"]).fp8_keep == ("a.*",)
+
+
 def test_zoo_mlp_all_odd_reports_both_dims():
     _, gm, _ = zoo.build("mlp")  # 37 -> 61 -> 13
 

@@ -148,6 +148,29 @@ def test_suite_summary_takes_the_fastest_variant_within_the_error_limit():
     assert m["max_rel_error"] == 5e-3 and m["ceiling_tflops"] == 600.0 and m["fraction_of_ceiling"] == 0.1
 
 
+def test_suite_fp8_variants_are_judged_by_the_fp8_error_limit():
+    suite = load_suite()
+    row = {"status": "ok", "nonfinite": 0, "rel_l2_error": 3e-2}
+    v = {
+        "fp16_eager": {"kind": "baseline", "precision": "fp16", "throughput": 100.0, **row, "rel_l2_error": 1e-3},
+        "fp8_torchao_compile": {"kind": "baseline", "precision": "fp8", "throughput": 150.0, **row},
+        "tctune_fp8_inductor_cudagraphs": {"kind": "tctune", "precision": "fp8", "throughput": 300.0, **row,
+                                           "rel_l2_error": 7e-2},  # over 5e-2: rejected
+        "tctune_fp8keep_inductor_cudagraphs": {"kind": "tctune", "precision": "fp8", "throughput": 200.0, **row},
+        "tctune_bf16_pure_cudagraphs": {"kind": "tctune", "precision": "bf16", "throughput": 250.0, **row},  # > 1e-2
+    }
+    m = suite.finish({"variants": v}, {})
+    assert m["best_baseline_name"] == "fp8_torchao_compile"  # 3e-2 is within the FP8 limit
+    assert (m["tctune_name"], m["ratio"]) == ("tctune_fp8keep_inductor_cudagraphs", 200.0 / 150.0)
+
+
+def test_suite_variants_option_names_real_variants(capsys):
+    suite = load_suite()
+    with pytest.raises(SystemExit):
+        suite.main(["--out", "x", "--variants", "fp16_eagr"])
+    assert "match no variant" in capsys.readouterr().err
+
+
 def test_suite_without_a_gpu_says_so_and_exits_0(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("a CUDA GPU is present")
