@@ -26,7 +26,7 @@ for p in $parts; do case $p in
   pareto)   step pareto_bert_base 120 python3 -m tctune optimize recipes/bert_base.py --objective pareto --out "$OUT/r/bert_base_pareto" \
               --batch-sizes 8,32,128 --runtimes eager,cudagraphs --trials 12 --no-export --quiet ;;
   backend)  step bench_backend 280 python3 benchmarks/bench_backend.py --out "$OUT/r/bench_backend.json" ;;
-  padding)  step bench_padding 90 python3 benchmarks/bench_padding.py --out "$OUT/r/bench_padding.json" ;;
+  padding)  step bench_padding 150 python3 benchmarks/bench_padding.py --out "$OUT/r/bench_padding.json" --budget 135 ;;
   suite)    step suite 420 python3 benchmarks/suite.py --out "$OUT/r/suite" --quick ;;
   suite_a)  step suite_a 325 python3 benchmarks/suite.py --out "$OUT/r/suite_a" --models gpt2,bert_base \
               --budget 310 --model-limit 155 --compile-budget 90 ;;
