@@ -128,6 +128,12 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--max-memory-mib", type=float, metavar="MIB", help="constraint: peak CUDA memory at most this")
     o.add_argument("--max-error-fp8", type=float, default=5e-2, metavar="E",
                    help="the same limit for FP8 candidates (Ada/Hopper and newer), default %(default)g")
+    o.add_argument("--fp8-keep", default="auto", metavar="PATTERNS",
+                   help="FP8 keep-list: linears kept in bf16 at precision fp8. auto (default): planned by measuring "
+                        "which groups of linears (e.g. every layer's FFN down projection) cost the most error, "
+                        "keeping the fewest FLOPs in bf16 for an error under 0.9 x --max-error-fp8; none: every "
+                        "eligible linear in FP8; or comma-separated fnmatch patterns on module paths, e.g. "
+                        "'*.output.dense,lm_head'")
     o.add_argument("--target", metavar="NAME", help="plan for this GPU (sm_XX, h100, a100, ...): its alignment; measuring stays on this machine")
     o.add_argument("--storage", metavar="URL", help="Optuna storage URL to share a study (default: sqlite file OUT/study.db)")
     o.add_argument("--devices", metavar="LIST",
@@ -215,6 +221,23 @@ def _parse_runtimes(text: str | None) -> tuple[str, ...] | None:
     return names
 
 
+def parse_fp8_keep(text: str) -> tuple[str, ...] | None:
+    """``--fp8-keep``: ``auto`` -> None (planned), ``none`` -> ``()``, else the comma-separated patterns.
+
+    Raises:
+        UsageError: an empty value.
+    """
+    value = text.strip()
+    if value.lower() == "auto":
+        return None
+    if value.lower() == "none":
+        return ()
+    patterns = tuple(p.strip() for p in value.split(",") if p.strip())
+    if not patterns:
+        raise UsageError(f"--fp8-keep: give auto, none or module-path patterns such as '*.output.dense' (got {text!r})")
+    return patterns
+
+
 def _cmd_optimize(args) -> int:
     from .optimize import optimize
     from .search import TuneConfig
@@ -226,7 +249,8 @@ def _cmd_optimize(args) -> int:
                      compile_budget_s=args.compile_budget, objective=args.objective, mode=args.mode,
                      effective_batch=args.effective_batch, worker=args.worker, prune=not args.no_prune,
                      devices=parse_devices(args.devices) if args.devices else None,
-                     max_latency_ms=args.max_latency_ms, max_memory_mib=args.max_memory_mib)
+                     max_latency_ms=args.max_latency_ms, max_memory_mib=args.max_memory_mib,
+                     fp8_keep=parse_fp8_keep(args.fp8_keep))
     report = optimize(args.model_file, cfg)
     if not cfg.worker:
         print(_summary(report, out))

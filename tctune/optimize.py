@@ -80,7 +80,8 @@ def worker_args(cfg: TuneConfig, storage: str, index: int) -> list[str]:
             "--mode", cfg.mode, "--compile-budget", repr(cfg.compile_budget_s)] + ([] if cfg.prune else ["--no-prune"])
     optional = {"--timeout": cfg.timeout_s, "--target": cfg.target, "--max-latency-ms": cfg.max_latency_ms,
                 "--max-memory-mib": cfg.max_memory_mib, "--effective-batch": cfg.effective_batch,
-                "--runtimes": ",".join(cfg.runtimes) if cfg.runtimes else None}
+                "--runtimes": ",".join(cfg.runtimes) if cfg.runtimes else None,
+                "--fp8-keep": None if cfg.fp8_keep is None else (",".join(cfg.fp8_keep) or "none")}
     for flag, value in optional.items():
         if value is not None:
             args += [flag, str(value)]
@@ -156,8 +157,9 @@ def export_best(tuner: Tuner, params: dict, out: Path) -> tuple[dict, list[dict]
         return artifacts, []
     calibration = [tuner.reference(params["batch_size"])[0]]
     policy = params.get("policy", "autocast")
+    keep = tuner.fp8_keep(policy, params["batch_size"]) if params["precision"] == "fp8" else ()
     _, measured = apply_passes(tuner.captured.graph_module, tuner.hw, params["precision"], calibration=calibration,
-                               policy=policy)
+                               policy=policy, fp8_keep=keep)
     passes = [r.to_dict() for r in measured]  # what ran in the measured candidate, for the report
     if params.get("graph_passes") is False:
         for p in passes:
@@ -168,7 +170,8 @@ def export_best(tuner: Tuner, params: dict, out: Path) -> tuple[dict, list[dict]
         # torch._scaled_mm has no ONNX translation: model.onnx is the bf16 graph with every FP8 linear as float8
         # QuantizeLinear/DequantizeLinear (static per-tensor activation scales from `calibration`), see
         # tctune/export/onnx_fp8.py; its onnx_note says how it was validated.
-        fp8 = build_fp8_graphs(tuner.captured.graph_module, tuner.hw.pass_spec("fp8", policy=policy), EXPORT_PIPELINE)
+        spec = dataclasses.replace(tuner.hw.pass_spec("fp8", policy=policy), fp8_keep=keep)
+        fp8 = build_fp8_graphs(tuner.captured.graph_module, spec, EXPORT_PIPELINE)
         g = fp8.bf16
     else:
         g, _ = apply_passes(tuner.captured.graph_module, tuner.hw, export_precision, EXPORT_PIPELINE, calibration,
@@ -294,7 +297,8 @@ def optimize(model_path: str | Path, cfg: TuneConfig) -> dict:
         passes=passes,
         artifacts=artifacts,
         capture={"ok": tuner.captured.ok, "reason": tuner.captured.reason},
-        extra={"plots": plots, "workers": worker_status, "interrupted": tuner.interrupted},
+        extra={"plots": plots, "workers": worker_status, "interrupted": tuner.interrupted,
+               "fp8_plans": {policy: plan.to_dict() for policy, plan in tuner.fp8_plans.items()}},
     )
     write_report(report, out)
     return report

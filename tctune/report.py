@@ -230,6 +230,10 @@ def render_markdown(r: dict) -> str:
                 lines.append(f"![{name}]({Path(path).name})")
             else:
                 lines.append(f"- [{name}]({Path(path).name})")
+    if r.get("fp8_plans"):
+        lines += ["", "## FP8 keep-list (which linears stay bf16 at precision fp8)", ""]
+        for policy, plan in sorted(r["fp8_plans"].items()):
+            lines.append(f"- {policy} policy: {plan['summary']}")
     lines += ["", "## Graph passes (at the best precision)", ""]
     if r["passes"] and b and not b["params"].get("graph_passes"):
         lines += ["The best configuration runs the model as written; these are the passes its exported graph carries.", ""]

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import signal
 import sys
 import threading
@@ -30,6 +31,7 @@ from passes.base import PassFailure
 
 from .capture import Captured, batch_range, try_capture
 from .errors import CandidateRejected, ModelFileError, PassError, UsageError
+from .fp8_plan import FP8Plan, linear_roles, plan_fp8_keep
 from .hardware import POLICIES, HardwareSpec
 from .measure import (ErrorStats, check_accuracy, compare, is_oom, precision_mode, release_memory,
                       time_call)
@@ -80,6 +82,8 @@ class TuneConfig:
         devices: CUDA device indices; with more than one, one worker process per GPU shares the study.
         worker: this process is a worker started by ``devices`` (no export, no report).
         prune: stop clearly slower candidates early (Optuna's PercentilePruner); False measures every one fully.
+        fp8_keep: FP8 keep-list (``fnmatch`` patterns of linears' module paths kept bf16 at precision fp8);
+            None: planned from measured sensitivity (:mod:`tctune.fp8_plan`); ``()``: every eligible linear FP8.
     """
 
     out_dir: str
@@ -103,6 +107,7 @@ class TuneConfig:
     prune: bool = True
     max_latency_ms: float | None = None
     max_memory_mib: float | None = None
+    fp8_keep: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         from .runtime import ALL_RUNTIMES
@@ -134,6 +139,9 @@ class TuneConfig:
             raise UsageError(f"--max-error must be positive, got {self.max_error}")
         if not (self.max_error_fp8 > 0):
             raise UsageError(f"--max-error-fp8 must be positive, got {self.max_error_fp8}")
+        if self.fp8_keep is not None and (isinstance(self.fp8_keep, str)
+                                          or not all(isinstance(p, str) and p.strip() for p in self.fp8_keep)):
+            raise UsageError(f"--fp8-keep must be auto, none or comma-separated module-path patterns, got {self.fp8_keep!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -234,6 +242,7 @@ class Tuner:
             log.warning("--max-memory-mib limits peak CUDA memory; this run measures on the %s, where it is not "
                         "measured, so the limit is ignored", self.device.type.upper())
         self.compile_over_budget: str | None = None
+        self.fp8_plans: dict[str, FP8Plan] = {}  # policy -> planned FP8 keep-list (when --fp8-keep is auto)
         self._opened = False
         self.interrupted = False
 
@@ -315,15 +324,58 @@ class Tuner:
         if params["graph_passes"]:
             inputs, _ = self.reference(params["batch_size"])
             policy = params.get("policy", "autocast")
+            keep = self.fp8_keep(policy, params["batch_size"]) if precision == "fp8" else ()
             g, results = apply_passes(self.captured.graph_module, self.hw, precision, calibration=[inputs],
-                                      policy=policy)
+                                      policy=policy, fp8_keep=keep)
             label = f"{precision} ({policy})" if precision in ("fp16", "bf16") else precision
+            if precision == "fp8":
+                label += f" (bf16: {', '.join(keep)})" if keep else " (every eligible linear)"
             return Candidate(g.to(self.device), precision, results, f"tctune graph {label}, {runtime}")
         if precision in ("fp16", "bf16"):
             dtype = torch.float16 if precision == "fp16" else torch.bfloat16
             return Candidate(Autocast(self.model, dtype, self.device.type), precision, [],
                              f"model autocast {precision}, {runtime}")
         return Candidate(self.model, precision, [], f"model {precision}, {runtime}")
+
+    def fp8_keep(self, policy: str, batch_size: int) -> tuple[str, ...]:
+        """The FP8 keep-list for graph candidates with ``policy``: ``--fp8-keep``'s patterns, or the one planned
+        once per policy from the error of FP8 graphs on the FP32 reference inputs at ``batch_size``
+        (:func:`tctune.fp8_plan.plan_fp8_keep`, aiming at 0.9 × ``--max-error-fp8``).
+
+        Raises:
+            CandidateRejected: no linear can run FP8 within the limit (the plan's reason).
+        """
+        if self.cfg.fp8_keep is not None:
+            return tuple(self.cfg.fp8_keep)
+        if policy not in self.fp8_plans:
+            self.fp8_plans[policy] = self._plan_fp8(policy, batch_size)
+            log.info("FP8 plan (%s policy): %s", policy, self.fp8_plans[policy].summary())
+        plan = self.fp8_plans[policy]
+        if not plan.usable:
+            raise CandidateRejected(plan.reason)
+        return plan.keep
+
+    def _plan_fp8(self, policy: str, batch_size: int) -> FP8Plan:
+        inputs, ref = self.reference(batch_size)
+        gm = self.captured.graph_module
+        before = PIPELINE[:PIPELINE.index("cast_fp8_linears")]
+        base, _ = apply_passes(gm, self.hw, "fp8", names=before, policy=policy)
+        roles = linear_roles(base, self.hw.pass_spec("fp8").alignment.get("fp8", 16))
+        del base
+
+        def error_of(keep: tuple[str, ...]) -> float:
+            g, _ = apply_passes(gm, self.hw, "fp8", policy=policy, fp8_keep=keep)
+            try:
+                with precision_mode("fp8"), torch.inference_mode():
+                    err = compare(g.to(self.device)(*inputs), ref)
+            except Exception as exc:  # noqa: BLE001 - an FP8 graph that cannot run is as bad as an infinite error
+                raise rejection(exc, self.device, batch_size, "FP8 keep-list planning") from exc
+            finally:
+                g = None
+                release_memory(self.device)
+            return math.inf if err.nonfinite else err.rel_l2_error
+
+        return plan_fp8_keep(roles, error_of, self.cfg.max_error_fp8)
 
     def evaluate(self, params: dict, on_repeat=None) -> dict:
         """Build, check and time one candidate; returns the trial's metrics.

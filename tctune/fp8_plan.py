@@ -1,0 +1,185 @@
+"""Which linears run FP8: the FP8 keep-list, chosen by measuring each group's error on calibration inputs.
+
+E4M3 keeps 3 mantissa bits, so every FP8 GEMM adds a relative rounding error of up to 2^-4 per operand, and
+in a deep network the errors add up: on the H200, BERT-base (12 layers) with every linear in FP8 is 7.0e-2
+from FP32 and BERT-large (24 layers) 1.25e-1, over the 5e-2 FP8 limit (benchmarks/RESULTS.md, third
+session). Which linears stay bf16 decides both the error and the speed (keeping BERT's ``*.output.dense`` was
+more accurate *and* faster than all-FP8). So, like TensorRT Model Optimizer's per-layer exclusion, tctune
+keeps some linears in bf16 — but it picks them by measurement rather than by a hand-written list:
+
+1. Group the linears that ``cast_fp8_linears`` would quantize by *role*: their source module path with layer
+   indices replaced by ``*`` (``bert.encoder.layer.*.output.dense``), an ``fnmatch`` pattern for
+   ``PassSpec.fp8_keep``. A role's weight is its GEMM FLOPs in the captured graph.
+2. Measure the error of the FP8 graph on the calibration inputs against the FP32 outputs with nothing kept.
+3. While the error is above ``margin * max_error``: try keeping each remaining role in bf16 (one graph and
+   one forward pass each), keep the role with the largest error reduction per FLOP given up, and repeat
+   (greedy; at most R(R+1)/2 graphs for R roles: 10 for BERT's four).
+4. When every role had to stay bf16, FP8 cannot meet the limit on this model: the plan says so (``reason``)
+   and the search rejects its FP8 candidates with that sentence instead of measuring them.
+
+The margin (default 0.9) leaves room for the candidate's own check on its batch, which the search still
+makes on fresh inputs: the plan is advice, the measured error decides.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+#: The plan aims at this fraction of the FP8 error limit, so that the candidate's own check still passes.
+DEFAULT_MARGIN = 0.9
+
+_LINEAR = torch.ops.aten.linear.default
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
+
+
+@dataclass
+class FP8Plan:
+    """The chosen FP8 keep-list and how it was found.
+
+    Attributes:
+        keep: ``fnmatch`` patterns of the linears kept in bf16 (``PassSpec.fp8_keep``); ``()``: all FP8.
+        error: relative L2 error of the FP8 graph with ``keep`` on the calibration inputs (largest over outputs).
+        target: the error the plan aimed at (``margin * max_error``).
+        fp8_flop_share: share of the eligible linears' FLOPs that run FP8 with ``keep`` (0 to 1).
+        roles: every role (pattern) with its FLOPs in the captured graph.
+        steps: the graphs measured, in order: ``{"keep": [...], "error": e}``.
+        reason: why no linear can run FP8 within the limit (then ``keep`` lists every role), else None.
+    """
+
+    keep: tuple[str, ...]
+    error: float
+    target: float
+    fp8_flop_share: float
+    roles: dict[str, float] = field(default_factory=dict)
+    steps: list[dict] = field(default_factory=list)
+    reason: str | None = None
+
+    @property
+    def usable(self) -> bool:
+        return self.reason is None
+
+    def summary(self) -> str:
+        """One line for the report."""
+        if self.reason:
+            return self.reason
+        if not self.keep:
+            return (f"every FP8-eligible linear runs FP8 (error {self.error:.2e} on the calibration batch, "
+                    f"aim {self.target:.2e})")
+        return (f"FP8 keep-list {', '.join(self.keep)} stays bf16; {self.fp8_flop_share:.0%} of the linear FLOPs run "
+                f"FP8 (error {self.error:.2e} on the calibration batch, aim {self.target:.2e}; all-FP8: "
+                f"{self.steps[0]['error']:.2e})")
+
+    def to_dict(self) -> dict:
+        return {"summary": self.summary(), "keep": list(self.keep), "error": self.error, "target": self.target,
+                "fp8_flop_share": self.fp8_flop_share, "roles": dict(self.roles), "steps": list(self.steps),
+                "reason": self.reason}
+
+
+def role(path: str) -> str:
+    """A module path with its layer indices as ``*``: ``bert.encoder.layer.3.output.dense`` ->
+    ``bert.encoder.layer.*.output.dense`` (an ``fnmatch`` pattern matching every layer's copy)."""
+    return _INDEX.sub("*", path)
+
+
+def linear_roles(gm: fx.GraphModule, multiple: int = 16) -> dict[str, float]:
+    """FLOPs per role of the FP8-eligible linears of ``gm`` (an ATen graph before ``cast_fp8_linears``).
+
+    Eligible as ``cast_fp8_linears`` sees them by shape: a 2-D ``get_attr`` weight whose K and N are multiples
+    of ``multiple``. FLOPs are ``2 * rows * K * N`` with the rows of the input's ``meta["val"]`` (symbolic sizes
+    count as their hint); only their ratios matter.
+    """
+    from passes._graph import get_attr_value
+    from passes.calibrate import source_module
+
+    roles: dict[str, float] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target != _LINEAR:
+            continue
+        w = node.args[1]
+        if not (isinstance(w, fx.Node) and w.op == "get_attr"):
+            continue
+        weight = get_attr_value(gm, w.target)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            continue
+        n, k = weight.shape
+        if n % multiple or k % multiple:
+            continue
+        x = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        rows = 1
+        if isinstance(x, torch.Tensor):
+            for s in x.shape[:-1]:
+                rows *= _hint(s)
+        key = role(source_module(node) or node.name)
+        roles[key] = roles.get(key, 0.0) + 2.0 * rows * k * n
+    return roles
+
+
+def _hint(size: Any) -> int:
+    if isinstance(size, int):
+        return size
+    try:
+        return int(size.node.hint) if size.node.hint is not None else 1
+    except AttributeError:
+        return 1
+
+
+def plan_fp8_keep(roles: dict[str, float], error_of: Callable[[tuple[str, ...]], float], max_error: float,
+                  margin: float = DEFAULT_MARGIN) -> FP8Plan:
+    """Greedy FP8 keep-list: the fewest FLOPs kept in bf16 for an error under ``margin * max_error``.
+
+    Args:
+        roles: pattern -> FLOPs (:func:`linear_roles`).
+        error_of: the measured error (relative L2 against FP32) of the FP8 graph with a keep-list.
+        max_error: the FP8 error limit (``--max-error-fp8``).
+        margin: fraction of ``max_error`` to aim at, in (0, 1].
+
+    Returns:
+        The plan; ``reason`` set when no role can run FP8 within the aim (every role kept), or when the
+        graph has no eligible linear.
+
+    Raises:
+        ValueError: ``margin`` outside (0, 1] or ``max_error`` not positive.
+    """
+    if not 0 < margin <= 1:
+        raise ValueError(f"margin must be in (0, 1], got {margin}")
+    if not max_error > 0:
+        raise ValueError(f"max_error must be positive, got {max_error}")
+    target = margin * max_error
+    total = sum(roles.values())
+    if not roles or total <= 0:
+        return FP8Plan((), math.nan, target, 0.0, dict(roles), [],
+                       reason="no linear is FP8-eligible (2-D weight, K and N multiples of 16)")
+    keep: list[str] = []
+    err = error_of(())
+    steps = [{"keep": [], "error": err}]
+    while not err <= target:  # NaN counts as over
+        left = [r for r in roles if r not in keep]
+        if len(left) == 1:  # keeping the last one means no FP8 at all
+            keep.append(left[0])
+            break
+        best: tuple[float, str, float] | None = None
+        for r in left:
+            e = error_of(tuple(keep + [r]))
+            steps.append({"keep": keep + [r], "error": e})
+            gain = (err - e) if math.isfinite(e) and math.isfinite(err) else (math.inf if math.isfinite(e) else -math.inf)
+            score = gain / roles[r]
+            if best is None or score > best[0]:
+                best = (score, r, e)
+        keep.append(best[1])
+        err = best[2]
+    share = sum(v for r, v in roles.items() if r not in keep) / total
+    reason = None
+    if share == 0:
+        reason = (f"FP8 cannot meet --max-error-fp8 {max_error:g} on this model: with every linear in FP8 the error "
+                  f"is {steps[0]['error']:.2e}, and keeping all but one linear group in bf16 still gave "
+                  f"{min(s['error'] for s in steps if len(s['keep']) == len(roles) - 1):.2e} (aim "
+                  f"{target:.2e}); FP8 candidates are rejected")
+    return FP8Plan(tuple(keep), err, target, share, dict(roles), steps, reason)
+
+
+__all__ = ["DEFAULT_MARGIN", "FP8Plan", "linear_roles", "plan_fp8_keep", "role"]

@@ -1,0 +1,188 @@
+"""Tests for tctune.fp8_plan: the FP8 keep-list chosen from measured error, and its use by the search."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import zoo
+from passes.cast_fp8 import scaled_mm_works
+from tctune.errors import CandidateRejected, UsageError
+from tctune.fp8_plan import linear_roles, plan_fp8_keep, role
+from tctune.hardware import resolve
+from tctune.modelfile import load_model_file
+from tctune.search import TuneConfig, Tuner
+
+CPU_ROW = pytest.mark.skipif(not scaled_mm_works("cpu", "row"), reason="torch._scaled_mm row-wise not on this CPU")
+
+
+def test_role_replaces_layer_indices_only():
+    assert role("bert.encoder.layer.11.output.dense") == "bert.encoder.layer.*.output.dense"
+    assert role("blocks.0.mlp.fc1") == "blocks.*.mlp.fc1"
+    assert role("fc2") == "fc2" and role("layer10x.dense") == "layer10x.dense"
+
+
+class Stack(nn.Module):
+    """Two identical blocks (up 64->128, down 128->64) and an odd head 64->61 (not FP8-eligible)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.ModuleDict({"up": nn.Linear(64, 128), "down": nn.Linear(128, 64)})
+                                    for _ in range(2))
+        self.head = nn.Linear(64, 61)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = x + b["down"](torch.relu(b["up"](x)))
+        return self.head(x)
+
+
+def test_linear_roles_group_layers_and_count_flops():
+    torch.manual_seed(0)
+    gm = zoo.capture(Stack().eval(), (torch.randn(3, 5, 64),))
+
+    roles = linear_roles(gm)
+
+    assert set(roles) == {"blocks.*.up", "blocks.*.down"}  # the 61-wide head is not FP8-eligible
+    assert roles["blocks.*.up"] == roles["blocks.*.down"] == 2 * (2 * 15 * 64 * 128)
+
+
+def _additive(base: float, gains: dict[str, float], calls: list):
+    def error_of(keep):
+        calls.append(keep)
+        return base - sum(gains[k] for k in keep)
+    return error_of
+
+
+def test_greedy_keeps_the_best_error_per_flop_until_under_the_aim():
+    roles = {"a": 10.0, "b": 1.0, "c": 5.0}
+    calls: list = []
+
+    plan = plan_fp8_keep(roles, _additive(0.1, {"a": 0.05, "b": 0.04, "c": 0.01}, calls), max_error=0.05)
+
+    # step 1: b gains 0.04 per FLOP (best) -> 0.06 > 0.045; step 2: a (0.005/FLOP) beats c (0.002) -> 0.01
+    assert plan.keep == ("b", "a") and plan.usable and plan.reason is None
+    assert plan.error == pytest.approx(0.01) and plan.target == pytest.approx(0.045)
+    assert plan.fp8_flop_share == pytest.approx(5 / 16)
+    assert calls[0] == () and len(calls) == 1 + 3 + 2
+    assert [s["keep"] for s in plan.steps][:1] == [[]]
+    assert "b, a stays bf16" in plan.summary() and "31% of the linear FLOPs" in plan.summary()
+
+
+def test_all_fp8_when_already_under_the_aim():
+    calls: list = []
+    plan = plan_fp8_keep({"a": 1.0, "b": 1.0}, _additive(0.01, {"a": 0, "b": 0}, calls), max_error=0.05)
+    assert plan.keep == () and plan.fp8_flop_share == 1.0 and calls == [()]
+    assert "every FP8-eligible linear runs FP8" in plan.summary()
+
+
+def test_no_fp8_when_no_group_can_stay_fp8():
+    plan = plan_fp8_keep({"a": 1.0, "b": 2.0}, lambda keep: 0.2 - 0.01 * len(keep), max_error=0.05)
+    assert not plan.usable and plan.fp8_flop_share == 0 and set(plan.keep) == {"a", "b"}
+    assert "FP8 cannot meet --max-error-fp8 0.05" in plan.reason and "2.00e-01" in plan.reason
+
+
+def test_nan_error_counts_as_over_the_limit():
+    plan = plan_fp8_keep({"a": 1.0, "b": 1.0}, lambda keep: math.nan if "a" not in keep else 0.001, max_error=0.05)
+    assert plan.keep == ("a",) and plan.usable and plan.fp8_flop_share == 0.5
+
+
+def test_no_eligible_linear_and_bad_arguments():
+    assert "no linear is FP8-eligible" in plan_fp8_keep({}, lambda k: 0.0, 0.05).reason
+    with pytest.raises(ValueError, match="margin"):
+        plan_fp8_keep({"a": 1.0}, lambda k: 0.0, 0.05, margin=0)
+    with pytest.raises(ValueError, match="max_error"):
+        plan_fp8_keep({"a": 1.0}, lambda k: 0.0, 0.0)
+
+
+# ------------------------------------------------------------------------------------- through the Tuner
+
+STACK_FILE = '''
+import torch
+from torch import nn
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.ModuleDict({"up": nn.Linear(64, 256), "down": nn.Linear(256, 64)})
+                                    for _ in range(3))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b["down"](torch.nn.functional.gelu(b["up"](x)))
+        return x
+
+def build_model():
+    torch.manual_seed(0)
+    return Stack()
+
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 16, 64),)
+'''
+
+
+def _tuner(tmp_path, **kw) -> Tuner:
+    f = tmp_path / "stack.py"
+    f.write_text(STACK_FILE)
+    cfg = TuneConfig(out_dir=str(tmp_path / "out"), batch_sizes=(4,), **kw)
+    return Tuner(cfg, load_model_file(f), resolve("h200"), device=torch.device("cpu"))
+
+
+@CPU_ROW
+def test_tuner_plans_once_per_policy_and_builds_the_planned_graph(tmp_path):
+    tuner = _tuner(tmp_path, max_error_fp8=0.05)
+    loose = tuner.fp8_keep("pure", 4)
+    assert loose == () and set(tuner.fp8_plans) == {"pure"}
+    assert tuner.fp8_plans["pure"].roles.keys() == {"blocks.*.up", "blocks.*.down"}
+
+    # an aim between the all-FP8 error and zero: the plan must keep something, and the candidate has it
+    all_fp8 = tuner.fp8_plans["pure"].steps[0]["error"]
+    tuner = _tuner(tmp_path, max_error_fp8=all_fp8 * 0.8)
+    keep = tuner.fp8_keep("pure", 4)
+    plan = tuner.fp8_plans["pure"]
+    assert keep and plan.usable and plan.error <= plan.target < all_fp8
+    cand = tuner.build({"batch_size": 4, "precision": "fp8", "graph_passes": True, "runtime": "eager", "policy": "pure"})
+    fp8 = next(r for r in cand.passes if r.name == "cast_fp8_linears")
+    assert any("FP8 keep-list" in s.reason for s in fp8.skipped) and fp8.count > 0
+    assert "bf16: " in cand.description
+    inputs, ref = tuner.reference(4)
+    with torch.inference_mode():
+        out = cand.module(*inputs)
+    assert ((out.float() - ref).norm() / ref.norm()).item() <= all_fp8 * 0.8
+
+
+@CPU_ROW
+def test_tuner_rejects_fp8_with_the_plans_reason_when_nothing_fits(tmp_path):
+    tuner = _tuner(tmp_path, max_error_fp8=1e-9)
+    with pytest.raises(CandidateRejected, match="FP8 cannot meet --max-error-fp8"):
+        tuner.build({"batch_size": 4, "precision": "fp8", "graph_passes": True, "runtime": "eager", "policy": "pure"})
+    assert not tuner.fp8_plans["pure"].usable
+
+
+def test_explicit_keep_list_skips_planning(tmp_path):
+    tuner = _tuner(tmp_path, fp8_keep=("blocks.*.down",))
+    assert tuner.fp8_keep("pure", 4) == ("blocks.*.down",) and tuner.fp8_plans == {}
+    with pytest.raises(UsageError, match="--fp8-keep"):
+        TuneConfig(out_dir=str(tmp_path), fp8_keep="blocks.*")
+
+
+def test_cli_parses_fp8_keep():
+    from tctune.cli import parse_fp8_keep
+    assert parse_fp8_keep("auto") is None and parse_fp8_keep("none") == ()
+    assert parse_fp8_keep(" *.output.dense, lm_head ") == ("*.output.dense", "lm_head")
+    with pytest.raises(UsageError, match="--fp8-keep"):
+        parse_fp8_keep(" , ")
+
+
+def test_report_lists_fp8_plans():
+    from tctune.report import render_markdown
+    plan = plan_fp8_keep({"a": 1.0, "b": 1.0}, lambda keep: 0.06 - 0.03 * len(keep), max_error=0.05).to_dict()
+    r = {"hardware": {}, "model": {"name": "m", "path": "m.py"}, "measured_on": "cpu",
+         "study": {"name": "s", "n_trials": 0, "n_complete": 0}, "config": {"max_error": 0.01},
+         "capture": {"ok": True}, "best": None, "baseline": None, "passes": [], "trials": [], "artifacts": {},
+         "fp8_plans": {"pure": json.loads(json.dumps(plan))}}
+    md = render_markdown(r)
+    assert "## FP8 keep-list" in md and "- pure policy: FP8 keep-list a stays bf16; 50% of the linear FLOPs" in md
