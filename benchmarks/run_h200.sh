@@ -2,7 +2,7 @@
 # One device call on the lent H200: tctune's own runs plus the pass benchmarks, every baseline measured in the
 # same call. Usage there (after installing the wheels, see benchmarks/NOTES.md):
 #   OUT=/some/dir bash benchmarks/run_h200.sh [part...]
-#   parts: optimize fusion train pareto backend padding suite suite_a suite_b suite_c suite_fp8 aoti
+#   parts: optimize fusion train pareto backend padding suite suite_a suite_b suite_c suite_fp8 optimize_default suite_conv aoti
 #   (suite: every model, --quick; suite_a / suite_b: GPT-2 + BERT-base / BERT-large + ResNet-50 + seed CNN with
 #   every torch.compile variant, one device call each)
 # Each step has its own time limit so one slow step cannot cost the others; logs and JSON go to $OUT, and
@@ -37,6 +37,11 @@ for p in $parts; do case $p in
   suite_fp8) step suite_fp8 330 python3 benchmarks/suite.py --out "$OUT/r/suite_fp8" --models bert_base,bert_large \
               --budget 320 --model-limit 175 --compile-budget 70 \
               --variants 'fp16_eager,fp16_compile,fp8_torchao_compile,tctune_fp16_pure_inductor_cudagraphs,tctune_fp8*,tctune_compile_fp16_pure' ;;
+  optimize_default) step optimize_bert_base_default 330 python3 -m tctune optimize recipes/bert_base.py \
+              --out "$OUT/r/bert_base_default" --quiet ;;
+  suite_conv) step suite_conv 200 python3 benchmarks/suite.py --out "$OUT/r/suite_conv" --models resnet50,seed_cnn \
+              --budget 190 --model-limit 120 --compile-budget 70 \
+              --variants 'fp16_eager,fp16_compile,tctune_fp16_pure_cudagraphs,tctune_fp16_pure_inductor*,tctune_compile_fp16_pure' ;;
   aoti)     step bench_aoti 200 python3 benchmarks/bench_aoti.py --out "$OUT/r/aoti" --bert-timeout 150 ;;
 esac; done
 find "$OUT/r" \( -name '*.onnx' -o -name '*.onnx.data' -o -name 'study.db' -o -name '*.pt2' \) -delete
