@@ -243,6 +243,44 @@ def test_backend_training_grads_match_eager():
     assert fold.count == 0
 
 
+# ------------------------------------------------------------------------------------------------ caching
+
+
+def test_backend_graph_is_cacheable_by_aot_autograd(tmp_path, monkeypatch):
+    """Issue #7: warm-cache compiles redid AOT tracing and the joint-graph passes that plain torch.compile loads
+    from AOTAutogradCache. (1) ``ep.module()`` binds ``train``/``eval`` to the module itself; the cache key
+    pickles ``gm.__dict__`` and recursed until RecursionError: bypass on every compile. (2) The passes' buffers
+    sit in ``_non_persistent_buffers_set``, pickled in string-hash order (``PYTHONHASHSEED``): a key that
+    changed per process, so a miss every time."""
+    import torch._inductor.compile_fx as cfx
+    from torch._dynamo.utils import counters
+
+    seen: list[torch.fx.GraphModule] = []
+    real = cfx.compile_fx
+
+    def spy(gm, *args, **kwargs):
+        seen.append(gm)
+        return real(gm, *args, **kwargs)
+
+    monkeypatch.setattr(cfx, "compile_fx", spy)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    entry = ZOO["bert"]
+    model = entry.build()
+    x = entry.example_inputs(3)
+    counters.clear()
+    with torch._inductor.config.patch(fx_graph_cache=True, force_disable_caches=False), \
+            torch._functorch.config.patch(enable_autograd_cache=True), torch.no_grad():
+        _assert_close(torch.compile(model, backend=tb.backend(precision="fp32"))(*x), model(*x), "fp32")
+    rep = tb.reports[-1]
+    assert not rep.fallback and rep.count("fuse_qkv") >= 1  # fused QKV weight and bias: new buffers
+    aot = counters["aot_autograd"]
+    assert aot["autograd_cache_bypass"] == 0, dict(aot)
+    assert aot["autograd_cache_miss"] + aot["autograd_cache_hit"] >= 1, dict(aot)
+    (gm,) = seen
+    assert len(dict(gm.named_buffers())) > len(rep.frozen)
+    assert not any(m._non_persistent_buffers_set for m in gm.modules())
+
+
 # ------------------------------------------------------------------------------------------------ fallback
 
 
