@@ -2,7 +2,7 @@
 # One device call on the lent H200: tctune's own runs plus the pass benchmarks, every baseline measured in the
 # same call. Usage there (after installing the wheels, see benchmarks/NOTES.md):
 #   OUT=/some/dir bash benchmarks/run_h200.sh [part...]
-#   parts: optimize fusion train pareto backend padding suite suite_a suite_b suite_c suite_fp8 optimize_default suite_conv aoti
+#   parts: optimize fusion train pareto backend padding suite suite_a suite_b suite_c suite_fp8 optimize_default suite_conv backend_compile suite_backend aoti
 #   (suite: every model, --quick; suite_a / suite_b: GPT-2 + BERT-base / BERT-large + ResNet-50 + seed CNN with
 #   every torch.compile variant, one device call each)
 # Each step has its own time limit so one slow step cannot cost the others; logs and JSON go to $OUT, and
@@ -42,10 +42,15 @@ for p in $parts; do case $p in
   suite_conv) step suite_conv 200 python3 benchmarks/suite.py --out "$OUT/r/suite_conv" --models resnet50,seed_cnn \
               --budget 190 --model-limit 120 --compile-budget 70 \
               --variants 'fp16_eager,fp16_compile,tctune_fp16_pure_cudagraphs,tctune_fp16_pure_inductor*,tctune_compile_fp16_pure' ;;
+  backend_compile) step backend_compile 200 python3 benchmarks/bench_backend_compile.py --device cuda --model gpt2 \
+              --batch 32 --seq 512 --precision fp16 --caches off --json "$OUT/r/backend_compile_gpt2.json" ;;
+  suite_backend) step suite_backend 300 python3 benchmarks/suite.py --out "$OUT/r/suite_backend" --models gpt2,bert_large \
+              --budget 290 --model-limit 150 --compile-budget 110 \
+              --variants 'fp16_eager,fp16_compile,tctune_fp16_pure_inductor_cudagraphs,tctune_compile_fp16_pure' ;;
   aoti)     step bench_aoti 200 python3 benchmarks/bench_aoti.py --out "$OUT/r/aoti" --bert-timeout 150 ;;
 esac; done
 find "$OUT/r" \( -name '*.onnx' -o -name '*.onnx.data' -o -name 'study.db' -o -name '*.pt2' \) -delete
 for f in "$OUT"/r/*/report.md; do echo "== $f"; grep -E "^Best:|^- Against|keep FP32" "$f"; done
-for f in "$OUT"/r/bench_*.log; do echo "== $f"; tail -25 "$f"; done
+for f in "$OUT"/r/bench_*.log "$OUT"/r/backend_compile.log; do [ -f "$f" ] && { echo "== $f"; tail -40 "$f"; }; done
 cat "$OUT/r/steps.txt"
 tar -czf "$OUT/results.tar.gz" -C "$OUT" r && rm -rf "$OUT/r"
