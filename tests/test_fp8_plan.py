@@ -67,9 +67,24 @@ def test_greedy_keeps_the_best_error_per_flop_until_under_the_aim():
     assert plan.keep == ("b", "a") and plan.usable and plan.reason is None
     assert plan.error == pytest.approx(0.01) and plan.target == pytest.approx(0.045)
     assert plan.fp8_flop_share == pytest.approx(5 / 16)
-    assert calls[0] == () and len(calls) == 1 + 3 + 2
+    assert calls[0] == () and len(calls) == 1 + 3 + 2 + 2  # + trying to release a, then b (both needed)
     assert [s["keep"] for s in plan.steps][:1] == [[]]
     assert "b, a stays bf16" in plan.summary() and "31% of the linear FLOPs" in plan.summary()
+
+
+def test_a_role_kept_early_is_released_when_a_later_one_suffices():
+    errors = {(): 0.1, ("b",): 0.08, ("a",): 0.04, ("c",): 0.05, ("b", "a"): 0.03, ("b", "c"): 0.04}
+    calls: list = []
+
+    def error_of(keep):
+        calls.append(keep)
+        return errors[tuple(keep)]
+
+    plan = plan_fp8_keep({"a": 10.0, "b": 1.0, "c": 20.0}, error_of, max_error=0.05)
+
+    # greedy: b (0.02 per FLOP) then a -> 0.03; releasing a gives 0.08 (kept), releasing b gives 0.04 <= 0.045
+    assert plan.keep == ("a",) and plan.error == 0.04 and plan.fp8_flop_share == pytest.approx(21 / 31)
+    assert calls[-2:] == [("b",), ("a",)] and plan.steps[-1]["release"] == "b"
 
 
 def test_all_fp8_when_already_under_the_aim():
