@@ -21,6 +21,8 @@ baselines (the model as written)
     ``fp16_eager``      ``copy.deepcopy(model).half()``; channels-last for the conv nets; floating inputs are
                         cast (and made channels-last) inside the timed call
     ``fp16_compile``    ``torch.compile`` of that fp16 model (mode default); compile time is recorded apart
+    ``fp16_compile_fp32_out``  the same with its outputs cast back to float32 inside the compiled module: Inductor
+                        alone under the FP32 model's output contract, which tctune's graph and backend keep
     ``fp8_torchao_compile``  torchao's FP8 inference recipe (``quantize_`` with
                         ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())`` on the bf16 model, every
                         ``nn.Linear``), then ``torch.compile``; transformer models on sm_89+ with torchao installed
@@ -37,6 +39,8 @@ tctune (conv nets channels-last, weights and inputs, like their fp16 baselines)
                                         one CUDA graph (the search's ``inductor-cudagraphs`` runtime)
     ``tctune_fp8keep_inductor_cudagraphs``  the same with the model's FP8 keep-list in bf16 (BERT:
                                         ``*.output.dense``, the attention-output and FFN-down projections)
+    ``tctune_fp8plan_inductor_cudagraphs``  the same with the keep-list ``tctune optimize`` plans
+                                        (``tctune.fp8_plan.plan_graph`` on these inputs, aim 0.9 × 5e-2)
     ``tctune_compile_fp16_pure``        ``torch.compile(fp32 model, backend=tctune.backend.backend(precision="fp16",
                                         policy="pure"))``; ``backend_seconds`` splits its compile into export,
                                         passes and Inductor
@@ -127,7 +131,8 @@ MODELS: dict[str, ModelSpec] = {
     "seed_cnn": ModelSpec("seed_cnn", 1024, "img", True, 20, 8),
 }
 
-BASELINES = ("fp32_eager", "tf32_eager", "autocast_bf16", "fp16_eager", "fp16_compile", "fp8_torchao_compile")
+BASELINES = ("fp32_eager", "tf32_eager", "autocast_bf16", "fp16_eager", "fp16_compile", "fp16_compile_fp32_out",
+             "fp8_torchao_compile")
 #: tctune's graph at each precision and cast policy ("" = autocast-accurate, "_pure" = like model.half()).
 GRAPH_VARIANTS = tuple((prec, policy) for policy in ("autocast", "pure") for prec in ("bf16", "fp16"))
 _SFX = {"autocast": "", "pure": "_pure"}
@@ -135,11 +140,11 @@ _SFX = {"autocast": "", "pure": "_pure"}
 INDUCTOR_VARIANTS = ("tctune_fp16_pure_inductor", "tctune_fp16_pure_inductor_cudagraphs")
 #: tctune's FP8 graph (pure policy) through Inductor as one CUDA graph: every eligible linear, and with the
 #: model's FP8 keep-list (``ModelSpec.fp8_keep``) in bf16.
-FP8_VARIANTS = ("tctune_fp8_inductor_cudagraphs", "tctune_fp8keep_inductor_cudagraphs")
+FP8_VARIANTS = ("tctune_fp8_inductor_cudagraphs", "tctune_fp8keep_inductor_cudagraphs", "tctune_fp8plan_inductor_cudagraphs")
 TCTUNE = tuple(f"tctune_{p}{_SFX[pol]}_{rt}" for p, pol in GRAPH_VARIANTS for rt in ("eager", "cudagraphs")) + (
     INDUCTOR_VARIANTS + FP8_VARIANTS + ("tctune_compile_fp16_pure",))
 PRECISION = {"fp32_eager": "fp32", "tf32_eager": "tf32", "autocast_bf16": "bf16", "fp16_eager": "fp16",
-             "fp16_compile": "fp16", "tctune_compile_fp16_pure": "fp16", "fp8_torchao_compile": "fp8",
+             "fp16_compile": "fp16", "fp16_compile_fp32_out": "fp16", "tctune_compile_fp16_pure": "fp16", "fp8_torchao_compile": "fp8",
              **{v: "fp8" for v in FP8_VARIANTS},
              **{v: "fp16" for v in INDUCTOR_VARIANTS},
              **{f"tctune_{p}{_SFX[pol]}_{rt}": p for p, pol in GRAPH_VARIANTS for rt in ("eager", "cudagraphs")}}
@@ -229,6 +234,19 @@ def build(name: str, dry_run: bool, device: torch.device) -> tuple[torch.nn.Modu
     else:
         raise KeyError(name)
     return model.eval().to(device), tuple(x.to(device) for x in inputs)
+
+
+class FP32Outputs(torch.nn.Module):
+    """Returns ``module``'s floating outputs as float32: the FP32 model's output contract, which tctune's graph
+    and backend keep (``model.half()`` returns fp16)."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *inputs):
+        return tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                        self.module(*inputs))
 
 
 class HalfModel(torch.nn.Module):
@@ -342,6 +360,7 @@ def run_model(name: str, args, device: torch.device, hw, clock: Clock, ceilings:
     """Measure every variant of one model; returns its JSON entry."""
     import tctune.backend as tb
     from tctune.capture import capture
+    from tctune.fp8_plan import plan_graph
     from tctune.search import apply_passes
 
     spec = MODELS[name]
@@ -533,7 +552,7 @@ def run_model(name: str, args, device: torch.device, hw, clock: Clock, ceilings:
 
     # -- tctune's FP8 graph (pure policy) through Inductor, replayed as one CUDA graph: every eligible linear in
     #    FP8, then with the model's FP8 keep-list in bf16
-    for vname, keep in zip(FP8_VARIANTS, ((), spec.fp8_keep)):
+    for vname, keep in zip(FP8_VARIANTS, ((), spec.fp8_keep, None)):
         reason = fp8_skip_reason(spec, hw, args, gm is None and capture_reason)
         if reason is None and vname == FP8_VARIANTS[1] and not keep:
             reason = "no FP8 keep-list for this model"
@@ -545,6 +564,12 @@ def run_model(name: str, args, device: torch.device, hw, clock: Clock, ceilings:
         def fp8_graph(keep=keep, info=fp8_info):
             torch._dynamo.reset()
             t0 = time.perf_counter()
+            if keep is None:  # planned by tctune.fp8_plan, as `tctune optimize` does (aim 0.9 x the FP8 limit)
+                plan = plan_graph(gm, hw, inputs, ref, MAX_ERROR_FP8, policy="pure", device=device)
+                info.update(fp8_plan=plan.to_dict(), plan_s=round(time.perf_counter() - t0, 2))
+                if not plan.usable:
+                    raise RuntimeError(plan.reason)
+                keep, t0 = plan.keep, time.perf_counter()
             g, results = apply_passes(gm, hw, "fp8", policy="pure", fp8_keep=keep)
             info.update(passes={r.name: r.count for r in results}, passes_s=round(time.perf_counter() - t0, 2),
                         fp8_keep=list(keep))
@@ -592,6 +617,7 @@ def run_model(name: str, args, device: torch.device, hw, clock: Clock, ceilings:
 
     for vname, make, extra in (
         ("fp16_compile", lambda: compiled(HalfModel(model, spec.conv)), None),
+        ("fp16_compile_fp32_out", lambda: compiled(FP32Outputs(HalfModel(model, spec.conv))), None),
         ("fp8_torchao_compile", torchao_fp8, None),
         ("tctune_compile_fp16_pure", lambda: compiled(layout(copy.deepcopy(model)),
                                                        backend=tb.backend(precision="fp16", policy="pure")),

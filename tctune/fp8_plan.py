@@ -194,4 +194,42 @@ def plan_fp8_keep(roles: dict[str, float], error_of: Callable[[tuple[str, ...]],
     return FP8Plan(tuple(keep), err, target, share, dict(roles), steps, reason)
 
 
-__all__ = ["DEFAULT_MARGIN", "FP8Plan", "linear_roles", "plan_fp8_keep", "role"]
+def plan_graph(gm: fx.GraphModule, hw, inputs: tuple, ref: Any, max_error: float, *, policy: str = "autocast",
+               device: torch.device | None = None, margin: float = DEFAULT_MARGIN) -> FP8Plan:
+    """:func:`plan_fp8_keep` for a captured graph: roles from the graph after the passes that run before
+    ``cast_fp8_linears`` (so a fused QKV is one role), errors from FP8 graphs run on ``inputs`` against ``ref``.
+
+    Args:
+        gm: the captured FP32 ATen graph module (not modified); hw: a ``tctune.hardware.HardwareSpec``.
+        inputs: the calibration inputs (on ``device``); ref: the FP32 model's outputs for them.
+        max_error: the FP8 error limit; policy: the cast policy of the FP8 graphs (``autocast`` or ``pure``).
+        device: where the graphs run (default: ``gm``'s). NaN/inf outputs count as an infinite error.
+
+    Raises:
+        tctune.errors.PassError: a pass failed; any exception of the FP8 graph's forward.
+    """
+    from passes import PIPELINE
+
+    from .measure import compare, precision_mode, release_memory
+    from .search import apply_passes
+
+    device = device or next((t.device for t in gm.buffers()), torch.device("cpu"))
+    before = PIPELINE[:PIPELINE.index("cast_fp8_linears")]
+    base, _ = apply_passes(gm, hw, "fp8", names=before, policy=policy)
+    roles = linear_roles(base, hw.pass_spec("fp8").alignment.get("fp8", 16))
+    del base
+
+    def error_of(keep: tuple[str, ...]) -> float:
+        g, _ = apply_passes(gm, hw, "fp8", policy=policy, fp8_keep=keep)
+        try:
+            with precision_mode("fp8"), torch.inference_mode():
+                err = compare(g.to(device)(*inputs), ref)
+        finally:
+            g = None
+            release_memory(device)
+        return math.inf if err.nonfinite else err.rel_l2_error
+
+    return plan_fp8_keep(roles, error_of, max_error, margin)
+
+
+__all__ = ["DEFAULT_MARGIN", "FP8Plan", "linear_roles", "plan_fp8_keep", "plan_graph", "role"]

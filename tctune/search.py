@@ -12,7 +12,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 import signal
 import sys
 import threading
@@ -31,7 +30,7 @@ from passes.base import PassFailure
 
 from .capture import Captured, batch_range, try_capture
 from .errors import CandidateRejected, ModelFileError, PassError, UsageError
-from .fp8_plan import FP8Plan, linear_roles, plan_fp8_keep
+from .fp8_plan import FP8Plan, plan_graph
 from .hardware import POLICIES, HardwareSpec
 from .measure import (ErrorStats, check_accuracy, compare, is_oom, precision_mode, release_memory,
                       time_call)
@@ -357,25 +356,13 @@ class Tuner:
 
     def _plan_fp8(self, policy: str, batch_size: int) -> FP8Plan:
         inputs, ref = self.reference(batch_size)
-        gm = self.captured.graph_module
-        before = PIPELINE[:PIPELINE.index("cast_fp8_linears")]
-        base, _ = apply_passes(gm, self.hw, "fp8", names=before, policy=policy)
-        roles = linear_roles(base, self.hw.pass_spec("fp8").alignment.get("fp8", 16))
-        del base
-
-        def error_of(keep: tuple[str, ...]) -> float:
-            g, _ = apply_passes(gm, self.hw, "fp8", policy=policy, fp8_keep=keep)
-            try:
-                with precision_mode("fp8"), torch.inference_mode():
-                    err = compare(g.to(self.device)(*inputs), ref)
-            except Exception as exc:  # noqa: BLE001 - an FP8 graph that cannot run is as bad as an infinite error
-                raise rejection(exc, self.device, batch_size, "FP8 keep-list planning") from exc
-            finally:
-                g = None
-                release_memory(self.device)
-            return math.inf if err.nonfinite else err.rel_l2_error
-
-        return plan_fp8_keep(roles, error_of, self.cfg.max_error_fp8)
+        try:
+            return plan_graph(self.captured.graph_module, self.hw, inputs, ref, self.cfg.max_error_fp8,
+                              policy=policy, device=self.device)
+        except PassError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - an FP8 graph that cannot run rejects the FP8 candidates
+            raise rejection(exc, self.device, batch_size, "FP8 keep-list planning") from exc
 
     def evaluate(self, params: dict, on_repeat=None) -> dict:
         """Build, check and time one candidate; returns the trial's metrics.
