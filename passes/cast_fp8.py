@@ -297,10 +297,12 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, w8_name: str, sw_name: str, scal
 
     aten = torch.ops.aten
     with graph.inserting_before(node):
-        lead = []
+        lead: list = [-1]
         if ndim != 2:
-            # Leading sizes for the view back: static ints, or sym_size nodes for dynamic (batch) dimensions.
-            for i in range(ndim - 1):
+            # Leading sizes for the view back: -1 for the first (the batch: on the H200, torch 2.11, GPT-2's
+            # LM-head input carried a static batch of 2 in its metadata while the graph ran at 32, and a static
+            # size there broke the view), then static ints, or sym_size nodes for dynamic dimensions.
+            for i in range(1, ndim - 1):
                 size = x_val.shape[i]
                 lead.append(size if isinstance(size, int) else op(aten.sym_size.int, (x, i)))
         x2d = x if ndim == 2 else op(aten.reshape.default, (x, [-1, k]))

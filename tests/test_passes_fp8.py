@@ -196,6 +196,25 @@ def test_ineligible_linear_skipped_with_reason():
     assert mm.kwargs["bias"] is None
 
 
+def test_3d_input_views_back_with_the_runtime_batch_even_if_metadata_says_static():
+    model, gm = _build(FP8MLP, 3, 5, 64)
+    first = next(n for n in gm.graph.nodes if n.target == _LINEAR)
+    x = first.args[0]
+    fake = x.meta["val"]
+    # stale metadata as seen on the H200 (torch 2.11, GPT-2's LM head): a concrete batch in meta["val"]
+    x.meta["val"] = fake.fake_mode.from_tensor(torch.empty(3, 5, 64, dtype=fake.dtype), static_shapes=True)
+
+    result = cast_fp8_linears(gm, FP8)
+
+    assert result.count == 3
+    views = [n for n in gm.graph.nodes if n.target == torch.ops.aten.view.default and n.meta.get(FP8_FLAG)]
+    assert len(views) == 3 and all(v.args[1][0] == -1 and v.args[1][1] == 5 for v in views)
+    if scaled_mm_works("cpu", "row"):
+        x7 = torch.randn(7, 5, 64)  # a batch the metadata never saw
+        with torch.no_grad():
+            assert gm(x7).shape == (7, 5, 32) and _rel_l2(gm(x7), model(x7)) < 5e-2
+
+
 def test_keep_list_leaves_matching_linears_in_bf16_with_reason():
     model, gm = _build(FP8MLP, 3, 64)
     spec = PassSpec(precision="fp8", fp8_keep=("fc2", "*.nothing"))
