@@ -132,7 +132,8 @@ def _fp8_calibration(tuner: Tuner, first: list[tuple]) -> list[tuple]:
     return inputs
 
 
-def export_best(tuner: Tuner, params: dict, out: Path) -> tuple[dict, list[dict]]:
+def export_best(tuner: Tuner, params: dict, out: Path,
+                fp8_keep: list[str] | None = None) -> tuple[dict, list[dict]]:
     """Export the best configuration's graph (passes at its precision) to ONNX, and TensorRT if importable.
 
     At precision fp8, ``model.onnx`` is the bf16 graph with each FP8 linear as float8e4m3fn
@@ -141,6 +142,10 @@ def export_best(tuner: Tuner, params: dict, out: Path) -> tuple[dict, list[dict]
     are dynamic per token), validated at batch 1, the tuned batch and one more; ``onnx_note`` and ``onnx_fp8`` say what was
     quantized and how it was validated, and ``model.fp32.onnx`` is written too when onnxruntime cannot run
     ``model.onnx`` itself.
+
+    Args:
+        fp8_keep: the FP8 keep-list the best trial was measured with (its ``fp8_keep`` user attribute), so the
+            export is that graph even when this process planned none (a resumed study); None: ask the tuner.
 
     Returns:
         ``(artifacts, passes)``: the artifact paths/errors and the pass results (as dicts) for the report.
@@ -157,7 +162,9 @@ def export_best(tuner: Tuner, params: dict, out: Path) -> tuple[dict, list[dict]
         return artifacts, []
     calibration = [tuner.reference(params["batch_size"])[0]]
     policy = params.get("policy", "autocast")
-    keep = tuner.fp8_keep(policy, params["batch_size"]) if params["precision"] == "fp8" else ()
+    keep: tuple[str, ...] = ()
+    if params["precision"] == "fp8":
+        keep = tuple(fp8_keep) if fp8_keep is not None else tuner.fp8_keep(policy, params["batch_size"])
     _, measured = apply_passes(tuner.captured.graph_module, tuner.hw, params["precision"], calibration=calibration,
                                policy=policy, fp8_keep=keep)
     passes = [r.to_dict() for r in measured]  # what ran in the measured candidate, for the report
@@ -277,11 +284,13 @@ def optimize(model_path: str | Path, cfg: TuneConfig) -> dict:
                      "onnx_error": "not exported: the run was interrupted (run the command again to resume)",
                      "tensorrt_skipped_reason": "the run was interrupted"}
     if bt is not None and not tuner.interrupted:
-        artifacts, passes = export_best(tuner, dict(bt.params), out)
+        artifacts, passes = export_best(tuner, dict(bt.params), out, fp8_keep=bt.user_attrs.get("fp8_keep"))
         best_cfg = {"model": mf.name, "model_path": str(mf.path), "hardware": hw.to_dict(), "params": dict(bt.params),
                     "batch_sizes": sorted(cfg.batch_sizes),
                     "throughput": bt.user_attrs.get("throughput"), "max_rel_error": bt.user_attrs.get("max_rel_error"),
                     "passes": [p["name"] for p in passes], "study": study.study_name, "tctune_version": __version__}
+        if bt.user_attrs.get("fp8_keep") is not None:
+            best_cfg["fp8_keep"] = bt.user_attrs["fp8_keep"]
         write_atomic(out / "best_config.json", json.dumps(best_cfg, indent=2) + "\n")
         artifacts["best_config"] = str(out / "best_config.json")
     if cfg.storage is None:

@@ -159,6 +159,7 @@ class Candidate:
     precision: str
     passes: list = field(default_factory=list)  # PassResult objects
     description: str = ""
+    fp8_keep: tuple[str, ...] | None = None  # precision fp8, tctune's graph: the keep-list it was built with
 
 
 def measuring_device() -> torch.device:
@@ -329,7 +330,8 @@ class Tuner:
             label = f"{precision} ({policy})" if precision in ("fp16", "bf16") else precision
             if precision == "fp8":
                 label += f" (bf16: {', '.join(keep)})" if keep else " (every eligible linear)"
-            return Candidate(g.to(self.device), precision, results, f"tctune graph {label}, {runtime}")
+            return Candidate(g.to(self.device), precision, results, f"tctune graph {label}, {runtime}",
+                             fp8_keep=keep if precision == "fp8" else None)
         if precision in ("fp16", "bf16"):
             dtype = torch.float16 if precision == "fp16" else torch.bfloat16
             return Candidate(Autocast(self.model, dtype, self.device.type), precision, [],
@@ -408,8 +410,9 @@ class Tuner:
         peak = None
         if timing.peak_memory_mib is not None:
             peak = timing.peak_memory_mib - (held - own) / 2**20
+        extra = {} if cand.fp8_keep is None else {"fp8_keep": list(cand.fp8_keep)}  # export rebuilds this graph
         return trial_metrics(timing, err, peak_memory_mib=peak, setup_s=setup_s, description=cand.description,
-                             passes=[{"name": r.name, "changed": r.count} for r in cand.passes])
+                             passes=[{"name": r.name, "changed": r.count} for r in cand.passes], **extra)
 
     # -- study ------------------------------------------------------------------------------------------
     def space_size(self) -> int:

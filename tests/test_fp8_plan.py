@@ -170,6 +170,15 @@ def test_tuner_plans_once_per_policy_and_builds_the_planned_graph(tmp_path):
 
 
 @CPU_ROW
+def test_fp8_trial_records_its_keep_list_for_the_export(tmp_path):
+    tuner = _tuner(tmp_path, fp8_keep=("blocks.*.down",))
+    params = {"batch_size": 4, "precision": "fp8", "graph_passes": True, "runtime": "eager", "policy": "pure"}
+    metrics = tuner.evaluate(params)
+    assert metrics["fp8_keep"] == ["blocks.*.down"] and metrics["max_rel_error"] < 5e-2
+    assert "fp8_keep" not in tuner.evaluate({**params, "precision": "bf16"})
+
+
+@CPU_ROW
 def test_tuner_rejects_fp8_with_the_plans_reason_when_nothing_fits(tmp_path):
     tuner = _tuner(tmp_path, max_error_fp8=1e-9)
     with pytest.raises(CandidateRejected, match="FP8 cannot meet --max-error-fp8"):

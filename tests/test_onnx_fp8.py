@@ -487,6 +487,10 @@ def test_cli_export_fp8_config_writes_qdq_onnx(tmp_path, capsys):
     assert sum(i.data_type == F8 and len(i.dims) == 2 for i in model.graph.initializer) == 3
 
 
+def _no_planning(policy, batch):
+    raise AssertionError("export must rebuild the keep-list the best trial recorded, not plan a new one")
+
+
 def test_optimize_export_best_fp8_writes_qdq_onnx(tmp_path):
     from tctune.hardware import resolve
     from tctune.modelfile import load_model_file
@@ -507,9 +511,9 @@ def test_optimize_export_best_fp8_writes_qdq_onnx(tmp_path):
 
     tuner = SimpleNamespace(cfg=SimpleNamespace(mode="infer", export=True, batch_sizes=[4, 64]),
                             captured=SimpleNamespace(ok=True, graph_module=gm, reason=None), hw=resolve("9.0"),
-                            device=device, mf=mf, reference=reference, fp8_keep=lambda policy, batch: ())
+                            device=device, mf=mf, reference=reference, fp8_keep=_no_planning)
     params = {"precision": "fp8", "batch_size": 4, "policy": "autocast", "graph_passes": True}
-    artifacts, passes = export_best(tuner, params, tmp_path)
+    artifacts, passes = export_best(tuner, params, tmp_path, fp8_keep=[])  # the best trial's recorded keep-list
     assert artifacts["onnx"] == str(tmp_path / "model.onnx")
     assert artifacts["onnx_opset"] == 19 and artifacts["onnx_fp8"]["qdq_nodes"]["QuantizeLinear"] == 3
     assert "not implemented" not in artifacts["onnx_note"] and "static per-tensor" in artifacts["onnx_note"]
