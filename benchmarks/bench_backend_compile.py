@@ -115,16 +115,17 @@ def child(a):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--model", default="gpt2", choices=["gpt2", "bert"])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default %(default)s)")
+    p.add_argument("--model", default="gpt2", choices=["gpt2", "bert"], help="recipe family (default %(default)s)")
     p.add_argument("--layers", type=int, default=0, help="0: the recipe's full depth")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1, help="batch size of the compiled call (default %(default)s)")
+    p.add_argument("--seq", type=int, default=128, help="sequence length (default %(default)s)")
     p.add_argument("--precision", default=None, help="tctune precision; plain path casts the model to it")
     p.add_argument("--target", default=None, help="tctune target (e.g. h200 to plan GPU passes on CPU)")
-    p.add_argument("--repeat", type=int, default=1)
-    p.add_argument("--paths", default="inductor,tctune")
+    p.add_argument("--repeat", type=int, default=1, help="processes per path (default %(default)s)")
+    p.add_argument("--paths", default="inductor,tctune",
+                   help="inductor (plain torch.compile of the model cast to --precision) and/or tctune (the backend)")
     p.add_argument("--caches", default="off", choices=["off", "cold", "warm"],
                    help="off: TORCHINDUCTOR_FORCE_DISABLE_CACHES=1; cold: caches on, empty dir; warm: caches on, "
                         "dir filled by an unreported run of the same path first")

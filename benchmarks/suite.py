@@ -783,6 +783,9 @@ def main(argv: list[str] | None = None) -> int:
                      "items/s"),
         "models": {},
     }
+    if args.dry_run:
+        print("DRY RUN: tiny configs on the CPU to check the script; the numbers mean nothing (variant names keep "
+              "their GPU meaning)", flush=True)
     t0 = time.perf_counter()
     n = 128 if args.dry_run else GEMM_N
     report["ceilings_tflops"] = gemm_ceilings(device, n)

@@ -44,7 +44,8 @@ examples:
 
 
 def parse_batch_sizes(text: str) -> tuple[int, ...]:
-    """``"8,32,128"`` → (8, 32, 128); ``"16-256"`` → powers of two from 16 to 256.
+    """``"8,32,128"`` → (8, 32, 128); ``"16-256"`` → 16, 32, ..., 256: doubling from LO, HI included (powers of
+    two when LO is one; ``"3-20"`` → 3, 6, 12, 20).
 
     Raises:
         UsageError: anything else, or a value below 1.
@@ -68,7 +69,7 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
         return sizes
     except ValueError:
         raise UsageError(
-            f"invalid --batch-sizes {text!r}\n  fix: a comma list of positive integers (8,32,128) or a range LO-HI (16-256, powers of two)"
+            f"invalid --batch-sizes {text!r}\n  fix: a comma list of positive integers (8,32,128) or a range LO-HI (16-256: doubling from 16, 256 included)"
         ) from None
 
 
@@ -111,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("model_file", metavar="MODEL_FILE", help="Python file defining build_model() and example_inputs(batch_size) (it is executed)")
     o.add_argument("--out", metavar="DIR", help="output folder (default: tctune_out/<model name>)")
     o.add_argument("--batch-sizes", default="8,32,128", metavar="LIST",
-                   help="batch sizes to search: 8,32,128 or a range 16-256 (powers of two); default %(default)s")
+                   help="batch sizes to search: 8,32,128 or a range 16-256 (doubling from 16, 256 included); default %(default)s")
     o.add_argument("--trials", type=int, default=16, metavar="N", help="trials to add to the study in this run (default %(default)s)")
     o.add_argument("--timeout", type=float, metavar="SECONDS", help="stop starting new trials after this long (default: no time limit; --trials bounds the run)")
     o.add_argument("--max-error", type=float, default=1e-2, metavar="E",
@@ -191,6 +192,8 @@ def _summary(report: dict, out: Path) -> str:
         lines.append(f"best: {p['precision']}, {'tctune graph' if p.get('graph_passes') else 'model as written'}, "
                      f"{p.get('runtime', 'eager')}, batch {p['batch_size']}: "
                      f"{b['throughput']:.4g} items/s, rel. error {b['max_rel_error']:.2e}")
+        if report.get("config", {}).get("objective") == "latency" and b.get("latency_p99_ms") is not None:
+            lines.append(f"      p99 latency {b['latency_p99_ms']:.4g} ms per batch (the objective)")
         if base and b.get("speedup_vs_baseline"):
             lines.append(f"      {b['speedup_vs_baseline']:.2f}x FP32 eager at the same batch ({base['throughput']:.4g} items/s)")
             from .report import base_trial, unstable_timing

@@ -150,9 +150,9 @@ def load_model_file(path: str | Path) -> ModelFile:
         if isinstance(exc, KeyboardInterrupt):
             raise
         tb = traceback.extract_tb(exc.__traceback__)
-        where = next((f"line {f.lineno}" for f in reversed(tb) if f.filename == str(p)), "import")
+        where = next((f" at line {f.lineno}" for f in reversed(tb) if f.filename == str(p)), "")
         raise ModelFileError(
-            f"{p.name} raised {type(exc).__name__} at {where} while being imported: {exc}\n"
+            f"{p.name} raised {type(exc).__name__}{where} while being imported: {exc}\n"
             f"  fix: the file must import cleanly with `python {p.name}`"
         ) from exc
     finally:

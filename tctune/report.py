@@ -178,7 +178,9 @@ def render_markdown(r: dict) -> str:
               f"- Measured on: {r['measured_on']}",
               f"- Study: `{r['study']['name']}`, {r['study']['n_trials']} trials ({r['study']['n_complete']} complete)",
               f"- Accuracy limit: relative L2 error ≤ {r['config']['max_error']:g} against FP32 eager on fresh random inputs", ""]
-    if not r["capture"]["ok"]:
+    if not r["capture"]["ok"] and r["config"].get("mode") == "train":
+        lines += [f"> No graph passes in `--mode train`: {r['capture']['reason']}", ""]
+    elif not r["capture"]["ok"]:
         lines += [f"> **Graph capture failed**, so no graph passes ran: {r['capture']['reason']}", ""]
     lines += ["## Result", ""]
     b, base = r["best"], r["baseline"]
@@ -190,6 +192,8 @@ def render_markdown(r: dict) -> str:
         lines.append(f"Best: **{p['precision']}**, {kind}, runtime {p.get('runtime', 'eager')}, batch {p['batch_size']}: "
                      f"{_fmt(b['throughput'])} items/s, "
                      f"{_fmt(b['latency_ms'])} ms per batch, relative error {_fmt(b['max_rel_error'], '.2e')}.")
+        if r["config"].get("objective") == "latency":
+            lines.append(f"- p99 latency (the objective): {_fmt(b.get('latency_p99_ms'))} ms per batch.")
         if base:
             lines.append("")
             lines.append(f"- Against FP32 eager at the same batch ({base['batch_size']}): "

@@ -237,10 +237,17 @@ class Tuner:
         if cfg.mode == "train" and graphed:
             raise UsageError(f"--runtimes {graphed[0]} is for inference; in --mode train use eager or inductor")
         if self.device.type != "cuda" and graphed:
-            raise UsageError(f"--runtimes {graphed[0]} needs a CUDA GPU; this machine measures on the CPU")
+            raise UsageError(f"--runtimes {graphed[0]} needs a CUDA GPU; this machine measures on the CPU\n"
+                             f"  fix: --runtimes {','.join(RUNTIMES_CPU)} (or run on a GPU machine)")
+        if "eager" not in self.runtimes:
+            raise UsageError(f"--runtimes {','.join(self.runtimes)} leaves out eager, which the FP32 eager baselines "
+                             f"every result is compared with need\n  fix: --runtimes eager,{','.join(self.runtimes)}")
         if cfg.max_memory_mib is not None and self.device.type != "cuda":
             log.warning("--max-memory-mib limits peak CUDA memory; this run measures on the %s, where it is not "
                         "measured, so the limit is ignored", self.device.type.upper())
+        if "fp8" not in self.precisions and (cfg.fp8_keep is not None or cfg.max_error_fp8 != 5e-2):
+            log.warning("precision fp8 is not searched here (it needs FP8 Tensor Cores, sm_89 or newer, a GPU to "
+                        "measure on and --mode infer), so --fp8-keep / --max-error-fp8 have no effect")
         self.compile_over_budget: str | None = None
         self.fp8_plans: dict[str, FP8Plan] = {}  # policy -> planned FP8 keep-list (when --fp8-keep is auto)
         self._opened = False
@@ -622,6 +629,10 @@ class Tuner:
                 f"{state}; best {best.user_attrs['throughput']:.4g}/s" if best else f"#{tr.number} {state}")
             bar.update(1)
 
+        left = self.space_size() - len(self.measured(study))
+        if self.space_size() <= BRUTE_FORCE_MAX and 0 < left < self.cfg.trials:
+            log.info("this search space has %d candidates, %d not measured yet: at most %d trials run, not --trials %d",
+                     self.space_size(), left, left, self.cfg.trials)
         if self.space_size() <= BRUTE_FORCE_MAX and len(self.measured(study)) >= self.space_size():
             log.info("all %d candidates of this search space are already measured; nothing to add "
                      "(widen --batch-sizes or --runtimes to search more)", self.space_size())

@@ -209,6 +209,16 @@ def test_cuda_graph_runtimes_need_a_gpu_and_inference(tiny, tmp_path, runtime):
         tuner(tiny, tmp_path, runtimes=(runtime,), mode="train")
 
 
+def test_runtimes_without_eager_say_the_baselines_need_it(tiny, tmp_path, caplog):
+    from tctune.errors import UsageError
+
+    with pytest.raises(UsageError, match="(?s)leaves out eager.*fix: --runtimes eager,inductor"):
+        tuner(tiny, tmp_path, runtimes=("inductor",))
+    with caplog.at_level("WARNING", logger="tctune"):
+        tuner(tiny, tmp_path, fp8_keep=("*.fc",))  # the CPU never searches fp8
+    assert "--fp8-keep / --max-error-fp8 have no effect" in caplog.text
+
+
 def test_default_runtimes_per_device():
     from tctune.runtime import ALL_RUNTIMES, CUDA_GRAPH_RUNTIMES, RUNTIMES_CPU, RUNTIMES_GPU
 
@@ -241,3 +251,30 @@ def test_unstable_timing_is_flagged():
     assert "trial 3" in unstable_timing(apart)
     tiny_gpu = {"number": 4, "repeats_ms": [0.010, 0.010], "latency_ms": 0.010, "latency_p50_ms": 0.030}
     assert unstable_timing(tiny_gpu) is None  # 3x apart but 0.02 ms: a synchronized call's fixed cost
+
+
+def _report(**over):
+    r = {"hardware": {}, "model": {"name": "m", "path": "m.py"}, "measured_on": "cpu",
+         "study": {"name": "s", "n_trials": 1, "n_complete": 1}, "config": {"max_error": 0.01, "mode": "infer"},
+         "capture": {"ok": True}, "best": None, "baseline": None, "passes": [], "trials": [], "artifacts": {}}
+    r.update(over)
+    return r
+
+
+def test_report_says_train_mode_has_no_passes_rather_than_a_failed_capture():
+    from tctune.report import render_markdown
+    from tctune.search import TRAIN_NO_PASSES
+
+    md = render_markdown(_report(config={"max_error": 0.01, "mode": "train"},
+                                 capture={"ok": False, "reason": TRAIN_NO_PASSES}))
+    assert "No graph passes in `--mode train`" in md and "Graph capture failed" not in md
+    assert "Graph capture failed" in render_markdown(_report(capture={"ok": False, "reason": "export failed"}))
+
+
+def test_latency_objective_reports_p99():
+    from tctune.report import render_markdown
+
+    best = {"params": {"precision": "bf16", "batch_size": 8, "graph_passes": False}, "throughput": 100.0,
+            "latency_ms": 2.0, "latency_p99_ms": 3.5, "max_rel_error": 1e-3}
+    md = render_markdown(_report(config={"max_error": 0.01, "mode": "infer", "objective": "latency"}, best=best))
+    assert "p99 latency (the objective): 3.5 ms per batch" in md
