@@ -245,6 +245,12 @@ class Tuner:
         if cfg.max_memory_mib is not None and self.device.type != "cuda":
             log.warning("--max-memory-mib limits peak CUDA memory; this run measures on the %s, where it is not "
                         "measured, so the limit is ignored", self.device.type.upper())
+        if cfg.effective_batch:
+            for bs in cfg.batch_sizes:
+                if cfg.effective_batch % bs:
+                    steps = -(-cfg.effective_batch // bs)
+                    log.warning("--effective-batch %d is not a multiple of batch size %d: its optimizer steps take "
+                                "%d micro-batch(es), %d samples", cfg.effective_batch, bs, steps, steps * bs)
         if "fp8" not in self.precisions and (cfg.fp8_keep is not None or cfg.max_error_fp8 != 5e-2):
             log.warning("precision fp8 is not searched here (it needs FP8 Tensor Cores, sm_89 or newer, a GPU to "
                         "measure on and --mode infer), so --fp8-keep / --max-error-fp8 have no effect")

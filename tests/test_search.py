@@ -219,6 +219,13 @@ def test_runtimes_without_eager_say_the_baselines_need_it(tiny, tmp_path, caplog
     assert "--fp8-keep / --max-error-fp8 have no effect" in caplog.text
 
 
+def test_effective_batch_not_a_multiple_is_said(tiny, tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="tctune"):
+        tuner(tiny, tmp_path, mode="train", effective_batch=6)  # batch sizes 4 and 16
+    assert "--effective-batch 6 is not a multiple of batch size 4: its optimizer steps take 2 micro-batch(es), 8 samples" in caplog.text
+    assert "batch size 16: its optimizer steps take 1 micro-batch(es), 16 samples" in caplog.text
+
+
 def test_default_runtimes_per_device():
     from tctune.runtime import ALL_RUNTIMES, CUDA_GRAPH_RUNTIMES, RUNTIMES_CPU, RUNTIMES_GPU
 
