@@ -37,7 +37,7 @@ from torch import fx
 DEFAULT_MARGIN = 0.9
 
 _LINEAR = torch.ops.aten.linear.default
-_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
+_INDEX = re.compile(r"(?<![^.])\d+(?![^.])")  # a whole dotted component of digits (nn.Sequential at the root too)
 
 
 @dataclass

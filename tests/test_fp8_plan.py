@@ -23,6 +23,7 @@ def test_role_replaces_layer_indices_only():
     assert role("bert.encoder.layer.11.output.dense") == "bert.encoder.layer.*.output.dense"
     assert role("blocks.0.mlp.fc1") == "blocks.*.mlp.fc1"
     assert role("fc2") == "fc2" and role("layer10x.dense") == "layer10x.dense"
+    assert role("0.fc") == "*.fc" and role("seq.3") == "seq.*" and role("a.1b.2") == "a.1b.*"
 
 
 class Stack(nn.Module):
