@@ -216,10 +216,9 @@ def cast_fp8_linears(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
     return result
 
 
-def _ineligible(gm: fx.GraphModule, node: fx.Node, spec: PassSpec, cast_skips: dict[str, str]) -> str | None:
-    """Why the linear ``node`` stays a bf16 linear, or None when it becomes an FP8 GEMM."""
-    if spec.training:
-        return "training: FP8 linears are inference-only here"
+def weight_ineligible(gm: fx.GraphModule, node: fx.Node) -> str | None:
+    """Why the weight of the linear ``node`` cannot be an FP8 GEMM operand, or None: it must be a ``get_attr``
+    2-D floating tensor with K and N multiples of ``FP8_MULTIPLE`` (also what ``tctune.fp8_plan`` groups)."""
     w_node = node.args[1]
     if not isinstance(w_node, fx.Node) or w_node.op != "get_attr":
         return "weight is not a parameter"
@@ -231,6 +230,16 @@ def _ineligible(gm: fx.GraphModule, node: fx.Node, spec: PassSpec, cast_skips: d
     if bad:
         verb = "not a multiple" if len(bad) == 1 else "not multiples"
         return f"{', '.join(bad)} {verb} of {FP8_MULTIPLE} (FP8 GEMMs need {FP8_MULTIPLE})"
+    return None
+
+
+def _ineligible(gm: fx.GraphModule, node: fx.Node, spec: PassSpec, cast_skips: dict[str, str]) -> str | None:
+    """Why the linear ``node`` stays a bf16 linear, or None when it becomes an FP8 GEMM."""
+    if spec.training:
+        return "training: FP8 linears are inference-only here"
+    reason = weight_ineligible(gm, node)
+    if reason is not None:
+        return reason
     if node.name in cast_skips:
         return f"kept out of bf16 by cast_precision ({cast_skips[node.name]})"
     if spec.fp8_keep:
@@ -342,4 +351,5 @@ __all__ = [
     "fp8_scale",
     "quantize_fp8",
     "scaled_mm_works",
+    "weight_ineligible",
 ]

@@ -89,29 +89,22 @@ def role(path: str) -> str:
     return _INDEX.sub("*", path)
 
 
-def linear_roles(gm: fx.GraphModule, multiple: int = 16) -> dict[str, float]:
+def linear_roles(gm: fx.GraphModule) -> dict[str, float]:
     """FLOPs per role of the FP8-eligible linears of ``gm`` (an ATen graph before ``cast_fp8_linears``).
 
-    Eligible as ``cast_fp8_linears`` sees them by shape: a 2-D ``get_attr`` weight whose K and N are multiples
-    of ``multiple``. FLOPs are ``2 * rows * K * N`` with the rows of the input's ``meta["val"]`` (symbolic sizes
-    count as their hint); only their ratios matter.
+    Eligible by their weight as ``cast_fp8_linears`` sees it (``passes.cast_fp8.weight_ineligible``: a 2-D
+    ``get_attr`` floating weight, K and N multiples of 16). FLOPs are ``2 * rows * K * N`` with the rows of the
+    input's ``meta["val"]`` (symbolic sizes count as their hint); only their ratios matter.
     """
     from passes._graph import get_attr_value
     from passes.calibrate import source_module
+    from passes.cast_fp8 import weight_ineligible
 
     roles: dict[str, float] = {}
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target != _LINEAR:
+        if node.op != "call_function" or node.target != _LINEAR or weight_ineligible(gm, node) is not None:
             continue
-        w = node.args[1]
-        if not (isinstance(w, fx.Node) and w.op == "get_attr"):
-            continue
-        weight = get_attr_value(gm, w.target)
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-            continue
-        n, k = weight.shape
-        if n % multiple or k % multiple:
-            continue
+        n, k = get_attr_value(gm, node.args[1].target).shape
         x = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
         rows = 1
         if isinstance(x, torch.Tensor):
@@ -216,7 +209,7 @@ def plan_graph(gm: fx.GraphModule, hw, inputs: tuple, ref: Any, max_error: float
     device = device or next((t.device for t in gm.buffers()), torch.device("cpu"))
     before = PIPELINE[:PIPELINE.index("cast_fp8_linears")]
     base, _ = apply_passes(gm, hw, "fp8", names=before, policy=policy)
-    roles = linear_roles(base, hw.pass_spec("fp8").alignment.get("fp8", 16))
+    roles = linear_roles(base)
     del base
 
     def error_of(keep: tuple[str, ...]) -> float:
