@@ -251,7 +251,7 @@ class Tuner:
                     steps = -(-cfg.effective_batch // bs)
                     log.warning("--effective-batch %d is not a multiple of batch size %d: its optimizer steps take "
                                 "%d micro-batch(es), %d samples", cfg.effective_batch, bs, steps, steps * bs)
-        if "fp8" not in self.precisions and (cfg.fp8_keep is not None or cfg.max_error_fp8 != 5e-2):
+        if "fp8" not in self.precisions and (cfg.fp8_keep is not None or cfg.max_error_fp8 != TuneConfig.max_error_fp8):
             log.warning("precision fp8 is not searched here (it needs FP8 Tensor Cores, sm_89 or newer, a GPU to "
                         "measure on and --mode infer), so --fp8-keep / --max-error-fp8 have no effect")
         self.compile_over_budget: str | None = None
