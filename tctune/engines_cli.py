@@ -19,6 +19,7 @@ each with ``<artifact>.manifest.json`` (inputs, shapes, dtypes, integer ranges, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import time
@@ -123,6 +124,10 @@ def read_config(path: str | Path) -> dict:
     if params["precision"] == "fp8" and params.get("graph_passes") is False:
         raise UsageError(f"{p}: precision fp8 needs tctune's graph (FP8 GEMMs are a graph rewrite), but "
                          f"params.graph_passes is false\n{fix}")
+    keep = cfg.get("fp8_keep")
+    if keep is not None and (not isinstance(keep, list) or not all(isinstance(k, str) and k for k in keep)):
+        raise UsageError(f"{p}: fp8_keep must be a list of module-path patterns (as `tctune optimize` writes it), "
+                         f"got {keep!r}\n{fix}")
     sizes = cfg.get("batch_sizes") or [params["batch_size"]]
     if not isinstance(sizes, list) or not all(isinstance(b, int) and b >= 1 for b in sizes):
         raise UsageError(f"{p}: batch_sizes must be a list of positive ints, got {sizes!r}\n{fix}")
@@ -207,7 +212,9 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
         from .export.onnx_fp8 import build_fp8_graphs
 
         policy = params.get("policy", "autocast")
-        fp8 = build_fp8_graphs(gm, hw.pass_spec("fp8", policy=policy), EXPORT_PIPELINE).to(device)
+        # the keep-list the best trial was measured with (best_config.json's fp8_keep), so this is that graph
+        spec = dataclasses.replace(hw.pass_spec("fp8", policy=policy), fp8_keep=tuple(cfg.get("fp8_keep") or ()))
+        fp8 = build_fp8_graphs(gm, spec, EXPORT_PIPELINE).to(device)
         graph = fp8.fp8
     else:
         graph, _ = apply_passes(gm, hw, precision, EXPORT_PIPELINE)

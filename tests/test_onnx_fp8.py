@@ -487,6 +487,25 @@ def test_cli_export_fp8_config_writes_qdq_onnx(tmp_path, capsys):
     assert sum(i.data_type == F8 and len(i.dims) == 2 for i in model.graph.initializer) == 3
 
 
+def test_cli_export_fp8_config_honours_its_keep_list(tmp_path, capsys):
+    from tctune.cli import main
+
+    model_file = tmp_path / "net.py"
+    model_file.write_text(MODEL_FILE)
+    cfg = tmp_path / "best_config.json"
+    base = {"model": "net", "hardware": H200, "batch_sizes": [4, 8], "passes": [],
+            "params": {"batch_size": 4, "precision": "fp8", "graph_passes": True}}
+    cfg.write_text(json.dumps({**base, "fp8_keep": ["fc2"]}))  # the measured trial kept fc2 in bf16
+    rc = main(["export", str(model_file), "--config", str(cfg), "--format", "onnx", "--out", str(tmp_path / "out")])
+    assert rc == 0, capsys.readouterr().out
+    manifest = json.loads((tmp_path / "out" / "model.onnx.manifest.json").read_text())
+    assert manifest["result"]["onnx_fp8"]["qdq_nodes"] == {"QuantizeLinear": 2, "DequantizeLinear": 4}
+
+    cfg.write_text(json.dumps({**base, "fp8_keep": "fc2"}))
+    assert main(["export", str(model_file), "--config", str(cfg), "--format", "onnx", "--out", str(tmp_path / "o2")]) == 2
+    assert "fp8_keep must be a list of module-path patterns" in capsys.readouterr().err
+
+
 def _no_planning(policy, batch):
     raise AssertionError("export must rebuild the keep-list the best trial recorded, not plan a new one")
 
