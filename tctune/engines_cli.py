@@ -454,7 +454,7 @@ def _cmd_bench(args) -> int:
         batches = list(parse_batch_sizes(args.batch)) if args.batch else [None]
     except UsageError:
         raise UsageError(f"invalid --batch {args.batch!r}\n  fix: a positive integer, a comma list (1,8,32) or a range "
-                         "LO-HI (1-64, powers of two)") from None
+                         "LO-HI (1-64: doubling from 1, 64 included)") from None
     if len(args.artifact) > 1:
         # Each artifact in a process of its own: runtimes (onnxruntime's thread pool, torch's) left alive by
         # one would otherwise slow the next one down (seen: a .pt2 timed 300x slower after an .onnx).

@@ -603,12 +603,20 @@ class Tuner:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         optuna.logging.set_verbosity(optuna.logging.ERROR)  # tctune reports failed trials itself
         study = self.create_study()
+        total = self.cfg.trials
+        if self.space_size() <= BRUTE_FORCE_MAX:  # an enumerated space ends when every candidate is measured
+            left = self.space_size() - len(self.measured(study))
+            if left <= 0:
+                log.info("all %d candidates of this search space are already measured; nothing to add "
+                         "(widen --batch-sizes or --runtimes to search more)", self.space_size())
+                return study
+            if left < total:
+                log.info("this search space has %d candidates, %d not measured yet: at most %d trials run, not "
+                         "--trials %d", self.space_size(), left, left, total)
+                total = left
         bar = None
         if not self.cfg.quiet:
             from tqdm.auto import tqdm
-            total = self.cfg.trials
-            if self.space_size() <= BRUTE_FORCE_MAX:  # an enumerated space ends when every candidate is measured
-                total = min(total, max(0, self.space_size() - len(self.measured(study))))
             bar = tqdm(total=total, desc="trials", unit="trial", file=sys.stderr, dynamic_ncols=True)
 
         stop_requested = []
@@ -635,16 +643,6 @@ class Tuner:
                 f"{state}; best {best.user_attrs['throughput']:.4g}/s" if best else f"#{tr.number} {state}")
             bar.update(1)
 
-        left = self.space_size() - len(self.measured(study))
-        if self.space_size() <= BRUTE_FORCE_MAX and 0 < left < self.cfg.trials:
-            log.info("this search space has %d candidates, %d not measured yet: at most %d trials run, not --trials %d",
-                     self.space_size(), left, left, self.cfg.trials)
-        if self.space_size() <= BRUTE_FORCE_MAX and len(self.measured(study)) >= self.space_size():
-            log.info("all %d candidates of this search space are already measured; nothing to add "
-                     "(widen --batch-sizes or --runtimes to search more)", self.space_size())
-            if bar is not None:
-                bar.close()
-            return study
         previous = None
         if threading.current_thread() is threading.main_thread():
             previous = signal.signal(signal.SIGINT, on_sigint)

@@ -285,3 +285,17 @@ def test_latency_objective_reports_p99():
             "latency_ms": 2.0, "latency_p99_ms": 3.5, "max_rel_error": 1e-3}
     md = render_markdown(_report(config={"max_error": 0.01, "mode": "infer", "objective": "latency"}, best=best))
     assert "p99 latency (the objective): 3.5 ms per batch" in md
+
+
+def test_enumerated_space_says_how_many_trials_run_then_that_all_are_measured(tiny, tmp_path, caplog):
+    t = tuner(tiny, tmp_path, trials=50)
+    n = t.space_size()
+    with caplog.at_level("INFO", logger="tctune"):
+        t.run()
+    assert f"this search space has {n} candidates, {n} not measured yet: at most {n} trials run, not --trials 50" \
+        in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="tctune"):
+        study = tuner(tiny, tmp_path, trials=50).run()
+    assert f"all {n} candidates of this search space are already measured" in caplog.text
+    assert len(study.trials) == n  # nothing added
