@@ -163,10 +163,9 @@ def bench_lm_head(prec: str, device, s: dict, arch: str) -> list[dict]:
     rows.append(r)
     with torch.no_grad():
         gm = _capture(head, x)
-    res = pad_linear_dims(gm, PassSpec(precision=prec, alignment=ALIGNMENT, arch=arch))
-    v_pad = res.notes.get("padded", {}).get("linear", {}).get("N", [v, v])[1]
+    v_pad, reason = _padded_lm_head(gm, v, prec, arch)
     r, _ = _row("lm_head", f"pad_linear_dims (V={v_pad})", prec, f"{m}x{k}->{v}", lambda: gm(x), device,
-                s["iters"], ref, {"reason": res.notes.get("should_pad", {}).get("linear", {}).get("N", {}).get("reason")})
+                s["iters"], ref, {"reason": reason})
     rows.append(r)
     big = nn.Linear(k, v_big, bias=False).to(device, dt).eval()
     r, _ = _row("lm_head", f"built V={v_big}", prec, f"{m}x{k}->{v_big}", lambda: big(x), device, s["iters"])
@@ -174,18 +173,26 @@ def bench_lm_head(prec: str, device, s: dict, arch: str) -> list[dict]:
     return rows
 
 
+def _padded_lm_head(gm: torch.fx.GraphModule, v: int, prec: str, arch: str) -> tuple[int, str | None]:
+    """``pad_linear_dims`` on a captured graph with one LM-head linear (in place): its padded V and the reason."""
+    res = pad_linear_dims(gm, PassSpec(precision=prec, alignment=ALIGNMENT, arch=arch))
+    v_pad = next(iter(res.notes.get("padded", {}).values()), {}).get("N", [v, v])[1]
+    reason = next(iter(res.notes.get("should_pad", {}).values()), {}).get("N", {}).get("reason")
+    return v_pad, reason
+
+
 def _conv(cin: int, cout: int, kernel: int, stride: int, device, dt) -> nn.Module:
     conv = nn.Conv2d(cin, cout, kernel, stride=stride, padding=kernel // 2).to(device, dt).eval()
     return conv.to(memory_format=torch.channels_last)
 
 
-def _padded_conv(conv: nn.Module, x: torch.Tensor, prec: str, arch: str):
+def _padded_conv(model: nn.Module, x: torch.Tensor, prec: str, arch: str):
+    """The captured ``model`` after ``pad_conv_channels``, channels-last, and the pass result."""
     with torch.no_grad():
-        gm = _capture(conv, x)
+        gm = _capture(model, x)
     res = pad_conv_channels(gm, PassSpec(precision=prec, alignment=ALIGNMENT, arch=arch))
     gm = gm.to(memory_format=torch.channels_last)  # a measurement-time choice, not a graph change
-    padded = res.notes.get("padded", {}).get("conv2d", {})
-    return gm, padded
+    return gm, res
 
 
 def bench_conv3x3(prec: str, device, s: dict, arch: str) -> list[dict]:
@@ -199,8 +206,8 @@ def bench_conv3x3(prec: str, device, s: dict, arch: str) -> list[dict]:
     rows = []
     r, ref = _row("conv3x3", f"C={c} as is", prec, shape, lambda: conv(x), device, s["iters"])
     rows.append(r)
-    gm, padded = _padded_conv(conv, x, prec, arch)
-    r, _ = _row("conv3x3", f"pad_conv_channels {padded}", prec, shape, lambda: gm(x), device, s["iters"], ref)
+    gm, res = _padded_conv(conv, x, prec, arch)
+    r, _ = _row("conv3x3", f"pad_conv_channels {res.notes.get('padded', {}).get('conv2d', {})}", prec, shape, lambda: gm(x), device, s["iters"], ref)
     rows.append(r)
     big = _conv(c_big, c_big, 3, 1, device, dt)
     r, _ = _row("conv3x3", f"built C={c_big}", prec, f"{n}x{c_big}x{hw}x{hw} NHWC", lambda: big(x_big), device,
@@ -244,10 +251,7 @@ def _chain_variants(prec: str, device, s: dict, arch: str) -> dict:
     x_big = torch.randn(n, c_big, hw, hw, generator=g).to(device, dt).to(memory_format=torch.channels_last)
     torch.manual_seed(3)
     chain = _chain(c, depth, device, dt)
-    with torch.no_grad():
-        gm = _capture(chain, x)
-    res = pad_conv_channels(gm, PassSpec(precision=prec, alignment=ALIGNMENT, arch=arch))
-    gm = gm.to(memory_format=torch.channels_last)  # a measurement-time choice, not a graph change
+    gm, res = _padded_conv(chain, x, prec, arch)
     ops = [nd.target for nd in gm.graph.nodes if nd.op == "call_function"]
     padded = sorted({f"{a}->{b}" for dims in res.notes.get("padded", {}).values() for a, b in dims.values()})
     torch.manual_seed(3)
@@ -294,8 +298,8 @@ def bench_stem(prec: str, device, s: dict, arch: str) -> list[dict]:
         rows.append(r)
         if cin == 3:
             ref, x3, conv3 = out, x, conv
-    gm, padded = _padded_conv(conv3, x3, prec, arch)
-    r, _ = _row("stem7x7", f"Cin=3 pad_conv_channels {padded}", prec, f"{n}x3x{hw}x{hw} NHWC -> {cout}",
+    gm, res = _padded_conv(conv3, x3, prec, arch)
+    r, _ = _row("stem7x7", f"Cin=3 pad_conv_channels {res.notes.get('padded', {}).get('conv2d', {})}", prec, f"{n}x3x{hw}x{hw} NHWC -> {cout}",
                 lambda: gm(x3), device, s["iters"], ref)
     rows.append(r)
     return rows
@@ -352,9 +356,7 @@ def _lm_variants(consumer: str, prec: str, device, s: dict, arch: str) -> dict:
     with torch.no_grad():
         gm = _capture(as_is, *args)
         probe_max = (x[m - probes:] @ as_is.head.weight.T).max().item()
-    res = pad_linear_dims(gm, PassSpec(precision=prec, alignment=ALIGNMENT, arch=arch))
-    v_pad = next(iter(res.notes.get("padded", {}).values()), {}).get("N", [v, v])[1]
-    reason = next(iter(res.notes.get("should_pad", {}).values()), {}).get("N", {}).get("reason")
+    v_pad, reason = _padded_lm_head(gm, v, prec, arch)
     _BUILT[key] = {"args": args, "as_is": as_is, "gm": gm, "native": native, "v": v, "v_pad": v_pad, "v_big": v_big,
                    "reason": reason, "probes": probes, "probe_max_logit": probe_max,
                    "shape": f"{m}x{k}->{v} + {consumer}", "shape_big": f"{m}x{k}->{v_big}[:{v}] + {consumer}"}
@@ -424,7 +426,7 @@ class _Budget:
         if elapsed + expected <= self.budget_s:
             return None
         return (f"{elapsed:.0f} s of the {self.budget_s:.0f} s budget spent and a compile may take "
-                f"{expected:.0f} s (benchmarks/run_h200.sh stops this step at 90 s)")
+                f"{expected:.0f} s (benchmarks/run_h200.sh stops this step at 150 s)")
 
 
 BUDGET = _Budget(time.perf_counter(), None)
