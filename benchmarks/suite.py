@@ -101,11 +101,11 @@ from torch.utils._pytree import tree_map  # noqa: E402
 from tctune.measure import compare, precision_mode, time_call  # noqa: E402
 from tctune.modelfile import load_model_file  # noqa: E402
 from tctune.runtime import Autocast, ChannelsLast, wrap  # noqa: E402
+from tctune.search import TuneConfig  # noqa: E402
 
 INPUT_SEED = 1234
-MAX_ERROR = 1e-2
-#: Issue 4's error limit for FP8 variants (relative to FP32); every other precision has MAX_ERROR.
-MAX_ERROR_FP8 = 5e-2
+#: Issue 4's error limits (relative to FP32): FP8 variants, every other precision — `tctune optimize`'s defaults.
+MAX_ERROR, MAX_ERROR_FP8 = TuneConfig.max_error, TuneConfig.max_error_fp8
 GEMM_N = 8192
 
 
