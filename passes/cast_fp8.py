@@ -10,8 +10,10 @@ What, at ``spec.precision == "fp8"`` (any other precision: one ``"<graph>"`` ski
    keep-list / residual / overflow rules), so every op that is not an FP8 GEMM runs in bf16. The pipeline's
    own ``cast_precision`` step skips at ``"fp8"``; this pass owns the cast because ``cast_precision`` would
    otherwise cast the float8 operands of ``_scaled_mm`` back to bf16.
-2. Every ``aten.linear(x, W, b)`` whose weight is a ``get_attr`` 2-D floating tensor with K and N multiples of
-   16 (cuBLASLt's FP8 requirement: ``"Expected trailing dimension of mat1 to be divisible by 16"``) becomes::
+2. Every weight GEMM -- ``aten.linear(x, W, b)`` with ``W`` ``(N, K)``, or ``aten.addmm(b, x, W)`` /
+   ``aten.mm(x, W)`` with a ``get_attr`` ``W`` ``(K, N)`` (transformers' ``Conv1D``, all of GPT-2's block
+   GEMMs) -- whose weight is a ``get_attr`` 2-D floating tensor with K and N multiples of 16 (cuBLASLt's FP8
+   requirement: ``"Expected trailing dimension of mat1 to be divisible by 16"``) becomes::
 
        x2d  = x.reshape(-1, K)                                   # (M, K) bf16, row-major
        s_x  = clamp_min(amax(|x2d|, -1, keepdim) in fp32, eps) / 448     # (M, 1) fp32, per token
@@ -19,7 +21,8 @@ What, at ``spec.precision == "fp8"`` (any other precision: one ``"<graph>"`` ski
        y2d  = aten._scaled_mm(x8, W8.t(), s_x, s_w, bias=b, out_dtype=bfloat16)
        y    = y2d.view(*x.shape[:-1], N)
 
-   ``W8`` (``(N, K)`` float8_e4m3fn, so ``W8.t()`` is the column-major second operand ``_scaled_mm`` needs) and
+   ``W8`` (``(N, K)`` float8_e4m3fn -- of ``W.t()`` for a ``(K, N)`` weight -- so ``W8.t()`` is the
+   column-major second operand ``_scaled_mm`` needs) and
    ``s_w`` (``(1, N)`` fp32: amax of each output channel / 448) are computed ONCE here, from the FP32 weight,
    and stored as new *non-persistent* buffers ``<weight>_fp8`` / ``<weight>_fp8_scale``: ``state_dict`` keys
    are unchanged (the original parameter stays on the module, stored bf16, unused by the graph).
@@ -68,6 +71,8 @@ USE_FAST_ACCUM = False
 FP8_FLAG = "tctune_fp8"
 
 _LINEAR = torch.ops.aten.linear.default
+_ADDMM = torch.ops.aten.addmm.default
+_MM = torch.ops.aten.mm.default
 _SCALED_MM = torch.ops.aten._scaled_mm.default
 _CAST = torch.ops.aten._to_copy.default
 
@@ -144,6 +149,45 @@ def scaled_mm_works(device: str | torch.device = "cpu", scaling: str = "row") ->
         return False
 
 
+# ------------------------------------------------------------------------------------------- candidates
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightGemm:
+    """The operands of a GEMM whose right operand is a weight, whichever op the capture wrote.
+
+    ``aten.linear(x, W, b)`` keeps ``W`` as ``(N, K)`` (``nn.Linear``); ``aten.addmm(b, x, W)`` and
+    ``aten.mm(x, W)`` with a ``get_attr`` ``W`` keep it as ``(K, N)`` (transformers' ``Conv1D`` in GPT-2:
+    ``torch.addmm(bias, x.view(-1, K), weight)``), ``kn`` is True for those.
+    """
+
+    x: object
+    weight: object
+    bias: object
+    kn: bool
+
+
+def weight_gemm(node: fx.Node) -> WeightGemm | None:
+    """The :class:`WeightGemm` of ``node``, or None when it is not one: every ``aten.linear``; an ``aten.addmm``
+    / ``aten.mm`` only when its right operand is a ``get_attr`` (an activation @ activation product is no
+    weight GEMM, and is not listed as skipped either)."""
+    if node.op != "call_function":
+        return None
+    if node.target == _LINEAR:
+        return WeightGemm(node.args[0], node.args[1], node_arg(node, 2, "bias"), False)
+    if node.target in (_ADDMM, _MM):
+        x, w = (node.args[1], node.args[2]) if node.target == _ADDMM else (node.args[0], node.args[1])
+        if isinstance(w, fx.Node) and w.op == "get_attr":
+            return WeightGemm(x, w, node.args[0] if node.target == _ADDMM else None, True)
+    return None
+
+
+def gemm_nk(gm: fx.GraphModule, gemm: WeightGemm) -> tuple[int, int]:
+    """``(N, K)`` of a weight GEMM whose weight passed :func:`weight_ineligible`."""
+    shape = tuple(get_attr_value(gm, gemm.weight.target).shape)
+    return (shape[1], shape[0]) if gemm.kn else (shape[0], shape[1])
+
+
 # ------------------------------------------------------------------------------------------------ pass
 
 
@@ -172,13 +216,12 @@ def cast_fp8_linears(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         return result
     scaling = spec.fp8_scaling
 
-    # Every linear weight in FP32, as captured, before the bf16 cast replaces it: FP8 is quantized from FP32.
+    # Every GEMM weight in FP32, as captured, before the bf16 cast replaces it: FP8 is quantized from FP32.
     originals: dict[str, torch.Tensor] = {}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target == _LINEAR:
-            w = node.args[1]
-            if isinstance(w, fx.Node) and w.op == "get_attr":
-                originals[w.target] = get_attr_value(gm, w.target)
+        gemm = weight_gemm(node)
+        if gemm is not None and isinstance(gemm.weight, fx.Node) and gemm.weight.op == "get_attr":
+            originals[gemm.weight.target] = get_attr_value(gm, gemm.weight.target)
 
     if any(n.meta.get(FP8_FLAG) for n in gm.graph.nodes):
         # Already rewritten: cast_precision must not run again (it would cast the float8 operands to bf16).
@@ -189,43 +232,52 @@ def cast_fp8_linears(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         result.notes["cast_precision"] = cast.to_dict()
         cast_skips = {s.node: s.reason for s in cast.skipped}
 
-    quantized: dict[int, tuple[str, str]] = {}  # id(original weight) -> (fp8 buffer, scale buffer)
+    quantized: dict[tuple[int, bool], tuple[str, str]] = {}  # (id(original weight), kn) -> (fp8, scale) buffers
     fp8_weights: dict[str, list[str]] = {}
+    kn_weights: list[str] = []
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target != _LINEAR:
+        gemm = weight_gemm(node)
+        if gemm is None:
             continue
-        reason = _ineligible(gm, node, spec, cast_skips)
+        reason = _ineligible(gm, node, gemm, spec, cast_skips)
         if reason is not None:
             result.skipped.append(Skip(node.name, reason))
             continue
-        w_node = node.args[1]
+        w_node = gemm.weight
         original = originals.get(w_node.target, get_attr_value(gm, w_node.target))
-        if id(original) not in quantized:
-            quantized[id(original)] = _store_fp8_weight(gm, w_node.target, original, scaling)
-            fp8_weights[w_node.target] = list(quantized[id(original)])
-        _rewrite(gm, node, *quantized[id(original)], scaling)
+        key = (id(original), gemm.kn)
+        if key not in quantized:
+            # FP8 codes are always stored (N, K): a (K, N) weight is transposed once here
+            quantized[key] = _store_fp8_weight(gm, w_node.target, original.t() if gemm.kn else original, scaling)
+            fp8_weights[w_node.target] = list(quantized[key])
+            if gemm.kn:
+                kn_weights.append(w_node.target)
+        _rewrite(gm, node, gemm, *quantized[key], scaling)
         result.changed.append(node.name)
         result.count += 1
 
     result.notes["scaling"] = scaling
     if fp8_weights:
         result.notes["fp8_weights"] = fp8_weights
+    if kn_weights:
+        result.notes["fp8_weights_kn"] = kn_weights
     cast_changed = isinstance(result.notes["cast_precision"], dict)
     if result.count or cast_changed:
         finish(gm)
     return result
 
 
-def weight_ineligible(gm: fx.GraphModule, node: fx.Node) -> str | None:
-    """Why the weight of the linear ``node`` cannot be an FP8 GEMM operand, or None: it must be a ``get_attr``
-    2-D floating tensor with K and N multiples of ``FP8_MULTIPLE`` (also what ``tctune.fp8_plan`` groups)."""
-    w_node = node.args[1]
+def weight_ineligible(gm: fx.GraphModule, gemm: WeightGemm) -> str | None:
+    """Why the weight of a GEMM (:func:`weight_gemm`) cannot be an FP8 GEMM operand, or None: it must be a
+    ``get_attr`` 2-D floating tensor with K and N multiples of ``FP8_MULTIPLE`` (also what ``tctune.fp8_plan``
+    groups)."""
+    w_node = gemm.weight
     if not isinstance(w_node, fx.Node) or w_node.op != "get_attr":
         return "weight is not a parameter"
     weight = get_attr_value(gm, w_node.target)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.is_floating_point():
         return "weight is not a 2-D floating tensor"
-    n, k = weight.shape
+    n, k = gemm_nk(gm, gemm)
     bad = [f"{role}={size}" for role, size in (("K", k), ("N", n)) if size % FP8_MULTIPLE]
     if bad:
         verb = "not a multiple" if len(bad) == 1 else "not multiples"
@@ -233,13 +285,16 @@ def weight_ineligible(gm: fx.GraphModule, node: fx.Node) -> str | None:
     return None
 
 
-def _ineligible(gm: fx.GraphModule, node: fx.Node, spec: PassSpec, cast_skips: dict[str, str]) -> str | None:
-    """Why the linear ``node`` stays a bf16 linear, or None when it becomes an FP8 GEMM."""
+def _ineligible(gm: fx.GraphModule, node: fx.Node, gemm: WeightGemm, spec: PassSpec,
+                cast_skips: dict[str, str]) -> str | None:
+    """Why the GEMM ``node`` stays a bf16 GEMM, or None when it becomes an FP8 GEMM."""
     if spec.training:
         return "training: FP8 linears are inference-only here"
-    reason = weight_ineligible(gm, node)
+    reason = weight_ineligible(gm, gemm)
     if reason is not None:
         return reason
+    if node.target == _ADDMM and (node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1):
+        return "addmm with beta or alpha other than 1"
     if node.name in cast_skips:
         return f"kept out of bf16 by cast_precision ({cast_skips[node.name]})"
     if spec.fp8_keep:
@@ -247,16 +302,22 @@ def _ineligible(gm: fx.GraphModule, node: fx.Node, spec: PassSpec, cast_skips: d
         hit = next((p for p in spec.fp8_keep if fnmatch.fnmatchcase(module, p)), None)
         if hit is not None:
             return f"FP8 keep-list: module {module} matches {hit!r} (stays bf16)"
-    x_val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    x_val = gemm.x.meta.get("val") if isinstance(gemm.x, fx.Node) else None
     if not isinstance(x_val, torch.Tensor):
         return "input has no shape metadata (meta['val'])"
     if x_val.dtype != OUT_DTYPE:
         return f"input is {str(x_val.dtype).replace('torch.', '')}, not bf16, after cast_precision"
     if x_val.dim() < 1:
         return "input is a scalar"
-    bias = node_arg(node, 2, "bias")
+    bias = gemm.bias
     if bias is not None and not isinstance(bias, fx.Node):
         return "bias is not a tensor"
+    if gemm.kn and bias is not None:
+        b_val = bias.meta.get("val")
+        n = gemm_nk(gm, gemm)[0]
+        if not isinstance(b_val, torch.Tensor) or tuple(b_val.shape) != (n,):
+            shape = tuple(b_val.shape) if isinstance(b_val, torch.Tensor) else "unknown"
+            return f"addmm bias of shape {shape} is not ({n},) (the FP8 GEMM's epilogue adds a per-column bias)"
     return None
 
 
@@ -278,11 +339,10 @@ def _store_fp8_weight(gm: fx.GraphModule, target: str, weight: torch.Tensor, sca
     return names[0], names[1]
 
 
-def _rewrite(gm: fx.GraphModule, node: fx.Node, w8_name: str, sw_name: str, scaling: str) -> None:
-    """Replace the linear ``node`` by dynamic activation quantization + ``aten._scaled_mm`` (module docstring)."""
+def _rewrite(gm: fx.GraphModule, node: fx.Node, gemm: WeightGemm, w8_name: str, sw_name: str, scaling: str) -> None:
+    """Replace the GEMM ``node`` by dynamic activation quantization + ``aten._scaled_mm`` (module docstring)."""
     graph = gm.graph
-    x, w_node = node.args[0], node.args[1]
-    bias = node_arg(node, 2, "bias")
+    x, w_node, bias = gemm.x, gemm.weight, gemm.bias
     weight = get_attr_value(gm, w8_name)
     n, k = weight.shape
     x_val = x.meta["val"]

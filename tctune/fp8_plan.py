@@ -36,7 +36,6 @@ from torch import fx
 #: The plan aims at this fraction of the FP8 error limit, so that the candidate's own check still passes.
 DEFAULT_MARGIN = 0.9
 
-_LINEAR = torch.ops.aten.linear.default
 _INDEX = re.compile(r"(?<![^.])\d+(?![^.])")  # a whole dotted component of digits (nn.Sequential at the root too)
 
 
@@ -96,16 +95,16 @@ def linear_roles(gm: fx.GraphModule) -> dict[str, float]:
     ``get_attr`` floating weight, K and N multiples of 16). FLOPs are ``2 * rows * K * N`` with the rows of the
     input's ``meta["val"]`` (symbolic sizes count as their hint); only their ratios matter.
     """
-    from passes._graph import get_attr_value
     from passes.calibrate import source_module
-    from passes.cast_fp8 import weight_ineligible
+    from passes.cast_fp8 import gemm_nk, weight_gemm, weight_ineligible
 
     roles: dict[str, float] = {}
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target != _LINEAR or weight_ineligible(gm, node) is not None:
+        gemm = weight_gemm(node)
+        if gemm is None or weight_ineligible(gm, gemm) is not None:
             continue
-        n, k = get_attr_value(gm, node.args[1].target).shape
-        x = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        n, k = gemm_nk(gm, gemm)
+        x = gemm.x.meta.get("val") if isinstance(gemm.x, fx.Node) else None
         rows = 1
         if isinstance(x, torch.Tensor):
             for s in x.shape[:-1]:

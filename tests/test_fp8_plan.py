@@ -51,6 +51,18 @@ def test_linear_roles_group_layers_and_count_flops():
     assert roles["blocks.*.up"] == roles["blocks.*.down"] == 2 * (2 * 15 * 64 * 128)
 
 
+def test_linear_roles_count_conv1d_style_addmm_and_mm():
+    from test_passes_fp8 import KNBlock
+
+    torch.manual_seed(0)
+    gm = zoo.capture(KNBlock().eval(), (torch.randn(2, 5, 64),))
+
+    roles = linear_roles(gm)
+
+    rows = 2 * 5
+    assert roles == {"up": 2 * rows * 64 * 128, "down": 2 * rows * 128 * 64, "sq": 2 * rows * 64 * 64}
+
+
 def _additive(base: float, gains: dict[str, float], calls: list):
     def error_of(keep):
         calls.append(keep)

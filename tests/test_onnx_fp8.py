@@ -425,6 +425,22 @@ def test_padded_pipeline_quantizes_padded_linear(tmp_path):
         assert info["onnx_error"] is None and info["onnx_max_rel_l2_error"] <= FP8_TOL
 
 
+def test_kn_weights_of_addmm_and_mm_get_qdq_too(tmp_path):
+    """GPT-2's Conv1D GEMMs (aten.addmm / aten.mm with a (K, N) weight) are FP8 in PyTorch, so the ONNX gets their
+    Q/DQ as well; the square 64x64 weight checks that the codes are laid out (not merely shaped) right."""
+    from test_passes_fp8 import KNBlock
+
+    torch.manual_seed(0)
+    graphs = _graphs(KNBlock(), ROW)
+    assert graphs.kn_weights == {"up.weight", "down.weight", "sq.weight"}
+    info = export_onnx_fp8(graphs, _inputs, tmp_path / "model.onnx", batch_sizes=(1, 3))
+    fp8 = info["onnx_fp8"]
+    assert sorted(q["weight"] for q in fp8["quantized"]) == ["down.weight", "sq.weight", "up.weight"]
+    assert fp8["missed"] == {} and fp8["qdq_nodes"] == {"QuantizeLinear": 3, "DequantizeLinear": 6}
+    if scaled_mm_works("cpu", "row"):
+        assert info["onnx_error"] is None and info["onnx_max_rel_l2_error"] <= FP8_TOL
+
+
 def test_bad_arguments(fp8_export, tmp_path):
     graphs, _, _ = fp8_export
     with pytest.raises(ValueError, match="opset >= 19"):

@@ -67,6 +67,34 @@ class Tied(nn.Module):
         return self.fc(torch.relu(self.fc(x)))
 
 
+class KNProj(nn.Module):
+    """GPT-2's ``Conv1D``: ``addmm(bias, x2d, W)`` with a (K, N) weight ``W``."""
+
+    def __init__(self, k: int, n: int, bias: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(k, n) * k ** -0.5)
+        self.bias = nn.Parameter(torch.randn(n) * 0.1) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2d = x.reshape(-1, x.shape[-1])
+        y = torch.addmm(self.bias, x2d, self.weight) if self.bias is not None else torch.mm(x2d, self.weight)
+        return y.view(*x.shape[:-1], -1)
+
+
+class KNBlock(nn.Module):
+    """Conv1D-style projections 64 -> 128 (addmm) -> 64 (square 64x64 via mm, no bias) -> 64 (addmm), and an
+    activation @ activation mm that is not a weight GEMM."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down, self.sq = KNProj(64, 128), KNProj(128, 64), KNProj(64, 64, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.down(F.gelu(self.up(x)))
+        g = torch.mm(h.reshape(-1, 64).t(), h.reshape(-1, 64))  # (64, 64): two activations, not a weight GEMM
+        return self.sq(x) + h + g.mean() * 1e-2
+
+
 def _build(cls, *shape, seed=0, device="cpu"):
     torch.manual_seed(seed)
     model = cls().eval().to(device)
@@ -173,6 +201,75 @@ def test_rewrite_fires_on_eligible_linears():
     assert gm.fc1.weight_fp8.dtype == FP8_DTYPE and gm.fc1.weight_fp8.shape == (128, 64)
     assert gm.fc1.weight_fp8_scale.dtype == torch.float32 and gm.fc1.weight_fp8_scale.shape == (1, 128)
     assert "fc1.weight_fp8" not in gm.state_dict()
+
+
+def test_rewrite_fires_on_addmm_and_mm_with_a_kn_weight():
+    """GPT-2's Conv1D GEMMs (aten.addmm / aten.mm reading a (K, N) get_attr weight) become FP8 GEMMs too; the
+    codes are stored (N, K) like a linear's, and an activation @ activation mm is neither rewritten nor listed."""
+    model, gm = _build(KNBlock, 2, 5, 64)
+    addmm, mm = torch.ops.aten.addmm.default, torch.ops.aten.mm.default
+    assert _targets(gm).count(addmm) == 2 and _targets(gm).count(mm) == 2
+
+    result = cast_fp8_linears(gm, FP8)
+
+    assert result.count == 3 and result.skipped == []
+    assert addmm not in _targets(gm) and _targets(gm).count(mm) == 1  # the activation product stays
+    assert sorted(result.notes["fp8_weights_kn"]) == ["down.weight", "sq.weight", "up.weight"]
+    assert gm.up.weight_fp8.shape == (128, 64) and gm.up.weight_fp8_scale.shape == (1, 128)
+    assert gm.sq.weight_fp8.shape == (64, 64)
+    # the square weight's codes are of its transpose (output channel = row of the codes)
+    codes, _ = quantize_fp8(model.sq.weight.detach().t())  # from the FP32 weight (the graph's is bf16 now)
+    assert torch.equal(gm.sq.weight_fp8.float(), codes.float())
+    mms = [n for n in gm.graph.nodes if n.target == _SCALED_MM]
+    assert sum(n.kwargs["bias"] is not None for n in mms) == 2
+
+
+def test_addmm_with_a_2d_bias_or_beta_stays_bf16_with_reason():
+    class Odd(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(32, 16))
+            self.b2 = nn.Parameter(torch.randn(4, 16))
+            self.b1 = nn.Parameter(torch.randn(16))
+
+        def forward(self, x):
+            return torch.addmm(self.b2, x, self.w) + torch.addmm(self.b1, x, self.w, beta=0.5)
+
+    torch.manual_seed(0)
+    gm = torch.export.export(Odd().eval(), (torch.randn(4, 32),)).module()  # static batch: the (4, 16) bias
+
+    result = cast_fp8_linears(gm, FP8)
+
+    assert result.count == 0
+    reasons = sorted(s.reason for s in result.skipped)
+    assert reasons == ["addmm bias of shape (4, 16) is not (16,) (the FP8 GEMM's epilogue adds a per-column bias)",
+                       "addmm with beta or alpha other than 1"]
+
+
+@CPU_ROW
+def test_kn_weight_parity_with_fp32_eager_and_reference_on_cpu():
+    torch.manual_seed(0)
+    model = KNBlock().eval()
+    gm = zoo.capture(model, (torch.randn(2, 5, 64),))
+    cast_fp8_linears(gm, FP8)
+
+    for seed in (20, 21):
+        torch.manual_seed(seed)
+        x = torch.randn(3, 5, 64)  # a batch size not seen at capture
+        with torch.no_grad():
+            ref, got = model(x), gm(x)
+        assert got.shape == ref.shape and torch.isfinite(got).all()
+        assert _sqnr_db(got, ref) >= SQNR_DB, f"SQNR {_sqnr_db(got, ref):.1f} dB"
+
+    # one projection against the plain-torch reference math (weight given (N, K), as a linear's)
+    proj = KNProj(64, 48).eval()
+    g1 = zoo.capture(proj, (torch.randn(4, 64),))
+    cast_fp8_linears(g1, FP8)
+    x = torch.randn(6, 64)
+    with torch.no_grad():
+        got = g1(x)
+    ref = fp8_linear_reference(x, proj.weight.t(), proj.bias).float()
+    torch.testing.assert_close(got, ref, rtol=1.6e-2, atol=1e-2)
 
 
 def test_tensor_scaling_stores_scalar_scales():

@@ -75,7 +75,8 @@ from torch.utils import _pytree as pytree
 
 from passes import run_pipeline
 from passes.base import PassFailure, PassResult, PassSpec
-from passes.cast_fp8 import AMAX_EPS, FP8_DTYPE, FP8_MAX, NAME as CAST_FP8, OUT_DTYPE, cast_fp8_linears, quantize_fp8
+from passes.cast_fp8 import (AMAX_EPS, FP8_DTYPE, FP8_MAX, NAME as CAST_FP8, OUT_DTYPE, cast_fp8_linears, quantize_fp8,
+                             weight_gemm)
 from passes.cast_precision import cast_precision
 from tctune.errors import ExportError, PassError
 from tctune.export.onnx import (
@@ -99,7 +100,6 @@ FP8_ONNX_TOLERANCE = 5e-2
 ACTIVATION_SCALING = ("static per-tensor (max |x| / 448 over the calibration inputs); the PyTorch FP8 graph "
                       "uses dynamic per-token scales")
 
-_LINEAR = torch.ops.aten.linear.default
 _CASTS = ("cast_fp8_linears", "cast_precision")
 
 
@@ -118,6 +118,8 @@ class FP8Graphs:
             identical to ``tctune.search.apply_passes(gm, hw, "fp8", names)``.
         fp8_weights: weight attribute (e.g. ``"fc1.weight"``) -> ``(fp8 buffer, scale buffer)`` names on ``fp8``;
             empty when no linear is FP8-eligible.
+        kn_weights: the weights of ``fp8_weights`` stored ``(K, N)`` (read by ``aten.addmm`` / ``aten.mm``, as
+            GPT-2's ``Conv1D``); their FP8 codes are of the transpose, ``(N, K)`` like every other.
         scaling: the weight scale granularity, ``"row"`` (per output channel) or ``"tensor"``.
         results: the pass results of ``fp8`` (pipeline before the casts, then ``cast_fp8_linears``).
     """
@@ -128,6 +130,7 @@ class FP8Graphs:
     fp8_weights: dict[str, tuple[str, str]]
     scaling: str
     results: list[PassResult]
+    kn_weights: frozenset[str] = frozenset()
 
     @property
     def fp8_result(self) -> PassResult:
@@ -185,7 +188,7 @@ def build_fp8_graphs(gm: fx.GraphModule, spec: PassSpec, names: Sequence[str]) -
                         f"{type(exc).__name__}: {exc}") from exc
     fp8_weights = {k: (v[0], v[1]) for k, v in (r8.notes.get("fp8_weights") or {}).items()}
     return FP8Graphs(fp32=g32, bf16=gb, fp8=g8, fp8_weights=fp8_weights, scaling=spec.fp8_scaling,
-                     results=[*results, r8])
+                     results=[*results, r8], kn_weights=frozenset(r8.notes.get("fp8_weights_kn") or ()))
 
 
 # ----------------------------------------------------------------------------------------- calibration
@@ -194,7 +197,8 @@ def build_fp8_graphs(gm: fx.GraphModule, spec: PassSpec, names: Sequence[str]) -
 def calibrate_activation_amax(
     graph: fx.GraphModule, weights: Sequence[str], calibration: Sequence[Sequence[torch.Tensor]]
 ) -> dict[str, float]:
-    """Max |input| of every ``aten.linear`` whose weight is one of ``weights``, over ``calibration``.
+    """Max |input| of every weight GEMM (``aten.linear``, or ``aten.addmm`` / ``aten.mm`` with a ``get_attr``
+    weight: ``passes.cast_fp8.weight_gemm``) whose weight is one of ``weights``, over ``calibration``.
 
     Runs ``graph`` with an ``fx.Interpreter`` (no grad) and reads each linear's activation before the
     linear runs.
@@ -216,10 +220,11 @@ def calibrate_activation_amax(
 
     class _Recorder(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
-            if n.op == "call_function" and n.target == _LINEAR and len(n.args) > 1:
-                w = n.args[1]
+            gemm = weight_gemm(n)
+            if gemm is not None:
+                w = gemm.weight
                 if isinstance(w, fx.Node) and w.op == "get_attr" and w.target in wanted:
-                    x = self.env[n.args[0]] if isinstance(n.args[0], fx.Node) else None
+                    x = self.env[gemm.x] if isinstance(gemm.x, fx.Node) else None
                     if isinstance(x, torch.Tensor):
                         value = float(x.detach().abs().amax().float()) if x.numel() else 0.0
                         amax[w.target] = max(amax.get(w.target, 0.0), value)
@@ -610,7 +615,10 @@ def export_onnx_fp8(
             if name in uncalibrated:
                 continue
             scale = _get(graphs.fp8, scale_name)
-            out.append(FP8Linear(name=name, exported=_get(exported_graph, name), weight=_get(graphs.fp32, name),
+            exported, weight = _get(exported_graph, name), _get(graphs.fp32, name)
+            if name in graphs.kn_weights:  # FP8Linear takes (N, K), as the codes are
+                exported, weight = exported.t(), weight.t()
+            out.append(FP8Linear(name=name, exported=exported, weight=weight,
                                  scaling="tensor" if scale.dim() == 0 else "row",
                                  activation_amax=amax[name], codes=_get(graphs.fp8, codes_name),
                                  codes_scale=scale))
