@@ -44,6 +44,12 @@ tctune (conv nets channels-last, weights and inputs, like their fp16 baselines)
     ``tctune_compile_fp16_pure``        ``torch.compile(fp32 model, backend=tctune.backend.backend(precision="fp16",
                                         policy="pure"))``; ``backend_seconds`` splits its compile into export,
                                         passes and Inductor
+    ``tctune_optimize``                 what ``tctune optimize`` chooses: ``tctune.search.Tuner`` on the recipe at
+                                        this model's batch size only (``--optimize-trials``, default 16, every
+                                        other option ``tctune optimize``'s default; ``--optimize-budget`` s), its
+                                        best trial rebuilt (``Tuner.build`` + its runtime) and measured here like
+                                        every variant; ``optimize`` in the row: the search's wall time, trials, the
+                                        chosen configuration and the throughput the search itself measured
 
 Timing: ``tctune.measure.time_call`` (CUDA events, 2 warm-up calls, median of 5 repeats of ~0.05 s; no
 single-call percentiles). Throughput is items/s (sequences or images). ``tctune`` in the JSON is the fastest
@@ -142,7 +148,7 @@ INDUCTOR_VARIANTS = ("tctune_fp16_pure_inductor", "tctune_fp16_pure_inductor_cud
 #: model's FP8 keep-list (``ModelSpec.fp8_keep``) in bf16.
 FP8_VARIANTS = ("tctune_fp8_inductor_cudagraphs", "tctune_fp8keep_inductor_cudagraphs", "tctune_fp8plan_inductor_cudagraphs")
 TCTUNE = tuple(f"tctune_{p}{_SFX[pol]}_{rt}" for p, pol in GRAPH_VARIANTS for rt in ("eager", "cudagraphs")) + (
-    INDUCTOR_VARIANTS + FP8_VARIANTS + ("tctune_compile_fp16_pure",))
+    INDUCTOR_VARIANTS + FP8_VARIANTS + ("tctune_compile_fp16_pure", "tctune_optimize"))
 PRECISION = {"fp32_eager": "fp32", "tf32_eager": "tf32", "autocast_bf16": "bf16", "fp16_eager": "fp16",
              "fp16_compile": "fp16", "fp16_compile_fp32_out": "fp16", "tctune_compile_fp16_pure": "fp16", "fp8_torchao_compile": "fp8",
              **{v: "fp8" for v in FP8_VARIANTS},
@@ -391,10 +397,11 @@ def run_model(name: str, args, device: torch.device, hw, clock: Clock, ceilings:
     ref = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, ref)
 
     def measure(vname: str, make: Callable[[], tuple[Callable, float]], kind: str = "other",
-                limit_s: float | None = None, extra: Callable[[], dict] | None = None, reset: bool = True) -> None:
+                limit_s: float | None = None, extra: Callable[[], dict] | None = None, reset: bool = True,
+                precision: str | None = None) -> None:
         """Build (``make`` returns ``(fn, setup_s)``), check against ``ref`` and time one variant."""
-        row: dict[str, Any] = {"kind": "baseline" if vname in BASELINES else "tctune",
-                               "precision": PRECISION[vname]}
+        precision = precision or PRECISION[vname]
+        row: dict[str, Any] = {"kind": "baseline" if vname in BASELINES else "tctune", "precision": precision}
         variants[vname] = row
         left = clock.model_left()
         if not selected(vname, args):
@@ -407,7 +414,7 @@ def run_model(name: str, args, device: torch.device, hw, clock: Clock, ceilings:
         fn = None
         t0 = time.perf_counter()
         try:
-            with deadline(min(left, limit_s) if limit_s else left, vname), precision_mode(PRECISION[vname]):
+            with deadline(min(left, limit_s) if limit_s else left, vname), precision_mode(precision):
                 fn, setup_s = make()
                 if setup_s:
                     row["compile_s" if kind == "compile" else "setup_s"] = round(setup_s, 2)
@@ -579,6 +586,9 @@ def run_model(name: str, args, device: torch.device, hw, clock: Clock, ceilings:
     gm = None
     release(device)
 
+    # -- what `tctune optimize` chooses at this batch size, rebuilt and measured like every variant
+    optimize_variant(name, spec, batch, model, inputs, args, device, hw, clock, variants, measure)
+
     # -- compiles last: the Inductor baseline, then tctune's backend
     def compiled(module: torch.nn.Module, **kw) -> tuple[Callable, float]:
         torch._dynamo.reset()
@@ -642,6 +652,67 @@ def run_model(name: str, args, device: torch.device, hw, clock: Clock, ceilings:
     return finish(entry, ceilings)
 
 
+def optimize_variant(name: str, spec: ModelSpec, batch: int, model: torch.nn.Module, inputs: tuple, args,
+                     device: torch.device, hw, clock: "Clock", variants: dict, measure: Callable) -> None:
+    """``tctune_optimize``: run ``tctune.search.Tuner`` (``tctune optimize``'s engine, its defaults) on this model
+    at ``batch`` only, then measure its best trial's configuration with the suite's protocol on ``inputs``."""
+    vname = "tctune_optimize"
+    reason = None if selected(vname, args) else f"--variants {','.join(args.variants)}"
+    if reason is None and args.quick:
+        reason = "--quick skips torch.compile variants"
+    if reason is None and clock.model_left() < MIN_LEFT_S["compile"] * 2:
+        reason = f"model time limit: {clock.model_left():.0f} s left"
+    if reason:
+        variants[vname] = {"kind": "tctune", "precision": None, "status": "skipped", "reason": reason}
+        return
+    from tctune.search import Tuner, TuneConfig, best_trial
+
+    mf, _ = load_recipe(spec.recipe)
+    # the suite's own model (dry run: the tiny one) and inputs of its shape at any batch size
+    mf = dataclasses.replace(mf, build_model=lambda: copy.deepcopy(model).cpu(),
+                             example_inputs=lambda b: tuple(torch.cat([x.cpu()] * (b // len(x) + 1))[:b]
+                                                            for x in inputs))
+    budget = max(10.0, min(args.optimize_budget, clock.model_left() - 40.0))
+    info: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    try:
+        with deadline(budget + 60.0, f"{vname}: the search"):
+            cfg = TuneConfig(out_dir=str(Path(args.out) / "optimize" / name), batch_sizes=(batch,),
+                             trials=args.optimize_trials, timeout_s=budget, export=False, quiet=True,
+                             storage=f"sqlite:///{Path(args.out) / 'optimize' / name / 'study.db'}")
+            Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+            tuner = Tuner(cfg, mf, hw, device)
+            study = tuner.run()
+            best = best_trial(study)
+    except (Exception, VariantTimeout) as exc:  # noqa: BLE001 - the other variants go on
+        variants[vname] = {"kind": "tctune", "precision": None, "status": "failed",
+                           "reason": f"the search failed: {first_line(exc)}", "wall_s": round(time.perf_counter() - t0, 1)}
+        print(f"  {name:<10} {vname:<24} failed: {variants[vname]['reason']}", flush=True)
+        torch._dynamo.reset()
+        release(device)
+        return
+    trials = study.get_trials(deepcopy=False)
+    info["optimize"] = {"search_s": round(time.perf_counter() - t0, 1), "budget_s": round(budget, 1),
+                        "trials": len(trials), "complete": sum(t.state.name == "COMPLETE" for t in trials)}
+    if best is None:
+        variants[vname] = {"kind": "tctune", "precision": None, "status": "failed",
+                           "reason": "the search found no feasible configuration", **info}
+        return
+    params = dict(best.params)
+    info["optimize"].update(params=params, search_throughput=best.user_attrs.get("throughput"),
+                            description=best.user_attrs.get("description"), fp8_keep=best.user_attrs.get("fp8_keep"))
+    torch._dynamo.reset()
+
+    def rebuilt():
+        cand = tuner.build(params)
+        return wrap(cand.module, params.get("runtime", "eager"), inputs)
+
+    measure(vname, rebuilt, kind="compile", limit_s=args.compile_budget, precision=params["precision"],
+            extra=lambda: dict(info))
+    del tuner
+    release(device)
+
+
 def selected(vname: str, args) -> bool:
     """Whether ``--variants`` (fnmatch patterns; empty: all) selects the variant ``vname``."""
     return not args.variants or any(fnmatch.fnmatchcase(vname, p) for p in args.variants)
@@ -686,6 +757,10 @@ def finish(entry: dict, ceilings: dict) -> dict:
         "ceiling_precision": prec,
         "fraction_of_ceiling": (achieved / ceiling) if achieved and ceiling else None,
     }
+    opt = variants.get("tctune_optimize", {})
+    if opt.get("status") == "ok":  # what `tctune optimize` chose, beside the fastest tctune variant
+        summary.update(optimize=opt["throughput"], optimize_ratio=(opt["throughput"] / best_b) if best_b else None,
+                       optimize_within_limit=ok(opt))
     return {**summary, **entry}
 
 
@@ -734,6 +809,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default="",
                    help="comma-separated fnmatch patterns of the variants to run (e.g. 'fp16_*,*fp8*'); the rest are "
                         "recorded as skipped (default: all)")
+    p.add_argument("--optimize-trials", type=int, default=16,
+                   help="trials of the tctune_optimize variant's search (default %(default)s, as tctune optimize)")
+    p.add_argument("--optimize-budget", type=float, default=150.0,
+                   help="seconds after which that search starts no new trial (default %(default)s)")
     p.add_argument("--debug", action="store_true", help="print tracebacks of failing variants")
     args = p.parse_args(argv)
     args.variants = tuple(x.strip() for x in args.variants.split(",") if x.strip())

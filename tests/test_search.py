@@ -140,6 +140,23 @@ def test_policy_dimension_measures_pure_graphs_and_prunes_twins(tiny, tmp_path, 
     assert twins and all("policy pure applies only" in tr.user_attrs["fail_reason"] for tr in twins)
 
 
+def test_compiled_graph_candidates_are_measured_right_after_the_fp32_baselines(tiny, tmp_path, monkeypatch):
+    """The likely winner on a GPU (graph + Inductor, pure policy) is enqueued before TPE's random draws."""
+    monkeypatch.setattr(Tuner, "searches_policy", property(lambda self: True))
+    t = tuner(tiny, tmp_path, trials=1, runtimes=("eager", "inductor"))
+    study = t.create_study()
+
+    queued = [tr.system_attrs["fixed_params"]
+              for tr in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))]
+    assert [q["precision"] for q in queued[:2]] == ["fp32", "fp32"]  # one baseline per batch size, first
+    low = [p for p in t.precisions if p in ("fp16", "bf16", "fp8")]
+    assert low  # the CPU searches bf16
+    assert queued[2:2 + len(low)] == [{"batch_size": 16, "precision": p, "graph_passes": True, "runtime": "inductor",
+                                       "policy": "pure"} for p in low]
+    # nothing compiled to enqueue without a compiled runtime, in training, or without a captured graph
+    assert tuner(tiny, tmp_path / "b", runtimes=("eager",)).compiled_first() == []
+
+
 def test_pruner_stops_a_clearly_slower_candidate():
     """Intermediate throughput is reported per repeat; a candidate in the slowest quarter stops early."""
     from tctune.search import make_pruner
