@@ -68,8 +68,8 @@ timeout. Cheap variants run first, compiles last. Every variant runs under a SIG
 remaining time; for a compile also ``--compile-budget``, default 60 s): when it fires the variant is recorded
 as ``timeout`` with the reason and the model goes on (a compile is abandoned and Dynamo reset). A variant is
 not started when the model has less time left than it needs (recorded as ``skipped``). ``--quick`` skips the
-``torch.compile`` variants (baseline, tctune graph + Inductor, backend). ``--model-limit S`` replaces every
-model's limit (for runs of one or two models with every compile); ``--policies pure`` skips the autocast-policy
+``torch.compile`` variants (baseline, tctune graph + Inductor, backend). ``--model-limit S`` (or ``NAME=S,...``) replaces every
+(named) model's limit (for runs of one or two models with every compile); ``--policies pure`` skips the autocast-policy
 graph variants; ``--variants PATTERNS`` runs only the named variants (fnmatch, e.g. ``'fp16_*,*fp8*'``) and
 records the rest as skipped. Memory is released between variants.
 """
@@ -84,7 +84,6 @@ import fnmatch
 import gc
 import importlib.util
 import json
-import math
 import os
 import signal
 import sys
@@ -700,7 +699,12 @@ def optimize_variant(name: str, spec: ModelSpec, batch: int, model: torch.nn.Mod
         return
     params = dict(best.params)
     info["optimize"].update(params=params, search_throughput=best.user_attrs.get("throughput"),
-                            description=best.user_attrs.get("description"), fp8_keep=best.user_attrs.get("fp8_keep"))
+                            description=best.user_attrs.get("description"), fp8_keep=best.user_attrs.get("fp8_keep"),
+                            fp8_plans={pol: plan.summary() for pol, plan in tuner.fp8_plans.items()},
+                            measured=sorted(((t.user_attrs.get("description", ""), round(t.user_attrs["throughput"], 1),
+                                              t.user_attrs.get("max_rel_error")) for t in trials
+                                             if t.state.name == "COMPLETE" and "throughput" in t.user_attrs),
+                                            key=lambda x: -x[1]))
     torch._dynamo.reset()
 
     def rebuilt():
@@ -709,7 +713,6 @@ def optimize_variant(name: str, spec: ModelSpec, batch: int, model: torch.nn.Mod
 
     measure(vname, rebuilt, kind="compile", limit_s=args.compile_budget, precision=params["precision"],
             extra=lambda: dict(info))
-    del tuner
     release(device)
 
 
@@ -802,8 +805,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=390.0, help="seconds for the whole run (default %(default)s)")
     p.add_argument("--compile-budget", type=float, default=60.0,
                    help="seconds one torch.compile may take before it is abandoned (default %(default)s)")
-    p.add_argument("--model-limit", type=float, default=None,
-                   help="seconds per model, replacing the built-in limits (still capped by --budget)")
+    p.add_argument("--model-limit", default=None,
+                   help="seconds per model, replacing the built-in limits (still capped by --budget): one number for "
+                        "every model, or NAME=S pairs (e.g. gpt2=230,seed_cnn=70; unnamed models keep theirs)")
     p.add_argument("--policies", default="autocast,pure",
                    help="cast policies of the tctune graph's eager / CUDA-graph variants (default %(default)s)")
     p.add_argument("--variants", default="",
@@ -824,10 +828,19 @@ def main(argv: list[str] | None = None) -> int:
     if not args.policies or set(args.policies) - {"autocast", "pure"}:
         p.error(f"--policies: choose from autocast,pure (got {','.join(args.policies) or 'nothing'})")
     if args.model_limit is not None:
-        if args.model_limit <= 0:
+        try:
+            if "=" in args.model_limit:
+                limits = {k.strip(): float(v) for k, v in (x.split("=", 1) for x in args.model_limit.split(","))}
+            else:
+                limits = dict.fromkeys(MODELS, float(args.model_limit))
+        except ValueError:
+            p.error(f"--model-limit: expected seconds or NAME=S pairs, got {args.model_limit!r}")
+        if set(limits) - set(MODELS):
+            p.error(f"--model-limit: unknown model(s) {sorted(set(limits) - set(MODELS))}; models: {', '.join(MODELS)}")
+        if any(not v > 0 for v in limits.values()):
             p.error("--model-limit must be positive")
-        for m in MODELS:
-            MODELS[m] = dataclasses.replace(MODELS[m], limit_s=args.model_limit)
+        for m, v in limits.items():
+            MODELS[m] = dataclasses.replace(MODELS[m], limit_s=v)
     names = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in names if m not in MODELS]
     if unknown or not names:

@@ -5,6 +5,7 @@ tiny configurations of the BERT-large and GPT-2 recipes (through their ``make_mo
 missing package gives.
 """
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -177,3 +178,30 @@ def test_suite_without_a_gpu_says_so_and_exits_0(tmp_path, capsys):
     assert load_suite().main(["--out", str(tmp_path)]) == 0
     assert "no CUDA GPU" in capsys.readouterr().out
     assert not (tmp_path / "latest.json").exists()
+
+
+def test_suite_optimize_variant_measures_what_the_search_chose(tmp_path):
+    """``tctune_optimize`` (dry run: the seed CNN on the CPU) runs the Tuner at the model's batch, then measures
+    the best trial's configuration like every variant; the summary reports it beside the fastest variant."""
+    suite = load_suite()
+    out = tmp_path / "suite"
+    assert suite.main(["--out", str(out), "--dry-run", "--models", "seed_cnn", "--variants",
+                       "fp32_eager,tctune_optimize", "--optimize-budget", "20", "--model-limit", "seed_cnn=120"]) == 0
+    m = json.loads((out / "latest.json").read_text())["models"]["seed_cnn"]
+    row = m["variants"]["tctune_optimize"]
+    assert row["status"] == "ok", row
+    opt = row["optimize"]
+    assert opt["params"]["batch_size"] == m["batch"] and opt["complete"] >= 1 and opt["search_s"] > 0
+    assert row["precision"] == opt["params"]["precision"] and row["rel_l2_error"] <= 1e-2
+    assert m["optimize"] == row["throughput"] and m["optimize_ratio"] == row["throughput"] / m["best_baseline"]
+    assert (out / "optimize" / "seed_cnn" / "study.db").exists()
+
+
+def test_suite_model_limit_takes_pairs(capsys):
+    suite = load_suite()
+    with pytest.raises(SystemExit):
+        suite.main(["--out", "x", "--model-limit", "gtp2=100"])
+    assert "unknown model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        suite.main(["--out", "x", "--model-limit", "gpt2=fast"])
+    assert "expected seconds" in capsys.readouterr().err
