@@ -484,7 +484,7 @@ class Tuner:
         """The candidates measured right after the FP32 baselines: tctune's graph through the fastest compiled
         runtime searched (``inductor-cudagraphs``, else ``inductor``) at each low precision of the search
         (fp16, bf16, fp8), largest batch, policy ``pure`` for fp16/bf16 where the policy is searched (the H200
-        run of 2026-12-01 pruned an FP8 candidate given ``pure``, which applies to fp16/bf16 only), and for conv nets once
+        run of 2026-11-30 (fourth session) pruned an FP8 candidate given ``pure``, which applies to fp16/bf16 only), and for conv nets once
         more channels-last after fp16.
 
         Why first: on the H200 that runtime won on all five suite models (benchmarks/RESULTS.md: BERT-base,
