@@ -2,7 +2,7 @@
 # One device call on the lent H200: tctune's own runs plus the pass benchmarks, every baseline measured in the
 # same call. Usage there (after installing the wheels, see benchmarks/NOTES.md):
 #   OUT=/some/dir bash benchmarks/run_h200.sh [part...]
-#   parts: optimize fusion train pareto backend padding suite suite_a suite_b suite_c suite_fp8 optimize_default suite_conv backend_compile suite_backend suite_final suite_gpt2_fp8 optimize_fp8 aoti suite_opt_a suite_opt_b
+#   parts: optimize fusion train pareto backend padding suite suite_a suite_b suite_c suite_fp8 optimize_default suite_conv backend_compile suite_backend suite_final suite_gpt2_fp8 optimize_fp8 aoti suite_opt_a suite_opt_b suite_opt_c
 #   (suite: every model, --quick; suite_a / suite_b: GPT-2 + BERT-base / BERT-large + ResNet-50 + seed CNN with
 #   every torch.compile variant, one device call each)
 # Each step has its own time limit so one slow step cannot cost the others; logs and JSON go to $OUT, and
@@ -64,6 +64,9 @@ for p in $parts; do case $p in
   suite_opt_b) step suite_opt_b 520 python3 benchmarks/suite.py --out "$OUT/r/suite_opt_b" --models bert_base,bert_large \
               --budget 500 --model-limit bert_base=200,bert_large=295 --compile-budget 90 --optimize-budget 150 \
               --variants 'fp32_eager,tf32_eager,autocast_bf16,fp16_eager,fp16_compile,fp16_compile_fp32_out,tctune_fp16_pure_inductor_cudagraphs,tctune_fp8keep*,tctune_optimize' ;;
+  suite_opt_c) step suite_opt_c 470 python3 benchmarks/suite.py --out "$OUT/r/suite_opt_c" --models bert_base,gpt2 \
+              --budget 455 --model-limit bert_base=215,gpt2=235 --compile-budget 90 --optimize-budget 140 \
+              --variants 'fp32_eager,tf32_eager,autocast_bf16,fp16_eager,fp16_compile,fp16_compile_fp32_out,tctune_fp16_pure_inductor_cudagraphs,tctune_fp8plan*,tctune_optimize' ;;
   aoti)     step bench_aoti 200 python3 benchmarks/bench_aoti.py --out "$OUT/r/aoti" --bert-timeout 150 ;;
 esac; done
 find "$OUT/r" \( -name '*.onnx' -o -name '*.onnx.data' -o -name 'study.db' -o -name '*.pt2' \) -delete

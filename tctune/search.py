@@ -483,8 +483,7 @@ class Tuner:
     def compiled_first(self) -> list[dict]:
         """The candidates measured right after the FP32 baselines: tctune's graph through the fastest compiled
         runtime searched (``inductor-cudagraphs``, else ``inductor``) at each low precision of the search
-        (fp16, bf16, fp8), largest batch, policy ``pure`` for fp16/bf16 where the policy is searched (the H200
-        run of 2026-11-30 (fourth session) pruned an FP8 candidate given ``pure``, which applies to fp16/bf16 only), and for conv nets once
+        (fp16, bf16, fp8), largest batch, policy ``pure`` where the policy is searched, and for conv nets once
         more channels-last after fp16.
 
         Why first: on the H200 that runtime won on all five suite models (benchmarks/RESULTS.md: BERT-base,
@@ -499,8 +498,7 @@ class Tuner:
         bs = max(self.cfg.batch_sizes)
         out = []
         for p in ("fp16", "bf16", "fp8"):
-            # policy pure applies to the fp16/bf16 graph only (an FP8 candidate with it is pruned as a twin)
-            extra = {"policy": "pure"} if self.searches_policy and p != "fp8" else {}
+            extra = {"policy": "pure"} if self.searches_policy else {}
             if p in self.precisions:
                 out.append(self.candidate(batch_size=bs, precision=p, graph_passes=True, runtime=fast, **extra))
                 if p == "fp16" and self.searches_memory_format:
@@ -548,8 +546,11 @@ class Tuner:
             if ("out of memory" in reason and {k: v for k, v in prev.params.items() if k != "batch_size"} == same_settings
                     and prev.params.get("batch_size", 0) <= params["batch_size"]):
                 return f"batch {prev.params['batch_size']} already ran out of memory with these settings (trial {prev.number})"
-        if params.get("policy") == "pure" and (not params.get("graph_passes") or params["precision"] not in ("fp16", "bf16")):
-            return "policy pure applies only to tctune's fp16/bf16 graph (this candidate equals its autocast twin)"
+        if params.get("policy") == "pure" and (not params.get("graph_passes")
+                                               or params["precision"] not in ("fp16", "bf16", "fp8")):
+            # at fp8 the policy is that of the bf16 cast around the FP8 GEMMs (on the H200, BERT-base's planned
+            # FP8 graph: 20,088 seq/s pure against 15,854 autocast, benchmarks/RESULTS.md)
+            return "policy pure applies only to tctune's fp16/bf16/fp8 graph (this candidate equals its autocast twin)"
         if params["precision"] == "fp8" and not params.get("graph_passes"):
             return "fp8 needs tctune's graph (FP8 GEMMs are a graph rewrite; the model as written has none)"
         if params.get("graph_passes") and self.captured.ok:

@@ -152,11 +152,16 @@ def test_compiled_graph_candidates_are_measured_right_after_the_fp32_baselines(t
     low = [p for p in t.precisions if p in ("fp16", "bf16", "fp8")]
     assert low  # the CPU searches bf16
     assert queued[2:2 + len(low)] == [{"batch_size": 16, "precision": p, "graph_passes": True, "runtime": "inductor",
-                                       "policy": "pure" if p != "fp8" else "autocast"} for p in low]
+                                       "policy": "pure"} for p in low]
     monkeypatch.setattr(Tuner, "searches_memory_format", property(lambda self: True))
-    t.precisions = ("fp32", "fp16", "fp8")  # as on an H200: fp8 is never given policy pure (it would be pruned)
+    t.precisions = ("fp32", "fp16", "fp8")  # as on an H200
     assert [(c["precision"], c["policy"], c["memory_format"]) for c in t.compiled_first()] == [
-        ("fp16", "pure", "contiguous"), ("fp16", "pure", "channels_last"), ("fp8", "autocast", "contiguous")]
+        ("fp16", "pure", "contiguous"), ("fp16", "pure", "channels_last"), ("fp8", "pure", "contiguous")]
+    # the FP8 graph's bf16 part follows the policy too: pure FP8 is a candidate, not a pruned twin
+    assert t.skip_reason(study, {"batch_size": 16, "precision": "fp8", "graph_passes": True, "runtime": "eager",
+                                 "policy": "pure"}) is None
+    assert "policy pure applies only" in t.skip_reason(study, {"batch_size": 16, "precision": "tf32",
+                                                               "graph_passes": True, "runtime": "eager", "policy": "pure"})
     # nothing compiled to enqueue without a compiled runtime, in training, or without a captured graph
     assert tuner(tiny, tmp_path / "b", runtimes=("eager",)).compiled_first() == []
 
