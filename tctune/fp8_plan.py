@@ -19,7 +19,10 @@ keeps some linears in bf16 — but it picks them by measurement rather than by a
    31 %, no extra graph). The greedy's last step can also overshoot (on the H200 it kept BERT-base's FFN-up
    projections too and ended at 2.3e-2 against an aim of 4.5e-2), so each kept role, largest FLOPs first, is
    then tried back in FP8 and released when the error stays under the aim (one more graph per kept role).
-6. When every role had to stay bf16, FP8 cannot meet the limit on this model: the plan says so (``reason``)
+6. FP8 FLOPs are not speed: up to ``MAX_ALTERNATIVES`` keep-lists under the aim (the distinct ones measured
+   on the way, most FP8 FLOPs first) are kept as ``alternatives``, and the search times each through its
+   runtime and takes the fastest (:func:`choose_fastest`).
+7. When every role had to stay bf16, FP8 cannot meet the limit on this model: the plan says so (``reason``)
    and the search rejects its FP8 candidates with that sentence instead of measuring them.
 
 The margin (default 0.9) leaves room for the candidate's own check on its batch, which the search still
@@ -37,6 +40,8 @@ from torch import fx
 
 #: The plan aims at this fraction of the FP8 error limit, so that the candidate's own check still passes.
 DEFAULT_MARGIN = 0.9
+#: Keep-lists under the aim that :func:`choose_fastest` times (each costs one compile + timing in the search).
+MAX_ALTERNATIVES = 3
 
 _INDEX = re.compile(r"(?<![^.])\d+(?![^.])")  # a whole dotted component of digits (nn.Sequential at the root too)
 
@@ -53,6 +58,10 @@ class FP8Plan:
         roles: every role (pattern) with its FLOPs in the captured graph.
         steps: the graphs measured, in order: ``{"keep": [...], "error": e}``.
         reason: why no linear can run FP8 within the limit (then ``keep`` lists every role), else None.
+        alternatives: the distinct keep-lists measured under the aim, most FP8 FLOPs first (at most
+            ``MAX_ALTERNATIVES``, the plan's own choice among them): ``{"keep", "error", "fp8_flop_share"}``.
+        speeds: after :func:`choose_fastest`: each alternative's measured throughput (items/s; None when it
+            failed to run), in the order of ``alternatives``; empty when not timed.
     """
 
     keep: tuple[str, ...]
@@ -62,6 +71,8 @@ class FP8Plan:
     roles: dict[str, float] = field(default_factory=dict)
     steps: list[dict] = field(default_factory=list)
     reason: str | None = None
+    alternatives: list[dict] = field(default_factory=list)
+    speeds: list = field(default_factory=list)
 
     @property
     def usable(self) -> bool:
@@ -74,14 +85,18 @@ class FP8Plan:
         if not self.keep:
             return (f"every FP8-eligible linear runs FP8 (error {self.error:.2e} on the calibration batch, "
                     f"aim {self.target:.2e})")
+        timed = ""
+        if len([v for v in self.speeds if v]) > 1:
+            timed = (f"; the fastest of {len(self.alternatives)} keep-lists under the aim, timed: "
+                     + ", ".join(f"{v:,.0f}/s" if v else "failed" for v in self.speeds))
         return (f"FP8 keep-list {', '.join(self.keep)} stays bf16; {self.fp8_flop_share:.0%} of the linear FLOPs run "
                 f"FP8 (error {self.error:.2e} on the calibration batch, aim {self.target:.2e}; all-FP8: "
-                f"{self.steps[0]['error']:.2e})")
+                f"{self.steps[0]['error']:.2e}){timed}")
 
     def to_dict(self) -> dict:
         return {"summary": self.summary(), "keep": list(self.keep), "error": self.error, "target": self.target,
                 "fp8_flop_share": self.fp8_flop_share, "roles": dict(self.roles), "steps": list(self.steps),
-                "reason": self.reason}
+                "reason": self.reason, "alternatives": list(self.alternatives), "speeds": list(self.speeds)}
 
 
 def role(path: str) -> str:
@@ -187,13 +202,60 @@ def plan_fp8_keep(roles: dict[str, float], error_of: Callable[[tuple[str, ...]],
             if e <= target:
                 keep, err = list(trial), e
     share = _share(roles, keep)
+    alternatives = _alternatives(roles, steps, target, keep, err)
     reason = None
     if share == 0:
         reason = (f"FP8 cannot meet --max-error-fp8 {max_error:g} on this model: with every linear in FP8 the error "
                   f"is {steps[0]['error']:.2e}, and keeping all but one linear group in bf16 still gave "
                   f"{min(s['error'] for s in steps if len(s['keep']) == len(roles) - 1):.2e} (aim "
                   f"{target:.2e}); FP8 candidates are rejected")
-    return FP8Plan(tuple(keep), err, target, share, dict(roles), steps, reason)
+    return FP8Plan(tuple(keep), err, target, share, dict(roles), steps, reason,
+                   alternatives=alternatives if reason is None else [])
+
+
+def _alternatives(roles: dict[str, float], steps: list[dict], target: float, keep: list[str], err: float) -> list[dict]:
+    """The distinct measured keep-lists under ``target`` that run some FP8, most FP8 FLOPs first (lower error on
+    ties), at most ``MAX_ALTERNATIVES``, always including the plan's choice ``keep``."""
+    def entry(k, e):
+        return {"keep": list(k), "error": e, "fp8_flop_share": _share(roles, k)}
+
+    seen: dict[tuple, dict] = {}
+    for s in steps:
+        key = tuple(sorted(s["keep"]))
+        if s["error"] <= target and _share(roles, key) > 0 and key not in seen:
+            seen[key] = entry(s["keep"], s["error"])
+    ranked = sorted(seen.values(), key=lambda a: (-a["fp8_flop_share"], a["error"]))[:MAX_ALTERNATIVES]
+    if _share(roles, keep) > 0 and tuple(sorted(keep)) not in {tuple(sorted(a["keep"])) for a in ranked}:
+        ranked = [entry(keep, err), *ranked][:MAX_ALTERNATIVES]
+    return ranked
+
+
+def choose_fastest(plan: FP8Plan, throughput_of: Callable[[tuple[str, ...]], float | None]) -> FP8Plan:
+    """Time the plan's alternatives and keep the fastest: FP8 FLOPs are a poor proxy for speed.
+
+    On the H200 (BERT-base, batch 64, Inductor + CUDA graph), two keep-lists with the same 33 % of the FLOPs in
+    FP8 ran 20,088 seq/s (FP8 on the fused QKV and attention-output projections, whose input quantization fuses
+    into the LayerNorm before them) and 17,064 seq/s (FP8 on the FFN-down projection: N = 768 and a 3072-wide
+    activation to quantize after the GELU), the bf16 graph 19,816 (benchmarks/RESULTS.md, fourth session).
+
+    Args:
+        plan: a usable plan with ``alternatives``.
+        throughput_of: the measured throughput (items/s) of the FP8 graph with a keep-list, None when it failed.
+
+    Returns:
+        The plan with ``keep`` / ``error`` / ``fp8_flop_share`` of the fastest alternative and ``speeds`` filled;
+        unchanged when there is at most one alternative or none ran.
+    """
+    if not plan.usable or len(plan.alternatives) < 2:
+        return plan
+    speeds = [throughput_of(tuple(a["keep"])) for a in plan.alternatives]
+    ran = [(v, i) for i, v in enumerate(speeds) if v]
+    if not ran:
+        return plan
+    best = plan.alternatives[max(ran)[1]]
+    plan.keep, plan.error, plan.fp8_flop_share = tuple(best["keep"]), best["error"], best["fp8_flop_share"]
+    plan.speeds = speeds
+    return plan
 
 
 def _share(roles: dict[str, float], keep) -> float:
@@ -239,4 +301,5 @@ def plan_graph(gm: fx.GraphModule, hw, inputs: tuple, ref: Any, max_error: float
     return plan_fp8_keep(roles, error_of, max_error, margin)
 
 
-__all__ = ["DEFAULT_MARGIN", "FP8Plan", "linear_roles", "plan_fp8_keep", "plan_graph", "role"]
+__all__ = ["DEFAULT_MARGIN", "FP8Plan", "MAX_ALTERNATIVES", "choose_fastest", "linear_roles", "plan_fp8_keep",
+           "plan_graph", "role"]

@@ -30,7 +30,7 @@ from passes.base import PassFailure
 
 from .capture import Captured, batch_range, try_capture
 from .errors import CandidateRejected, ModelFileError, PassError, UsageError
-from .fp8_plan import FP8Plan, plan_graph
+from .fp8_plan import FP8Plan, choose_fastest, plan_graph
 from .hardware import POLICIES, HardwareSpec
 from .measure import (ErrorStats, check_accuracy, compare, is_oom, precision_mode, release_memory,
                       time_call)
@@ -372,12 +372,31 @@ class Tuner:
     def _plan_fp8(self, policy: str, batch_size: int) -> FP8Plan:
         inputs, ref = self.reference(batch_size)
         try:
-            return plan_graph(self.captured.graph_module, self.hw, inputs, ref, self.cfg.max_error_fp8,
+            plan = plan_graph(self.captured.graph_module, self.hw, inputs, ref, self.cfg.max_error_fp8,
                               policy=policy, device=self.device)
         except PassError:
             raise
         except Exception as exc:  # noqa: BLE001 - an FP8 graph that cannot run rejects the FP8 candidates
             raise rejection(exc, self.device, batch_size, "FP8 keep-list planning") from exc
+        return choose_fastest(plan, lambda keep: self._fp8_throughput(policy, keep, inputs))
+
+    def _fp8_throughput(self, policy: str, keep: tuple[str, ...], inputs: tuple) -> float | None:
+        """Throughput (items/s) of the FP8 graph with ``keep`` through the fastest runtime searched (the one
+        :meth:`compiled_first` uses; eager when none is compiled), or None when it fails (logged)."""
+        runtime = next((r for r in ("inductor-cudagraphs", "inductor") if r in self.runtimes), "eager")
+        fn = None
+        try:
+            g, _ = apply_passes(self.captured.graph_module, self.hw, "fp8", policy=policy, fp8_keep=keep)
+            with precision_mode("fp8"):
+                fn, _ = wrap(g.to(self.device), runtime, inputs)
+                timing = time_call(lambda: fn(*inputs), len(inputs[0]), self.device)
+            return timing.throughput
+        except Exception as exc:  # noqa: BLE001 - one keep-list failing leaves the others
+            log.info("FP8 keep-list %s could not be timed: %s", ", ".join(keep) or "(none)", _first_line(exc))
+            return None
+        finally:
+            fn = g = None
+            release_memory(self.device)
 
     def evaluate(self, params: dict, on_repeat=None) -> dict:
         """Build, check and time one candidate; returns the trial's metrics.

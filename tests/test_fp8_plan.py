@@ -11,7 +11,7 @@ from torch import nn
 import zoo
 from passes.cast_fp8 import scaled_mm_works
 from tctune.errors import CandidateRejected, UsageError
-from tctune.fp8_plan import linear_roles, plan_fp8_keep, role
+from tctune.fp8_plan import MAX_ALTERNATIVES, choose_fastest, linear_roles, plan_fp8_keep, role
 from tctune.hardware import resolve
 from tctune.modelfile import load_model_file
 from tctune.search import TuneConfig, Tuner
@@ -148,6 +148,50 @@ def test_a_role_kept_early_is_released_when_the_later_ones_suffice():
     assert plan.steps[-1]["release"] == "a"
 
 
+def test_alternatives_are_the_distinct_measured_lists_under_the_aim_most_fp8_first():
+    roles = {"a": 1.0, "b": 2.0, "c": 3.0, "d": 10.0}
+    table = {(): 0.10, ("a",): 0.08, ("b",): 0.09, ("c",): 0.09, ("d",): 0.05,
+             ("a", "b"): 0.07, ("a", "c"): 0.05, ("a", "d"): 0.06,
+             ("a", "b", "c"): 0.03, ("a", "c", "d"): 0.01, ("b", "c"): 0.04}
+
+    plan = plan_fp8_keep(roles, lambda keep: table[tuple(sorted(keep))], max_error=0.05)
+
+    # under the aim 0.045: (b, c) 11/16 FP8 (the choice), (a, b, c) 10/16, (a, c, d) 2/16; nothing twice
+    assert [sorted(a["keep"]) for a in plan.alternatives] == [["b", "c"], ["a", "b", "c"], ["a", "c", "d"]]
+    assert [a["error"] for a in plan.alternatives] == [0.04, 0.03, 0.01]
+    assert plan.alternatives[0]["fp8_flop_share"] == pytest.approx(11 / 16) and MAX_ALTERNATIVES == 3
+    assert plan.speeds == [] and "timed" not in plan.summary()
+
+
+def test_choose_fastest_takes_the_fastest_alternative_and_says_so():
+    roles = {"a": 1.0, "b": 2.0, "c": 3.0, "d": 10.0}
+    table = {(): 0.10, ("a",): 0.08, ("b",): 0.09, ("c",): 0.09, ("d",): 0.05,
+             ("a", "b"): 0.07, ("a", "c"): 0.05, ("a", "d"): 0.06,
+             ("a", "b", "c"): 0.03, ("a", "c", "d"): 0.01, ("b", "c"): 0.04}
+    plan = plan_fp8_keep(roles, lambda keep: table[tuple(sorted(keep))], max_error=0.05)
+    timed: list = []
+
+    def throughput_of(keep):
+        timed.append(tuple(sorted(keep)))
+        return {("b", "c"): 100.0, ("a", "b", "c"): 130.0, ("a", "c", "d"): None}[tuple(sorted(keep))]
+
+    plan = choose_fastest(plan, throughput_of)
+
+    assert timed == [("b", "c"), ("a", "b", "c"), ("a", "c", "d")]
+    assert sorted(plan.keep) == ["a", "b", "c"] and plan.error == 0.03 and plan.fp8_flop_share == pytest.approx(10 / 16)
+    assert plan.speeds == [100.0, 130.0, None]
+    assert "the fastest of 3 keep-lists under the aim, timed: 100/s, 130/s, failed" in plan.summary()
+    assert plan.to_dict()["speeds"] == [100.0, 130.0, None]
+
+
+def test_choose_fastest_leaves_a_single_or_untimed_plan_alone():
+    one = plan_fp8_keep({"a": 1.0, "b": 1.0}, lambda keep: 0.01, max_error=0.05)  # all FP8 at once: one list
+    assert len(one.alternatives) == 1
+    assert choose_fastest(one, lambda keep: pytest.fail("must not time")).speeds == []
+    none = plan_fp8_keep({"a": 1.0, "b": 2.0}, lambda keep: 0.2, max_error=0.05)  # nothing fits
+    assert not none.usable and none.alternatives == [] and choose_fastest(none, lambda k: 1.0) is none
+
+
 def test_all_fp8_when_already_under_the_aim():
     calls: list = []
     plan = plan_fp8_keep({"a": 1.0, "b": 1.0}, _additive(0.01, {"a": 0, "b": 0}, calls), max_error=0.05)
@@ -228,6 +272,33 @@ def test_tuner_plans_once_per_policy_and_builds_the_planned_graph(tmp_path):
     with torch.inference_mode():
         out = cand.module(*inputs)
     assert ((out.float() - ref).norm() / ref.norm()).item() <= all_fp8 * 0.8
+
+
+@CPU_ROW
+def test_tuner_times_the_plans_alternatives_and_builds_the_fastest(tmp_path, monkeypatch):
+    tuner = _tuner(tmp_path, max_error_fp8=1.0)
+    # every list is under this aim; make two alternatives by hand from the planned roles and time them for real
+    from tctune.fp8_plan import FP8Plan
+    roles = {"blocks.*.up": 1.0, "blocks.*.down": 1.0}
+    plan = FP8Plan((), 0.01, 0.9, 1.0, roles, [{"keep": [], "error": 0.01}],
+                   alternatives=[{"keep": [], "error": 0.01, "fp8_flop_share": 1.0},
+                                 {"keep": ["blocks.*.down"], "error": 0.005, "fp8_flop_share": 0.5}])
+    monkeypatch.setattr("tctune.search.plan_graph", lambda *a, **k: plan)
+    seen = []
+    real = Tuner._fp8_throughput
+
+    def spy(self, policy, keep, inputs):
+        v = real(self, policy, keep, inputs)
+        seen.append((keep, v))
+        return v
+
+    monkeypatch.setattr(Tuner, "_fp8_throughput", spy)
+
+    keep = tuner.fp8_keep("pure", 4)
+
+    assert [k for k, _ in seen] == [(), ("blocks.*.down",)] and all(v and v > 0 for _, v in seen)
+    fastest = max(seen, key=lambda kv: kv[1])[0]
+    assert keep == fastest and tuner.fp8_plans["pure"].speeds == [v for _, v in seen]
 
 
 @CPU_ROW
