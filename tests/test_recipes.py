@@ -147,6 +147,16 @@ def test_suite_summary_takes_the_fastest_variant_within_the_error_limit():
     assert (m["best_baseline_name"], m["best_baseline"]) == ("tf32_eager", 300.0)
     assert (m["tctune_name"], m["tctune"], m["ratio"]) == ("tctune_bf16_eager", 600.0, 2.0)
     assert m["max_rel_error"] == 5e-3 and m["ceiling_tflops"] == 600.0 and m["fraction_of_ceiling"] == 0.1
+    assert (m["fastest_variant_name"], m["fastest_variant_ratio"]) == ("tctune_bf16_eager", 2.0)
+
+    # what `tctune optimize` chose is the headline when it ran within the limit, even if a fixed variant is faster
+    v["tctune_optimize"] = {"kind": "tctune", "precision": "fp16", "status": "ok", "throughput": 450.0,
+                            "rel_l2_error": 1e-3, "nonfinite": 0, "achieved_tflops": 45.0}
+    m = suite.finish({"variants": v}, {"bf16": 600.0, "fp16": 650.0})
+    assert (m["tctune_name"], m["tctune"], m["ratio"], m["max_rel_error"]) == ("tctune_optimize", 450.0, 1.5, 1e-3)
+    assert (m["fastest_variant_name"], m["fastest_variant"]) == ("tctune_bf16_eager", 600.0)
+    v["tctune_optimize"]["rel_l2_error"] = 2e-2  # over the limit: not the headline
+    assert suite.finish({"variants": v}, {})["tctune_name"] == "tctune_bf16_eager"
 
 
 def test_suite_fp8_variants_are_judged_by_the_fp8_error_limit():
@@ -193,7 +203,8 @@ def test_suite_optimize_variant_measures_what_the_search_chose(tmp_path):
     opt = row["optimize"]
     assert opt["params"]["batch_size"] == m["batch"] and opt["complete"] >= 1 and opt["search_s"] > 0
     assert row["precision"] == opt["params"]["precision"] and row["rel_l2_error"] <= 1e-2
-    assert m["optimize"] == row["throughput"] and m["optimize_ratio"] == row["throughput"] / m["best_baseline"]
+    assert (m["tctune_name"], m["tctune"]) == ("tctune_optimize", row["throughput"])
+    assert m["ratio"] == row["throughput"] / m["best_baseline"]
     assert (out / "optimize" / "seed_cnn" / "study.db").exists()
 
 
@@ -205,3 +216,27 @@ def test_suite_model_limit_takes_pairs(capsys):
     with pytest.raises(SystemExit):
         suite.main(["--out", "x", "--model-limit", "gpt2=fast"])
     assert "expected seconds" in capsys.readouterr().err
+
+
+def test_merge_latest_takes_each_row_whole_and_recomputes_its_summary(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "tctune_merge_latest", Path(__file__).resolve().parents[1] / "benchmarks" / "merge_latest.py")
+    merge = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(merge)
+    ok = {"status": "ok", "nonfinite": 0, "rel_l2_error": 1e-3}
+    run = {"device": "GPU", "torch": "2.11", "ceilings_tflops": {"fp16": 600.0}, "models": {"m": {
+        "tctune_name": "stale", "ratio": 9.9,  # an old summary: recomputed
+        "variants": {"fp16_eager": {"kind": "baseline", "precision": "fp16", "throughput": 100.0, **ok},
+                     "tctune_optimize": {"kind": "tctune", "precision": "fp16", "throughput": 150.0, **ok}}}}}
+    a = tmp_path / "a.json"
+    a.write_text(json.dumps(run))
+    out = merge.merge([("m", a)], "why")
+    row = out["models"]["m"]
+    assert (row["tctune_name"], row["ratio"]) == ("tctune_optimize", 1.5) and out["note"] == "why"
+    assert row["source"] == str(a) and row["ceilings_tflops_that_call"] == {"fp16": 600.0}
+    b = tmp_path / "b.json"
+    b.write_text(json.dumps({**run, "torch": "2.12"}))
+    with pytest.raises(SystemExit, match="not one table"):
+        merge.merge([("m", a), ("m", b)], "")
+    with pytest.raises(SystemExit, match="has no model"):
+        merge.merge([("x", a)], "")
