@@ -155,6 +155,7 @@ def build_report(study: optuna.Study, *, hardware: dict, measured_on: str, confi
         "passes": passes,
         "trials": trials,
         "artifacts": artifacts,
+        "confirmation": study.user_attrs.get("confirmation"),
     }
     if extra:
         report.update(extra)
@@ -200,6 +201,13 @@ def render_markdown(r: dict) -> str:
                          f"**{_fmt(b['speedup_vs_baseline'], '.2f')}×** ({_fmt(base['throughput'])} items/s).")
         if b.get("speedup_vs_best_baseline") is not None:
             lines.append(f"- Against the fastest FP32 eager baseline at any searched batch size: {_fmt(b['speedup_vs_best_baseline'], '.2f')}×.")
+        conf = (r.get("confirmation") or {}).get("runs") or {}
+        if str(b["number"]) in conf:
+            def _pair(v):
+                return f"{_fmt(v[0])} → {_fmt(v[1]) if v[1] else 'failed'}"
+            lines.append(f"- Re-measured after the search (the candidates within {r['confirmation']['band']:.0%} of the "
+                         "fastest, each built and timed again; the best mean of both timings wins): "
+                         + "; ".join(f"trial {n}: {_pair(v)}" for n, v in conf.items()) + " items/s.")
         if p["precision"] == "fp32" and not p.get("graph_passes") and p.get("runtime", "eager") == "eager":
             lines.append("- Nothing beat plain FP32 eager here: **keep FP32**.")
         noise = measurement_noise(b, base_trial(r))
