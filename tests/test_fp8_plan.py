@@ -135,13 +135,17 @@ def test_the_greedy_list_stands_when_nothing_measured_runs_more_in_fp8():
     assert not any("picked" in s for s in plan.steps)
 
 
-def test_a_role_kept_early_is_released_when_the_later_ones_suffice():
+def _four_role_plan():
+    """Four roles whose greedy keeps a, c, b (0.03), then releases a: (c, b) at 0.04, d in FP8 (11/16)."""
     roles = {"a": 1.0, "b": 2.0, "c": 3.0, "d": 10.0}
     table = {(): 0.10, ("a",): 0.08, ("b",): 0.09, ("c",): 0.09, ("d",): 0.05,
              ("a", "b"): 0.07, ("a", "c"): 0.05, ("a", "d"): 0.06,
              ("a", "b", "c"): 0.03, ("a", "c", "d"): 0.01, ("b", "c"): 0.04}
+    return plan_fp8_keep(roles, lambda keep: table[tuple(sorted(keep))], max_error=0.05)
 
-    plan = plan_fp8_keep(roles, lambda keep: table[tuple(sorted(keep))], max_error=0.05)
+
+def test_a_role_kept_early_is_released_when_the_later_ones_suffice():
+    plan = _four_role_plan()
 
     # greedy: a, then c, then b -> 0.03 (d in FP8, 10/16); release c -> 0.07, b -> 0.05, a -> 0.04: a released
     assert plan.keep == ("c", "b") and plan.error == 0.04 and plan.fp8_flop_share == pytest.approx(11 / 16)
@@ -149,12 +153,7 @@ def test_a_role_kept_early_is_released_when_the_later_ones_suffice():
 
 
 def test_alternatives_are_the_distinct_measured_lists_under_the_aim_most_fp8_first():
-    roles = {"a": 1.0, "b": 2.0, "c": 3.0, "d": 10.0}
-    table = {(): 0.10, ("a",): 0.08, ("b",): 0.09, ("c",): 0.09, ("d",): 0.05,
-             ("a", "b"): 0.07, ("a", "c"): 0.05, ("a", "d"): 0.06,
-             ("a", "b", "c"): 0.03, ("a", "c", "d"): 0.01, ("b", "c"): 0.04}
-
-    plan = plan_fp8_keep(roles, lambda keep: table[tuple(sorted(keep))], max_error=0.05)
+    plan = _four_role_plan()
 
     # under the aim 0.045: (b, c) 11/16 FP8 (the choice), (a, b, c) 10/16, (a, c, d) 2/16; nothing twice
     assert [sorted(a["keep"]) for a in plan.alternatives] == [["b", "c"], ["a", "b", "c"], ["a", "c", "d"]]
@@ -164,11 +163,7 @@ def test_alternatives_are_the_distinct_measured_lists_under_the_aim_most_fp8_fir
 
 
 def test_choose_fastest_takes_the_fastest_alternative_and_says_so():
-    roles = {"a": 1.0, "b": 2.0, "c": 3.0, "d": 10.0}
-    table = {(): 0.10, ("a",): 0.08, ("b",): 0.09, ("c",): 0.09, ("d",): 0.05,
-             ("a", "b"): 0.07, ("a", "c"): 0.05, ("a", "d"): 0.06,
-             ("a", "b", "c"): 0.03, ("a", "c", "d"): 0.01, ("b", "c"): 0.04}
-    plan = plan_fp8_keep(roles, lambda keep: table[tuple(sorted(keep))], max_error=0.05)
+    plan = _four_role_plan()
     timed: list = []
 
     def throughput_of(keep):
