@@ -49,7 +49,11 @@ def merge(pairs: list[tuple[str, Path]], note: str) -> dict:
             run = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             raise SystemExit(f"merge_latest: cannot read {path}: {exc}") from exc
-        if model not in run.get("models", {}):
+        if not isinstance(run, dict) or not isinstance(run.get("models"), dict):
+            raise SystemExit(f"merge_latest: {path} is not a benchmarks/suite.py latest.json (no 'models' table)")
+        if run.get("dry_run"):
+            raise SystemExit(f"merge_latest: {path} is a --dry-run (tiny models on the CPU: its numbers mean nothing)")
+        if model not in run["models"]:
             raise SystemExit(f"merge_latest: {path} has no model {model!r} (it has {', '.join(run.get('models', {}))})")
         if out is None:
             out = {k: v for k, v in run.items() if k not in ("models", "wall_s", "budget_s", "dry_run", "quick")}
@@ -79,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"expected MODEL=FILE, got {item!r}")
         pairs.append((model, Path(file).resolve()))
     report = merge(pairs, args.note)
-    Path(args.out).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
     for name, m in report["models"].items():
         print(f"{name:<11} {m['best_baseline_name'] or '-':<22} {m['tctune_name'] or '-':<24} "
               f"ratio {m['ratio'] or 0:.3f}  fastest {m.get('fastest_variant_name') or '-'} "

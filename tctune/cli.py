@@ -30,7 +30,9 @@ inductor-cudagraphs on a GPU; compile time is reported); on a GPU also the cast 
 conv nets, the memory format (contiguous or channels-last). Every candidate is timed (CUDA events on a GPU,
 perf_counter on the CPU; warm-up, median of repeats) and compared with FP32 eager on the same fresh random
 inputs; a candidate whose relative L2 error exceeds --max-error (--max-error-fp8 for fp8) is never chosen. FP32 eager at every batch size is measured first (the
-baseline). The study is kept in OUT/study.db: running the same command again adds trials to it.
+baseline), then tctune's graph through the fastest compiled runtime at each low precision. After the
+trials the fastest candidates within 5% are built and timed once more; the best mean wins. The study is
+kept in OUT/study.db: running the same command again adds trials to it.
 
 Outputs in OUT (default tctune_out/<model name>/): report.json, report.md, study.db,
 best_config.json, model.onnx (validated in onnxruntime), model.engine (only where TensorRT is
@@ -132,9 +134,9 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--fp8-keep", default="auto", metavar="PATTERNS",
                    help="FP8 keep-list: linears kept in bf16 at precision fp8. auto (default): planned by measuring "
                         "which groups of linears (e.g. every layer's FFN down projection) cost the most error, "
-                        "keeping the fewest FLOPs in bf16 for an error under 0.9 x --max-error-fp8; none: every "
-                        "eligible linear in FP8; or comma-separated fnmatch patterns on module paths, e.g. "
-                        "'*.output.dense,lm_head'")
+                        "then timing up to three keep-lists whose error is under 0.9 x --max-error-fp8 and keeping "
+                        "the fastest; none: every eligible linear in FP8; or comma-separated fnmatch patterns on "
+                        "module paths, e.g. '*.output.dense,lm_head'")
     o.add_argument("--target", metavar="NAME", help="plan for this GPU (sm_XX, h100, a100, ...): its alignment; measuring stays on this machine")
     o.add_argument("--storage", metavar="URL", help="Optuna storage URL to share a study (default: sqlite file OUT/study.db)")
     o.add_argument("--devices", metavar="LIST",

@@ -19,10 +19,10 @@ keeps some linears in bf16 — but it picks them by measurement rather than by a
    31 %, no extra graph). The greedy's last step can also overshoot (on the H200 it kept BERT-base's FFN-up
    projections too and ended at 2.3e-2 against an aim of 4.5e-2), so each kept role, largest FLOPs first, is
    then tried back in FP8 and released when the error stays under the aim (one more graph per kept role).
-6. FP8 FLOPs are not speed: up to ``MAX_ALTERNATIVES`` keep-lists under the aim (the distinct ones measured
+5. FP8 FLOPs are not speed: up to ``MAX_ALTERNATIVES`` keep-lists under the aim (the distinct ones measured
    on the way, most FP8 FLOPs first) are kept as ``alternatives``, and the search times each through its
    runtime and takes the fastest (:func:`choose_fastest`).
-7. When every role had to stay bf16, FP8 cannot meet the limit on this model: the plan says so (``reason``)
+6. When every role had to stay bf16, FP8 cannot meet the limit on this model: the plan says so (``reason``)
    and the search rejects its FP8 candidates with that sentence instead of measuring them.
 
 The margin (default 0.9) leaves room for the candidate's own check on its batch, which the search still
@@ -86,9 +86,12 @@ class FP8Plan:
             return (f"every FP8-eligible linear runs FP8 (error {self.error:.2e} on the calibration batch, "
                     f"aim {self.target:.2e})")
         timed = ""
-        if len([v for v in self.speeds if v]) > 1:
-            timed = (f"; the fastest of {len(self.alternatives)} keep-lists under the aim, timed: "
-                     + ", ".join(f"{v:,.0f}/s" if v else "failed" for v in self.speeds))
+        if self.speeds:
+            def name(a):
+                return ", ".join(a["keep"]) or "nothing"
+            timed = (f"; the fastest of {len(self.alternatives)} keep-lists under the aim, timed (bf16 kept: "
+                     "items/s): " + "; ".join(f"{name(a)}: {v:,.0f}" if v else f"{name(a)}: failed"
+                                             for a, v in zip(self.alternatives, self.speeds)))
         return (f"FP8 keep-list {', '.join(self.keep)} stays bf16; {self.fp8_flop_share:.0%} of the linear FLOPs run "
                 f"FP8 (error {self.error:.2e} on the calibration batch, aim {self.target:.2e}; all-FP8: "
                 f"{self.steps[0]['error']:.2e}){timed}")
@@ -249,12 +252,12 @@ def choose_fastest(plan: FP8Plan, throughput_of: Callable[[tuple[str, ...]], flo
     if not plan.usable or len(plan.alternatives) < 2:
         return plan
     speeds = [throughput_of(tuple(a["keep"])) for a in plan.alternatives]
+    plan.speeds = speeds
     ran = [(v, i) for i, v in enumerate(speeds) if v]
-    if not ran:
+    if not ran:  # none could be timed: the error plan's own choice stands (the summary says they failed)
         return plan
     best = plan.alternatives[max(ran)[1]]
     plan.keep, plan.error, plan.fp8_flop_share = tuple(best["keep"]), best["error"], best["fp8_flop_share"]
-    plan.speeds = speeds
     return plan
 
 

@@ -128,6 +128,8 @@ def build_report(study: optuna.Study, *, hardware: dict, measured_on: str, confi
         same = base.get(bs)
         top = max(base.values(), key=lambda r: r["throughput"]) if base else None
         best = dict(best)
+        from .search import confirmed_throughputs
+        best["confirmed_throughput"] = confirmed_throughputs(study).get(bt.number)
         best["speedup_vs_baseline"] = best["throughput"] / same["throughput"] if same else None
         best["speedup_vs_best_baseline"] = best["throughput"] / top["throughput"] if top else None
         ref = same or top
@@ -202,19 +204,23 @@ def render_markdown(r: dict) -> str:
         if b.get("speedup_vs_best_baseline") is not None:
             lines.append(f"- Against the fastest FP32 eager baseline at any searched batch size: {_fmt(b['speedup_vs_best_baseline'], '.2f')}×.")
         conf = (r.get("confirmation") or {}).get("runs") or {}
-        if str(b["number"]) in conf:
-            def _pair(v):
-                return f"{_fmt(v[0])} → {_fmt(v[1]) if v[1] else 'failed'}"
-            lines.append(f"- Re-measured after the search (the candidates within {r['confirmation']['band']:.0%} of the "
-                         "fastest, each built and timed again; the best mean of both timings wins): "
-                         + "; ".join(f"trial {n}: {_pair(v)}" for n, v in conf.items()) + " items/s.")
+        if str(b.get("number")) in conf:
+            def _timings(v):
+                return " → ".join(_fmt(x) if x else "failed" for x in v)
+            lines.append(f"- Chosen by re-measuring (trial {b['number']}: mean {_fmt(b.get('confirmed_throughput'))} "
+                         f"items/s; the throughput above is its first timing): the candidates within "
+                         f"{r['confirmation']['band']:.0%} of the fastest were built and timed again after the search, "
+                         "and the best mean of all their timings wins: "
+                         + "; ".join(f"trial {n}: {_timings(v)}" for n, v in conf.items()) + " items/s.")
         if p["precision"] == "fp32" and not p.get("graph_passes") and p.get("runtime", "eager") == "eager":
             lines.append("- Nothing beat plain FP32 eager here: **keep FP32**.")
         noise = measurement_noise(b, base_trial(r))
         if noise is not None and b.get("speedup_vs_baseline") and abs(b["speedup_vs_baseline"] - 1) <= noise:
-            lines.append(f"- **Within measurement noise**: the repeats of these two trials spread by up to "
-                         f"{noise:.0%}, more than the difference between them. Measure on a quiet machine "
-                         "(or more repeats) before relying on this speedup.")
+            bt_row = base_trial(r) or {}
+            lines.append(f"- **Within measurement noise**: the repeats of the best (trial {b.get('number')}) and of its FP32 "
+                         f"eager baseline (trial {bt_row.get('number')}) spread by up to {noise:.0%}, more than the "
+                         "difference between them. Measure on a quiet machine (or more repeats) before relying on "
+                         "this speedup.")
         shaky = unstable_timing(b, base_trial(r))
         if shaky:
             lines.append(f"- **Unstable timing** ({shaky}): the machine was busy while measuring; the speedup above "

@@ -725,9 +725,10 @@ class Tuner:
         ``CONFIRM_TOP``), each rebuilt; :func:`best_trial` then takes the best mean of the two timings.
 
         Stored as the study user attribute ``"confirmation"``: ``{"band", "after_trial", "runs": {trial number
-        (str): [throughput, re-measured throughput or None]}}`` (items/s; None: the re-run was rejected, e.g.
-        out of memory, and that candidate keeps only its first timing). Nothing is stored when fewer than two
-        candidates are within the band. A candidate that fails again is logged, never raised.
+        (str): [throughput, re-measured throughput or None, ...]}}`` (items/s; None: a re-run was rejected, e.g.
+        out of memory). A resumed study adds its re-measurements to those of earlier runs, so the mean uses
+        every timing taken. Nothing is stored when fewer than two candidates are within the band. A candidate
+        that fails again is logged, never raised.
         """
         ok = sorted((t for t in study.get_trials(deepcopy=False) if is_feasible(t)),
                     key=lambda t: -t.user_attrs["throughput"])
@@ -739,24 +740,29 @@ class Tuner:
             return None
         log.info("re-measuring the %d fastest candidates (within %.0f%% of the fastest) once more", len(top),
                  CONFIRM_BAND * 100)
-        runs: dict[str, list] = {}
+        runs: dict[str, list] = dict((study.user_attrs.get("confirmation") or {}).get("runs") or {})
         for t in top:
             again = None
             try:
                 again = self.evaluate(dict(t.params))["throughput"]
             except Exception as exc:  # noqa: BLE001 - the first timing stands
                 log.info("trial %d could not be re-measured: %s", t.number, _first_line(exc))
-            runs[str(t.number)] = [t.user_attrs["throughput"], again]
+            runs[str(t.number)] = [*(runs.get(str(t.number)) or [t.user_attrs["throughput"]]), again]
         conf = {"band": CONFIRM_BAND, "after_trial": max(t.number for t in study.get_trials(deepcopy=False)),
                 "runs": runs}
         study.set_user_attr("confirmation", conf)
+        means = confirmed_throughputs(study)
+        log.info("re-measured: %s", "; ".join(f"trial {n}: mean {means[int(n)]:.4g}/s" for n in runs if int(n) in means))
         return conf
 
     @staticmethod
     def measured(study: optuna.Study) -> set[str]:
-        """Parameter sets already measured (complete or failed), as canonical JSON strings."""
+        """Parameter sets already decided (complete, failed, or pruned: stopped early as clearly slower, or a
+        twin not measured), as canonical JSON strings. Pruned ones count because the enumerating sampler never
+        proposes them again either; without them a resumed run promised trials that could only be duplicates."""
+        done = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL, optuna.trial.TrialState.PRUNED)
         return {json.dumps(t.params, sort_keys=True) for t in study.get_trials(deepcopy=False)
-                if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL) and counts_as_measured(t)}
+                if t.state in done and counts_as_measured(t)}
 
 
 def make_pruner(directions: list[str], enabled: bool = True) -> optuna.pruners.BasePruner:
@@ -863,8 +869,8 @@ def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
         return min(ok, key=lambda t: t.values[0])
     fastest = max(ok, key=lambda t: t.user_attrs["throughput"])
     conf = confirmed_throughputs(study)
-    if conf and fastest.number <= study.user_attrs["confirmation"]["after_trial"]:
-        # re-measured after the trials (Tuner.confirm): the best mean of the two timings, among those candidates
+    if conf and fastest.number <= study.user_attrs["confirmation"]["after_trial"] and any(t.number in conf for t in ok):
+        # re-measured after the trials (Tuner.confirm): the best mean of its timings, among those candidates
         return max((t for t in ok if t.number in conf), key=lambda t: conf[t.number])
     return fastest
 

@@ -175,7 +175,8 @@ def test_choose_fastest_takes_the_fastest_alternative_and_says_so():
     assert timed == [("b", "c"), ("a", "b", "c"), ("a", "c", "d")]
     assert sorted(plan.keep) == ["a", "b", "c"] and plan.error == 0.03 and plan.fp8_flop_share == pytest.approx(10 / 16)
     assert plan.speeds == [100.0, 130.0, None]
-    assert "the fastest of 3 keep-lists under the aim, timed: 100/s, 130/s, failed" in plan.summary()
+    assert ("the fastest of 3 keep-lists under the aim, timed (bf16 kept: items/s): c, b: 100; a, c, b: 130; "
+            "a, c, d: failed") in plan.summary()
     assert plan.to_dict()["speeds"] == [100.0, 130.0, None]
 
 
@@ -183,6 +184,8 @@ def test_choose_fastest_leaves_a_single_or_untimed_plan_alone():
     one = plan_fp8_keep({"a": 1.0, "b": 1.0}, lambda keep: 0.01, max_error=0.05)  # all FP8 at once: one list
     assert len(one.alternatives) == 1
     assert choose_fastest(one, lambda keep: pytest.fail("must not time")).speeds == []
+    failed = choose_fastest(_four_role_plan(), lambda keep: None)  # none could be timed: the error plan stands
+    assert failed.keep == ("c", "b") and failed.speeds == [None, None, None] and "c, b: failed" in failed.summary()
     none = plan_fp8_keep({"a": 1.0, "b": 2.0}, lambda keep: 0.2, max_error=0.05)  # nothing fits
     assert not none.usable and none.alternatives == [] and choose_fastest(none, lambda k: 1.0) is none
 

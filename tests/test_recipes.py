@@ -210,6 +210,10 @@ def test_suite_optimize_variant_measures_what_the_search_chose(tmp_path):
 
 def test_suite_model_limit_takes_pairs(capsys):
     suite = load_suite()
+    for bad in (["--optimize-trials", "0"], ["--optimize-budget", "-5"], ["--budget", "-1"]):
+        with pytest.raises(SystemExit):
+            suite.main(["--out", "x", *bad])
+        assert f"{bad[0]} must be positive" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         suite.main(["--out", "x", "--model-limit", "gtp2=100"])
     assert "unknown model" in capsys.readouterr().err
@@ -240,3 +244,10 @@ def test_merge_latest_takes_each_row_whole_and_recomputes_its_summary(tmp_path):
         merge.merge([("m", a), ("m", b)], "")
     with pytest.raises(SystemExit, match="has no model"):
         merge.merge([("x", a)], "")
+    c = tmp_path / "c.json"
+    c.write_text("[1, 2]")
+    with pytest.raises(SystemExit, match="not a benchmarks/suite.py latest.json"):
+        merge.merge([("m", c)], "")
+    c.write_text(json.dumps({**run, "dry_run": True}))
+    with pytest.raises(SystemExit, match="dry-run"):
+        merge.merge([("m", c)], "")

@@ -195,9 +195,26 @@ def test_confirmation_re_measures_the_close_candidates_and_best_takes_the_mean(t
     assert calls == ["inductor", "inductor-cudagraphs"]
     assert conf["runs"] == {"0": [6.25, 5.48], "1": [6.14, 6.11]} and study.user_attrs["confirmation"] == conf
     assert best_trial(study).params["runtime"] == "inductor-cudagraphs"
+    # a resumed study adds its re-measurements to the earlier ones: the mean uses every timing
+    again = {"inductor": 7.5, "inductor-cudagraphs": 6.0}
+    conf = t.confirm(study)
+    assert conf["runs"] == {"0": [6.25, 5.48, 7.5], "1": [6.14, 6.11, 6.0]}
+    assert best_trial(study).params["runtime"] == "inductor"  # mean 6.41 against 6.08
     # a faster trial added after the confirmation (a resumed study) is not hidden by it
     _finished(study, {"runtime": "cudagraphs"}, 7.0)
     assert best_trial(study).params["runtime"] == "cudagraphs"
+
+
+def test_pruned_candidates_count_as_measured_like_the_enumerating_sampler_counts_them():
+    """A resumed enumerated study must not promise trials for candidates that were stopped early (the
+    enumerating sampler never proposes them again: the extra trial could only be a duplicate)."""
+    study = optuna.create_study(direction="maximize")
+    dist = {"runtime": optuna.distributions.CategoricalDistribution(["a", "b"])}
+    study.add_trial(optuna.trial.create_trial(params={"runtime": "a"}, distributions=dist,
+                                              state=optuna.trial.TrialState.PRUNED,
+                                              user_attrs={"fail_reason": "stopped early: clearly slower"}))
+    study.add_trial(optuna.trial.create_trial(params={"runtime": "b"}, distributions=dist, value=1.0))
+    assert Tuner.measured(study) == {'{"runtime": "a"}', '{"runtime": "b"}'}
 
 
 def test_confirmation_keeps_a_failed_re_run_at_its_first_timing_and_skips_clear_winners(tiny, tmp_path, monkeypatch):
@@ -229,7 +246,8 @@ def test_run_confirms_and_the_report_says_so(tiny, tmp_path, monkeypatch):
     conf = report["confirmation"]
     assert conf and len(conf["runs"]) == 3 and all(v[1] and v[1] > 0 for v in conf["runs"].values())
     md = (tmp_path / "out" / "report.md").read_text()
-    assert "Re-measured after the search" in md and str(report["best"]["number"]) in conf["runs"]
+    assert "Chosen by re-measuring" in md and str(report["best"]["number"]) in conf["runs"]
+    assert report["best"]["confirmed_throughput"] > 0
 
 
 def test_pruner_stops_a_clearly_slower_candidate():
