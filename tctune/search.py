@@ -328,23 +328,26 @@ class Tuner:
             self._refs[batch_size] = (inputs, ref)
         return self._refs[batch_size]
 
-    def build(self, params: dict) -> Candidate:
+    def build(self, params: dict, fp8_keep: tuple[str, ...] | None = None) -> Candidate:
         """The candidate for trial ``params`` before its runtime wrapper (``batch_size``, ``precision``,
-        ``graph_passes``, ``policy``, ``memory_format``; ``runtime`` is applied by :meth:`evaluate`)."""
-        cand = self._build(params)
+        ``graph_passes``, ``policy``, ``memory_format``; ``runtime`` is applied by :meth:`evaluate`).
+        ``fp8_keep``: at fp8, this keep-list instead of the planned one (a trial's recorded list, rebuilt)."""
+        cand = self._build(params, fp8_keep)
         if params.get("memory_format") == "channels_last":
             module = cand.module if params["graph_passes"] else copy.deepcopy(cand.module)  # never the reference
             cand.module = ChannelsLast(module.to(memory_format=torch.channels_last))
             cand.description += ", channels-last"
         return cand
 
-    def _build(self, params: dict) -> Candidate:
+    def _build(self, params: dict, fp8_keep: tuple[str, ...] | None = None) -> Candidate:
         precision = params["precision"]
         runtime = params.get("runtime", "eager")
         if params["graph_passes"]:
             inputs, _ = self.reference(params["batch_size"])
             policy = params.get("policy", "autocast")
-            keep = self.fp8_keep(policy, params["batch_size"]) if precision == "fp8" else ()
+            keep = ()
+            if precision == "fp8":
+                keep = tuple(fp8_keep) if fp8_keep is not None else self.fp8_keep(policy, params["batch_size"])
             g, results = apply_passes(self.captured.graph_module, self.hw, precision, calibration=[inputs],
                                       policy=policy, fp8_keep=keep)
             label = f"{precision} ({policy})" if precision in ("fp16", "bf16") else precision
@@ -405,8 +408,8 @@ class Tuner:
             fn = g = None
             release_memory(self.device)
 
-    def evaluate(self, params: dict, on_repeat=None) -> dict:
-        """Build, check and time one candidate; returns the trial's metrics.
+    def evaluate(self, params: dict, on_repeat=None, fp8_keep: tuple[str, ...] | None = None) -> dict:
+        """Build, check and time one candidate; returns the trial's metrics (``fp8_keep``: see :meth:`build`).
 
         Raises:
             CandidateRejected: out of memory, NaN/inf outputs, or a broken rewrite.
@@ -416,7 +419,7 @@ class Tuner:
         inputs, ref = self.reference(bs)
         release_memory(self.device)  # what earlier candidates left (CUDA graph pools, compiled code)
         held = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-        cand = self.build(params)
+        cand = self.build(params, fp8_keep)
         # Peak memory is reported per candidate: the peak during its run, minus what tctune itself holds
         # (references for other batch sizes, the FP32 model), plus the inputs and, for the model as written,
         # its weights, which the candidate uses but which were allocated before it.
@@ -743,8 +746,9 @@ class Tuner:
         runs: dict[str, list] = dict((study.user_attrs.get("confirmation") or {}).get("runs") or {})
         for t in top:
             again = None
+            keep = t.user_attrs.get("fp8_keep")  # the graph this trial measured, even if a resumed run plans anew
             try:
-                again = self.evaluate(dict(t.params))["throughput"]
+                again = self.evaluate(dict(t.params), fp8_keep=tuple(keep) if keep is not None else None)["throughput"]
             except Exception as exc:  # noqa: BLE001 - the first timing stands
                 log.info("trial %d could not be re-measured: %s", t.number, _first_line(exc))
             runs[str(t.number)] = [*(runs.get(str(t.number)) or [t.user_attrs["throughput"]]), again]

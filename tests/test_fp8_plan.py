@@ -309,6 +309,30 @@ def test_fp8_trial_records_its_keep_list_for_the_export(tmp_path):
 
 
 @CPU_ROW
+def test_a_trials_recorded_keep_list_is_what_its_re_measure_builds(tmp_path, monkeypatch):
+    """Tuner.confirm rebuilds an FP8 trial with the keep-list it recorded, not a fresh plan (a resumed run)."""
+    import optuna
+    tuner = _tuner(tmp_path, max_error_fp8=0.05)
+    monkeypatch.setattr(Tuner, "fp8_keep", lambda self, policy, bs: pytest.fail("must not plan again"))
+    params = {"batch_size": 4, "precision": "fp8", "graph_passes": True, "runtime": "eager", "policy": "pure"}
+    study = optuna.create_study(direction="maximize")
+    dist = {k: optuna.distributions.CategoricalDistribution([v]) for k, v in params.items()}
+    for keep, tp in ((["blocks.*.down"], 10.0), (["blocks.*.up"], 9.9)):
+        study.add_trial(optuna.trial.create_trial(params=dict(params), distributions=dist, value=tp,
+                                                  user_attrs={"throughput": tp, "max_rel_error": 0.0, "fp8_keep": keep}))
+    seen = []
+    real = Tuner.evaluate
+
+    def spy(self, p, on_repeat=None, fp8_keep=None):
+        seen.append(fp8_keep)
+        return real(self, p, on_repeat, fp8_keep)
+
+    monkeypatch.setattr(Tuner, "evaluate", spy)
+    conf = tuner.confirm(study)
+    assert seen == [("blocks.*.down",), ("blocks.*.up",)] and all(v[1] for v in conf["runs"].values())
+
+
+@CPU_ROW
 def test_tuner_rejects_fp8_with_the_plans_reason_when_nothing_fits(tmp_path):
     tuner = _tuner(tmp_path, max_error_fp8=1e-9)
     with pytest.raises(CandidateRejected, match="FP8 cannot meet --max-error-fp8"):

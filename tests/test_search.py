@@ -183,7 +183,7 @@ def test_confirmation_re_measures_the_close_candidates_and_best_takes_the_mean(t
     again = {"inductor": 5.48, "inductor-cudagraphs": 6.11}
     calls = []
 
-    def evaluate(params, on_repeat=None):
+    def evaluate(params, on_repeat=None, fp8_keep=None):
         calls.append(params["runtime"])
         return {"throughput": again[params["runtime"]]}
 
@@ -224,7 +224,7 @@ def test_confirmation_keeps_a_failed_re_run_at_its_first_timing_and_skips_clear_
     _finished(study, {"runtime": "a"}, 10.0)
     _finished(study, {"runtime": "b"}, 9.8)
 
-    def evaluate(params, on_repeat=None):
+    def evaluate(params, on_repeat=None, fp8_keep=None):
         if params["runtime"] == "a":
             raise CandidateRejected("out of memory")
         return {"throughput": 9.0}
