@@ -215,7 +215,8 @@ def render_markdown(r: dict) -> str:
         if p["precision"] == "fp32" and not p.get("graph_passes") and p.get("runtime", "eager") == "eager":
             lines.append("- Nothing beat plain FP32 eager here: **keep FP32**.")
         noise = measurement_noise(b, base_trial(r))
-        if noise is not None and b.get("speedup_vs_baseline") and abs(b["speedup_vs_baseline"] - 1) <= noise:
+        if ((base_trial(r) or {}).get("number") != b.get("number") and noise is not None  # not when best = baseline
+                and b.get("speedup_vs_baseline") and abs(b["speedup_vs_baseline"] - 1) <= noise):
             bt_row = base_trial(r) or {}
             lines.append(f"- **Within measurement noise**: the repeats of the best (trial {b.get('number')}) and of its FP32 "
                          f"eager baseline (trial {bt_row.get('number')}) spread by up to {noise:.0%}, more than the "

@@ -409,3 +409,23 @@ def test_enumerated_space_says_how_many_trials_run_then_that_all_are_measured(ti
         study = tuner(tiny, tmp_path, trials=50).run()
     assert f"all {n} candidates of this search space are already measured" in caplog.text
     assert len(study.trials) == n  # nothing added
+
+
+def test_noise_line_names_its_two_trials_and_is_not_said_when_the_best_is_the_baseline():
+    from tctune.report import render_markdown
+
+    base = {"number": 0, "state": "COMPLETE", "params": {"precision": "fp32", "batch_size": 8, "graph_passes": False},
+            "throughput": 100.0,
+            "latency_ms": 2.0, "max_rel_error": 0.0, "repeats_ms": [2.0, 2.1, 2.2]}
+    best = {"number": 3, "state": "COMPLETE", "params": {"precision": "bf16", "batch_size": 8, "graph_passes": False},
+            "throughput": 104.0,
+            "latency_ms": 1.9, "max_rel_error": 1e-3, "repeats_ms": [1.8, 1.9, 2.1], "speedup_vs_baseline": 1.04}
+    from tctune.report import TRIAL_FIELDS
+    for row in (base, best):  # the trials table reads every field
+        for k in (*TRIAL_FIELDS, "fail_reason"):
+            row.setdefault(k, None)
+    baseline = {"trial": 0, "batch_size": 8, "throughput": 100.0}
+    md = render_markdown(_report(best=best, baseline=baseline, trials=[base, best]))
+    assert "the repeats of the best (trial 3) and of its FP32 eager baseline (trial 0)" in md
+    same = dict(base, speedup_vs_baseline=1.0)
+    assert "Within measurement noise" not in render_markdown(_report(best=same, baseline=baseline, trials=[base]))
