@@ -707,6 +707,7 @@ def optimize_variant(name: str, spec: ModelSpec, batch: int, model: torch.nn.Mod
     info["optimize"].update(params=params, search_throughput=best.user_attrs.get("throughput"),
                             description=best.user_attrs.get("description"), fp8_keep=best.user_attrs.get("fp8_keep"),
                             fp8_plans={pol: plan.summary() for pol, plan in tuner.fp8_plans.items()},
+                            confirmation=study.user_attrs.get("confirmation"),
                             measured=sorted(((t.user_attrs.get("description", ""), round(t.user_attrs["throughput"], 1),
                                               t.user_attrs.get("max_rel_error")) for t in trials
                                              if t.state.name == "COMPLETE" and "throughput" in t.user_attrs),
