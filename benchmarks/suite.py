@@ -715,8 +715,7 @@ def optimize_variant(name: str, spec: ModelSpec, batch: int, model: torch.nn.Mod
     torch._dynamo.reset()
 
     def rebuilt():
-        keep = best.user_attrs.get("fp8_keep")  # the graph the trial measured
-        cand = tuner.build(params, tuple(keep) if keep is not None else None)
+        cand = tuner.build(params, best.user_attrs.get("fp8_keep"))  # the graph the trial measured
         return wrap(cand.module, params.get("runtime", "eager"), inputs)
 
     measure(vname, rebuilt, kind="compile", limit_s=args.compile_budget, precision=params["precision"],

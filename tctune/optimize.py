@@ -162,9 +162,7 @@ def export_best(tuner: Tuner, params: dict, out: Path,
         return artifacts, []
     calibration = [tuner.reference(params["batch_size"])[0]]
     policy = params.get("policy", "autocast")
-    keep: tuple[str, ...] = ()
-    if params["precision"] == "fp8":
-        keep = tuple(fp8_keep) if fp8_keep is not None else tuner.fp8_keep(policy, params["batch_size"])
+    keep = tuner.keep_for(params, fp8_keep)
     _, measured = apply_passes(tuner.captured.graph_module, tuner.hw, params["precision"], calibration=calibration,
                                policy=policy, fp8_keep=keep)
     passes = [r.to_dict() for r in measured]  # what ran in the measured candidate, for the report

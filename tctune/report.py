@@ -214,15 +214,15 @@ def render_markdown(r: dict) -> str:
                          + "; ".join(f"trial {n}: {_timings(v)}" for n, v in conf.items()) + " items/s.")
         if p["precision"] == "fp32" and not p.get("graph_passes") and p.get("runtime", "eager") == "eager":
             lines.append("- Nothing beat plain FP32 eager here: **keep FP32**.")
-        noise = measurement_noise(b, base_trial(r))
-        if ((base_trial(r) or {}).get("number") != b.get("number") and noise is not None  # not when best = baseline
+        base_row = base_trial(r)
+        noise = measurement_noise(b, base_row)
+        if ((base_row or {}).get("number") != b.get("number") and noise is not None  # not when best = baseline
                 and b.get("speedup_vs_baseline") and abs(b["speedup_vs_baseline"] - 1) <= noise):
-            bt_row = base_trial(r) or {}
             lines.append(f"- **Within measurement noise**: the repeats of the best (trial {b.get('number')}) and of its FP32 "
-                         f"eager baseline (trial {bt_row.get('number')}) spread by up to {noise:.0%}, more than the "
+                         f"eager baseline (trial {(base_row or {}).get('number')}) spread by up to {noise:.0%}, more than the "
                          "difference between them. Measure on a quiet machine (or more repeats) before relying on "
                          "this speedup.")
-        shaky = unstable_timing(b, base_trial(r))
+        shaky = unstable_timing(b, base_row)
         if shaky:
             lines.append(f"- **Unstable timing** ({shaky}): the machine was busy while measuring; the speedup above "
                          "is not reliable. Measure again on an idle machine.")

@@ -19,7 +19,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import optuna
 import torch
@@ -328,10 +328,10 @@ class Tuner:
             self._refs[batch_size] = (inputs, ref)
         return self._refs[batch_size]
 
-    def build(self, params: dict, fp8_keep: tuple[str, ...] | None = None) -> Candidate:
+    def build(self, params: dict, fp8_keep: Sequence[str] | None = None) -> Candidate:
         """The candidate for trial ``params`` before its runtime wrapper (``batch_size``, ``precision``,
         ``graph_passes``, ``policy``, ``memory_format``; ``runtime`` is applied by :meth:`evaluate`).
-        ``fp8_keep``: at fp8, this keep-list instead of the planned one (a trial's recorded list, rebuilt)."""
+        ``fp8_keep``: see :meth:`keep_for` (a trial's recorded ``fp8_keep``, rebuilt)."""
         cand = self._build(params, fp8_keep)
         if params.get("memory_format") == "channels_last":
             module = cand.module if params["graph_passes"] else copy.deepcopy(cand.module)  # never the reference
@@ -339,15 +339,13 @@ class Tuner:
             cand.description += ", channels-last"
         return cand
 
-    def _build(self, params: dict, fp8_keep: tuple[str, ...] | None = None) -> Candidate:
+    def _build(self, params: dict, fp8_keep: Sequence[str] | None = None) -> Candidate:
         precision = params["precision"]
         runtime = params.get("runtime", "eager")
         if params["graph_passes"]:
             inputs, _ = self.reference(params["batch_size"])
             policy = params.get("policy", "autocast")
-            keep = ()
-            if precision == "fp8":
-                keep = tuple(fp8_keep) if fp8_keep is not None else self.fp8_keep(policy, params["batch_size"])
+            keep = self.keep_for(params, fp8_keep)
             g, results = apply_passes(self.captured.graph_module, self.hw, precision, calibration=[inputs],
                                       policy=policy, fp8_keep=keep)
             label = f"{precision} ({policy})" if precision in ("fp16", "bf16") else precision
@@ -360,6 +358,16 @@ class Tuner:
             return Candidate(Autocast(self.model, dtype, self.device.type), precision, [],
                              f"model autocast {precision}, {runtime}")
         return Candidate(self.model, precision, [], f"model {precision}, {runtime}")
+
+    def keep_for(self, params: dict, recorded: Sequence[str] | None = None) -> tuple[str, ...]:
+        """The FP8 keep-list the graph of trial ``params`` is built with: ``()`` below precision fp8; else
+        ``recorded`` (the list a finished trial measured, its ``fp8_keep`` user attribute) when given, so a rebuild
+        is that graph even if this process planned differently, or :meth:`fp8_keep`."""
+        if params["precision"] != "fp8":
+            return ()
+        if recorded is not None:
+            return tuple(recorded)
+        return self.fp8_keep(params.get("policy", "autocast"), params["batch_size"])
 
     def fp8_keep(self, policy: str, batch_size: int) -> tuple[str, ...]:
         """The FP8 keep-list for graph candidates with ``policy``: ``--fp8-keep``'s patterns, or the one planned
@@ -393,7 +401,7 @@ class Tuner:
     def _fp8_throughput(self, policy: str, keep: tuple[str, ...], inputs: tuple) -> float | None:
         """Throughput (items/s) of the FP8 graph with ``keep`` through the fastest runtime searched (the one
         :meth:`compiled_first` uses; eager when none is compiled), or None when it fails (logged)."""
-        runtime = next((r for r in ("inductor-cudagraphs", "inductor") if r in self.runtimes), "eager")
+        runtime = self.fastest_compiled_runtime or "eager"
         fn = None
         try:
             g, _ = apply_passes(self.captured.graph_module, self.hw, "fp8", policy=policy, fp8_keep=keep)
@@ -408,7 +416,7 @@ class Tuner:
             fn = g = None
             release_memory(self.device)
 
-    def evaluate(self, params: dict, on_repeat=None, fp8_keep: tuple[str, ...] | None = None) -> dict:
+    def evaluate(self, params: dict, on_repeat=None, fp8_keep: Sequence[str] | None = None) -> dict:
         """Build, check and time one candidate; returns the trial's metrics (``fp8_keep``: see :meth:`build`).
 
         Raises:
@@ -509,6 +517,11 @@ class Tuner:
                                                                graph_passes=True, runtime="eager", policy="pure"))
         return study
 
+    @property
+    def fastest_compiled_runtime(self) -> str | None:
+        """``inductor-cudagraphs`` when searched, else ``inductor``, else None (the H200's fastest first)."""
+        return next((r for r in ("inductor-cudagraphs", "inductor") if r in self.runtimes), None)
+
     def compiled_first(self) -> list[dict]:
         """The candidates measured right after the FP32 baselines: tctune's graph through the fastest compiled
         runtime searched (``inductor-cudagraphs``, else ``inductor``) at each low precision of the search
@@ -521,7 +534,7 @@ class Tuner:
         measured the likely winner. They are measured like any trial (and can lose). Empty for training, for a
         model that did not capture, or when no compiled runtime is searched.
         """
-        fast = next((r for r in ("inductor-cudagraphs", "inductor") if r in self.runtimes), None)
+        fast = self.fastest_compiled_runtime
         if fast is None or not self.captured.ok or self.cfg.mode != "infer":
             return []
         bs = max(self.cfg.batch_sizes)
@@ -746,9 +759,8 @@ class Tuner:
         runs: dict[str, list] = dict((study.user_attrs.get("confirmation") or {}).get("runs") or {})
         for t in top:
             again = None
-            keep = t.user_attrs.get("fp8_keep")  # the graph this trial measured, even if a resumed run plans anew
-            try:
-                again = self.evaluate(dict(t.params), fp8_keep=tuple(keep) if keep is not None else None)["throughput"]
+            try:  # the graph this trial measured (its keep-list), even if a resumed run plans anew
+                again = self.evaluate(dict(t.params), fp8_keep=t.user_attrs.get("fp8_keep"))["throughput"]
             except Exception as exc:  # noqa: BLE001 - the first timing stands
                 log.info("trial %d could not be re-measured: %s", t.number, _first_line(exc))
             runs[str(t.number)] = [*(runs.get(str(t.number)) or [t.user_attrs["throughput"]]), again]

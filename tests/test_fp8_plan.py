@@ -324,7 +324,7 @@ def test_a_trials_recorded_keep_list_is_what_its_re_measure_builds(tmp_path, mon
     real = Tuner.evaluate
 
     def spy(self, p, on_repeat=None, fp8_keep=None):
-        seen.append(fp8_keep)
+        seen.append(None if fp8_keep is None else tuple(fp8_keep))
         return real(self, p, on_repeat, fp8_keep)
 
     monkeypatch.setattr(Tuner, "evaluate", spy)
