@@ -69,7 +69,7 @@ from torch import fx
 from passes._graph import (copy_meta, fake_eval, finish, get_attr_value, keep_outputs_contiguous, node_arg, op_name,
                            round_up)
 from passes.base import PassResult, PassSpec, Skip
-from passes.pad_linear import PADDED_FLAG, _replace_tensor, _weight_users
+from passes.padding import PADDED_FLAG, replace_tensor, weight_users
 from passes.should_pad import should_pad
 
 NAME = "pad_conv_channels"
@@ -134,7 +134,7 @@ def pad_conv_channels(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
             kind = "depthwise" if cin_g == 1 and groups == cout else "grouped"
             result.skipped.append(Skip(node.name, f"{kind} convolution (groups={groups}): channels not padded"))
             continue
-        if len(_weight_users(gm, weight)) > 1:
+        if len(weight_users(gm, weight)) > 1:
             result.skipped.append(Skip(node.name, "shared weight: channels not padded"))
             continue
         cin, x_val = cin_g, x_node.meta.get("val") if isinstance(x_node, fx.Node) else None
@@ -156,7 +156,7 @@ def pad_conv_channels(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
                 cout_new = cout
             else:
                 bias = get_attr_value(gm, bias_node.target)
-                if len(_weight_users(gm, bias)) > 1:
+                if len(weight_users(gm, bias)) > 1:
                     reasons.append("shared bias: Cout not padded")
                     cout_new, bias = cout, None
         if cin_new == cin and cout_new == cout:
@@ -166,9 +166,9 @@ def pad_conv_channels(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
 
         # Rewrite: weight rows (Cout) and columns (Cin), bias, then the graph around the conv.
         new_weight = F.pad(weight.detach(), (0, 0, 0, 0, 0, cin_new - cin, 0, cout_new - cout))
-        _replace_tensor(gm, weight, w_node.target, new_weight)
+        replace_tensor(gm, weight, w_node.target, new_weight)
         if bias is not None:
-            _replace_tensor(gm, bias, bias_node.target, F.pad(bias.detach(), (0, cout_new - cout)))
+            replace_tensor(gm, bias, bias_node.target, F.pad(bias.detach(), (0, cout_new - cout)))
         if cin_new != cin:
             with gm.graph.inserting_before(node):
                 pad = gm.graph.call_function(_PAD, (x_node, [0, 0, 0, 0, 0, cin_new - cin], 0.0))

@@ -24,30 +24,15 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from passes._graph import (
-    alias_targets,
-    copy_meta,
-    fake_eval,
-    fake_from_tensor,
-    finish,
-    get_attr_value,
-    keep_outputs_contiguous,
-    node_arg,
-    round_up,
-    set_attr_tensor,
-)
+from passes._graph import finish, get_attr_value, keep_outputs_contiguous, node_arg, round_up
 from passes.base import PassResult, PassSpec, Skip
+from passes.padding import PADDED_FLAG, pad_input_k, replace_tensor, slice_back, weight_users
 from passes.should_pad import PadDecision, should_pad
 
 NAME = "pad_linear_dims"
 
 _LINEAR = torch.ops.aten.linear.default
 _EMBEDDING = torch.ops.aten.embedding.default
-_PAD = torch.ops.aten.constant_pad_nd.default
-_SLICE = torch.ops.aten.slice.Tensor
-
-#: ``node.meta`` flag set on a linear this pass has padded (its output is sliced back to N).
-PADDED_FLAG = "tctune_padded"
 
 
 def pad_linear_dims(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
@@ -99,13 +84,13 @@ def pad_linear_dims(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         if id(weight) in padded_tables:
             # A tied weight already padded for another linear in this run: slice this output back too.
             n_orig = padded_tables[id(weight)][0]
-            _slice_back(gm, node, n_orig)
+            slice_back(gm, node, n_orig)
             node.meta[PADDED_FLAG] = True
             padded[node.name] = {"N": [n_orig, n_old], "K": [k_old, k_old]}
             result.changed.append(node.name)
             result.count += 1
             continue
-        users = _weight_users(gm, weight)
+        users = weight_users(gm, weight)
         shared = len(users) > 1
         n_dec = should_pad("linear", {"N": n_old}, spec.precision, spec.arch, align)
         k_dec = should_pad("linear", {"K": k_old}, spec.precision, spec.arch, align)
@@ -132,7 +117,7 @@ def pad_linear_dims(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
                 n_new = n_old
             else:
                 bias = get_attr_value(gm, bias_node.target)
-                if len(_weight_users(gm, bias)) > 1:
+                if len(weight_users(gm, bias)) > 1:
                     result.skipped.append(Skip(node.name, "shared bias: N not padded"))
                     n_new, bias = n_old, None
         x_node = node.args[0]
@@ -148,15 +133,15 @@ def pad_linear_dims(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
 
         # Rewrite: new weight (and bias) tensors under the same names, then the graph around the linear.
         new_weight = F.pad(weight.detach(), (0, k_new - k_old, 0, n_new - n_old))
-        new_weight = _replace_tensor(gm, weight, w_node.target, new_weight)
+        new_weight = replace_tensor(gm, weight, w_node.target, new_weight)
         if bias is not None:
             new_bias = F.pad(bias.detach(), (0, n_new - n_old))
-            _replace_tensor(gm, bias, bias_node.target, new_bias)
+            replace_tensor(gm, bias, bias_node.target, new_bias)
         if k_new != k_old:
-            _pad_input_k(gm, node, x_node, k_old, k_new, pad_cache)
+            pad_input_k(gm, node, x_node, k_old, k_new, pad_cache)
         if n_new != n_old:
             padded_tables[id(new_weight)] = (n_old, n_new)
-            _slice_back(gm, node, n_old)
+            slice_back(gm, node, n_old)
         node.meta[PADDED_FLAG] = True
         padded[node.name] = {"N": [n_old, n_new], "K": [k_old, k_new]}
         result.changed.append(node.name)
@@ -191,19 +176,6 @@ def _should_not(decision: PadDecision) -> bool:
     return decision.reason.startswith("can pad but should not")
 
 
-def _weight_users(gm: fx.GraphModule, tensor: torch.Tensor) -> list[tuple[fx.Node, fx.Node]]:
-    """``(user, get_attr node)`` for every use of ``tensor`` through any of its attribute names."""
-    names = set(alias_targets(gm, tensor))
-    uses = []
-    for node in gm.graph.nodes:
-        if node.op != "get_attr":
-            continue
-        if node.target not in names and get_attr_value(gm, node.target) is not tensor:
-            continue
-        uses.extend((user, node) for user in node.users)
-    return uses
-
-
 def _rows_paddable(user: fx.Node, w_node: fx.Node) -> bool:
     """Whether ``user`` still computes the same thing when the weight gains zero rows.
 
@@ -219,61 +191,4 @@ def _rows_paddable(user: fx.Node, w_node: fx.Node) -> bool:
     return False
 
 
-def _pad_input_k(gm: fx.GraphModule, node: fx.Node, x_node: fx.Node, k_old: int, k_new: int, pad_cache: dict) -> None:
-    """Feed ``node`` its activation ``x_node`` zero-padded on the last dim from ``k_old`` to ``k_new``.
-
-    One pad node per ``(x_node, k_new)`` (``pad_cache``), shared by every GEMM reading the same input.
-    """
-    key = (x_node, k_new)
-    if key not in pad_cache:
-        # Before the GEMM, not after x: x may be a placeholder followed by other placeholders.
-        with gm.graph.inserting_before(node):
-            pad = gm.graph.call_function(_PAD, (x_node, [0, k_new - k_old], 0.0))
-        copy_meta(x_node, pad, fake_eval(_PAD, pad.args))
-        pad_cache[key] = pad
-    node.replace_input_with(x_node, pad_cache[key])
-
-
-def _slice_back(gm: fx.GraphModule, node: fx.Node, n_old: int) -> None:
-    """Insert ``aten.slice.Tensor(node, -1, 0, n_old)`` after ``node`` and route all its users through it."""
-    if any(u.target == _SLICE and u.args[1:4] == (-1, 0, n_old) for u in node.users):
-        return
-    old_val = node.meta.get("val")
-    with gm.graph.inserting_after(node):
-        sliced = gm.graph.call_function(_SLICE, (node, -1, 0, n_old))
-    node.replace_all_uses_with(sliced, delete_user_cb=lambda user: user is not sliced)
-    copy_meta(node, sliced, old_val)
-    new_val = fake_eval(node.target, node.args, node.kwargs)
-    if new_val is not None:
-        node.meta["val"] = new_val
-
-
-def _replace_tensor(gm: fx.GraphModule, old: torch.Tensor, target: str, new: torch.Tensor) -> torch.Tensor:
-    """Store ``new`` under every attribute name bound to ``old`` (tied weights stay tied) and refresh the
-    ``meta["val"]`` of the ``get_attr`` nodes that read them. Returns the tensor now stored."""
-    targets = alias_targets(gm, old) or [target]
-    for name in targets:
-        set_attr_tensor(gm, name, new)
-    stored = get_attr_value(gm, targets[0])
-    for name in targets[1:]:  # keep aliases as one object, as they were
-        set_attr_tensor(gm, name, stored)
-        _rebind(gm, name, stored)
-    for node in gm.graph.nodes:
-        if node.op == "get_attr" and node.target in targets:
-            fake = fake_from_tensor(node.meta.get("val"), stored)
-            if fake is not None:
-                node.meta["val"] = fake
-    return stored
-
-
-def _rebind(gm: fx.GraphModule, target: str, value: torch.Tensor) -> None:
-    """Bind the exact object ``value`` (a parameter) under ``target``."""
-    *path, name = target.split(".")
-    owner = gm.get_submodule(".".join(path)) if path else gm
-    if name in owner._parameters:
-        owner._parameters[name] = value
-    elif name in owner._buffers:
-        owner._buffers[name] = value
-
-
-__all__ = ["pad_linear_dims", "PADDED_FLAG"]
+__all__ = ["pad_linear_dims"]

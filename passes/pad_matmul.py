@@ -24,7 +24,7 @@ from torch import fx
 
 from passes._graph import fake_eval, finish, get_attr_value, keep_outputs_contiguous, op_name, round_up
 from passes.base import PassResult, PassSpec, Skip
-from passes.pad_linear import PADDED_FLAG, _pad_input_k, _replace_tensor, _slice_back, _weight_users
+from passes.padding import PADDED_FLAG, pad_input_k, replace_tensor, slice_back, weight_users
 from passes.should_pad import should_pad
 
 NAME = "pad_matmul_dims"
@@ -87,7 +87,7 @@ def pad_matmul_dims(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         weight, w_node = weights[key]
         k_old, n_old = weight.shape[-2:]
         # Every reader of the weight must be one of these GEMMs, reading it as the right operand only.
-        uses = _weight_users(gm, weight)
+        uses = weight_users(gm, weight)
         if any(u not in nodes or _operand_count(u, a) != 1 for u, a in uses):
             result.skipped.extend(Skip(n.name, "shared weight: used by a non-GEMM op, not padded") for n in nodes)
             continue
@@ -116,7 +116,7 @@ def pad_matmul_dims(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
 
         # Rewrite: the weight once (zeros in K rows and N columns), then each reader.
         pad = (0, n_new - n_old, 0, k_new - k_old)
-        _replace_tensor(gm, weight, w_node.target, F.pad(weight.detach(), pad))
+        replace_tensor(gm, weight, w_node.target, F.pad(weight.detach(), pad))
         for n in nodes:
             if n.target == _ADDMM and n_new != n_old:
                 bias_node = n.args[0]
@@ -125,11 +125,11 @@ def pad_matmul_dims(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
                     if bias.shape[-1] == n_old:
                         pad_b = [0, 0] * (bias.dim() - 1)
                         new_bias = F.pad(bias.detach(), (0, n_new - n_old, *pad_b))
-                        _replace_tensor(gm, bias, bias_node.target, new_bias)
+                        replace_tensor(gm, bias, bias_node.target, new_bias)
             if k_new != k_old:
-                _pad_input_k(gm, n, n.args[_RIGHT[n.target] - 1], k_old, k_new, pad_cache)
+                pad_input_k(gm, n, n.args[_RIGHT[n.target] - 1], k_old, k_new, pad_cache)
             if n_new != n_old:
-                _slice_back(gm, n, n_old)
+                slice_back(gm, n, n_old)
             else:
                 new_val = fake_eval(n.target, n.args, n.kwargs)
                 if new_val is not None:
@@ -178,7 +178,7 @@ def _bias_paddable(gm: fx.GraphModule, bias_node, n_old: int) -> bool:
         return False
     if bias.dim() >= 1 and bias.shape[-1] == 1:
         return True
-    return bias.dim() >= 1 and bias.shape[-1] == n_old and len(_weight_users(gm, bias)) == 1
+    return bias.dim() >= 1 and bias.shape[-1] == n_old and len(weight_users(gm, bias)) == 1
 
 
 __all__ = ["pad_matmul_dims"]

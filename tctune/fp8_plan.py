@@ -111,12 +111,12 @@ def role(path: str) -> str:
 def linear_roles(gm: fx.GraphModule) -> dict[str, float]:
     """FLOPs per role of the FP8-eligible linears of ``gm`` (an ATen graph before ``cast_fp8_linears``).
 
-    Eligible by their weight as ``cast_fp8_linears`` sees it (``passes.cast_fp8.weight_ineligible``: a 2-D
+    Eligible by their weight as ``cast_fp8_linears`` sees it (``passes.fp8_numerics.weight_ineligible``: a 2-D
     ``get_attr`` floating weight, K and N multiples of 16). FLOPs are ``2 * rows * K * N`` with the rows of the
     input's ``meta["val"]`` (symbolic sizes count as their hint); only their ratios matter.
     """
     from passes.calibrate import source_module
-    from passes.cast_fp8 import gemm_nk, weight_gemm, weight_ineligible
+    from passes.fp8_numerics import gemm_nk, weight_gemm, weight_ineligible
 
     roles: dict[str, float] = {}
     for node in gm.graph.nodes:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import zoo
-from passes.cast_fp8 import scaled_mm_works
+from passes.fp8_numerics import scaled_mm_works
 from tctune.errors import CandidateRejected, UsageError
 from tctune.fp8_plan import MAX_ALTERNATIVES, choose_fastest, linear_roles, plan_fp8_keep, role
 from tctune.hardware import resolve

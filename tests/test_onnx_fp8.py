@@ -23,7 +23,7 @@ from torch import fx, nn
 
 import zoo
 from passes import PassSpec
-from passes.cast_fp8 import FP8_DTYPE, FP8_MAX, scaled_mm_works
+from passes.fp8_numerics import FP8_DTYPE, FP8_MAX, scaled_mm_works
 from tctune.export.onnx import _ort_session, export_onnx
 from tctune.export.onnx_fp8 import (
     FP8_ONNX_OPSET,

@@ -10,16 +10,8 @@ from torch import nn
 
 import zoo
 from passes import PASSES, PIPELINE, PassSpec, Skip, run_pipeline
-from passes.cast_fp8 import (
-    FP8_DTYPE,
-    FP8_FLAG,
-    FP8_MAX,
-    cast_fp8_linears,
-    fp8_linear_reference,
-    fp8_scale,
-    quantize_fp8,
-    scaled_mm_works,
-)
+from passes.cast_fp8 import FP8_FLAG, cast_fp8_linears
+from passes.fp8_numerics import FP8_DTYPE, FP8_MAX, fp8_linear_reference, fp8_scale, quantize_fp8, scaled_mm_works
 
 FP8 = PassSpec(precision="fp8", alignment={"fp16": 8, "bf16": 8, "tf32": 4, "fp8": 16}, arch="Hopper")
 FP8_TENSOR = PassSpec(precision="fp8", fp8_scaling="tensor")

@@ -6,7 +6,7 @@ from torch import nn
 
 import zoo
 from passes import PassSpec, pad_linear_dims
-from passes.pad_linear import PADDED_FLAG
+from passes.padding import PADDED_FLAG
 
 FP16 = PassSpec(precision="fp16", alignment={"fp16": 8, "bf16": 8, "tf32": 4})
 ALIGN = 8

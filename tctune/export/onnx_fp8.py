@@ -75,8 +75,8 @@ from torch.utils import _pytree as pytree
 
 from passes import run_pipeline
 from passes.base import PassFailure, PassResult, PassSpec
-from passes.cast_fp8 import (AMAX_EPS, FP8_DTYPE, FP8_MAX, NAME as CAST_FP8, OUT_DTYPE, cast_fp8_linears, quantize_fp8,
-                             weight_gemm)
+from passes.cast_fp8 import NAME as CAST_FP8, cast_fp8_linears
+from passes.fp8_numerics import AMAX_EPS, FP8_DTYPE, FP8_MAX, OUT_DTYPE, quantize_fp8, weight_gemm
 from passes.cast_precision import cast_precision
 from tctune.errors import ExportError, PassError
 from tctune.export.onnx import (
@@ -198,7 +198,7 @@ def calibrate_activation_amax(
     graph: fx.GraphModule, weights: Sequence[str], calibration: Sequence[Sequence[torch.Tensor]]
 ) -> dict[str, float]:
     """Max |input| of every weight GEMM (``aten.linear``, or ``aten.addmm`` / ``aten.mm`` with a ``get_attr``
-    weight: ``passes.cast_fp8.weight_gemm``) whose weight is one of ``weights``, over ``calibration``.
+    weight: ``passes.fp8_numerics.weight_gemm``) whose weight is one of ``weights``, over ``calibration``.
 
     Runs ``graph`` with an ``fx.Interpreter`` (no grad) and reads each linear's activation before the
     linear runs.
