@@ -5,9 +5,10 @@ Usage::
     python benchmarks/bench_aoti.py --out DIR            # on a CUDA GPU (BERT-base's package compile is most of it)
     python benchmarks/bench_aoti.py --out DIR --dry-run  # tiny models on the CPU, to check the script
 
-Why: on 2026-11-30 ``torch._inductor.aoti_load_package`` segfaulted on the H200 (torch 2.11) for BERT-base's
-package. Each step below runs in its own child process (``python -X faulthandler``), so a crash is recorded
-with the Python frames faulthandler prints instead of ending the run:
+Why: ``torch._inductor.aoti_load_package`` segfaulted on the H200 (torch 2.11) for BERT-base's package
+(benchmarks/NOTES.md, the AOTI probes in "tctune's graph through Inductor"). Each step below runs in its own
+child process (``python -X faulthandler``), so a crash is recorded with the Python frames faulthandler prints
+instead of ending the run:
 
 1. ``probe_compile`` / ``probe_load``: a 2-layer MLP (fp16, 256 wide) with ``Dim("batch")`` packaged in one child
    and loaded in another (what tctune does): does any CUDA package load on this machine?

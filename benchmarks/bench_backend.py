@@ -7,7 +7,7 @@ last hidden state) and the seeds' SimpleCNN (``recipes/seed_cnn.py``, batch 1024
 - ``compile_fp16``: ``torch.compile(model.half())``, Inductor defaults;
 - ``tctune_fp16``: ``torch.compile(fp32 model, backend=tctune.backend.backend(precision="fp16"))``.
 
-Protocol (DESIGN.md, "Measuring a candidate"): compile time is the first call, timed separately; then
+Protocol (``tctune.measure``'s): compile time is the first call, timed separately; then
 warm-up, then CUDA events around ``--iters`` calls, median of ``--repeats`` (5) repeats, reported as ms per
 batch and items/s. Error: max-abs and relative L2 against FP32 eager on the same inputs.
 

@@ -19,7 +19,7 @@ Candidates, all on the same inputs:
   ``without <pass>`` for each fusion pass, so each pass's "before" is ``without <pass>`` and its "after" is
   ``all passes``.
 
-Protocol (DESIGN.md, "Measuring a candidate"): 3 warm-up calls, then 5 repeats of ``iters`` calls timed with
+Protocol (``tctune.measure``'s): 3 warm-up calls, then 5 repeats of ``iters`` calls timed with
 CUDA events (``time.perf_counter`` on the CPU), ``iters`` chosen so a repeat takes about 0.1 s; the
 reported time is the median repeat, in ms per batch, and sequences/s.
 """

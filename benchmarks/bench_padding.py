@@ -56,7 +56,7 @@ that (rows report ``ratio_vs_native``, ms / the native variant's ms):
   Inductor padded N itself). Conv-chain rows record ``channels_last_out`` (whether Inductor's output is
   channels-last, as the eager chain's is). Same targets as the eager cases.
 
-Protocol (DESIGN.md, "Measuring a candidate"): 3 warm-up calls, then 5 repeats of ``ITERS`` calls each timed
+Protocol (``tctune.measure``'s): 3 warm-up calls, then 5 repeats of ``ITERS`` calls each timed
 with CUDA events (``time.perf_counter`` on the CPU), median of the repeats, in ms per call. TF32 is off.
 Every padded variant's output is compared with the as-is output (max abs difference, reported).
 

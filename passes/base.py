@@ -115,7 +115,8 @@ class PassSpec:
             does. E4M3's 3 mantissa bits cost a relative rounding error of up to 2^-4 per operand: on BERT-base
             (random weights, 12 layers) every linear in FP8 gives 7.1e-2 relative L2 against FP32, keeping the
             residual-writing projections (``*.output.dense``: attention output and FFN down) in bf16 gives 5.0e-2,
-            keeping the FFN (``*.intermediate.dense`` too) 3.7e-2 (benchmarks/NOTES.md, third session).
+            keeping the FFN (``*.intermediate.dense`` too) 3.7e-2 (benchmarks/NOTES.md, the "FP8 through
+            Inductor" entry).
     """
 
     precision: str = "fp32"

@@ -2,7 +2,7 @@
 
 Why: fp16's largest finite value is 65504. A model whose activations exceed it (large weights, un-normalized
 residual streams, some attention logits) produces inf / NaN at fp16 even though each op is "safe" by the
-keep-list. DESIGN.md: the keep-list "that overflow analysis can extend per module". bf16 has fp32's exponent
+keep-list; the nodes found here run in FP32 as well (``PassSpec.fp32_nodes``). bf16 has fp32's exponent
 range (largest finite 3.39e38), so it essentially never overflows.
 
 Use, on the graph *as the precision pass will see it* (after the padding passes, before ``cast_precision``,

@@ -1,8 +1,9 @@
 """Run eligible linears as scaled FP8 GEMMs (``torch._scaled_mm``), everything else in bf16.
 
-Why: on the H200 the FP8 GEMM ceiling is twice fp16's (1314 against 649 TFLOP/s at 8192^3, DESIGN.md), and
-in BERT-large the GEMMs are two thirds of the kernel time; quantizing an activation costs a few hundredths of
-a millisecond. FP8 Tensor Cores exist on sm_89 (Ada) and sm_90 (Hopper) and newer.
+Why: on the H200 the FP8 GEMM ceiling is twice fp16's (1314 against 649 TFLOP/s at 8192^3,
+benchmarks/NOTES.md, reference measurements), and in BERT-large the GEMMs are two thirds of the kernel time;
+quantizing an activation costs a few hundredths of a millisecond. FP8 Tensor Cores exist on sm_89 (Ada) and
+sm_90 (Hopper) and newer.
 
 What, at ``spec.precision == "fp8"`` (any other precision: one ``"<graph>"`` skip, nothing touched):
 

@@ -1,10 +1,11 @@
 """Rewrite a graph to compute in fp16 / bf16, with numerically fragile ops kept in FP32.
 
-Why: precision lives in the graph, not in run-time autocast (DESIGN.md, "Precision lives in the graph").
+Why: precision lives in the graph, not in run-time autocast (weights stored in the low dtype once, casts as
+explicit nodes).
 One explicitly typed graph feeds every consumer: TensorRT 10/11 builds *strongly typed* networks (TRT 11
 removed the FP16 builder flag, so the precision must already be in the ONNX), ONNX Runtime, AOTInductor and
 the ``torch.compile`` backend. Tensor Cores run fp16/bf16 GEMMs at 13x the fp32 rate on the H200 (649-688
-against 51 TFLOP/s, DESIGN.md).
+against 51 TFLOP/s at 8192^3, benchmarks/NOTES.md, reference measurements).
 
 Rules, applied in one pass in graph (topological) order, tracking each value's dtype from the ``meta["val"]``
 of placeholders and ``get_attr`` nodes (``meta`` is not updated by FX, so the pass propagates dtypes itself):
@@ -22,7 +23,7 @@ of placeholders and ``get_attr`` nodes (``meta`` is not updated by FX, so the pa
 * Residual stream in FP32, as ``torch.autocast`` does it. Under autocast ``add(linear_out_bf16,
   residual_fp32)`` promotes to FP32, so the residual stream of a transformer stays FP32 between norms;
   rounding it to bf16 at every layer doubled BERT-base's error on the H200 (relative L2 1.2e-2 against
-  autocast's 5.5e-3, benchmarks/NOTES.md 2026-11-30). So an elementwise ``add`` / ``sub`` whose original
+  autocast's 5.5e-3, benchmarks/NOTES.md, "walking skeleton"). So an elementwise ``add`` / ``sub`` whose original
   output is FP32 runs in FP32 (inputs cast up) when (a) its output feeds a keep-list op (the add before a
   layer_norm / softmax), or (b) one of its floating inputs is an *FP32 anchor*: the FP32 output of a
   keep-list op, of such a residual add, or of a layout/identity op (view, reshape, transpose, dropout,

@@ -4,9 +4,9 @@ Why: a hand-written ``softmax(q @ k^T * scale + mask) @ v`` runs as two batched 
 a mask add and a softmax over the full ``(batch, heads, L, S)`` score tensor, which is written to and read
 back from memory several times. SDPA picks a fused kernel (flash / cuDNN / memory-efficient) that never
 materializes the scores. On the H200, cuDNN flash attention took 2.8 ms of BERT-large's 32.7 ms per batch
-where the decomposed form takes 35 ms (DESIGN.md, "Where the time goes"). Models written without
-``F.scaled_dot_product_attention`` (``attn_implementation="eager"`` in ``transformers``, many research
-codebases) only get there through this rewrite.
+where the decomposed form takes 35 ms under ``torch.compile`` (benchmarks/NOTES.md, reference measurements).
+Models written without ``F.scaled_dot_product_attention`` (``attn_implementation="eager"`` in
+``transformers``, many research codebases) only get there through this rewrite.
 
 Pattern, as ``torch.export`` (non-strict, torch 2.13, no decompositions) records it::
 

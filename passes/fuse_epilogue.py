@@ -2,7 +2,7 @@
 
 Why: after a linear, an activation such as GELU is a separate kernel that reads and writes the whole
 ``(tokens, N)`` output again. On the H200, BERT-large's GELUs took 3.3 ms of 32.7 ms of kernels per batch
-(DESIGN.md, "Where the time goes"): epilogue fusion is one of the fp16 levers. On CUDA,
+(benchmarks/NOTES.md, reference measurements): epilogue fusion is one of the fp16 levers. On CUDA,
 ``aten._addmm_activation(bias, x2d, W.t(), use_gelu=...)`` runs cuBLASLt with a ``BIAS + RELU`` or
 ``BIAS + GELU`` epilogue, applied to the tile while it is still in registers.
 

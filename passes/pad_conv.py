@@ -1,9 +1,10 @@
 """Pad 2-D convolutions' input and output channels to what the Tensor Core kernels want.
 
 Why: cuDNN's fast fp16/bf16 convolution kernels want channel counts that are multiples of the alignment;
-measured on the H200 (DESIGN.md): a 3x3 conv with C=61 takes 0.59 ms against 0.29 ms at C=64, and the 7x7
-stem conv with Cin 3 / 4 / 8 takes 1.12 / 0.97 / 1.78 ms, so Cin 3 pads to 4, not to 8. Which multiple,
-and whether at all, is ``passes.should_pad``'s answer (the measured table); this pass does what is legal.
+measured on the H200 (benchmarks/NOTES.md, reference measurements): a 3x3 conv with C=61 takes 0.59 ms against
+0.29 ms at C=64, and the 7x7 stem conv with Cin 3 / 4 / 8 takes 1.12 / 0.97 / 1.78 ms, so Cin 3 pads to 4, not
+to 8. Which multiple, and whether at all, is ``passes.should_pad``'s answer (the measured table); this pass
+does what is legal.
 
 How, for ``y = conv2d(x, W, b)`` with ``x: (batch, Cin, H, W)``, ``W: (Cout, Cin, kh, kw)``, ``b: (Cout,)``:
 

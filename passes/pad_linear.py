@@ -1,9 +1,10 @@
 """Pad linear layers' N (out-features) and K (in-features) to the Tensor Core alignment.
 
-Why: cuBLAS only uses its fast Tensor Core kernels when the GEMM's N and K are multiples of the alignment
-(8 elements for fp16/bf16, 4 for tf32; NVIDIA "Matrix Multiplication Background User's Guide"). Measured
-on the H200 (DESIGN.md): fp16 GEMM with K=8191 runs at 140 TFLOP/s against 646 at K=8192, and GPT-2's LM head
-with V=50257 takes 13.2 ms against 2.09 ms at V=50264. The rows/batch/tokens dimension M is never padded.
+Why: cuBLAS only uses its fast Tensor Core kernels when the GEMM's N and K are multiples of the alignment (8
+elements for fp16/bf16, 4 for tf32; NVIDIA "Matrix Multiplication Background User's Guide"). Measured on the
+H200 (benchmarks/NOTES.md, reference measurements): fp16 GEMM with K=8191 runs at 140 TFLOP/s against 646 at
+K=8192, and GPT-2's LM head with V=50257 takes 13.2 ms against 2.09 ms at V=50264. The rows/batch/tokens
+dimension M is never padded.
 
 How: zero rows are appended to the weight (and zeros to the bias) for N, and the output is sliced back to N,
 so every caller sees the original shape; zero columns are appended to the weight for K and the input's last

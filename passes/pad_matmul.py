@@ -1,8 +1,9 @@
 """Pad ``aten.mm`` / ``addmm`` / ``bmm`` / ``matmul`` with a weight operand: N and K up to the alignment.
 
-Why: the same cuBLAS alignment rule as for linears (``pad_linear_dims``; fp16 GEMM K=8191 vs 8192: 140 vs
-646 TFLOP/s on the H200, DESIGN.md) applies to GEMMs a model writes as ``x @ W`` / ``torch.mm`` /
-``torch.addmm`` / ``torch.bmm`` with a parameter ``W``; ``torch.export`` keeps those as their own ops.
+Why: the same cuBLAS alignment rule as for linears (``pad_linear_dims``; fp16 GEMM K=8191 vs 8192: 140 vs 646
+TFLOP/s on the H200, benchmarks/NOTES.md, reference measurements) applies to GEMMs a model writes as ``x @ W``
+/ ``torch.mm`` / ``torch.addmm`` / ``torch.bmm`` with a parameter ``W``; ``torch.export`` keeps those as their
+own ops.
 
 How, for ``y = op(x, W)`` with ``x: (..., M, K)``, ``W: (..., K, N)`` a ``get_attr`` tensor (the right
 operand), ``y: (..., M, N)``: ``W`` is stored zero-padded to ``(..., K', N')`` under the same attribute

@@ -1,12 +1,12 @@
 """Whether padding a GEMM / convolution dimension *pays*, kept apart from whether it is *legal*.
 
-Why: the padding passes (``pad_linear_dims``, ``pad_conv_channels``) answer *can* a dimension be padded
-(the result is provably the same); this module answers *should* it, from measurements, as Inductor's
+Why: the padding passes (``pad_linear_dims``, ``pad_conv_channels``) answer *can* a dimension be padded (the
+result is provably the same); this module answers *should* it, from measurements, as Inductor's
 ``fx_passes/pad_mm.py`` separates its can-pad checks from its benchmark-gated should-pad decision. Here the
 decision comes from a per-architecture table of measured facts rather than from benchmarking at compile time
-(the passes run on the CPU): ``benchmarks/should_pad_h200.json``, whose numbers are the H200 facts in
-DESIGN.md and which ``benchmarks/bench_padding.py`` re-measures. The rules are data; this file only reads
-them.
+(the passes run on the CPU): ``benchmarks/should_pad_h200.json``, whose numbers are the H200 reference
+measurements in ``benchmarks/NOTES.md`` and which ``benchmarks/bench_padding.py`` re-measures. The rules are
+data; this file only reads them.
 
 Rules, in order, for one dimension ``d`` of op ``op`` at dtype ``dtype`` on architecture ``arch``, with the
 Tensor Core alignment ``align`` (elements) of the pass spec:
@@ -39,7 +39,7 @@ import json
 from pathlib import Path
 from typing import Mapping, NamedTuple
 
-#: The H200 table shipped with the repository (DESIGN.md's measured facts).
+#: The H200 table shipped with the repository (the reference measurements in ``benchmarks/NOTES.md``).
 DEFAULT_TABLE_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "should_pad_h200.json"
 
 _GEMM_OPS = frozenset({"linear", "mm", "addmm", "bmm", "matmul", "baddbmm"})

@@ -5,7 +5,7 @@ Why: under ``torch.export`` ``transformers`` materializes the "no padding" atten
 ``attn_mask=None`` as it does eagerly: BERT's graph builds ``ge(unsqueeze(arange(S) + 0), 0)`` and expands it
 to ``(batch, 1, S, S)``, an all-True bool mask handed to ``aten.scaled_dot_product_attention``. Any mask rules
 out the flash kernel; on the H200 this made the captured BERT-base 2x slower than eager at every precision
-(benchmarks/NOTES.md, 2026-11-30). Eager-attention models add an all-zero float mask
+(benchmarks/NOTES.md, the "walking skeleton" entry). Eager-attention models add an all-zero float mask
 (``where(mask, 0.0, finfo.min)``) the same way; once ``fuse_attention`` has made it an SDPA mask, this pass
 drops it too.
 

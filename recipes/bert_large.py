@@ -4,8 +4,9 @@ Sizes of bert-large-uncased: 24 layers, hidden 1024, 16 heads, intermediate 4096
 Input: ``input_ids`` (batch, 384) int64 in [0, 30522). Output: the last hidden state (batch, 384, 1024) float32.
 Needs the ``transformers`` package (``pip install 'tctune[recipes]'``).
 
-DESIGN.md (H200, fp16, batch 64): eager 1,797 seq/s, fp16 ``torch.compile`` 955 seq/s (HF's SDPA call is
-decomposed under compile). The suite (``benchmarks/suite.py``) measures it at batch 64.
+On the H200 (fp16, batch 64; benchmarks/NOTES.md, reference measurements): eager 1,797 seq/s, fp16
+``torch.compile`` 955 seq/s (HF's SDPA call is decomposed under compile). The suite (``benchmarks/suite.py``)
+measures it at batch 64.
 """
 import torch
 

@@ -1,8 +1,8 @@
 """GPT-2 small language model (transformers ``GPT2LMHeadModel``) from ``GPT2Config()``, random weights: no download.
 
 Default sizes: 12 layers, hidden 768, 12 heads, context 1024, vocabulary V = 50257 (not a multiple of 8: the
-LM head's N is misaligned for fp16/bf16 Tensor Cores; DESIGN.md measured 13.2 ms vs 2.09 ms for the bf16 LM
-head at V = 50257 vs 50264 on the H200, the case ``pad_linear_dims`` exists for).
+LM head's N is misaligned for fp16/bf16 Tensor Cores; 13.2 ms vs 2.09 ms for the bf16 LM head at V = 50257
+vs 50264 on the H200, benchmarks/NOTES.md, reference measurements: the case ``pad_linear_dims`` exists for).
 Input: ``input_ids`` (batch, 512) int64 in [0, 50257). Output: the logits (batch, 512, 50257) float32
 (no KV cache is built or returned). Needs the ``transformers`` package (``pip install 'tctune[recipes]'``).
 """

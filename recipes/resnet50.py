@@ -3,7 +3,8 @@
 Input: (batch, 3, 224, 224) float32 images. Output: (batch, 1000) logits. Trainable: ``example_targets`` and
 ``loss_fn`` (cross-entropy over 1000 classes) are defined for ``--mode train``.
 Needs the ``torchvision`` package; without it ``build_model()`` fails with the model-file error naming it.
-The 7×7 stem convolution has Cin = 3 (``pad_conv_channels`` pads it to 4 for fp16/bf16 NHWC; DESIGN.md).
+The 7×7 stem convolution has Cin = 3 (``pad_conv_channels`` pads it to 4 for fp16/bf16 NHWC; measured
+in benchmarks/NOTES.md, reference measurements).
 """
 import torch
 

@@ -1,8 +1,8 @@
 """The SimpleCNN of the seed article (seeds/000): conv 3→32 3×3 pad 1, ReLU, max-pool 2, linear 8192→10.
 
 Input: (batch, 3, 32, 32) float32 images. Output: (batch, 10) logits.
-On the H200 this model trains *slower* with AMP than in FP32 (DESIGN.md: 504k vs 742k samples/s at batch
-1024), so the tuner must be able to answer "keep FP32".
+On the H200 this model trains *slower* with AMP than in FP32 (504k vs 742k samples/s at batch 1024;
+benchmarks/NOTES.md, reference measurements), so the tuner must be able to answer "keep FP32".
 """
 import torch
 import torch.nn as nn

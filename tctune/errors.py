@@ -11,7 +11,7 @@ class TctuneError(Exception):
 
 
 class ModelFileError(TctuneError):
-    """The model file is missing, unreadable, or breaks the model-file contract (see DESIGN.md)."""
+    """The model file is missing, unreadable, or breaks the model-file contract (``tctune.modelfile``)."""
 
 
 class CaptureError(TctuneError):

@@ -2,8 +2,8 @@
 
 E4M3 keeps 3 mantissa bits, so every FP8 GEMM adds a relative rounding error of up to 2^-4 per operand, and
 in a deep network the errors add up: on the H200, BERT-base (12 layers) with every linear in FP8 is 7.0e-2
-from FP32 and BERT-large (24 layers) 1.25e-1, over the 5e-2 FP8 limit (benchmarks/RESULTS.md, third
-session). Which linears stay bf16 decides both the error and the speed (keeping BERT's ``*.output.dense`` was
+from FP32 and BERT-large (24 layers) 1.25e-1, over the 5e-2 FP8 limit (benchmarks/RESULTS.md, "FP8 through
+Inductor"). Which linears stay bf16 decides both the error and the speed (keeping BERT's ``*.output.dense`` was
 more accurate *and* faster than all-FP8). So, like TensorRT Model Optimizer's per-layer exclusion, tctune
 keeps some linears in bf16 — but it picks them by measurement rather than by a hand-written list:
 
@@ -239,7 +239,8 @@ def choose_fastest(plan: FP8Plan, throughput_of: Callable[[tuple[str, ...]], flo
     On the H200 (BERT-base, batch 64, Inductor + CUDA graph), two keep-lists with the same 33 % of the FLOPs in
     FP8 ran 20,088 seq/s (FP8 on the fused QKV and attention-output projections, whose input quantization fuses
     into the LayerNorm before them) and 17,064 seq/s (FP8 on the FFN-down projection: N = 768 and a 3072-wide
-    activation to quantize after the GELU), the bf16 graph 19,816 (benchmarks/RESULTS.md, fourth session).
+    activation to quantize after the GELU), the bf16 graph 19,816 (benchmarks/NOTES.md, "what `tctune optimize`
+    itself chooses").
 
     Args:
         plan: a usable plan with ``alternatives``.

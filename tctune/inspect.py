@@ -22,10 +22,11 @@ Eligibility rules (:func:`tensor_core_verdict`), in the order they are checked:
    K, and a convolution's Cin and Cout, should be multiples of 16 bytes of the dtype (8 fp16/bf16, 4 tf32,
    16 fp8; ``HardwareSpec.alignment``). Since cuBLAS 11 / cuDNN 8 Tensor Cores *can* run unaligned shapes,
    but at much lower efficiency: measured on the H200, an fp16 GEMM with K=8191 runs at 140 against
-   646 TFLOP/s at K=8192 (DESIGN.md). So an unaligned op is reported as "not efficiently on Tensor Cores".
-   M (rows: batch x tokens) is not checked: cuBLAS tiles any M. One exception, measured on the H200
-   (DESIGN.md): a 2-byte convolution with Cin=4 takes cuDNN's small-channel first-layer kernels and beats
-   Cin=8 (0.97 vs 1.78 ms for a 7x7 conv), so Cin=4 counts as aligned for fp16/bf16.
+   646 TFLOP/s at K=8192 (benchmarks/NOTES.md, reference measurements). So an unaligned op is reported as
+   "not efficiently on Tensor Cores". M (rows: batch x tokens) is not checked: cuBLAS tiles any M. One
+   exception, measured on the H200 (benchmarks/NOTES.md, reference measurements): a 2-byte convolution with
+   Cin=4 takes cuDNN's small-channel first-layer kernels and beats Cin=8 (0.97 vs 1.78 ms for a 7x7 conv), so
+   Cin=4 counts as aligned for fp16/bf16.
    For attention the head dims (E of Q/K, Ev of V) are checked: they are K of Q·Kᵀ and N of P·V; the
    sequence lengths are tiled by the fused kernels like M.
 6. Tiny: M·N·K below :data:`TINY_MNK` (2^15 multiply-adds, a tctune heuristic: at 650 TFLOP/s that is
@@ -440,7 +441,7 @@ def tensor_core_verdict(hw, info: OpInfo) -> tuple[bool, str]:
             return False, "depthwise conv: memory-bound, no Tensor Core GEMM"
         c_in, c_out = cin // groups, cout // groups
         pre = "grouped conv: " if groups > 1 else ""
-        small_channel_ok = groups == 1 and c_in == 4 and p in ("fp16", "bf16")  # cuDNN C=4 kernels, DESIGN.md
+        small_channel_ok = groups == 1 and c_in == 4 and p in ("fp16", "bf16")  # cuDNN C=4 kernels, NOTES.md
         if not small_channel_ok:
             problems.append(_needs(c_in, align, "Cin/groups" if groups > 1 else "Cin"))
         problems.append(_needs(c_out, align, "Cout/groups" if groups > 1 else "Cout"))

@@ -1,6 +1,6 @@
 """Time a candidate and compare its output with the FP32 reference.
 
-Protocol (DESIGN.md, "Measuring a candidate"): warm-up, then several repeats of many iterations each,
+Protocol: warm-up, then several repeats of many iterations each,
 timed with CUDA events on a GPU and ``time.perf_counter`` on the CPU; the reported time is the median
 repeat. Peak memory comes from ``torch.cuda.max_memory_allocated`` (GPU only). An out-of-memory error is
 caught, memory released, and a :class:`~tctune.errors.CandidateRejected` raised so the study goes on.

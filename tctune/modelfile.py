@@ -2,7 +2,7 @@
 
 The file is *executed*, as ``python model.py`` would execute it: only run model files you trust.
 
-Contract (DESIGN.md, "The model file"):
+Contract:
 
 - ``build_model() -> torch.nn.Module`` (required)
 - ``example_inputs(batch_size: int) -> tuple[torch.Tensor, ...]`` (required; batch on dim 0 of every tensor;

@@ -8,11 +8,12 @@ These are the execution-backend choices of the search (``--runtimes``). They wra
   into the graph's static buffers on every call (that copy is part of the measured time). Removes CPU
   launch overhead, which dominates small batches.
 - ``inductor``: ``torch.compile`` (mode ``default`` or ``max-autotune-no-cudagraphs``); the compile time is
-  measured on its own and bounded by ``--compile-budget``. DESIGN.md records fp16 ``torch.compile`` of
-  BERT-large at 955 seq/s against 1,797 for fp16 eager on the H200: never assume compiling wins.
+  measured on its own and bounded by ``--compile-budget``. fp16 ``torch.compile`` of BERT-large ran
+  955 seq/s against 1,797 for fp16 eager on the H200 (benchmarks/NOTES.md, reference measurements): never
+  assume compiling wins.
 - ``inductor-cudagraphs``: the Inductor-compiled callable (mode ``default``) captured as one CUDA graph and
   replayed like ``cudagraphs``: inference only. On the H200 this was the fastest way to run tctune's graph on
-  all five suite models (benchmarks/RESULTS.md, 2026-11-30 second session), e.g. seed CNN 0.134 ms vs
+  all five suite models (benchmarks/NOTES.md, the entry "tctune's graph through Inductor"), e.g. seed CNN 0.134 ms vs
   0.187 ms Inductor alone, BERT-base 3.31 vs 3.50 ms.
 """
 from __future__ import annotations

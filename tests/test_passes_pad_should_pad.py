@@ -13,10 +13,10 @@ from passes import PassSpec, pad_linear_dims
 from passes.should_pad import DEFAULT_TABLE_PATH, arch_entry, load_table, measurement, should_pad
 
 ALIGNMENT = {"fp16": 8, "bf16": 8, "tf32": 4}
-SOURCE = "DESIGN.md, measured 2026-11-30 on H200, torch 2.11"
+SOURCE = "benchmarks/NOTES.md, reference measurements: H200, torch 2.11, 2026-11-30"
 
 
-def test_should_pad_table_holds_design_facts():
+def test_should_pad_table_holds_reference_measurements():
     hopper, measured = arch_entry("Hopper")
 
     assert measured

@@ -11,7 +11,7 @@ on the module's device (Triton kernels on a GPU; C++ compiled by the host compil
 CPU), loaded back, and compared with the module itself at two batch sizes.
 
 Cost on the CPU machines: the seeds' SimpleCNN takes about 35 s to compile (2 shared cores, torch 2.13,
-gcc 12; measured 2026-12); most of it is the C++ compile of the generated wrapper.
+gcc 12); most of it is the C++ compile of the generated wrapper.
 """
 from __future__ import annotations
 
