@@ -85,13 +85,15 @@ _SLICE = torch.ops.aten.slice.Tensor
 TF32_REASON = "TF32 convs: no channel rule measured"
 
 
-def pad_conv_channels(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
+def pad_conv_channels(gm: fx.GraphModule, spec: PassSpec, *, keep_padded: bool = True) -> PassResult:
     """Pad every eligible ``aten.conv2d``'s Cin and Cout per ``passes.should_pad``, in place.
 
     Args:
         gm: an ATen-level graph module from ``torch.export`` (mutated in place).
         spec: target facts: ``spec.precision`` (only fp16 / bf16 pad), ``spec.align()`` (elements),
             ``spec.arch`` (picks the measured rules, e.g. the Hopper fp16 stem rule Cin 3 -> 4).
+        keep_padded: keep channels padded between consecutive convs (module docstring; the pipeline's
+            default). False pads each conv on its own: a pad before it, a slice after it.
 
     Returns:
         A ``PassResult`` named ``"pad_conv_channels"``: ``count`` convolutions rewritten,
@@ -195,7 +197,7 @@ def pad_conv_channels(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         result.notes["should_pad"] = decisions
     if result.count:
         result.notes["padded"] = padded
-        kept, moved = _keep_channels_padded(gm)
+        kept, moved = _keep_channels_padded(gm) if keep_padded else (0, [])
         result.notes["kept_padded"] = kept
         result.notes["kept_padded_ops"] = moved
         keep_outputs_contiguous(gm)

@@ -9,14 +9,11 @@ import torch
 from torch import nn
 
 import zoo
-from passes.fp8_numerics import scaled_mm_works
 from tctune.errors import CandidateRejected, UsageError
 from tctune.fp8_plan import MAX_ALTERNATIVES, choose_fastest, linear_roles, plan_fp8_keep, role
 from tctune.hardware import resolve
 from tctune.modelfile import load_model_file
 from tctune.search import TuneConfig, Tuner
-
-CPU_ROW = pytest.mark.skipif(not scaled_mm_works("cpu", "row"), reason="torch._scaled_mm row-wise not on this CPU")
 
 
 def test_role_replaces_layer_indices_only():
@@ -249,7 +246,7 @@ def _tuner(tmp_path, **kw) -> Tuner:
     return Tuner(cfg, load_model_file(f), resolve("h200"), device=torch.device("cpu"))
 
 
-@CPU_ROW
+@zoo.SCALED_MM_ROW
 def test_tuner_plans_once_per_policy_and_builds_the_planned_graph(tmp_path):
     tuner = _tuner(tmp_path, max_error_fp8=0.05)
     loose = tuner.fp8_keep("pure", 4)
@@ -269,10 +266,10 @@ def test_tuner_plans_once_per_policy_and_builds_the_planned_graph(tmp_path):
     inputs, ref = tuner.reference(4)
     with torch.inference_mode():
         out = cand.module(*inputs)
-    assert ((out.float() - ref).norm() / ref.norm()).item() <= all_fp8 * 0.8
+    assert zoo.rel_l2(out.float(), ref) <= all_fp8 * 0.8
 
 
-@CPU_ROW
+@zoo.SCALED_MM_ROW
 def test_tuner_times_the_plans_alternatives_and_builds_the_fastest(tmp_path, monkeypatch):
     tuner = _tuner(tmp_path, max_error_fp8=1.0)
     # every list is under this aim; make two alternatives by hand from the planned roles and time them for real
@@ -299,7 +296,7 @@ def test_tuner_times_the_plans_alternatives_and_builds_the_fastest(tmp_path, mon
     assert keep == fastest and tuner.fp8_plans["pure"].speeds == [v for _, v in seen]
 
 
-@CPU_ROW
+@zoo.SCALED_MM_ROW
 def test_fp8_trial_records_its_keep_list_for_the_export(tmp_path):
     tuner = _tuner(tmp_path, fp8_keep=("blocks.*.down",))
     params = {"batch_size": 4, "precision": "fp8", "graph_passes": True, "runtime": "eager", "policy": "pure"}
@@ -308,7 +305,7 @@ def test_fp8_trial_records_its_keep_list_for_the_export(tmp_path):
     assert "fp8_keep" not in tuner.evaluate({**params, "precision": "bf16"})
 
 
-@CPU_ROW
+@zoo.SCALED_MM_ROW
 def test_a_trials_recorded_keep_list_is_what_its_re_measure_builds(tmp_path, monkeypatch):
     """Tuner.confirm rebuilds an FP8 trial with the keep-list it recorded, not a fresh plan (a resumed run)."""
     import optuna
@@ -332,7 +329,7 @@ def test_a_trials_recorded_keep_list_is_what_its_re_measure_builds(tmp_path, mon
     assert seen == [("blocks.*.down",), ("blocks.*.up",)] and all(v[1] for v in conf["runs"].values())
 
 
-@CPU_ROW
+@zoo.SCALED_MM_ROW
 def test_tuner_rejects_fp8_with_the_plans_reason_when_nothing_fits(tmp_path):
     tuner = _tuner(tmp_path, max_error_fp8=1e-9)
     with pytest.raises(CandidateRejected, match="FP8 cannot meet --max-error-fp8"):

@@ -16,8 +16,6 @@ from hypothesis import strategies as st
 import zoo
 from passes import PassSpec, run_pipeline
 
-ALIGN = {"fp16": 8, "bf16": 8, "tf32": 4}
-
 
 class Attention(nn.Module):
     """Hand-written multi-head attention (with an optional additive mask and a non-default scale)."""
@@ -100,7 +98,7 @@ def _check(model, make_inputs, precision, align):
     model.eval()
     _randomize(model)
     gm = zoo.capture(model, make_inputs(3))
-    spec = PassSpec(precision=precision, alignment=ALIGN if align else {}, arch="Hopper" if align else "cpu")
+    spec = PassSpec(precision=precision, alignment=zoo.ALIGNMENT if align else {}, arch="Hopper" if align else "cpu")
     results = run_pipeline(gm, spec)
     for r in results:
         assert all(s.reason for s in r.skipped), r.name

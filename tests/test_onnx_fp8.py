@@ -38,8 +38,6 @@ TENSOR = PassSpec(precision="fp8", fp8_scaling="tensor")
 #: No padding passes: the 64 -> 10 head must stay a bf16 linear (pad_linear_dims would pad N to 16).
 NO_PADDING: tuple[str, ...] = ()
 FP8_TOL = 5e-2  # relative L2, ONNX FP8 vs PyTorch FP8 graph (tctune's --max-error-fp8)
-ROW_MM = pytest.mark.skipif(not scaled_mm_works("cpu", "row"),
-                            reason="torch._scaled_mm with row-wise scales does not run on this CPU torch")
 F8 = TensorProto.FLOAT8E4M3FN
 BF16 = TensorProto.BFLOAT16
 _LINEAR = torch.ops.aten.linear.default
@@ -200,7 +198,7 @@ def test_fp8_onnx_result_reports_scales_and_note(fp8_export):
 # ------------------------------------------------------------------------------------------- numerics
 
 
-@ROW_MM
+@zoo.SCALED_MM_ROW
 def test_fp8_onnx_matches_pytorch_fp8_graph(fp8_export):
     _, _, info = fp8_export
     fp8 = info["onnx_fp8"]
@@ -237,11 +235,6 @@ class _FakeQuant(fx.Interpreter):
             wq = (w / sw).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * sw
             return F.linear(xq, wq, b)
         return super().run_node(n)
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.fixture(scope="module")
@@ -282,11 +275,11 @@ def test_qdq_rewrite_matches_fake_quant_reference(fp8_export, fp32_qdq, batch):
     with torch.no_grad():
         want = _FakeQuant(graphs.fp32, scales).run(x)
         fp32 = graphs.fp32(x)
-    assert _rel(logits, want["logits"]) < 1e-4 and _rel(features, want["features"]) < 1e-4
-    assert 1e-3 < _rel(logits, fp32["logits"]) < FP8_TOL  # it is quantized, and close
+    assert zoo.rel_l2(logits, want["logits"]) < 1e-4 and zoo.rel_l2(features, want["features"]) < 1e-4
+    assert 1e-3 < zoo.rel_l2(logits, fp32["logits"]) < FP8_TOL  # it is quantized, and close
 
 
-@ROW_MM
+@zoo.SCALED_MM_ROW
 @pytest.mark.parametrize("batch", [1, 6])
 def test_qdq_rewrite_close_to_pytorch_fp8_graph(fp8_export, fp32_qdq, batch):
     graphs, _, _ = fp8_export
@@ -296,8 +289,8 @@ def test_qdq_rewrite_close_to_pytorch_fp8_graph(fp8_export, fp32_qdq, batch):
     with torch.no_grad():
         ref, fp32 = graphs.fp8(x), graphs.fp32(x)
     for key in got:
-        own = _rel(ref[key].float(), fp32[key])  # the PyTorch FP8 graph's own error
-        assert own <= FP8_TOL and _rel(got[key], ref[key].float()) <= FP8_TOL
+        own = zoo.rel_l2(ref[key].float(), fp32[key])  # the PyTorch FP8 graph's own error
+        assert own <= FP8_TOL and zoo.rel_l2(got[key], ref[key].float()) <= FP8_TOL
 
 
 def test_out_of_range_inputs_saturate_not_nan(fp8_export, fp32_qdq):
@@ -309,7 +302,7 @@ def test_out_of_range_inputs_saturate_not_nan(fp8_export, fp32_qdq):
     assert np.isfinite(logits).all() and np.isfinite(features).all()
     with torch.no_grad():
         want = _FakeQuant(graphs.fp32, scales).run(x)  # clamps to +-448 before the float8 cast
-    assert _rel(logits, want["logits"]) < 1e-4
+    assert zoo.rel_l2(logits, want["logits"]) < 1e-4
 
 
 def test_float8_qdq_needs_basic_ort_optimizations(fp32_qdq, fp8_export):
@@ -321,7 +314,7 @@ def test_float8_qdq_needs_basic_ort_optimizations(fp32_qdq, fp8_export):
     x = torch.randn(4, 8, 64)
     with torch.no_grad():
         want = _FakeQuant(graphs.fp32, scales).run(x)["logits"]
-    assert _rel(session.run(None, {"x": x.numpy()})[0], want) < 1e-4  # basic optimizations: right
+    assert zoo.rel_l2(session.run(None, {"x": x.numpy()})[0], want) < 1e-4  # basic optimizations: right
     import onnxruntime as ort
 
     try:
@@ -329,7 +322,7 @@ def test_float8_qdq_needs_basic_ort_optimizations(fp32_qdq, fp8_export):
     except Exception as exc:  # noqa: BLE001 - onnxruntime 1.30: InvalidGraph (MatMulIntegerToFloat, float8)
         assert "float8" in str(exc)
         return
-    error = _rel(full.run(None, {"x": x.numpy()})[0], want)
+    error = zoo.rel_l2(full.run(None, {"x": x.numpy()})[0], want)
     if error < 1e-3:
         pytest.skip("this onnxruntime runs float8 Q/DQ right at full optimization; basic level not needed")
     assert error > FP8_TOL  # the known defect: wrong by far more than FP8 noise
@@ -374,7 +367,7 @@ def test_insert_handles_transpose_and_keeps_other_readers():
     sw = (w.abs().amax(1, keepdim=True) / FP8_MAX).bfloat16().float()
     xq = (x / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * sx
     wq = (w / sw).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * sw
-    assert _rel(y, xq @ wq.t()) < 1e-5 and np.array_equal(e, w[ids].numpy())
+    assert zoo.rel_l2(y, xq @ wq.t()) < 1e-5 and np.array_equal(e, w[ids].numpy())
 
 
 # ------------------------------------------------------------------------------------------ variants

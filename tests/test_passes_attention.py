@@ -12,7 +12,6 @@ from passes import PassSpec, fuse_attention, run_pipeline, simplify_attention_ma
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 SPEC = PassSpec()
-ALIGNMENT = {"fp16": 8, "bf16": 8, "tf32": 4}
 
 
 def _sdpa(gm):
@@ -285,7 +284,7 @@ def test_fuse_attention_skips_bool_mask_add():
 def test_run_pipeline_small_bert_low_precision(name, precision):
     model, gm, entry = zoo.build(name, batch=3)
     keys = list(gm.state_dict())
-    spec = PassSpec(precision=precision, alignment=ALIGNMENT, arch="Hopper")
+    spec = PassSpec(precision=precision, alignment=zoo.ALIGNMENT, arch="Hopper")
 
     results = {r.name: r for r in run_pipeline(gm, spec)}
 
@@ -296,5 +295,5 @@ def test_run_pipeline_small_bert_low_precision(name, precision):
         inputs = entry.example_inputs(5)
         ref, got = zoo.flat_outputs(model(*inputs))[0], zoo.flat_outputs(gm(*inputs))[0]
     assert got.shape == ref.shape and got.dtype == ref.dtype
-    err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+    err = zoo.rel_l2(got, ref)
     assert err <= 3e-2, f"{precision}: relative L2 error {err:.2e}"

@@ -13,17 +13,12 @@ from passes import PASSES, PIPELINE, PassSpec, Skip, run_pipeline
 from passes.cast_fp8 import FP8_FLAG, cast_fp8_linears
 from passes.fp8_numerics import FP8_DTYPE, FP8_MAX, fp8_linear_reference, fp8_scale, quantize_fp8, scaled_mm_works
 
-FP8 = PassSpec(precision="fp8", alignment={"fp16": 8, "bf16": 8, "tf32": 4, "fp8": 16}, arch="Hopper")
+FP8 = PassSpec(precision="fp8", alignment={**zoo.ALIGNMENT, "fp8": 16}, arch="Hopper")
 FP8_TENSOR = PassSpec(precision="fp8", fp8_scaling="tensor")
 #: Signal-to-noise floor against FP32 eager: 25 dB, i.e. relative L2 error <= 10 ** (-25 / 20) = 5.6e-2.
 SQNR_DB = 25.0
 _LINEAR = torch.ops.aten.linear.default
 _SCALED_MM = torch.ops.aten._scaled_mm.default
-
-CPU_ROW = pytest.mark.skipif(not scaled_mm_works("cpu", "row"), reason="torch._scaled_mm row-wise not on this CPU")
-CPU_TENSOR = pytest.mark.skipif(
-    not scaled_mm_works("cpu", "tensor"), reason="torch._scaled_mm tensor-wise not on this CPU"
-)
 
 
 class FP8MLP(nn.Module):
@@ -94,16 +89,8 @@ def _build(cls, *shape, seed=0, device="cpu"):
     return model, gm
 
 
-def _targets(gm):
-    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
-
-
-def _rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-12)).item()
-
-
 def _sqnr_db(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return -20 * math.log10(max(_rel_l2(got, ref), 1e-30))
+    return -20 * math.log10(max(zoo.rel_l2(got, ref), 1e-30))
 
 
 # --------------------------------------------------------------------------------------- quantization math
@@ -131,7 +118,7 @@ def test_quantize_dynamic_scale_maps_amax_to_448_and_zero_rows_are_fine():
     assert q.float().abs().amax(dim=1)[1:].tolist() == [FP8_MAX, FP8_MAX]
     back = q.float() * scale
     assert torch.isfinite(back).all()
-    assert _rel_l2(back[1:], t[1:]) < 4e-2  # 3 mantissa bits: <= 2^-4 relative per element
+    assert zoo.rel_l2(back[1:], t[1:]) < 4e-2  # 3 mantissa bits: <= 2^-4 relative per element
     s = fp8_scale(t, "tensor")
     assert s.dim() == 0 and s.item() == pytest.approx(7.0 / FP8_MAX)
     assert fp8_scale(torch.zeros(4, 4), "tensor").item() > 0
@@ -180,7 +167,7 @@ def test_rewrite_fires_on_eligible_linears():
     assert result.name == "cast_fp8_linears"
     assert result.count == 3 and result.changed == ["linear", "linear_1", "linear_2"]
     assert result.skipped == []
-    assert _LINEAR not in _targets(gm)
+    assert _LINEAR not in zoo.call_targets(gm)
     mms = [n for n in gm.graph.nodes if n.target == _SCALED_MM]
     assert len(mms) == 3 and all(n.meta.get(FP8_FLAG) for n in mms)
     assert all(n.kwargs["out_dtype"] == torch.bfloat16 for n in mms)
@@ -200,12 +187,12 @@ def test_rewrite_fires_on_addmm_and_mm_with_a_kn_weight():
     codes are stored (N, K) like a linear's, and an activation @ activation mm is neither rewritten nor listed."""
     model, gm = _build(KNBlock, 2, 5, 64)
     addmm, mm = torch.ops.aten.addmm.default, torch.ops.aten.mm.default
-    assert _targets(gm).count(addmm) == 2 and _targets(gm).count(mm) == 2
+    assert zoo.call_targets(gm).count(addmm) == 2 and zoo.call_targets(gm).count(mm) == 2
 
     result = cast_fp8_linears(gm, FP8)
 
     assert result.count == 3 and result.skipped == []
-    assert addmm not in _targets(gm) and _targets(gm).count(mm) == 1  # the activation product stays
+    assert addmm not in zoo.call_targets(gm) and zoo.call_targets(gm).count(mm) == 1  # the activation product stays
     assert sorted(result.notes["fp8_weights_kn"]) == ["down.weight", "sq.weight", "up.weight"]
     assert gm.up.weight_fp8.shape == (128, 64) and gm.up.weight_fp8_scale.shape == (1, 128)
     assert gm.sq.weight_fp8.shape == (64, 64)
@@ -238,7 +225,7 @@ def test_addmm_with_a_2d_bias_or_beta_stays_bf16_with_reason():
                        "addmm with beta or alpha other than 1"]
 
 
-@CPU_ROW
+@zoo.SCALED_MM_ROW
 def test_kn_weight_parity_with_fp32_eager_and_reference_on_cpu():
     torch.manual_seed(0)
     model = KNBlock().eval()
@@ -280,7 +267,7 @@ def test_ineligible_linear_skipped_with_reason():
 
     assert result.count == 1 and result.changed == ["linear_1"]
     assert result.skipped == [Skip("linear", "K=61 not a multiple of 16 (FP8 GEMMs need 16)")]
-    assert _targets(gm).count(_LINEAR) == 1 and _targets(gm).count(_SCALED_MM) == 1
+    assert zoo.call_targets(gm).count(_LINEAR) == 1 and zoo.call_targets(gm).count(_SCALED_MM) == 1
     (mm,) = [n for n in gm.graph.nodes if n.target == _SCALED_MM]
     assert mm.kwargs["bias"] is None
 
@@ -301,7 +288,7 @@ def test_3d_input_views_back_with_the_runtime_batch_even_if_metadata_says_static
     if scaled_mm_works("cpu", "row"):
         x7 = torch.randn(7, 5, 64)  # a batch the metadata never saw
         with torch.no_grad():
-            assert gm(x7).shape == (7, 5, 32) and _rel_l2(gm(x7), model(x7)) < 5e-2
+            assert gm(x7).shape == (7, 5, 32) and zoo.rel_l2(gm(x7), model(x7)) < 5e-2
 
 
 def test_keep_list_leaves_matching_linears_in_bf16_with_reason():
@@ -312,14 +299,14 @@ def test_keep_list_leaves_matching_linears_in_bf16_with_reason():
 
     assert result.count == 2 and result.changed == ["linear", "linear_2"]
     assert result.skipped == [Skip("linear_1", "FP8 keep-list: module fc2 matches 'fc2' (stays bf16)")]
-    assert _targets(gm).count(_SCALED_MM) == 2 and _targets(gm).count(_LINEAR) == 1
+    assert zoo.call_targets(gm).count(_SCALED_MM) == 2 and zoo.call_targets(gm).count(_LINEAR) == 1
     (kept,) = [n for n in gm.graph.nodes if n.target == _LINEAR]
     assert kept.meta["val"].dtype == torch.bfloat16  # kept in bf16, not FP32
     assert "fp8_weights" in result.notes and "fc2.weight" not in result.notes["fp8_weights"]
     if scaled_mm_works("cpu", "row"):
         x = torch.randn(5, 64)
         with torch.no_grad():
-            assert _rel_l2(gm(x), model(x)) < 5e-2
+            assert zoo.rel_l2(gm(x), model(x)) < 5e-2
 
 
 def test_keep_list_patterns_are_checked():
@@ -369,7 +356,7 @@ def test_training_skips_every_linear():
 
     result = cast_fp8_linears(gm, PassSpec(precision="fp8", training=True))
 
-    assert result.count == 0 and _SCALED_MM not in _targets(gm)
+    assert result.count == 0 and _SCALED_MM not in zoo.call_targets(gm)
     assert {s.reason for s in result.skipped} == {"training: FP8 linears are inference-only here"}
 
 
@@ -397,7 +384,9 @@ def test_eager_model_untouched():
 # ---------------------------------------------------------------------------------------------- parity (CPU)
 
 
-@pytest.mark.parametrize("scaling", [pytest.param("row", marks=CPU_ROW), pytest.param("tensor", marks=CPU_TENSOR)])
+@pytest.mark.parametrize(
+    "scaling", [pytest.param("row", marks=zoo.SCALED_MM_ROW), pytest.param("tensor", marks=zoo.SCALED_MM_TENSOR)]
+)
 def test_parity_with_fp32_eager_on_cpu(scaling):
     model, gm = _build(FP8MLP, 3, 8, 64)  # 3-D input, dynamic batch
     cast_fp8_linears(gm, PassSpec(precision="fp8", fp8_scaling=scaling))
@@ -412,7 +401,7 @@ def test_parity_with_fp32_eager_on_cpu(scaling):
         assert _sqnr_db(got, ref) >= SQNR_DB, f"{scaling}: SQNR {_sqnr_db(got, ref):.1f} dB"
 
 
-@CPU_ROW
+@zoo.SCALED_MM_ROW
 def test_graph_matches_reference_math_on_cpu():
     """One linear: the graph's _scaled_mm path equals the plain-torch reference up to bf16 rounding."""
     torch.manual_seed(3)
@@ -431,7 +420,7 @@ def test_graph_matches_reference_math_on_cpu():
     torch.testing.assert_close(got[2], model.bias.detach().to(torch.bfloat16).float())
 
 
-@CPU_ROW
+@zoo.SCALED_MM_ROW
 def test_saturation_in_graph_on_cpu():
     """An activation outlier far outside the FP8 range saturates: finite output."""
     model, gm = _build(FP8MLP, 3, 64)
@@ -445,7 +434,7 @@ def test_saturation_in_graph_on_cpu():
     assert torch.isfinite(out).all()
 
 
-@CPU_ROW
+@zoo.SCALED_MM_ROW
 def test_pipeline_at_fp8_pads_then_runs_fp8():
     """The whole pipeline at fp8: pad_linear_dims aligns N=61 to 16, so that linear is FP8 too."""
     torch.manual_seed(0)
@@ -454,7 +443,7 @@ def test_pipeline_at_fp8_pads_then_runs_fp8():
 
     results = {r.name: r for r in run_pipeline(gm, FP8)}
 
-    assert results["cast_fp8_linears"].count == 2 and _LINEAR not in _targets(gm)
+    assert results["cast_fp8_linears"].count == 2 and _LINEAR not in zoo.call_targets(gm)
     assert results["cast_precision"].count == 0
     x = torch.randn(7, 64)
     with torch.no_grad():

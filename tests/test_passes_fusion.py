@@ -13,11 +13,6 @@ LINEAR = torch.ops.aten.linear.default
 SPLIT = torch.ops.aten.split_with_sizes.default
 ADDMM_ACT = torch.ops.aten._addmm_activation.default
 HOPPER = PassSpec(arch="Hopper")
-ALIGNMENT = {"fp16": 8, "bf16": 8, "tf32": 4}
-
-
-def _count(gm, target):
-    return sum(1 for n in gm.graph.nodes if n.target == target)
 
 
 # ---------------------------------------------------------------------------------------------- fuse_qkv
@@ -26,11 +21,11 @@ def _count(gm, target):
 def test_fuse_qkv_fuses_three_projections():
     model, gm, entry = zoo.build("attn", batch=3)
     keys = list(gm.state_dict())
-    assert _count(gm, LINEAR) == 3
+    assert zoo.count_calls(gm, LINEAR) == 3
 
     result = fuse_qkv(gm, PassSpec())
 
-    assert result.count == 1 and _count(gm, LINEAR) == 1 and _count(gm, SPLIT) == 1
+    assert result.count == 1 and zoo.count_calls(gm, LINEAR) == 1 and zoo.count_calls(gm, SPLIT) == 1
     (fused,) = [n for n in gm.graph.nodes if n.target == LINEAR]
     assert fused.args[1].target == "q_k_v_fused_weight" and fused.args[2].target == "q_k_v_fused_bias"
     assert gm.get_buffer("q_k_v_fused_weight").shape == (96, 32)
@@ -55,7 +50,7 @@ def test_fuse_qkv_training_keeps_gradients_on_original_parameters():
 
     result = fuse_qkv(gm, PassSpec(training=True))
 
-    assert result.count == 1 and _count(gm, torch.ops.aten.cat.default) == 2
+    assert result.count == 1 and zoo.count_calls(gm, torch.ops.aten.cat.default) == 2
     gm(*entry.example_inputs(4)).square().sum().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in gm.parameters())
 
@@ -111,16 +106,16 @@ def test_fuse_epilogue_fuses_relu():
     result = fuse_epilogue(gm, PassSpec())
 
     assert result.count == 1 and result.notes["activations"] == {result.changed[0]: "relu"}
-    assert _count(gm, ADDMM_ACT) == 1 and _count(gm, torch.ops.aten.relu.default) == 0
+    assert zoo.count_calls(gm, ADDMM_ACT) == 1 and zoo.count_calls(gm, torch.ops.aten.relu.default) == 0
     assert list(gm.state_dict()) == keys
     zoo.assert_matches_eager(model, gm, entry.example_inputs(6), "fp32")
 
 
 def test_fuse_epilogue_looks_through_pad_linear_slice():
     model, gm, entry = zoo.build("mlp_relu", batch=3)
-    pad_linear_dims(gm, PassSpec(precision="fp16", alignment=ALIGNMENT))  # 61 -> 64: linear -> slice -> relu
+    pad_linear_dims(gm, PassSpec(precision="fp16", alignment=zoo.ALIGNMENT))  # 61 -> 64: linear -> slice -> relu
 
-    result = fuse_epilogue(gm, PassSpec(precision="fp16", alignment=ALIGNMENT))
+    result = fuse_epilogue(gm, PassSpec(precision="fp16", alignment=zoo.ALIGNMENT))
 
     assert result.count == 1
     (act,) = [n for n in gm.graph.nodes if n.target == ADDMM_ACT]
@@ -210,7 +205,7 @@ def test_fuse_epilogue_idempotent():
 def test_run_pipeline_fusions_low_precision(name, precision):
     model, gm, entry = zoo.build(name, batch=3)
     keys = list(gm.state_dict())
-    spec = PassSpec(precision=precision, alignment=ALIGNMENT, arch="Hopper")
+    spec = PassSpec(precision=precision, alignment=zoo.ALIGNMENT, arch="Hopper")
 
     first = {r.name: r.count for r in run_pipeline(gm, spec)}
 

@@ -8,13 +8,8 @@ import zoo
 from passes import PassSpec, cast_precision
 from passes.pad_conv import TF32_REASON, pad_conv_channels
 
-ALIGNMENT = {"fp16": 8, "bf16": 8, "tf32": 4}
-HOPPER_FP16 = PassSpec(precision="fp16", alignment=ALIGNMENT, arch="Hopper")
+HOPPER_FP16 = PassSpec(precision="fp16", alignment=zoo.ALIGNMENT, arch="Hopper")
 _CONV = torch.ops.aten.conv2d.default
-
-
-def _ops(gm):
-    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
 
 
 @pytest.fixture
@@ -53,15 +48,15 @@ def test_pad_conv_channels_pads_stem_and_body(stem_rule_without_pad_cost):
     # The stem's padded output flows through the ReLU into the body conv: one pad (the input's Cin 3 -> 4)
     # and one slice (before the output) instead of one of each per conv.
     assert result.notes["kept_padded"] == 1 and result.notes["kept_padded_ops"] == ["relu"]
-    assert _ops(gm).count(torch.ops.aten.constant_pad_nd.default) == 1
-    assert _ops(gm).count(torch.ops.aten.slice.Tensor) == 1
+    assert zoo.call_targets(gm).count(torch.ops.aten.constant_pad_nd.default) == 1
+    assert zoo.call_targets(gm).count(torch.ops.aten.slice.Tensor) == 1
     assert list(gm.state_dict()) == keys
     zoo.assert_matches_eager(model, gm, entry.example_inputs(5), "fp32")  # the pass alone keeps fp32 math
 
 
 def test_pad_conv_channels_parity_with_cast():
     model, gm, entry = zoo.build("stem_cnn")
-    spec = PassSpec(precision="bf16", alignment=ALIGNMENT, arch="Hopper")
+    spec = PassSpec(precision="bf16", alignment=zoo.ALIGNMENT, arch="Hopper")
 
     result = pad_conv_channels(gm, spec)
     cast_precision(gm, spec)
@@ -89,7 +84,7 @@ def test_pad_conv_channels_skips_tf32(precision):
     _, gm, _ = zoo.build("stem_cnn")
     code = gm.code
 
-    result = pad_conv_channels(gm, PassSpec(precision=precision, alignment=ALIGNMENT, arch="Hopper"))
+    result = pad_conv_channels(gm, PassSpec(precision=precision, alignment=zoo.ALIGNMENT, arch="Hopper"))
 
     assert result.count == 0 and gm.code == code
     expected = TF32_REASON if precision == "tf32" else "precision fp32: only fp16/bf16 convs are padded"
@@ -127,7 +122,6 @@ from hypothesis import strategies as st  # noqa: E402
 from torch import fx, nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import passes.pad_conv as pad_conv_module  # noqa: E402
 from passes._graph import op_name  # noqa: E402
 
 _PAD = torch.ops.aten.constant_pad_nd.default
@@ -261,10 +255,6 @@ def _seeded(factory):
     return factory()
 
 
-def _count(gm, target) -> int:
-    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target == target)
-
-
 def _run_nodes(gm, inputs) -> dict:
     """Every node's runtime value (fx.Interpreter) on ``inputs``."""
     seen = {}
@@ -317,7 +307,7 @@ def _check_kept_padded(model, gm, inputs, pads: int, slices: int, kept: int) -> 
     result = pad_conv_channels(gm, HOPPER_FP16)
 
     assert result.notes["kept_padded"] == kept, result.notes
-    assert (_count(gm, _PAD), _count(gm, _SLICE)) == (pads, slices), gm.code
+    assert (zoo.count_calls(gm, _PAD), zoo.count_calls(gm, _SLICE)) == (pads, slices), gm.code
     assert list(gm.state_dict()) == keys
     _assert_padded_stays_inside(gm)
     _assert_meta_matches_run(gm, inputs)
@@ -402,7 +392,7 @@ def test_pad_conv_keeps_mutated_slice_with_other_readers():
     assert relu_.args[0].target == _SLICE  # still mutates the 61-channel view the sigmoid also read
 
 
-def test_pad_conv_keeps_padded_channels_last(monkeypatch):
+def test_pad_conv_keeps_padded_channels_last():
     """A channels-last capture: the padded intermediates stay channels-last, in the fake values and at run
     time, and the output is channels-last as eager's is (and as per-conv padding's is)."""
     model, gm = _capture(_seeded(lambda: ConvChain(n=4, act="relu")), 61, 8, 8, channels_last=True)
@@ -411,10 +401,11 @@ def test_pad_conv_keeps_padded_channels_last(monkeypatch):
     x = torch.randn(5, 61, 8, 8).to(memory_format=torch.channels_last)
 
     result = pad_conv_channels(gm, HOPPER_FP16)
-    monkeypatch.setattr(pad_conv_module, "_keep_channels_padded", lambda g: (0, []))
-    pad_conv_channels(baseline, HOPPER_FP16)
+    per_conv = pad_conv_channels(baseline, HOPPER_FP16, keep_padded=False)
 
-    assert result.notes["kept_padded"] == 3 and (_count(gm, _PAD), _count(gm, _SLICE)) == (1, 1)
+    assert result.notes["kept_padded"] == 3 and (zoo.count_calls(gm, _PAD), zoo.count_calls(gm, _SLICE)) == (1, 1)
+    assert per_conv.count == result.count and per_conv.notes["kept_padded"] == 0
+    assert (zoo.count_calls(baseline, _PAD), zoo.count_calls(baseline, _SLICE)) == (4, 4)
     inner = [n for n in gm.graph.nodes if op_name(n) in ("conv2d", "relu")]
     assert len(inner) == 7
     for node in inner:
@@ -433,13 +424,13 @@ def test_pad_conv_keeps_padded_channels_last(monkeypatch):
                          ids=["chain", "basic_block"])
 def test_pad_conv_keeps_padded_parity_with_cast(factory):
     model, gm = _capture(_seeded(factory), 61, 8, 8)
-    spec = PassSpec(precision="bf16", alignment=ALIGNMENT, arch="Hopper")
+    spec = PassSpec(precision="bf16", alignment=zoo.ALIGNMENT, arch="Hopper")
 
     result = pad_conv_channels(gm, spec)
     cast_precision(gm, spec)
 
     assert result.notes["kept_padded"] == 3
-    assert (_count(gm, _PAD), _count(gm, _SLICE)) == (1, 1)
+    assert (zoo.count_calls(gm, _PAD), zoo.count_calls(gm, _SLICE)) == (1, 1)
     torch.manual_seed(12)
     zoo.assert_matches_eager(model, gm, (torch.randn(5, 61, 8, 8),), "bf16")
 
@@ -507,7 +498,7 @@ def test_fuzz_pad_conv_keeps_padded(widths, ops, side, seed):
     zoo.assert_matches_eager(model, gm, inputs, "fp32")
     if result.count:
         # Every pad left is either on the graph input or in front of a conv whose producer is not padded.
-        assert _count(gm, _PAD) <= 1 + sum(1 for n in gm.graph.nodes if n.target == _SLICE)
+        assert zoo.count_calls(gm, _PAD) <= 1 + sum(1 for n in gm.graph.nodes if n.target == _SLICE)
     code = gm.code
     assert pad_conv_channels(gm, HOPPER_FP16).count == 0 and gm.code == code
 

@@ -8,12 +8,8 @@ import zoo
 from passes import PassSpec, pad_linear_dims
 from passes.padding import PADDED_FLAG
 
-FP16 = PassSpec(precision="fp16", alignment={"fp16": 8, "bf16": 8, "tf32": 4})
+FP16 = PassSpec(precision="fp16", alignment=zoo.ALIGNMENT)
 ALIGN = 8
-
-
-def _ops(gm):
-    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
 
 
 def test_pad_linear_dims_pads_mlp():
@@ -27,8 +23,8 @@ def test_pad_linear_dims_pads_mlp():
     assert result.notes["padded"]["linear_1"] == {"N": [13, 16], "K": [61, 64]}
     for name, p in gm.named_parameters():
         assert all(d % ALIGN == 0 for d in p.shape), name
-    assert torch.ops.aten.constant_pad_nd.default in _ops(gm)
-    assert torch.ops.aten.slice.Tensor in _ops(gm)
+    assert torch.ops.aten.constant_pad_nd.default in zoo.call_targets(gm)
+    assert torch.ops.aten.slice.Tensor in zoo.call_targets(gm)
     assert list(gm.state_dict()) == keys
     zoo.assert_matches_eager(model, gm, entry.example_inputs(5), "fp32")
 
@@ -50,7 +46,7 @@ def test_pad_linear_dims_simple_cnn_pads_n_only():
 
     assert result.notes["padded"] == {"linear": {"N": [10, 16], "K": [8192, 8192]}}
     assert gm.fc.weight.shape == (16, 8192) and gm.fc.bias.shape == (16,)
-    assert torch.ops.aten.constant_pad_nd.default not in _ops(gm)
+    assert torch.ops.aten.constant_pad_nd.default not in zoo.call_targets(gm)
     zoo.assert_matches_eager(model, gm, entry.example_inputs(7), "fp32")
 
 

@@ -8,7 +8,7 @@ import zoo
 from passes import PassSpec
 from passes.pad_matmul import pad_matmul_dims
 
-FP16 = PassSpec(precision="fp16", alignment={"fp16": 8, "bf16": 8, "tf32": 4})
+FP16 = PassSpec(precision="fp16", alignment=zoo.ALIGNMENT)
 
 
 class _Gemms(nn.Module):

@@ -12,7 +12,6 @@ import zoo
 from passes import PassSpec, pad_linear_dims
 from passes.should_pad import DEFAULT_TABLE_PATH, arch_entry, load_table, measurement, should_pad
 
-ALIGNMENT = {"fp16": 8, "bf16": 8, "tf32": 4}
 SOURCE = "benchmarks/NOTES.md, reference measurements: H200, torch 2.11, 2026-11-30"
 
 
@@ -102,7 +101,7 @@ class _TinyK(nn.Module):
 def test_pad_linear_dims_pads_vocabulary_to_64_on_hopper_bf16():
     model, gm, entry = zoo.build("tied_lm")
     keys = list(gm.state_dict())
-    spec = PassSpec(precision="bf16", alignment=ALIGNMENT, arch="Hopper")
+    spec = PassSpec(precision="bf16", alignment=zoo.ALIGNMENT, arch="Hopper")
 
     result = pad_linear_dims(gm, spec)
 
@@ -119,7 +118,7 @@ def test_pad_linear_dims_pads_vocabulary_to_64_on_hopper_bf16():
 def test_pad_linear_dims_skips_tiny_k():
     model = _TinyK().eval()
     gm = zoo.capture(model, (torch.randn(4, 3),))
-    spec = PassSpec(precision="fp16", alignment=ALIGNMENT, arch="Hopper")
+    spec = PassSpec(precision="fp16", alignment=zoo.ALIGNMENT, arch="Hopper")
 
     result = pad_linear_dims(gm, spec)
 

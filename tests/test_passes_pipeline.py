@@ -11,13 +11,11 @@ from passes.should_pad import should_pad
 import zoo
 from passes import PIPELINE, PassFailure, PassSpec, run_pipeline
 
-ALIGNMENT = {"fp16": 8, "bf16": 8, "tf32": 4}
-
 
 def test_run_pipeline_runs_in_order():
     model, gm, entry = zoo.build("conv_bn")
 
-    results = run_pipeline(gm, PassSpec(precision="fp16", alignment=ALIGNMENT))
+    results = run_pipeline(gm, PassSpec(precision="fp16", alignment=zoo.ALIGNMENT))
 
     assert [r.name for r in results] == list(PIPELINE)
     by_name = {r.name: r for r in results}
@@ -31,11 +29,11 @@ def test_run_pipeline_parity(name, precision):
     model, gm, entry = zoo.build(name)
     keys = list(gm.state_dict())
 
-    run_pipeline(gm, PassSpec(precision=precision, alignment=ALIGNMENT))
+    run_pipeline(gm, PassSpec(precision=precision, alignment=zoo.ALIGNMENT))
 
     assert list(gm.state_dict()) == keys
     zoo.assert_matches_eager(model, gm, entry.example_inputs(5), precision)
-    assert all(r.count == 0 for r in run_pipeline(gm, PassSpec(precision=precision, alignment=ALIGNMENT)))
+    assert all(r.count == 0 for r in run_pipeline(gm, PassSpec(precision=precision, alignment=zoo.ALIGNMENT)))
 
 
 def test_run_pipeline_names_failing_pass(monkeypatch):
@@ -46,7 +44,7 @@ def test_run_pipeline_names_failing_pass(monkeypatch):
 
     monkeypatch.setitem(passes.PASSES, "cast_precision", broken)
     with pytest.raises(PassFailure, match=r"'cast_precision' failed: RuntimeError: boom") as info:
-        run_pipeline(gm, PassSpec(precision="fp16", alignment=ALIGNMENT))
+        run_pipeline(gm, PassSpec(precision="fp16", alignment=zoo.ALIGNMENT))
 
     assert info.value.pass_name == "cast_precision"
     assert info.value.ran_before == list(PIPELINE[: PIPELINE.index("cast_precision")])
@@ -83,7 +81,7 @@ def test_run_pipeline_property_linear_stacks(sizes, precision, batch):
     torch.manual_seed(0)
     model = _Stack(sizes).eval()
     gm = zoo.capture(model, (torch.randn(3, sizes[0]),))
-    spec = PassSpec(precision=precision, alignment=ALIGNMENT)
+    spec = PassSpec(precision=precision, alignment=zoo.ALIGNMENT)
     align = spec.align()
 
     results = {r.name: r for r in run_pipeline(gm, spec)}

@@ -34,7 +34,6 @@ from passes import PASSES, PIPELINE, PassSpec, run_pipeline
 from passes._graph import op_name
 from passes.calibrate import calibrate_ranges, overflow_nodes
 
-ALIGNMENT = {"fp16": 8, "bf16": 8, "tf32": 4}
 CAPTURE_BATCH = 3
 TEST_BATCH = 5
 LOW = ("fp16", "bf16")
@@ -183,7 +182,7 @@ def _case(name: str, pass_name: str, precision: str):
 
 
 def _spec(precision: str) -> PassSpec:
-    return PassSpec(precision=precision, alignment=ALIGNMENT, arch="Hopper")
+    return PassSpec(precision=precision, alignment=zoo.ALIGNMENT, arch="Hopper")
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,18 +1,34 @@
-"""Small models for the graph-pass tests, each with an ``example_inputs(batch)`` and a ``capture`` helper.
+"""Test support shared by the graph-pass tests: small models, capture, graph counting and parity helpers.
 
-Every entry builds an eval-mode model on the CPU with fixed seeds, so the tests are deterministic. Sizes are
-chosen to exercise the passes (odd widths for padding, conv + BN for folding, softmax / layer_norm for the
-keep-list) while staying fast on two CPU cores.
+Every zoo entry builds an eval-mode model on the CPU with fixed seeds, so the tests are deterministic. Sizes
+are chosen to exercise the passes (odd widths for padding, conv + BN for folding, softmax / layer_norm for
+the keep-list) while staying fast on two CPU cores. Beside the models: ``capture`` (as tctune captures),
+``ALIGNMENT`` (the Tensor Core alignment the pass tests use), ``call_targets`` / ``count_calls`` (what a
+graph calls), ``rel_l2`` and ``assert_matches_eager`` (parity), and the ``SCALED_MM_ROW`` /
+``SCALED_MM_TENSOR`` skip marks for tests that run ``torch._scaled_mm`` on this CPU.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
+import pytest
 import torch
 from torch import nn
 import torch.nn.functional as F
+
+from passes.fp8_numerics import scaled_mm_works
+
+#: Tensor Core alignment in elements per precision (16 bytes of the dtype: ``HardwareSpec.alignment`` for
+#: Volta to Hopper), the ``PassSpec.alignment`` of the pass tests.
+ALIGNMENT: dict[str, int] = {"fp16": 8, "bf16": 8, "tf32": 4}
+
+#: Skip marks for tests that run ``torch._scaled_mm`` on the CPU (oneDNN: row-wise scales need torch 2.13).
+SCALED_MM_ROW = pytest.mark.skipif(not scaled_mm_works("cpu", "row"),
+                                   reason="torch._scaled_mm with row-wise scales does not run on this CPU torch")
+SCALED_MM_TENSOR = pytest.mark.skipif(not scaled_mm_works("cpu", "tensor"),
+                                      reason="torch._scaled_mm with tensor-wise scales does not run on this CPU torch")
 
 
 def capture(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.fx.GraphModule:
@@ -29,6 +45,22 @@ def capture(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.fx.Grap
     dynamic_shapes = tuple({0: batch} for _ in inputs)
     ep = torch.export.export(model, tuple(inputs), dynamic_shapes=dynamic_shapes, strict=False)
     return ep.module()
+
+
+def call_targets(gm: torch.fx.GraphModule) -> list:
+    """The targets (ATen overloads) of ``gm``'s ``call_function`` nodes, in graph order."""
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def count_calls(gm: torch.fx.GraphModule, target: Any) -> int:
+    """How many ``call_function`` nodes of ``gm`` call ``target`` (an ATen overload)."""
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target == target)
+
+
+def rel_l2(got: Any, ref: Any) -> float:
+    """Relative L2 error ``||got - ref|| / ||ref||`` in float64 (tensors or numpy arrays of one shape)."""
+    got, ref = torch.as_tensor(got).double(), torch.as_tensor(ref).double()
+    return ((got - ref).norm() / ref.norm().clamp_min(1e-12)).item()
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -297,7 +329,7 @@ def assert_matches_eager(model: nn.Module, gm: torch.fx.GraphModule, inputs: tup
         assert g.shape == r.shape and g.dtype == r.dtype
         assert torch.isfinite(g).all()
         if "rel_l2" in tol:
-            err = ((g.double() - r.double()).norm() / r.double().norm().clamp_min(1e-12)).item()
+            err = rel_l2(g, r)
             assert err <= tol["rel_l2"], f"{precision}: relative L2 error {err:.2e} > {tol['rel_l2']:.0e}"
         else:
             torch.testing.assert_close(g, r, rtol=tol["rtol"], atol=tol["atol"])
