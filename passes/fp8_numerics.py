@@ -114,6 +114,9 @@ def scaled_mm_works(device: str | torch.device = "cpu", scaling: str = "row") ->
         return False
 
 
+# ------------------------------------------------------------------------------------- GEMM recognisers
+
+
 @dataclasses.dataclass(frozen=True)
 class WeightGemm:
     """The operands of a GEMM whose right operand is a weight, whichever op the capture wrote.

@@ -29,6 +29,7 @@ from torch import fx
 
 from passes._graph import copy_meta, fake_eval, finish, op_name
 from passes.base import PassResult, PassSpec, Skip
+from passes.fp8_numerics import FP8_MULTIPLE
 
 NAME = "fuse_epilogue"
 
@@ -98,9 +99,9 @@ def _is_last_dim_prefix(node: fx.Node) -> bool:
 
 
 def _fp8_eligible(linear: fx.Node) -> bool:
-    """K and N of ``linear``'s weight are multiples of 16 (what cast_fp8_linears needs)."""
+    """K and N of ``linear``'s weight are multiples of ``FP8_MULTIPLE`` (16: what cast_fp8_linears needs)."""
     w = linear.args[1].meta.get("val") if isinstance(linear.args[1], fx.Node) else None
-    return isinstance(w, torch.Tensor) and w.dim() == 2 and all(int(d) % 16 == 0 for d in w.shape)
+    return isinstance(w, torch.Tensor) and w.dim() == 2 and all(int(d) % FP8_MULTIPLE == 0 for d in w.shape)
 
 
 def _activation(act: fx.Node, spec: PassSpec) -> tuple[str, str | None]:
