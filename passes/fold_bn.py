@@ -14,6 +14,19 @@ Weights are replaced (never mutated: the exported module shares tensors with the
 attribute names; a conv without bias gains one stored as the non-persistent buffer ``<conv>.bias_bnfolded``
 (``state_dict`` keys stay those of the user's model).
 The BN's own attributes stay on the module, unused, so ``state_dict`` keeps all its keys.
+
+Frozen affine maps are the same fold, recognised by their arithmetic rather than a module name: a conv
+whose output feeds only a chain of ``mul`` / ``div`` / ``add`` / ``sub`` ops by per-channel constants
+(torchvision's ``FrozenBatchNorm2d``: ``x * scale + bias`` with ``scale = w * (rv + eps).rsqrt()`` and
+``bias = b - rm * scale`` computed from buffers in the graph; a LayerScale; a batch norm written by hand).
+The constants' subgraph (``get_attr`` tensors and pure ATen ops, nothing that reads a graph input) is
+evaluated once in float64, and with ``a[c] * conv(x) + d[c]`` for the whole chain::
+
+    W'[c] = W[c] * a[c]            b'[c] = b[c] * a[c] + d[c]
+
+Left alone, with a reason: a conv output with other users, an operand that reads a graph input, an
+operand not of a per-channel shape, an op that changes the dtype, division by a zero entry, transposed
+convolutions, training specs.
 """
 from __future__ import annotations
 
@@ -62,10 +75,14 @@ def fold_conv_batchnorm(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         gm: an ATen-level graph module from ``torch.export`` (mutated in place).
         spec: target facts; nothing is folded when ``spec.training`` is True.
 
+    Then folds per-channel constant affine chains after a convolution (module docstring), e.g. torchvision's
+    ``FrozenBatchNorm2d``.
+
     Returns:
-        A ``PassResult`` named ``"fold_conv_batchnorm"``; ``count`` is the number of BNs folded,
-        ``changed`` the names of the convolutions that absorbed them, ``notes["folded"]`` maps BN node name to
-        conv node name, and ``skipped`` lists every BN left alone with its reason.
+        A ``PassResult`` named ``"fold_conv_batchnorm"``; ``count`` is the number of BNs and affine chains
+        folded, ``changed`` the names of the convolutions that absorbed them, ``notes["folded"]`` maps BN node
+        name to conv node name, ``notes["folded_affine"]`` conv node name to the affine ops it absorbed, and
+        ``skipped`` lists every BN and affine candidate left alone with its reason.
     """
     result = PassResult(name=NAME, graph_module=gm)
     bns = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (_BN, _BN_NO_TRAINING)]
