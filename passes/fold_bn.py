@@ -299,10 +299,25 @@ def _affine_operand(chain: fx.Node, user: fx.Node) -> int | None:
         ov, cv = other.meta.get("val"), chain.meta.get("val")
         if not isinstance(ov, torch.Tensor) or not isinstance(cv, torch.Tensor) or ov.dim() > cv.dim():
             return None
-        # Per-channel shaped: every dimension except one is statically 1 (a full activation is no candidate).
-        if sum(not (isinstance(s, int) and s == 1) for s in ov.shape) > 1:
+        # Per-channel shaped (every dimension but one statically 1), or computed from module tensors alone: a
+        # full activation (a residual add) is no candidate.
+        if sum(not (isinstance(s, int) and s == 1) for s in ov.shape) > 1 and not _reads_only_attrs(other):
             return None
     return pos
+
+
+def _reads_only_attrs(node: fx.Node) -> bool:
+    """Whether every input ``node`` is computed from is a ``get_attr`` (no graph input among them)."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            return False
+        stack.extend(n.all_input_nodes)
+    return True
 
 
 def _operand_refusal(gm: fx.GraphModule, conv: fx.Node, user: fx.Node) -> str | None:
