@@ -179,7 +179,7 @@ def _bias_paddable(gm: fx.GraphModule, bias_node, n_old: int) -> bool:
     """
     if not isinstance(bias_node, fx.Node) or bias_node.op != "get_attr":
         val = _fake(bias_node)
-        return val is not None and val.dim() >= 1 and val.shape[-1] == 1
+        return val is not None and val.dim() >= 1 and isinstance(val.shape[-1], int) and val.shape[-1] == 1
     bias = get_attr_value(gm, bias_node.target)
     if not isinstance(bias, torch.Tensor):
         return False
