@@ -53,7 +53,9 @@ def fuse_qkv(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         A ``PassResult`` named ``"fuse_qkv"``: ``count`` is the number of groups fused, ``changed`` the new
         linear nodes; ``notes["groups"]`` maps each to the names of the linears it replaced; ``skipped`` has
         every linear left alone with the reason (``"only one linear reads this input"``, ``"bias mismatch
-        with sibling linears"``, ``"weight is not a parameter"``, ...).
+        with sibling linears"``, ``"weight is not a parameter"``, ``"fake-tensor metadata for the fused linear
+        failed: ..."``, ...). Symbolic sizes (a dynamic batch or sequence) are handled; a group whose fake
+        run fails is skipped with the error, never raised.
     """
     result = PassResult(name=NAME, graph_module=gm)
     groups: dict[str, list[str]] = {}
