@@ -53,7 +53,9 @@ def fuse_qkv(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         A ``PassResult`` named ``"fuse_qkv"``: ``count`` is the number of groups fused, ``changed`` the new
         linear nodes; ``notes["groups"]`` maps each to the names of the linears it replaced; ``skipped`` has
         every linear left alone with the reason (``"only one linear reads this input"``, ``"bias mismatch
-        with sibling linears"``, ``"weight is not a parameter"``, ...).
+        with sibling linears"``, ``"weight is not a parameter"``, ``"fake-tensor metadata for the fused linear
+        failed: ..."``, ...). Symbolic sizes (a dynamic batch or sequence) are handled; a group whose fake
+        run fails is skipped with the error, never raised.
     """
     result = PassResult(name=NAME, graph_module=gm)
     groups: dict[str, list[str]] = {}
@@ -129,19 +131,30 @@ def _fuse(gm: fx.GraphModule, x: fx.Node, part: list[fx.Node], training: bool) -
     sizes = [int(w.shape[0]) for w in weights]
     has_bias = b_nodes[0] is not None
 
-    # Fake-run the new ops first: a user that cannot take a strided piece refuses the whole group.
+    # Fake-run the new ops first: a user that cannot take a strided piece refuses the whole group. The fused
+    # output's metadata is the concatenation of the linears' own outputs (``aten.cat`` has a symbolic-size-safe
+    # meta function), never a fake ``aten.linear``: on a symbolic batch some torch releases run linear's C++
+    # decomposition, which raises "Cannot call numel() on tensor with symbolic sizes/strides". Any failure
+    # here refuses the group with its reason; the graph is untouched until the fake run succeeded.
     x_val = x.meta.get("val")
     mode = getattr(x_val, "fake_mode", None)
     if mode is None:
         return "no fake-tensor metadata on the input"
-    with mode:
-        fused_w_val = mode.from_tensor(torch.cat(weights).detach(), static_shapes=True)
-        fused_b_val = None
-        if has_bias:
-            fused_b_val = mode.from_tensor(torch.cat([get_attr_value(gm, b.target) for b in b_nodes]).detach(),
-                                           static_shapes=True)
-        y_val = torch.ops.aten.linear.default(x_val, fused_w_val, fused_b_val)
-        piece_vals = list(_SPLIT(y_val, sizes, -1))
+    out_vals = [n.meta.get("val") for n in part]
+    have_outs = all(isinstance(v, torch.Tensor) and getattr(v, "fake_mode", None) is mode for v in out_vals)
+    fused_weight = torch.cat(weights).detach()
+    fused_bias = torch.cat([get_attr_value(gm, b.target) for b in b_nodes]).detach() if has_bias else None
+    try:
+        with mode:
+            fused_w_val = mode.from_tensor(fused_weight, static_shapes=True)
+            fused_b_val = mode.from_tensor(fused_bias, static_shapes=True) if has_bias else None
+            if have_outs:
+                y_val = _CAT(out_vals, -1)
+            else:  # no metadata on an output (a hand-built graph): the fused linear's own fake run
+                y_val = _LINEAR(x_val, fused_w_val, fused_b_val) if has_bias else _LINEAR(x_val, fused_w_val)
+            piece_vals = list(_SPLIT(y_val, sizes, -1))
+    except Exception as exc:  # noqa: BLE001 - a site the fake run cannot describe is skipped, never fatal
+        return f"fake-tensor metadata for the fused linear failed: {_one_line(exc)}"
     for node, piece in zip(part, piece_vals):
         for user in node.users:
             if user.op == "call_function" and op_name(user) == "view":
@@ -155,11 +168,8 @@ def _fuse(gm: fx.GraphModule, x: fx.Node, part: list[fx.Node], training: bool) -
             w_new = graph.call_function(_CAT, (list(w_nodes),))
             b_new = graph.call_function(_CAT, (list(b_nodes),)) if has_bias else None
         else:
-            w_new = _fused_attr(gm, w_nodes, "weight", torch.cat(weights).detach())
-            b_new = None
-            if has_bias:
-                bias = torch.cat([get_attr_value(gm, b.target) for b in b_nodes]).detach()
-                b_new = _fused_attr(gm, b_nodes, "bias", bias)
+            w_new = _fused_attr(gm, w_nodes, "weight", fused_weight)
+            b_new = _fused_attr(gm, b_nodes, "bias", fused_bias) if has_bias else None
         fused = graph.call_function(_LINEAR, (x, w_new, b_new) if has_bias else (x, w_new))
         split = graph.call_function(_SPLIT, (fused, sizes, -1))
     copy_meta(w_nodes[0], w_new, fused_w_val if training else None)
@@ -175,6 +185,12 @@ def _fuse(gm: fx.GraphModule, x: fx.Node, part: list[fx.Node], training: bool) -
     for node in part:
         graph.erase_node(node)
     return fused
+
+
+def _one_line(exc: BaseException) -> str:
+    """``"<type>: <first line of the message>"``, at most 200 characters (a skip reason is one line)."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:200] if text else ''}".rstrip(": ")
 
 
 def _fake(arg):

@@ -102,6 +102,8 @@ def pad_conv_channels(gm: fx.GraphModule, spec: PassSpec, *, keep_padded: bool =
         pairs between consecutive convs were removed (the padded channels flow on; module docstring) and
         ``notes["kept_padded_ops"]`` the ops moved onto padded tensors for that.
     """
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
     result = PassResult(name=NAME, graph_module=gm)
     convs = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == _CONV]
     for node in gm.graph.nodes:
@@ -148,8 +150,13 @@ def pad_conv_channels(gm: fx.GraphModule, spec: PassSpec, *, keep_padded: bool =
         cout_new = round_up(cout, out_dec.multiple) if out_dec.pad else cout
         reasons = [d.reason for d in (in_dec, out_dec) if d.reason.startswith("can pad but should not")]
         # Cin: the input must be a batched (batch, Cin, H, W) tensor with a static channel count.
-        if cin_new != cin and (x_val is None or x_val.dim() != 4 or x_val.shape[1] != cin):
+        # Plain-int comparisons only (a SymInt comparison guards, or raises on a data-dependent size).
+        if cin_new != cin and (x_val is None or x_val.dim() != 4 or not isinstance(x_val.shape[1], int)
+                               or x_val.shape[1] != cin):
             reasons.append("input is not (batch, Cin, H, W) with a static Cin: Cin not padded")
+            cin_new = cin
+        elif cin_new != cin and free_unbacked_symbols(x_val):
+            reasons.append("input has a data-dependent size: its padded shape cannot be computed; Cin not padded")
             cin_new = cin
         # Cout: the bias (if any) must be a parameter read by this conv alone.
         bias = None

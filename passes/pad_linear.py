@@ -54,6 +54,8 @@ def pad_linear_dims(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         embeddings) padded, ``notes["padded"]`` maps node name to ``{"N": [old, new], "K": [old, new]}``
         (embeddings: ``{"V": [old, new]}``).
     """
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
     result = PassResult(name=NAME, graph_module=gm)
     align = spec.align()
     linears = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == _LINEAR]
@@ -106,8 +108,14 @@ def pad_linear_dims(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
             continue
         result.skipped.extend(Skip(node.name, r) for r in should_not)
         # Padding N changes every user's view of the weight: each must be a linear or an embedding table.
-        if n_new != n_old and not all(_rows_paddable(u, w) for u, w in users):
-            result.skipped.append(Skip(node.name, "shared weight: N not padded (used by a non-linear op)"))
+        # (A tied weight is padded once, for all of its users, so it stays one tensor; a user that cannot take
+        # the extra rows keeps every user unpadded and is named.)
+        blockers = [u for u, w in users if not _rows_paddable(u, w)]
+        if n_new != n_old and blockers:
+            other = blockers[0]
+            use = other.target if other.op == "call_function" else other.op
+            reason = f"weight tied to {other.name} ({use}), which cannot take padded rows: N not padded"
+            result.skipped.append(Skip(node.name, reason))
             n_new = n_old
         bias_node = node_arg(node, 2, "bias")
         bias = None
@@ -123,9 +131,15 @@ def pad_linear_dims(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
                     n_new, bias = n_old, None
         x_node = node.args[0]
         x_val = x_node.meta.get("val") if isinstance(x_node, fx.Node) else None
-        if k_new != k_old and (x_val is None or x_val.shape[-1] != k_old):
+        # Sizes in meta values may be SymInts: compare only plain ints (a SymInt comparison guards, or raises
+        # on a data-dependent size), and never pad an input whose padded shape fake tensors cannot describe.
+        if k_new != k_old and (x_val is None or not isinstance(x_val.shape[-1], int) or x_val.shape[-1] != k_old):
             # The input's last dimension must be known to be K to pad it.
             result.skipped.append(Skip(node.name, "input's last dimension is not a static K: K not padded"))
+            k_new = k_old
+        elif k_new != k_old and free_unbacked_symbols(x_val):
+            reason = "input has a data-dependent size: its padded shape cannot be computed; K not padded"
+            result.skipped.append(Skip(node.name, reason))
             k_new = k_old
         if shared and k_dec.pad:
             result.skipped.append(Skip(node.name, "shared weight: K not padded"))

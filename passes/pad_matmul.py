@@ -52,6 +52,8 @@ def pad_matmul_dims(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         A ``PassResult`` named ``"pad_matmul_dims"``: ``count`` GEMM nodes rewritten, ``notes["padded"]``
         maps node name to ``{"N": [old, new], "K": [old, new]}``, ``notes["should_pad"]`` the decisions.
     """
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
     result = PassResult(name=NAME, graph_module=gm)
     align = spec.align()
     gemms = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _RIGHT]
@@ -103,8 +105,13 @@ def pad_matmul_dims(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         # Preconditions on every reader: a static K on the input, a paddable bias.
         for n in nodes:
             x_val = _fake(n.args[_RIGHT[n.target] - 1])
-            if k_new != k_old and (x_val is None or x_val.dim() < 1 or x_val.shape[-1] != k_old):
+            # Plain-int comparisons only (a SymInt comparison guards, or raises on a data-dependent size).
+            if k_new != k_old and (x_val is None or x_val.dim() < 1 or not isinstance(x_val.shape[-1], int)
+                                   or x_val.shape[-1] != k_old):
                 reasons.append("input's last dimension is not a static K: K not padded")
+                k_new = k_old
+            elif k_new != k_old and free_unbacked_symbols(x_val):
+                reasons.append("input has a data-dependent size: its padded shape cannot be computed; K not padded")
                 k_new = k_old
             if n_new != n_old and n.target == _ADDMM and not _bias_paddable(gm, n.args[0], n_old):
                 reasons.append("addmm bias is not a parameter of last dimension N used once: N not padded")
@@ -173,7 +180,7 @@ def _bias_paddable(gm: fx.GraphModule, bias_node, n_old: int) -> bool:
     """
     if not isinstance(bias_node, fx.Node) or bias_node.op != "get_attr":
         val = _fake(bias_node)
-        return val is not None and val.dim() >= 1 and val.shape[-1] == 1
+        return val is not None and val.dim() >= 1 and isinstance(val.shape[-1], int) and val.shape[-1] == 1
     bias = get_attr_value(gm, bias_node.target)
     if not isinstance(bias, torch.Tensor):
         return False
