@@ -313,9 +313,11 @@ def _float_diff(o: torch.Tensor, r: torch.Tensor) -> tuple[float, float, float, 
     den, mx = num.clone(), num.clone()
     bad = torch.zeros((), dtype=torch.int64, device=o.device)
     for i in range(0, o.numel(), ERROR_CHUNK):
-        oc, rc = o[i:i + ERROR_CHUNK].double(), r[i:i + ERROR_CHUNK].double()
-        if oc.is_complex() or rc.is_complex():
-            oc, rc = torch.view_as_real(oc.to(torch.complex128)), torch.view_as_real(rc.to(torch.complex128))
+        oc, rc = o[i:i + ERROR_CHUNK], r[i:i + ERROR_CHUNK]
+        if oc.is_complex() or rc.is_complex():  # real and imaginary parts as two values each
+            oc, rc = (torch.view_as_real(x.to(torch.complex128)) for x in (oc, rc))
+        else:
+            oc, rc = oc.double(), rc.double()
         fin, rfin = torch.isfinite(oc), torch.isfinite(rc)
         # NaN/inf where the reference is finite, or not the reference's own inf/NaN where it is not
         bad += (~fin & rfin).sum() + (~rfin & (oc != rc) & ~(torch.isnan(oc) & torch.isnan(rc))).sum()
@@ -334,7 +336,7 @@ def _logits_agreement(o: torch.Tensor, r: torch.Tensor) -> tuple[float, float | 
     c = r.shape[-1]
     o2, r2 = o.detach().reshape(-1, c), r.detach().reshape(-1, c).to(o.device)
     rows = o2.shape[0]
-    step = max(1, ERROR_CHUNK // (4 * c))  # about five float64 temporaries of a chunk each
+    step = max(1, ERROR_CHUNK // (4 * c))  # a quarter chunk: its half-dozen float64 temporaries stay under 2 chunks
     agree = torch.zeros((), dtype=torch.int64, device=o.device)
     kl = torch.zeros((), dtype=torch.float64, device=o.device)
     valid = torch.zeros((), dtype=torch.int64, device=o.device)

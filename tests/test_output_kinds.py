@@ -329,3 +329,10 @@ def test_search_rejects_bf16_when_class_ids_flip(tmp_path):
         assert not is_feasible(t)
         assert "integer/bool outputs differ from FP32" in t.user_attrs["fail_reason"]
     assert any(is_feasible(t) for t in by_precision["fp32"])  # the same ids: FP32 stays feasible
+
+
+def test_complex_outputs_compare_both_parts():
+    ref = torch.tensor([3 + 4j, 0 + 0j], dtype=torch.complex64)
+    out = torch.tensor([3 + 4j, 0 + 1j], dtype=torch.complex64)
+    err = compare(out, ref)
+    assert err.float_outputs == 1 and math.isclose(err.rel_l2_error, 1 / 5) and err.max_abs_error == 1.0
