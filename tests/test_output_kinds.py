@@ -336,3 +336,27 @@ def test_complex_outputs_compare_both_parts():
     out = torch.tensor([3 + 4j, 0 + 1j], dtype=torch.complex64)
     err = compare(out, ref)
     assert err.float_outputs == 1 and math.isclose(err.rel_l2_error, 1 / 5) and err.max_abs_error == 1.0
+
+
+def test_report_markdown_shows_the_kinds_per_trial_and_for_the_best():
+    from tctune.report import TRIAL_FIELDS, render_markdown
+
+    ids = torch.arange(6)
+    logits = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    metrics = compare((torch.tensor([[0.0, 1.0], [0.0, 1.0]]), ids), (logits, ids)).to_metrics()
+    row = {"number": 2, "state": "COMPLETE", "params": {"precision": "bf16", "batch_size": 8, "graph_passes": False},
+           "throughput": 100.0, "latency_ms": 2.0, "fail_reason": None, **metrics}
+    for k in TRIAL_FIELDS:
+        row.setdefault(k, None)
+    r = {"hardware": {}, "model": {"name": "m", "path": "m.py"}, "measured_on": "cpu",
+         "study": {"name": "s", "n_trials": 1, "n_complete": 1}, "config": {"max_error": 0.01, "mode": "infer"},
+         "capture": {"ok": True}, "best": row, "baseline": None, "passes": [], "trials": [row], "artifacts": {}}
+
+    md = render_markdown(r)
+
+    assert "integer and bool outputs must match exactly" in md
+    assert "- Outputs against FP32: integer/bool outputs: 0.00% of elements differ over 1 exact output(s); " \
+           "top-1 agreement 50.00%" in md
+    assert "| 0.00% | 50.00% / " in md  # the trials table: int mismatch, then top-1 / KL
+    r["config"]["max_mismatch_rate"] = 0.01
+    assert "integer and bool outputs may differ in up to 1.00% of their elements" in render_markdown(r)
