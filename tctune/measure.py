@@ -1,18 +1,25 @@
-"""Time a candidate and compare its output with the FP32 reference.
+"""Time a candidate and compare its outputs with the FP32 reference.
 
-Protocol: warm-up, then several repeats of many iterations each,
+Timing protocol: warm-up, then several repeats of many iterations each,
 timed with CUDA events on a GPU and ``time.perf_counter`` on the CPU; the reported time is the median
 repeat. Peak memory comes from ``torch.cuda.max_memory_allocated`` (GPU only). An out-of-memory error is
 caught, memory released, and a :class:`~tctune.errors.CandidateRejected` raised so the study goes on.
+
+Comparison (:func:`compare`, :func:`check_accuracy`): every output is compared by its kind: floating
+tensors by relative L2 and max-abs error (plus top-1 agreement and KL divergence where they look like
+class logits), integer and bool tensors exactly (any mismatch rejects the candidate unless a rate is
+allowed), Python values by ``==`` or relative error, and anything else counted as not checkable.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import math
 import statistics
 import time
 import warnings
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
@@ -50,20 +57,63 @@ class Timing:
 
 @dataclass
 class ErrorStats:
-    """Error of a candidate's outputs against the FP32 reference (all floating outputs, flattened).
+    """How a candidate's outputs differ from the FP32 reference, by the kind of each output.
+
+    Every leaf of the output pytree (tensors in dicts, tuples, lists, ``ModelOutput``/dataclass fields;
+    see :func:`output_leaves`) is one *output*. Floating tensors (and Python floats) are compared by error,
+    integer and bool tensors (and Python ints, bools, strings, ``None``) exactly; anything else is counted
+    as not checkable, never as zero error.
 
     Attributes:
-        max_abs_error: max |out - ref|.
-        rel_l2_error: max over outputs of ||out - ref||₂ / ||ref||₂ (computed in float64).
-        nonfinite: count of NaN/inf values in the candidate's outputs.
+        max_abs_error: max |out - ref| over the floating outputs, in the outputs' units (0.0 when there
+            are none: see ``float_outputs``).
+        rel_l2_error: max over the floating outputs of ||out - ref||₂ / ||ref||₂ (computed in float64;
+            0.0 when there are none).
+        nonfinite: count of NaN/inf values in the candidate's floating outputs where the reference is finite
+            (and of values other than the reference's own inf/NaN where it is not).
+        float_outputs: floating outputs compared (None: not recorded, for stats built by hand).
+        exact_outputs: integer/bool tensor and exact Python outputs compared element by element.
+        mismatch_rate: max over the exact outputs of the fraction of elements that differ (0 to 1; a
+            Python scalar counts as one element); None when there are no exact outputs.
+        mismatched: elements that differ, summed over the exact outputs.
+        logits_outputs: floating outputs that look like class logits (rank >= 2, last dim >= 2; see
+            :func:`looks_like_logits`), for which ``top1_agreement`` and ``kl_divergence`` are computed.
+        top1_agreement: min over those outputs of the fraction of rows (all but the last dim) whose
+            argmax over the last dim is the same as the reference's (rows holding NaN/+inf count as
+            disagreeing); None when there are none.
+        kl_divergence: max over those outputs of the mean over rows of KL(softmax(ref) || softmax(out)),
+            in nats, over rows free of NaN/+inf; None when there are none.
+        unchecked_outputs: outputs that could not be compared (objects of unknown kind, or non-tensor
+            outputs the candidate does not return in the same number); never counted as matching.
+        fp64_ratio: when an FP64 reference was given to :func:`compare`: max over the floating outputs of
+            RMSE(out, fp64) / (RMSE(base, fp64) + ``FP64_FLOOR`` · RMS(fp64)), where ``base`` is the FP32
+            reference unless another baseline was given; None otherwise. See :func:`scaled_tolerance`.
     """
 
     max_abs_error: float
     rel_l2_error: float
     nonfinite: int
+    float_outputs: int | None = None
+    exact_outputs: int = 0
+    mismatch_rate: float | None = None
+    mismatched: int = 0
+    logits_outputs: int = 0
+    top1_agreement: float | None = None
+    kl_divergence: float | None = None
+    unchecked_outputs: int = 0
+    fp64_ratio: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def to_metrics(self) -> dict:
+        """The trial attributes these stats record (the names ``report.json``'s trial rows use):
+        ``max_rel_error``, ``max_abs_error``, ``nonfinite`` as before, plus ``float_outputs``,
+        ``exact_outputs``, ``mismatch_rate``, ``mismatched``, ``top1_agreement``, ``kl_divergence``,
+        ``unchecked_outputs`` and ``fp64_ratio`` (meanings: the attributes of the same name)."""
+        d = self.to_dict()
+        d["max_rel_error"] = d.pop("rel_l2_error")
+        return d
 
 
 @contextlib.contextmanager
@@ -210,9 +260,43 @@ def _single_call_ms(fn: Callable[[], Any], device: torch.device, n: int) -> list
     return out
 
 
+def output_leaves(out: Any) -> list[Any]:
+    """The leaves of a (possibly nested) model output, in pytree order (``torch.utils._pytree``: dicts,
+    tuples, lists, named tuples, and ``transformers`` ``ModelOutput``, which registers itself as a node).
+    Dataclass instances and other mappings the pytree does not know are opened field by field / key by
+    key, and NumPy arrays become tensors, so their contents are compared rather than left out."""
+    leaves: list[Any] = []
+    for x in tree_leaves(out):
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            leaves += output_leaves({f.name: getattr(x, f.name) for f in dataclasses.fields(x)})
+        elif isinstance(x, Mapping):
+            leaves += output_leaves(dict(x))
+        elif type(x).__module__ == "numpy" and type(x).__name__ == "ndarray" and x.dtype.kind in "biufc":
+            leaves.append(torch.from_numpy(x))
+        else:
+            leaves.append(x)
+    return leaves
+
+
 def float_leaves(out: Any) -> list[torch.Tensor]:
-    """The floating-point tensors of a (possibly nested) model output, in pytree order."""
-    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    """The floating-point tensors of a (possibly nested) model output, in :func:`output_leaves` order."""
+    return [t for t in output_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def looks_like_logits(t: torch.Tensor) -> bool:
+    """Whether a floating output is treated as class logits (scores over the last dim): rank >= 2 and a
+    last dim of at least 2. The rule is by shape only, so hidden states or images also qualify; the
+    top-1 agreement and KL divergence they get are reported, never used as a limit by default."""
+    return t.is_floating_point() and t.dim() >= 2 and t.shape[-1] >= 2
+
+
+#: Python outputs compared with ``==`` (exactly); ``bool`` is an ``int``.
+EXACT_TYPES = (int, str, bytes, type(None))
+
+#: Floor of the FP64 rule's denominator, as a fraction of the FP64 output's RMS: dynamo's ``same`` adds
+#: ``tol / 10`` (absolute, ``tol`` = 1e-4 by default) to the allowed RMSE; here it is relative to the
+#: output's scale, so the rule does not depend on the outputs' units.
+FP64_FLOOR = 1e-5
 
 
 #: Elements per chunk of the float64 error computation (GPT-2's logits at batch 32 are 823 M values: the
@@ -220,50 +304,275 @@ def float_leaves(out: Any) -> list[torch.Tensor]:
 ERROR_CHUNK = 1 << 25
 
 
-def compare(out: Any, ref: Any) -> ErrorStats:
-    """Error of ``out`` against ``ref`` (same structure), over every floating output tensor.
+def _float_diff(o: torch.Tensor, r: torch.Tensor) -> tuple[float, float, float, int]:
+    """``(sum (o - r)², sum r², max |o - r|, bad)`` in float64, chunked. ``bad`` counts NaN/inf in ``o``
+    where ``r`` is finite, and values of ``o`` other than ``r``'s own inf/NaN where ``r`` is not finite;
+    those pairs count as 0 in the sums (so a reference that masks with -inf can still be matched)."""
+    o, r = o.detach().reshape(-1), r.detach().reshape(-1).to(o.device)
+    num = torch.zeros((), dtype=torch.float64, device=o.device)
+    den, mx = num.clone(), num.clone()
+    bad = torch.zeros((), dtype=torch.int64, device=o.device)
+    for i in range(0, o.numel(), ERROR_CHUNK):
+        oc, rc = o[i:i + ERROR_CHUNK], r[i:i + ERROR_CHUNK]
+        if oc.is_complex() or rc.is_complex():  # real and imaginary parts as two values each
+            oc, rc = (torch.view_as_real(x.to(torch.complex128)) for x in (oc, rc))
+        else:
+            oc, rc = oc.double(), rc.double()
+        fin, rfin = torch.isfinite(oc), torch.isfinite(rc)
+        # NaN/inf where the reference is finite, or not the reference's own inf/NaN where it is not
+        bad += (~fin & rfin).sum() + (~rfin & (oc != rc) & ~(torch.isnan(oc) & torch.isnan(rc))).sum()
+        both = fin & rfin
+        d = torch.where(both, oc, torch.zeros_like(oc)) - torch.where(rfin, rc, torch.zeros_like(rc))
+        num += (d * d).sum()
+        den += (torch.where(rfin, rc, torch.zeros_like(rc)) ** 2).sum()
+        if d.numel():
+            mx = torch.maximum(mx, d.abs().max())
+    return float(num), float(den), float(mx), int(bad)
 
-    Computed in float64 on ``out``'s device, ``ERROR_CHUNK`` elements at a time (extra memory: a few chunks
-    of float64, 256 MiB each, whatever the output size). ``rel_l2_error`` is the largest over the outputs of
-    ``||out - ref||_2 / ||ref||_2`` (NaN/inf in ``out`` count as 0 there and are counted in ``nonfinite``);
-    ``max_abs_error`` the largest absolute difference.
+
+def _logits_agreement(o: torch.Tensor, r: torch.Tensor) -> tuple[float, float | None]:
+    """(fraction of rows with the same argmax over the last dim, mean KL(softmax(r) || softmax(o)) in nats
+    over rows free of NaN/+inf, None when no row is) of logits ``o`` against ``r``, chunked by rows."""
+    c = r.shape[-1]
+    o2, r2 = o.detach().reshape(-1, c), r.detach().reshape(-1, c).to(o.device)
+    rows = o2.shape[0]
+    step = max(1, ERROR_CHUNK // (4 * c))  # a quarter chunk: its half-dozen float64 temporaries stay under 2 chunks
+    agree = torch.zeros((), dtype=torch.int64, device=o.device)
+    kl = torch.zeros((), dtype=torch.float64, device=o.device)
+    valid = torch.zeros((), dtype=torch.int64, device=o.device)
+    for i in range(0, rows, step):
+        oc, rc = o2[i:i + step].double(), r2[i:i + step].double()
+        ok = ~(torch.isnan(oc) | torch.isposinf(oc)).any(-1) & ~(torch.isnan(rc) | torch.isposinf(rc)).any(-1)
+        agree += ((oc.argmax(-1) == rc.argmax(-1)) & ok).sum()
+        lr, lo = rc.log_softmax(-1), oc.log_softmax(-1)
+        p = lr.exp()
+        # 0 · log 0 = 0 (a class the reference masks with -inf); p > 0 where the candidate has -inf: +inf
+        term = torch.where(p > 0, p * (lr - lo), torch.zeros_like(p)).sum(-1)
+        kl += torch.where(ok, term, torch.zeros_like(term)).sum()
+        valid += ok.sum()
+    n = int(valid)
+    return (int(agree) / rows if rows else 1.0), (float(kl) / n if n else None)
+
+
+def _exact_diff(o: torch.Tensor, r: torch.Tensor) -> int:
+    """Elements of integer/bool ``o`` that differ from ``r`` (values compared, dtypes may differ)."""
+    o, r = o.detach().reshape(-1), r.detach().reshape(-1).to(o.device)
+    bad = torch.zeros((), dtype=torch.int64, device=o.device)
+    for i in range(0, o.numel(), ERROR_CHUNK):
+        bad += torch.ne(o[i:i + ERROR_CHUNK], r[i:i + ERROR_CHUNK]).sum()
+    return int(bad)
+
+
+def _same_value(o: Any, r: Any) -> bool:
+    """``o == r`` for exact Python outputs, with ``True`` and ``1`` counted as different kinds."""
+    try:
+        eq = o == r
+    except Exception:  # noqa: BLE001 - an object whose == raises: differs
+        return False
+    return isinstance(eq, bool) and eq and isinstance(o, bool) == isinstance(r, bool)
+
+
+def compare(out: Any, ref: Any, ref64: Any = None, *, base: Any = None) -> ErrorStats:
+    """Compare every output of ``out`` with ``ref`` (same structure), each by its kind.
+
+    Outputs are the leaves of :func:`output_leaves`; tensors are paired in order, and so are non-tensor
+    leaves (separately, so a runtime that returns only the tensors still has them checked).
+
+    - Floating tensors: relative L2 and max-abs error, computed in float64 on ``out``'s device
+      ``ERROR_CHUNK`` elements at a time (extra memory: a few float64 chunks, 256 MiB each, whatever the
+      output size); NaN/inf in ``out`` count as 0 there and are counted in ``nonfinite``. Those that look
+      like class logits (:func:`looks_like_logits`) also get top-1 agreement and the mean KL divergence
+      of ``softmax(ref)`` from ``softmax(out)`` over the last dim.
+    - Integer and bool tensors: exact; the fraction of differing elements is ``mismatch_rate``.
+    - Python ints, bools, strings, bytes and ``None``: exact (``==``, one element each). Python floats and
+      complex numbers: relative error ``|out - ref| / |ref|`` (absolute when ``ref`` is 0), folded into
+      ``rel_l2_error``/``max_abs_error`` like a one-element tensor.
+    - Anything else, or non-tensor leaves that ``out`` does not return in the same number as ``ref``:
+      counted in ``unchecked_outputs``.
+
+    Args:
+        out: the candidate's outputs.
+        ref: the FP32 reference outputs.
+        ref64: optional: the outputs of the same model run in float64 on the same inputs (see
+            :func:`fp64_reference`); when given, ``fp64_ratio`` is computed over the floating outputs.
+        base: optional: the baseline whose own error against ``ref64`` scales the rule (default ``ref``).
+            For a fp16/bf16 candidate this should be the model as written run at that precision (see
+            :func:`scaled_tolerance`).
 
     Raises:
-        CandidateRejected: the outputs differ in count or shape (a broken rewrite).
+        CandidateRejected: the outputs differ in count, kind or shape (a broken rewrite).
+        ValueError: ``ref64`` or ``base`` does not have ``ref``'s floating outputs (a caller's error).
     """
-    outs, refs = float_leaves(out), float_leaves(ref)
-    if len(outs) != len(refs):
-        raise CandidateRejected(f"candidate returns {len(outs)} floating outputs, the model {len(refs)}")
-    max_abs, rel, nonfinite = 0.0, 0.0, 0
-    for o, r in zip(outs, refs):
+    outs, refs = output_leaves(out), output_leaves(ref)
+    ot = [x for x in outs if isinstance(x, torch.Tensor)]
+    rt = [x for x in refs if isinstance(x, torch.Tensor)]
+    n_of, n_rf = (sum(t.is_floating_point() for t in ts) for ts in (ot, rt))
+    if n_of != n_rf:
+        raise CandidateRejected(f"candidate returns {n_of} floating outputs, the model {n_rf}")
+    if len(ot) != len(rt):
+        raise CandidateRejected(f"candidate returns {len(ot)} tensor outputs, the model {len(rt)}")
+    stats = ErrorStats(max_abs_error=0.0, rel_l2_error=0.0, nonfinite=0, float_outputs=0)
+    rates: list[float] = []
+    tops: list[float] = []
+    kls: list[float] = []
+    floats: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for o, r in zip(ot, rt):
         if o.shape != r.shape:
             raise CandidateRejected(f"output shape {tuple(o.shape)} differs from the model's {tuple(r.shape)}")
-        o, r = o.detach().reshape(-1), r.detach().reshape(-1).to(o.device)
-        num = torch.zeros((), dtype=torch.float64, device=o.device)
-        den, mx = num.clone(), num.clone()
-        bad = torch.zeros((), dtype=torch.int64, device=o.device)
-        for i in range(0, o.numel(), ERROR_CHUNK):
-            oc, rc = o[i:i + ERROR_CHUNK].double(), r[i:i + ERROR_CHUNK].double()
-            fin = torch.isfinite(oc)
-            bad += (~fin).sum()
-            d = torch.where(fin, oc, torch.zeros_like(oc)) - rc
-            num += (d * d).sum()
-            den += (rc * rc).sum()
-            mx = torch.maximum(mx, d.abs().max())
-        max_abs = max(max_abs, float(mx))
-        rel = max(rel, math.sqrt(float(num)) / (math.sqrt(float(den)) or 1.0))
-        nonfinite += int(bad)
-    return ErrorStats(max_abs_error=max_abs, rel_l2_error=rel, nonfinite=nonfinite)
+        if (o.is_floating_point() or o.is_complex()) != (r.is_floating_point() or r.is_complex()):
+            raise CandidateRejected(f"candidate returns a {o.dtype} output where the model returns {r.dtype}")
+        if r.is_floating_point() or r.is_complex():
+            num, den, mx, bad = _float_diff(o, r)
+            stats.float_outputs += 1
+            stats.max_abs_error = max(stats.max_abs_error, mx)
+            stats.rel_l2_error = max(stats.rel_l2_error, math.sqrt(num) / (math.sqrt(den) or 1.0))
+            stats.nonfinite += bad
+            if r.is_floating_point():
+                floats.append((o, r))
+            if looks_like_logits(r):
+                top1, kl = _logits_agreement(o, r)
+                stats.logits_outputs += 1
+                tops.append(top1)
+                if kl is not None:
+                    kls.append(kl)
+        else:
+            bad = _exact_diff(o, r)
+            stats.exact_outputs += 1
+            stats.mismatched += bad
+            rates.append(bad / r.numel() if r.numel() else 0.0)
+    on = [x for x in outs if not isinstance(x, torch.Tensor)]
+    rn = [x for x in refs if not isinstance(x, torch.Tensor)]
+    if len(on) != len(rn):
+        stats.unchecked_outputs += len(rn)
+    else:
+        for o, r in zip(on, rn):
+            if isinstance(r, EXACT_TYPES):
+                same = _same_value(o, r)
+                stats.exact_outputs += 1
+                stats.mismatched += not same
+                rates.append(0.0 if same else 1.0)
+            elif isinstance(r, (float, complex)) and isinstance(o, (int, float, complex)):
+                stats.float_outputs += 1
+                if o == r or (o != o and r != r):  # equal, or NaN where the reference is NaN
+                    continue
+                if not (math.isfinite(abs(o))):
+                    stats.nonfinite += math.isfinite(abs(r))
+                    continue
+                d = abs(o - r)
+                stats.max_abs_error = max(stats.max_abs_error, d)
+                stats.rel_l2_error = max(stats.rel_l2_error, d / (abs(r) or 1.0))
+            else:
+                stats.unchecked_outputs += 1
+    stats.mismatch_rate = max(rates) if rates else None
+    stats.top1_agreement = min(tops) if tops else None
+    stats.kl_divergence = max(kls) if kls else None
+    if ref64 is not None:
+        stats.fp64_ratio = _fp64_ratio(floats, ref, ref64, base)
+    return stats
 
 
-def check_accuracy(err: ErrorStats, precision: str, out: Any) -> None:
-    """Reject a candidate whose outputs hold NaN/inf, naming the count and the fp16 limit when relevant.
+def _fp64_ratio(floats: list[tuple[torch.Tensor, torch.Tensor]], ref: Any, ref64: Any, base: Any) -> float:
+    """Max over the floating outputs of RMSE(out, ref64) / (RMSE(base, ref64) + FP64_FLOOR · RMS(ref64))."""
+    r64 = float_leaves(ref64)
+    bs = float_leaves(ref if base is None else base)
+    if len(r64) != len(floats) or len(bs) != len(floats):
+        raise ValueError(f"the FP64 reference has {len(r64)} floating outputs and the baseline {len(bs)}, the FP32 "
+                         f"reference {len(floats)}: run the same model on the same inputs for each")
+    worst = 0.0
+    for (o, _), b, e in zip(floats, bs, r64):
+        if e.shape != o.shape or b.shape != o.shape:
+            raise ValueError(f"FP64 reference / baseline output shapes {tuple(e.shape)} / {tuple(b.shape)} differ "
+                             f"from {tuple(o.shape)}: run the same model on the same inputs for each")
+        n = max(1, o.numel())
+        num_o, den, _, bad = _float_diff(o, e)
+        num_b, _, _, _ = _float_diff(b, e)
+        if bad:
+            return math.inf
+        res_rmse, base_rmse, rms = (math.sqrt(x / n) for x in (num_o, num_b, den))
+        allowed = base_rmse + FP64_FLOOR * rms
+        ratio = res_rmse / allowed if allowed > 0 else (0.0 if res_rmse == 0 else math.inf)
+        worst = max(worst, ratio)
+    return worst
+
+
+#: Multiplier of the FP64 rule (``torch._dynamo.utils.same``): a fp16/bf16 (and here fp8) candidate may
+#: be 3x as far from FP64 as its baseline, anything else 2x (dynamo uses 3 rather than 2 for fp16/bf16 to
+#: avoid false alarms on models whose AMP task accuracy is within 0.1 % of FP32).
+FP64_MULTIPLIER = {"fp16": 3.0, "bf16": 3.0, "fp8": 3.0}
+
+
+def fp64_multiplier(precision: str) -> float:
+    """The FP64 rule's multiplier for ``precision``: 3.0 for fp16/bf16/fp8, 2.0 otherwise (see
+    :data:`FP64_MULTIPLIER`). dynamo also raises it to 3.0 for outputs under 1000 elements; not done here."""
+    return FP64_MULTIPLIER.get(precision, 2.0)
+
+
+def scaled_tolerance(base_rmse: float, ref64_rms: float, precision: str) -> float:
+    """Largest RMSE against the FP64 output a candidate at ``precision`` may have under the FP64 rule:
+    ``fp64_multiplier(precision) · (base_rmse + FP64_FLOOR · ref64_rms)``, in the output's units.
+
+    This is ``torch._dynamo.utils.same``'s rule with ``fp64_ref`` (there ``res_rmse <= multiplier ·
+    ref_rmse + tol / 10``), with the additive floor made relative to the output's RMS. The limit scales
+    with how sensitive the model is: a model whose baseline already drifts far from FP64 gets a wide
+    limit, a well-conditioned one a tight limit. ``ErrorStats.fp64_ratio <= fp64_multiplier(precision)``
+    is the same test for every floating output at once.
+
+    How it would gate fp16/bf16 by default: run the model once in float64 (:func:`fp64_reference`) and
+    once as written at the candidate's precision (``model.to(dtype)`` eager: what a user gets without
+    tctune) per batch size, pass them as ``ref64`` and ``base`` to :func:`compare`, and call
+    :func:`check_accuracy` with ``fp64_gate=True``. The baseline must be at the candidate's precision:
+    with the FP32 reference as the baseline, FP32's own error against FP64 is about 1e-7 relative, and
+    every bf16 candidate (about 4e-3) would be hundreds of times over the limit.
+
+    Args:
+        base_rmse: RMSE of the baseline's output against the FP64 output (output units).
+        ref64_rms: RMS of the FP64 output (output units).
+        precision: the candidate's precision name (``"fp16"``, ``"bf16"``, ...).
+    """
+    return fp64_multiplier(precision) * (base_rmse + FP64_FLOOR * ref64_rms)
+
+
+def fp64_reference(model: torch.nn.Module, inputs: tuple) -> Any:
+    """Outputs of a float64 copy of ``model`` on ``inputs`` with floating inputs cast to float64 (integer
+    inputs unchanged), under ``torch.inference_mode``: the ``ref64`` of :func:`compare`. Costs a copy of
+    the weights at twice their FP32 size, and a float64 forward pass (slow on GPUs without fast FP64)."""
+    import copy
+
+    m64 = copy.deepcopy(model).double()
+    args = tuple(x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
+    with torch.inference_mode():
+        return m64(*args)
+
+
+def check_accuracy(err: ErrorStats, precision: str, out: Any, *, max_mismatch_rate: float = 0.0,
+                   fp64_gate: bool = False) -> None:
+    """Reject a candidate whose outputs hold NaN/inf, whose integer/bool outputs differ from the FP32
+    reference's in more than ``max_mismatch_rate`` of their elements, or (``fp64_gate``) whose error
+    against FP64 is over the FP64 rule's limit.
+
+    Args:
+        err: the candidate's stats from :func:`compare`.
+        precision: the candidate's precision, for the messages and the FP64 rule's multiplier.
+        out: the candidate's outputs (for the largest finite value in the NaN/inf message).
+        max_mismatch_rate: largest allowed ``err.mismatch_rate`` (0 to 1); 0.0: every integer/bool
+            element must match exactly.
+        fp64_gate: also require ``err.fp64_ratio <= fp64_multiplier(precision)`` where it was computed
+            (see :func:`scaled_tolerance`).
 
     Raises:
-        CandidateRejected: ``err.nonfinite > 0``.
+        CandidateRejected: any of the above, naming the count and the limit.
     """
     if err.nonfinite:
         leaves = float_leaves(out)
         finite_max = max((float(t[torch.isfinite(t)].abs().max()) for t in leaves if torch.isfinite(t).any()), default=0.0)
         limit = " (fp16 max is 65504)" if precision == "fp16" else ""
         raise CandidateRejected(f"{precision} output has {err.nonfinite} NaN/inf values; max finite |x| {finite_max:.3g}{limit}")
+    if err.mismatch_rate is not None and err.mismatch_rate > max_mismatch_rate:
+        raise CandidateRejected(
+            f"{precision} integer/bool outputs differ from FP32 in {err.mismatch_rate:.2%} of their elements "
+            f"({err.mismatched} elements) > allowed mismatch rate {max_mismatch_rate:g} (class ids or counts changed; "
+            "raise the allowed mismatch rate to accept this)")
+    if fp64_gate and err.fp64_ratio is not None and err.fp64_ratio > fp64_multiplier(precision):
+        raise CandidateRejected(
+            f"{precision} error against FP64 is {err.fp64_ratio:.3g}x the baseline's (FP64 rule limit "
+            f"{fp64_multiplier(precision):g}x)")

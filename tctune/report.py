@@ -19,7 +19,8 @@ import optuna
 from .search import best_trial, is_feasible, pareto_front
 
 TRIAL_FIELDS = ("throughput", "latency_ms", "latency_p50_ms", "latency_p99_ms", "repeats_ms", "peak_memory_mib", "max_rel_error", "max_abs_error", "nonfinite",
-                "description", "setup_s")
+                "float_outputs", "exact_outputs", "mismatch_rate", "mismatched", "logits_outputs", "top1_agreement", "kl_divergence",
+                "unchecked_outputs", "fp64_ratio", "description", "setup_s")
 
 
 def write_atomic(path: str | Path, text: str) -> None:
@@ -172,6 +173,44 @@ def _fmt(v: Any, spec: str = ".4g") -> str:
     return str(v)
 
 
+def _rel_error(row: dict) -> str:
+    """The relative error of a trial row for the tables: "–" when it had no floating output to compare."""
+    return "–" if row.get("float_outputs") == 0 else _fmt(row.get("max_rel_error"), ".2e")
+
+
+def _mismatch(row: dict) -> str:
+    rate = row.get("mismatch_rate")
+    return "–" if rate is None else f"{rate:.2%}"
+
+
+def _top1(row: dict) -> str:
+    top, kl = row.get("top1_agreement"), row.get("kl_divergence")
+    return "–" if top is None else f"{top:.2%}" + (f" / {kl:.1e}" if kl is not None else "")
+
+
+def accuracy_summary(row: dict) -> str | None:
+    """One sentence on how a trial's outputs compare with FP32 beyond the relative error, or None when
+    nothing else was measured: integer/bool mismatches, top-1 agreement and KL divergence of logits-like
+    outputs, outputs that could not be checked, and the FP64 ratio (see ``tctune.measure.ErrorStats``)."""
+    parts = []
+    if row.get("float_outputs") == 0:
+        parts.append("no floating outputs (no relative error)")
+    if row.get("mismatch_rate") is not None:
+        parts.append(f"integer/bool outputs: {row['mismatch_rate']:.2%} of elements differ"
+                     + (f" ({row['mismatched']} elements)" if row.get("mismatched") else "")
+                     + f" over {row.get('exact_outputs')} exact output(s)")
+    if row.get("top1_agreement") is not None:
+        parts.append(f"top-1 agreement {row['top1_agreement']:.2%}"
+                     + (f", KL(FP32 ‖ candidate) {row['kl_divergence']:.2e} nats" if row.get("kl_divergence") is not None else "")
+                     + " on logits-like outputs (last dim ≥ 2)")
+    if row.get("unchecked_outputs"):
+        parts.append(f"**{row['unchecked_outputs']} output(s) not checkable** (not tensors or numbers, or not returned "
+                     "by the candidate)")
+    if row.get("fp64_ratio") is not None:
+        parts.append(f"error against FP64 {row['fp64_ratio']:.3g}x the baseline's")
+    return "; ".join(parts) if parts else None
+
+
 def render_markdown(r: dict) -> str:
     """``report.md``: the same facts as ``report.json``, for people."""
     hw = r["hardware"]
@@ -180,7 +219,9 @@ def render_markdown(r: dict) -> str:
               f"- Hardware spec: {hw.get('name')} ({hw.get('arch')}, compute capability {hw.get('compute_capability') or '–'}, source {hw.get('source')})",
               f"- Measured on: {r['measured_on']}",
               f"- Study: `{r['study']['name']}`, {r['study']['n_trials']} trials ({r['study']['n_complete']} complete)",
-              f"- Accuracy limit: relative L2 error ≤ {r['config']['max_error']:g} against FP32 eager on fresh random inputs", ""]
+              f"- Accuracy limit: relative L2 error ≤ {r['config']['max_error']:g} against FP32 eager on fresh random inputs; "
+              + (f"integer and bool outputs may differ in up to {r['config']['max_mismatch_rate']:.2%} of their elements"
+                 if r["config"].get("max_mismatch_rate") else "integer and bool outputs must match exactly"), ""]
     if not r["capture"]["ok"] and r["config"].get("mode") == "train":
         lines += [f"> No graph passes in `--mode train`: {r['capture']['reason']}", ""]
     elif not r["capture"]["ok"]:
@@ -194,7 +235,10 @@ def render_markdown(r: dict) -> str:
             kind = "tctune graph passes" + (", pure policy (like model.half())" if p.get("policy") == "pure" else "")
         lines.append(f"Best: **{p['precision']}**, {kind}, runtime {p.get('runtime', 'eager')}, batch {p['batch_size']}: "
                      f"{_fmt(b['throughput'])} items/s, "
-                     f"{_fmt(b['latency_ms'])} ms per batch, relative error {_fmt(b['max_rel_error'], '.2e')}.")
+                     f"{_fmt(b['latency_ms'])} ms per batch, relative error {_rel_error(b)}.")
+        acc = accuracy_summary(b)
+        if acc:
+            lines.append(f"- Outputs against FP32: {acc}.")
         if r["config"].get("objective") == "latency":
             lines.append(f"- p99 latency (the objective): {_fmt(b.get('latency_p99_ms'))} ms per batch.")
         if base:
@@ -239,7 +283,7 @@ def render_markdown(r: dict) -> str:
             p = t["params"]
             lines.append(f"| {t['trial']} | {p.get('precision')} | {'yes' if p.get('graph_passes') else 'no'} | {p.get('runtime', 'eager')} | "
                          f"{p.get('batch_size')} | {_fmt(t['throughput'])} | {_fmt(t['latency_p99_ms'])} | "
-                         f"{_fmt(t['peak_memory_mib'], '.0f')} | {_fmt(t['max_rel_error'], '.2e')} |")
+                         f"{_fmt(t['peak_memory_mib'], '.0f')} | {_rel_error(t)} |")
     if r.get("plots"):
         lines += ["", "## Plots", ""]
         for name, path in sorted(r["plots"].items()):
@@ -265,14 +309,15 @@ def render_markdown(r: dict) -> str:
     else:
         lines.append("No graph passes ran for the best configuration.")
     lines += ["", "## Trials", "",
-              "| # | state | precision | graph passes | runtime | batch | items/s | ms/batch | peak MiB | rel. error | setup s | note |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| # | state | precision | graph passes | runtime | batch | items/s | ms/batch | peak MiB | rel. error | int mismatch | top-1 / KL | setup s | note |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in r["trials"]:
         p = t["params"]
         graph = ("yes" + (" (pure)" if p.get("policy") == "pure" else "")) if p.get("graph_passes") else "no"
         lines.append(f"| {t['number']} | {t['state'].lower()} | {p.get('precision', '–')} | {graph} | "
                      f"{p.get('runtime', 'eager')} | {p.get('batch_size', '–')} | {_fmt(t['throughput'])} | {_fmt(t['latency_ms'])} | "
-                     f"{_fmt(t['peak_memory_mib'], '.0f')} | {_fmt(t['max_rel_error'], '.2e')} | {_fmt(t['setup_s'], '.1f')} | {t['fail_reason'] or ''} |")
+                     f"{_fmt(t['peak_memory_mib'], '.0f')} | {_rel_error(t)} | {_mismatch(t)} | {_top1(t)} | "
+                     f"{_fmt(t['setup_s'], '.1f')} | {t['fail_reason'] or ''} |")
     if r["study"].get("n_queued_not_run"):
         lines += ["", f"{r['study']['n_queued_not_run']} queued candidate(s) were not started (--trials or --timeout "
                       "reached); running the command again measures them."]
