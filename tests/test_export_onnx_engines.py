@@ -316,3 +316,35 @@ def test_tctune_imports_without_onnxruntime():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n")[:2] == ["seam raises ImportError", "skipped"]
+
+
+class ConvThenFP8Linear(nn.Module):
+    """A conv stem (stays bf16 at fp8) in front of an FP8-eligible linear (16 -> 64)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.fc1 = nn.Linear(16, 64)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.fc1(torch.relu(self.conv(x)).mean((2, 3)))))
+
+
+def test_fp8_export_with_a_bf16_conv_is_valid_onnx(tmp_path):
+    """The FP8 export asks for opset 19; its bf16 Conv is ONNX only from 22, so the file is written at 22."""
+    from passes import PassSpec
+    from tctune.export.onnx_fp8 import build_fp8_graphs, export_onnx_fp8
+
+    torch.manual_seed(0)
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    gm = torch.export.export(ConvThenFP8Linear().eval(), _images(2), dynamic_shapes=({0: batch},),
+                             strict=False).module()
+    graphs = build_fp8_graphs(gm, PassSpec(precision="fp8", fp8_scaling="tensor"), ())
+    path = tmp_path / "model.onnx"
+    info = export_onnx_fp8(graphs, _images, path, batch_sizes=(1, 4))
+    assert info["onnx_opset"] >= 22 and "Conv accepts tensor(bfloat16) from opset 22" in info["onnx_opset_reason"]
+    onnx.checker.check_model(str(path), full_check=True)
+    assert [q["weight"] for q in info["onnx_fp8"]["quantized"]] == ["fc1.weight"]
+    assert info["onnx_error"] is None and info["onnx_max_rel_l2_error"] < 5e-2  # tctune's FP8 tolerance
+    assert deployment(info)["deploy"]["tensorrt"] == "model.onnx"
