@@ -270,10 +270,13 @@ def export_onnx_deployable(
         opset: the lowest opset to write (see :func:`export_onnx`).
 
     Returns:
-        :func:`export_onnx`'s dict for the typed file, plus ``onnx_fp32`` (str path or None),
-        ``onnx_fp32_max_abs_error`` (float or None), ``onnx_fp32_error`` (None or one line),
-        ``onnx_fp32_validation`` (list, as ``onnx_validation``), and :func:`deployment`'s ``deploy`` and
-        ``deploy_reason``.
+        :func:`export_onnx`'s dict for the typed file (when it was not written: ``onnx`` None,
+        ``onnx_invalid`` the :class:`InvalidOnnxError` message, and ``onnx_inputs`` / ``onnx_outputs`` taken
+        from the twin), plus ``onnx_fp32`` (str path or None), ``onnx_fp32_max_abs_error`` (float or None),
+        ``onnx_fp32_error`` (None or one line), ``onnx_fp32_validation`` (list, as ``onnx_validation``),
+        ``onnx_fp32_load`` / ``onnx_fp32_provider`` (as ``onnx_load`` / ``onnx_provider``, when the twin was
+        exported), and :func:`deployment`'s ``deploy`` and ``deploy_reason``. No twin is written when
+        onnxruntime is not installed (nothing to decide with) or the typed file ran.
 
     Raises:
         ExportError: the typed export failed for another reason than invalid ONNX (see :func:`export_onnx`).
@@ -352,8 +355,9 @@ def deployment(info: dict[str, Any]) -> dict[str, Any]:
                        f"{info.get('onnx_validation_skipped') or ORT_MISSING}")
     elif typed_ran:
         deploy[runtime] = typed_name
-        reasons.append(f"{typed_name} is valid ONNX and ran in onnxruntime ({info.get('onnx_provider')}) "
-                       f"within max abs error {info.get('onnx_max_abs_error'):.2e} of PyTorch")
+        err = info.get("onnx_max_abs_error")
+        reasons.append(f"{typed_name} is valid ONNX and ran in onnxruntime ({info.get('onnx_provider')})"
+                       + (f" within max abs error {err:.2e} of PyTorch" if err is not None else ""))
     elif load in ("no_kernel", "invalid"):
         reasons.append(f"{typed_name} is valid ONNX (onnx.checker full_check) for TensorRT, but "
                        f"{info.get('onnx_error')}")
