@@ -7,6 +7,7 @@ network, one profile with the right min/opt/max, engine + manifest written), not
 from __future__ import annotations
 
 import json
+import os
 import sys
 import types
 from pathlib import Path
@@ -367,3 +368,16 @@ def test_build_engine_skips_without_tensorrt(tmp_path, monkeypatch):
                           batch_sizes=(1, 2, 4))
     assert result == {"tensorrt": None, "tensorrt_skipped_reason": reason}
     assert list(tmp_path.iterdir()) == []
+
+
+def test_build_engine_writes_files_other_users_can_read(cnn_export, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorrt", _FakeTensorRT())
+    engine, cache = tmp_path / "model.engine", tmp_path / "timing.cache"
+    old = os.umask(0o077)  # only an explicit chmod gives other users the read bit
+    try:
+        build_engine(cnn_export[0], engine, input_shapes={"x": (-1, 3, 32, 32)}, batch_sizes=(1, 2, 4),
+                     timing_cache=cache)
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert modes == {"model.engine": 0o644, "model.engine.json": 0o644, "timing.cache": 0o644}

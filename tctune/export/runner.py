@@ -24,6 +24,8 @@ from tctune.errors import ExportError
 TEMPLATE = Path(__file__).with_name("_runner_template.py")
 MANIFEST_SUFFIX = ".manifest.json"
 RUNNER_NAME = "runner.py"
+#: Mode bits of a manifest (as of every other artifact) and of the runner script.
+MANIFEST_MODE, RUNNER_MODE = 0o644, 0o755
 
 _NUMPY_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
                  torch.bfloat16: "bfloat16", torch.int64: "int64", torch.int32: "int32", torch.int16: "int16",
@@ -81,7 +83,7 @@ def describe_inputs(
 
 
 def write_manifest(artifact_path: str | os.PathLike, manifest: dict) -> Path:
-    """Write ``manifest`` as ``<artifact>.manifest.json`` (atomically); returns its path."""
+    """Write ``manifest`` as ``<artifact>.manifest.json`` (atomically, mode 0o644); returns its path."""
     path = manifest_path(artifact_path)
     _write_atomically(path, json.dumps(manifest, indent=2, default=str) + "\n")
     return path
@@ -91,7 +93,8 @@ def write_runner(artifact_path: str | os.PathLike, manifest: dict) -> Path:
     """Write the manifest and a standalone ``runner.py`` beside ``artifact_path``.
 
     The runner times the artifact it was written for by default (any artifact with a manifest when given
-    one: ``python runner.py model.pt2``). It imports only numpy plus the engine's runtime.
+    one: ``python runner.py model.pt2``). It imports only numpy plus the engine's runtime. Both files are
+    written atomically and readable by other users: the manifest with mode 0o644, ``runner.py`` 0o755.
 
     Args:
         artifact_path: the ``.onnx``, ``.engine`` or ``.pt2`` file.
@@ -113,8 +116,7 @@ def write_runner(artifact_path: str | os.PathLike, manifest: dict) -> Path:
     write_manifest(artifact, manifest)
     text = TEMPLATE.read_text(encoding="utf-8").replace("__DEFAULT_ARTIFACT__", artifact.name)
     runner = artifact.parent / RUNNER_NAME
-    _write_atomically(runner, text)
-    runner.chmod(0o755)
+    _write_atomically(runner, text, RUNNER_MODE)
     return runner
 
 
@@ -155,12 +157,15 @@ def _as_tuple(inputs: Any) -> tuple[torch.Tensor, ...]:
     return (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def _write_atomically(path: Path, text: str, mode: int = MANIFEST_MODE) -> None:
+    """Write through a temporary file beside ``path`` and ``os.replace``; ``mode`` set before the rename
+    (mkstemp creates 0o600, which other users cannot read)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -182,11 +182,14 @@ def _compute_capability() -> str | None:
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
+    """Write through a temporary file and ``os.replace``, with mode 0o644 like every other artifact
+    (mkstemp creates 0o600, which other users cannot read)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
