@@ -863,7 +863,8 @@ def run_optimize(entry: Entry, args: argparse.Namespace) -> dict:
                                              seq=args.seq))
     t0 = time.perf_counter()
     try:
-        from tctune import TuneConfig, optimize
+        from tctune import TuneConfig
+        from tctune.optimize import optimize  # (`from tctune import optimize` can yield the submodule)
 
         cfg = TuneConfig(out_dir=str(work / "run"), batch_sizes=(batch,), trials=args.optimize_trials,
                          timeout_s=args.optimize_budget_s, export=False, quiet=True)
@@ -1251,7 +1252,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.device == "cpu":
             print("[zoo] no CUDA device: measuring on the CPU (a dry run; CUDA-graph variants are skipped)", flush=True)
     rows = run_all(entries, args)
-    print(short_table(rows))
+    if rows:
+        print(short_table(rows))
     return 0
 
 

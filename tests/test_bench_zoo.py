@@ -287,7 +287,8 @@ def test_budget_stops_starting_models(tmp_path, capsys):
 
 def test_tiny_dry_run_end_to_end_on_cpu(tmp_path):
     pytest.importorskip("transformers")
-    assert zoo.main(["--models", "BertForMaskedLM", "--tiny", "--scale", "0.0625", "--device", "cpu",
+    # the worker path in this process (the runner's subprocess is exercised by the timeout test)
+    assert zoo.main(["--worker", "BertForMaskedLM", "--tiny", "--scale", "0.0625", "--device", "cpu",
                      "--variants", "fp32_eager,eager", "--repeats", "2", "--repeat-s", "0.005",
                      "--out", str(tmp_path)]) == 0
     row = json.loads(zoo.row_path(tmp_path, "BertForMaskedLM").read_text())
