@@ -108,7 +108,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -638,8 +638,7 @@ def _env() -> dict:
     import torch
 
     env = {"torch": torch.__version__, "python": platform.python_version(), "host": platform.node()}
-    if torch.cuda.is_available():
-        env["device"] = torch.cuda.get_device_name(0)
+    env["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({platform.machine()})"
     for pkg in ("transformers", "timm", "torchvision"):
         try:
             env[pkg] = __import__(pkg).__version__
@@ -1229,6 +1228,12 @@ def main(argv: list[str] | None = None) -> int:
         args.optimize = OPTIMIZE_DEFAULT
     elif args.optimize:
         args.optimize = tuple(m.strip() for m in args.optimize.split(",") if m.strip())
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if args.device == "cpu" and not (args.worker or args.worker_optimize or args.list):
+            print("[zoo] no CUDA device: measuring on the CPU (a dry run; CUDA-graph variants are skipped)", flush=True)
     if args.worker or args.worker_optimize:
         entry = all_entries(include_test=True)[args.worker or args.worker_optimize]
         if args.worker:
@@ -1248,12 +1253,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.out is None:
         p.error("--out DIR is required to measure (rows go to DIR/rows/)")
-    if args.device is None:
-        import torch
-
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if args.device == "cpu":
-            print("[zoo] no CUDA device: measuring on the CPU (a dry run; CUDA-graph variants are skipped)", flush=True)
     rows = run_all(entries, args)
     if rows:
         print(short_table(rows))
