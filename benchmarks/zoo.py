@@ -3,6 +3,7 @@
 Usage::
 
     python benchmarks/zoo.py --slice 1/8 --out $OUT/zoo --budget-s 560      # one ten-minute GPU call
+    python benchmarks/zoo.py --gpus 0,1,2,3 --slice 1/2 --out $OUT/zoo --budget-s 560   # four models at a time
     python benchmarks/zoo.py --models BertForMaskedLM,resnet50 --out DIR      # named models
     python benchmarks/zoo.py --merge DIR [DIR ...]                            # summary of every slice
     python benchmarks/zoo.py --list                                           # the model list, then exit
@@ -87,7 +88,10 @@ subgraphs fell back. ``accuracy_consistent``: tctune's relative error <= 2 x tha
 Time limits: ``--model-timeout`` s per model process (killed with its process group after that; the row is
 kept as ``timeout`` with the variant that was running), ``--budget-s`` for the whole call: no model is
 started with less than ``--min-model-s`` left, and each gets at most what is left minus 10 s; the models not
-started are written as ``skipped`` rows and listed with a ``--models`` line that runs them.
+started are written as ``skipped`` rows and listed with a ``--models`` line that runs them. ``--gpus 0,1,..``
+runs one model process per listed GPU at a time (``CUDA_VISIBLE_DEVICES`` set to that GPU, Inductor's compile
+threads divided between them); the processes share the host's CPU, so a launch-bound variant without CUDA graph
+can time slower while another process compiles (the CUDA-graph variants are far less exposed).
 """
 from __future__ import annotations
 
@@ -745,8 +749,6 @@ def measure_model(entry: Entry, args: argparse.Namespace) -> dict:
             row["variants"][n].update(r, items_per_s=batch / (r["ms"] / 1e3))
         save()
 
-    import tctune.backend as tb
-
     with torch.no_grad():
         record("fp32_eager", lambda: model, inputs)
         if "fp32_eager" not in outs:
@@ -762,16 +764,21 @@ def measure_model(entry: Entry, args: argparse.Namespace) -> dict:
         record("eager_cg", lambda: cuda_graph(low, low_inputs), low_inputs)
         timed("eager_cg")
         fns.pop("eager", None), fns.pop("eager_cg", None)  # only the compiled pairs stay alive
-        tb.reset()
-        backend = "tctune" if "tctune" in torch._dynamo.list_backends() else tb.tctune_backend
-        options = {"precision": args.dtype, "policy": "pure"}
-        record("tctune", lambda: torch.compile(model, backend=backend, options=options), inputs)
-        reports = list(tb.reports)
-        row["tctune"] = {"backend": backend if isinstance(backend, str) else "tctune.backend.tctune_backend",
-                         "options": options, "subgraphs": len(reports),
-                         "fallbacks": [(r.fallback.strip().splitlines() or [""])[0][:300]
-                                       for r in reports if r.fallback],
-                         "summaries": [r.summary()[:400] for r in reports[:32]]}
+        if "tctune" in wanted:
+            import tctune.backend as tb
+
+            tb.reset()
+            backend = "tctune" if "tctune" in torch._dynamo.list_backends() else tb.tctune_backend
+            options = {"precision": args.dtype, "policy": "pure"}
+            record("tctune", lambda: torch.compile(model, backend=backend, options=options), inputs)
+            reports = list(tb.reports)
+            row["tctune"] = {"backend": backend if isinstance(backend, str) else "tctune.backend.tctune_backend",
+                             "options": options, "subgraphs": len(reports),
+                             "fallbacks": [(r.fallback.strip().splitlines() or [""])[0][:300]
+                                           for r in reports if r.fallback],
+                             "summaries": [r.summary()[:400] for r in reports[:32]]}
+        else:
+            record("tctune", lambda: model, inputs)  # records it as not requested
         record("inductor", lambda: torch.compile(low), low_inputs)
         timed("inductor", "tctune")
         record("tctune_cg", lambda: cuda_graph(fns["tctune"][0], inputs), inputs, needs="tctune")
@@ -1054,27 +1061,6 @@ def short_table(rows: list[dict]) -> str:
 # ------------------------------------------------------------------------------------------------ runner
 
 
-def run_child(cmd: list[str], timeout_s: float, env: dict | None = None) -> tuple[int | None, float, str]:
-    """Run ``cmd`` in its own process group; kill that group after ``timeout_s``.
-
-    Returns:
-        (exit code or None on timeout, wall seconds, the last 2,000 characters of its stderr).
-    """
-    t0 = time.perf_counter()
-    with tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, stdout=None, stderr=err, env=env, start_new_session=True)
-        try:
-            rc: int | None = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = None
-        err.seek(0)
-        tail = err.read().decode(errors="replace")[-2000:]
-    return rc, time.perf_counter() - t0, tail
-
-
 def _child_args(args: argparse.Namespace) -> list[str]:
     out = ["--out", str(args.out), "--dtype", args.dtype, "--scale", repr(args.scale), "--seq", str(args.seq),
            "--device", args.device, "--repeats", str(args.repeats), "--repeat-s", repr(args.repeat_s),
@@ -1083,72 +1069,134 @@ def _child_args(args: argparse.Namespace) -> list[str]:
     return out + (["--tiny"] if args.tiny else [])
 
 
-def _finish_child(path: Path, entry: Entry, args, rc, wall: float, tail: str, timeout: float, kind: str) -> dict:
-    row = json.loads(path.read_text()) if path.exists() else {"name": entry.name, "suite": entry.suite,
-                                                               "batch_size": scaled_batch(entry.batch_size, args.scale),
-                                                               "dtype": args.dtype, "variants": {}}
+@dataclass
+class _Job:
+    """One child process: a model's variants (``kind`` "model") or its ``tctune optimize`` ("optimize")."""
+
+    entry: Entry
+    kind: str
+    proc: Any = None
+    err: Any = None
+    t0: float = 0.0
+    timeout: float = 0.0
+    cache: str | None = None
+
+
+def _start(job: _Job, args: argparse.Namespace, timeout: float, gpu: str | None) -> None:
+    """Start ``job``'s process in its own process group (so a kill reaches its compile workers)."""
+    flag = "--worker" if job.kind == "model" else "--worker-optimize"
+    cmd = [sys.executable, str(Path(__file__).resolve()), flag, job.entry.name, *_child_args(args)]
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // len(args.gpus))))
+    if not args.warm_cache:
+        job.cache = tempfile.mkdtemp(prefix="zoo_cache_")
+        env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(job.cache, "inductor"),
+                   TRITON_CACHE_DIR=os.path.join(job.cache, "triton"))
+    job.err = tempfile.TemporaryFile()
+    job.t0, job.timeout = time.perf_counter(), timeout
+    job.proc = subprocess.Popen(cmd, stdout=None, stderr=job.err, env=env, start_new_session=True)
+    where = f" on GPU {gpu}" if gpu is not None else ""
+    print(f"[zoo] {job.entry.name}: {job.kind} started{where} (batch "
+          f"{scaled_batch(job.entry.batch_size, args.scale)}, limit {timeout:.0f} s)", flush=True)
+
+
+def _poll(job: _Job) -> tuple[bool, int | None]:
+    """(finished, exit code or None when it was killed for its time limit)."""
+    rc = job.proc.poll()
+    if rc is not None:
+        return True, rc
+    if time.perf_counter() - job.t0 <= job.timeout:
+        return False, None
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(job.proc.pid, signal.SIGKILL)  # this job's own process group only
+    job.proc.wait()
+    return True, None
+
+
+def _finish(job: _Job, args: argparse.Namespace, rc: int | None) -> dict:
+    """Complete the job's row from its exit (timeout or crash recorded with the reason); clean its cache."""
+    wall = time.perf_counter() - job.t0
+    job.err.seek(0)
+    tail = job.err.read().decode(errors="replace")[-2000:]
+    job.err.close()
+    if job.cache:
+        shutil.rmtree(job.cache, ignore_errors=True)
+    entry = job.entry
+    path = row_path(Path(args.out), entry.name, "" if job.kind == "model" else "optimize")
+    row = json.loads(path.read_text()) if path.exists() else {
+        "name": entry.name, "suite": entry.suite, "batch_size": scaled_batch(entry.batch_size, args.scale),
+        "dtype": args.dtype, "variants": {}}
     if rc is None:
-        row.update(status="timeout", reason=f"{kind} process killed after {timeout:.0f} s (running: "
+        row.update(status="timeout", reason=f"{job.kind} process killed after {job.timeout:.0f} s (running: "
                    f"{row.get('current') or 'start-up'})")
     elif rc != 0 or row.get("status") in (None, "running"):
         last = [ln for ln in tail.strip().splitlines() if ln.strip()]
-        row.update(status="error", reason=f"{kind} process exited {rc}: {last[-1][:300] if last else 'no stderr'}")
+        row.update(status="error", reason=f"{job.kind} process exited {rc}: {last[-1][:300] if last else 'no stderr'}")
     row["wall_s"] = round(wall, 1)
     _write_json(path, row)
+    if job.kind == "model":
+        print(f"[zoo] {entry.name}: {row.get('status')} in {wall:.0f} s"
+              + (f" ({row.get('reason')})" if row.get("reason") else ""), flush=True)
+    else:
+        print(f"[zoo] {entry.name}: optimize {row.get('status')}, speedup vs best baseline "
+              f"{_f(row.get('speedup_vs_best_baseline'))}"
+              + (f" ({row.get('reason') or row.get('error')})" if row.get("status") != "ok" else ""), flush=True)
     return row
 
 
 def run_all(entries: list[Entry], args: argparse.Namespace) -> list[dict]:
-    """Each entry in a fresh process (``--model-timeout``), then optimize where asked, under ``--budget-s``."""
-    rows = []
-    skipped: list[str] = []
+    """Run every entry's model job (and optimize job where asked) in fresh processes under the time limits.
+
+    Jobs start in list order, one per slot: one slot without ``--gpus``, else one per listed GPU (the process
+    sees only that GPU). No job starts with less than ``--min-model-s`` of ``--budget-s`` left; each gets
+    ``min(its limit, what is left - 10 s)``. Models not started get ``skipped`` rows.
+
+    Returns:
+        The model rows of this call, in list order.
+    """
+    jobs = [_Job(e, "model") for e in entries if not args.no_variants]
     optimize = set(args.optimize or ())
-    for entry in entries:
-        left = args.budget_s - (time.perf_counter() - _T0) if args.budget_s else math.inf
-        if left < args.min_model_s:
-            skipped.append(entry.name)
-            row = {"name": entry.name, "suite": entry.suite, "batch_size": scaled_batch(entry.batch_size, args.scale),
-                   "dtype": args.dtype, "status": "skipped", "reason": f"--budget-s: {left:.0f} s left", "variants": {}}
-            _write_json(row_path(Path(args.out), entry.name), row)
-            rows.append(row)
-            continue
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-        cache = None
-        if not args.warm_cache:
-            cache = tempfile.mkdtemp(prefix="zoo_cache_")
-            env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"), TRITON_CACHE_DIR=os.path.join(cache,
-                                                                                                            "triton"))
-        try:
-            if not args.no_variants:
-                timeout = min(args.model_timeout, left - 10)
-                print(f"[zoo] {entry.name} ({entry.suite}, batch {scaled_batch(entry.batch_size, args.scale)}), "
-                      f"limit {timeout:.0f} s", flush=True)
-                cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", entry.name, *_child_args(args)]
-                rc, wall, tail = run_child(cmd, timeout, env)
-                row = _finish_child(row_path(Path(args.out), entry.name), entry, args, rc, wall, tail, timeout, "model")
-                rows.append(row)
-                print(f"[zoo] {entry.name}: {row.get('status')} in {wall:.0f} s"
-                      + (f" ({row.get('reason')})" if row.get("reason") else ""), flush=True)
-            if entry.name in optimize:
-                left = args.budget_s - (time.perf_counter() - _T0) if args.budget_s else math.inf
-                timeout = min(args.optimize_budget_s + 120, left - 10)
-                if timeout < 30:
-                    print(f"[zoo] {entry.name}: optimize not started (--budget-s: {left:.0f} s left)", flush=True)
-                    continue
-                cmd = [sys.executable, str(Path(__file__).resolve()), "--worker-optimize", entry.name,
-                       *_child_args(args)]
-                rc, wall, tail = run_child(cmd, timeout, env)
-                o = _finish_child(row_path(Path(args.out), entry.name, "optimize"), entry, args, rc, wall, tail,
-                                  timeout, "optimize")
-                print(f"[zoo] {entry.name}: optimize {o.get('status')}, speedup vs best baseline "
-                      f"{_f(o.get('speedup_vs_best_baseline'))}" + (f" ({o.get('reason') or o.get('error')})"
-                                                                     if o.get("status") != "ok" else ""), flush=True)
-        finally:
-            if cache:
-                shutil.rmtree(cache, ignore_errors=True)
+    jobs += [_Job(e, "optimize") for e in entries if e.name in optimize]
+    slots: list[str | None] = list(args.gpus) if args.gpus else [None]
+    active: dict[str | None, _Job] = {}
+    rows: dict[str, dict] = {}
+    skipped: list[str] = []
+    while jobs or active:
+        for slot in [s for s in slots if s not in active]:
+            if not jobs:
+                break
+            left = args.budget_s - (time.perf_counter() - _T0) if args.budget_s else math.inf
+            if left < args.min_model_s:
+                for job in jobs:
+                    if job.kind == "model":
+                        e = job.entry
+                        skipped.append(e.name)
+                        rows[e.name] = {"name": e.name, "suite": e.suite, "dtype": args.dtype, "variants": {},
+                                        "batch_size": scaled_batch(e.batch_size, args.scale), "status": "skipped",
+                                        "reason": f"--budget-s: {left:.0f} s left"}
+                        _write_json(row_path(Path(args.out), e.name), rows[e.name])
+                    else:
+                        print(f"[zoo] {job.entry.name}: optimize not started (--budget-s: {left:.0f} s left)")
+                jobs.clear()
+                break
+            job = jobs.pop(0)
+            limit = args.model_timeout if job.kind == "model" else args.optimize_budget_s + 120
+            _start(job, args, min(limit, left - 10), slot)
+            active[slot] = job
+        for slot, job in list(active.items()):
+            done, rc = _poll(job)
+            if done:
+                row = _finish(job, args, rc)
+                if job.kind == "model":
+                    rows[job.entry.name] = row
+                del active[slot]
+        if active:
+            time.sleep(0.2)
     if skipped:
         print(f"[zoo] not started (budget): {len(skipped)}; run them with --models {','.join(skipped)}", flush=True)
-    return rows
+    return [rows[e.name] for e in entries if e.name in rows]
 
 
 # ------------------------------------------------------------------------------------------------ CLI
@@ -1195,6 +1243,8 @@ def _parser() -> argparse.ArgumentParser:
     lim.add_argument("--budget-s", type=float, default=None,
                      help="seconds for this whole call: no model starts with less than --min-model-s left")
     lim.add_argument("--min-model-s", type=float, default=60.0, help="see --budget-s (60)")
+    lim.add_argument("--gpus", help="comma-separated GPU indices: run one model process per GPU at a time (each sees "
+                     "only its GPU; Inductor compile threads split between them); default: one process at a time")
     mrg = p.add_argument_group("summary")
     mrg.add_argument("--merge", nargs="+", metavar="DIR", help="merge the rows under these folders and print the table")
     mrg.add_argument("--merge-out", type=Path, default=DEFAULT_MERGE_OUT,
@@ -1234,6 +1284,7 @@ def main(argv: list[str] | None = None) -> int:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
         if args.device == "cpu" and not (args.worker or args.worker_optimize or args.list):
             print("[zoo] no CUDA device: measuring on the CPU (a dry run; CUDA-graph variants are skipped)", flush=True)
+    args.gpus = tuple(g.strip() for g in args.gpus.split(",") if g.strip()) if args.gpus else ()
     if args.worker or args.worker_optimize:
         entry = all_entries(include_test=True)[args.worker or args.worker_optimize]
         if args.worker:

@@ -264,15 +264,22 @@ def test_help_explains_the_options():
         assert opt in out.stdout
 
 
-def test_a_model_past_its_time_limit_is_killed_and_recorded(tmp_path, monkeypatch):
+def test_a_model_past_its_time_limit_is_killed_while_another_slot_runs(tmp_path, monkeypatch):
+    """Two slots (--gpus): the MLP runs and finishes while the sleeping model is killed at its time limit."""
     monkeypatch.setenv("ZOO_TEST_SLEEP_S", "120")
     t0 = time.perf_counter()
-    assert zoo.main(["--models", "zoo_test_sleep", "--device", "cpu", "--out", str(tmp_path),
-                     "--model-timeout", "8"]) == 0
-    assert time.perf_counter() - t0 < 30  # killed, not waited for
-    row = json.loads(zoo.row_path(tmp_path, "zoo_test_sleep").read_text())
-    assert row["status"] == "timeout"
-    assert "killed after 8 s" in row["reason"]
+    assert zoo.main(["--models", "zoo_test_sleep,zoo_test_mlp", "--gpus", "0,1", "--device", "cpu",
+                     "--variants", "fp32_eager,eager", "--repeats", "1", "--repeat-s", "0.001",
+                     "--out", str(tmp_path), "--model-timeout", "15"]) == 0
+    sleep = json.loads(zoo.row_path(tmp_path, "zoo_test_sleep").read_text())
+    mlp = json.loads(zoo.row_path(tmp_path, "zoo_test_mlp").read_text())
+    assert time.perf_counter() - t0 < 40  # killed, not waited for
+    assert sleep["status"] == "timeout" and "killed after 15 s" in sleep["reason"]
+    assert mlp["status"] == "ok", mlp.get("reason")
+    import datetime as dt
+
+    started = [dt.datetime.fromisoformat(r["started"]) for r in (sleep, mlp)]
+    assert abs((started[1] - started[0]).total_seconds()) < 10  # started together (one after the other: >= 15 s)
 
 
 def test_budget_stops_starting_models(tmp_path, capsys):
