@@ -319,3 +319,16 @@ def test_cuda_graph_replays_new_inputs():
         run = zoo.cuda_graph(lin, (x,))
         y = torch.randn(4, 16, device="cuda")
         torch.testing.assert_close(run(y), lin(y))
+
+
+def test_rel_err_chunked_matches_the_direct_formula():
+    g = torch.Generator().manual_seed(3)
+    ref = torch.randn(5, 7, 11, generator=g)
+    out = (ref + 1e-2 * torch.randn(5, 7, 11, generator=g)).bfloat16()
+    direct = float((out.double() - ref.double()).norm() / ref.double().norm())
+    got = zoo.rel_err(out, ref, chunk=13)  # chunks that do not divide the size
+    assert got["rel_err"] == pytest.approx(direct, rel=1e-12) and got["nonfinite"] == 0
+    bad = out.clone()
+    bad[0, 0, :2] = float("nan")
+    assert zoo.rel_err(bad, ref)["nonfinite"] == 2
+    assert zoo.rel_err(out[:2], ref)["rel_err"] == math.inf
