@@ -817,6 +817,8 @@ _built = None
 
 def build_model():
     global _built
+    import torch
+    torch.manual_seed(0)  # the same weights on every call
     _built = _zoo.build(_ENTRY, tiny={tiny!r}, seq={seq!r})
     return _built.model
 
