@@ -4,6 +4,7 @@ Usage::
 
     python benchmarks/zoo.py --slice 1/8 --out $OUT/zoo --budget-s 560      # one ten-minute GPU call
     python benchmarks/zoo.py --gpus 0,1,2,3 --slice 1/2 --out $OUT/zoo --budget-s 560   # four models at a time
+    python benchmarks/zoo.py --gpus 0 --jobs-per-gpu 4 --out $OUT/zoo --budget-s 540    # four sharing one GPU
     python benchmarks/zoo.py --models BertForMaskedLM,resnet50 --out DIR      # named models
     python benchmarks/zoo.py --merge DIR [DIR ...]                            # summary of every slice
     python benchmarks/zoo.py --list                                           # the model list, then exit
@@ -88,10 +89,38 @@ subgraphs fell back. ``accuracy_consistent``: tctune's relative error <= 2 x tha
 Time limits: ``--model-timeout`` s per model process (killed with its process group after that; the row is
 kept as ``timeout`` with the variant that was running), ``--budget-s`` for the whole call: no model is
 started with less than ``--min-model-s`` left, and each gets at most what is left minus 10 s; the models not
-started are written as ``skipped`` rows and listed with a ``--models`` line that runs them. ``--gpus 0,1,..``
-runs one model process per listed GPU at a time (``CUDA_VISIBLE_DEVICES`` set to that GPU, Inductor's compile
-threads divided between them); the processes share the host's CPU, so a launch-bound variant without CUDA graph
-can time slower while another process compiles (the CUDA-graph variants are far less exposed).
+started are written as ``skipped`` rows and listed with a ``--models`` line that runs them.
+
+Order and size limit. Without ``--models`` the selection (after ``--slice``, which is taken on the list order)
+runs smallest first by parameter count (``--order size``; from a meta-device build, no memory), so a call that
+runs out of ``--budget-s`` leaves the largest models for later; ``--models`` keeps the given order unless
+``--order size`` is passed. ``--max-params N`` writes every model above N parameters as ``skipped`` with the
+reason (default: no limit).
+
+Slots, sharing a GPU. ``--gpus 0,1,..`` lists one slot per entry, and a GPU may be listed several times
+(``--gpus 0,0,0,0``), or ``--jobs-per-gpu N`` repeats every listed GPU N times (``cuda`` without ``--gpus``
+means GPU 0). One model process runs per slot (``CUDA_VISIBLE_DEVICES`` set to the slot's GPU; Inductor's
+compile threads, ``TORCHINDUCTOR_COMPILE_THREADS``, divided among all slots). Processes on one GPU build and
+compile at the same time, but every timed section (each throughput timing of :func:`time_interleaved`, its
+warm-up and calibration calls included: eager, compiled and CUDA-graph replays alike) holds an exclusive
+``fcntl.flock`` on ``OUT/.gpu-<id>.lock``, so no two processes on one GPU time at once. Each row records the
+seconds it waited for that lock (``gpu_lock.wait_s``) and ``procs_per_gpu``. What the lock does not remove: a
+process that is building, compiling or running a first call uses the GPU and the host CPU while another one
+times, so launch-bound variants without CUDA graphs can time slower (the CUDA-graph variants far less). Compile
+seconds are wall time under the contention of ``procs_per_gpu`` concurrent processes (and the divided compile
+threads); tctune's and Inductor's compile seconds of a model are compared with each other within one row,
+measured under the same conditions, not with rows of a call with another ``procs_per_gpu``.
+
+Memory guard. A model does not start on a GPU while the estimates of the models running there plus its own exceed
+``--max-memory-frac`` (0.8) of the GPU's memory (read with NVML, else ``nvidia-smi``; when it cannot be read,
+models run one at a time per GPU). The estimate (:func:`memory_need`): 1 GiB (CUDA context, workspaces) +
+``BYTES_PER_PARAM`` (8) x parameters + 2 x the peak of live activation bytes of one FP32 eager forward at the
+zoo batch on the meta device (the FP32 reference output and the two CUDA-graph memory pools stay alive); when
+that meta forward fails (data-dependent ops such as the attention-mask checks of Hugging Face decoders), the
+activations are taken as 4 x parameters bytes (at least 4 GiB) + 3 x the FP32 bytes of the batch's language-model
+logits (batch x decoder sequence x vocabulary) for Hugging Face models.
+A model whose estimate is unknown runs alone on its GPU. Each row records the estimate
+(``memory_estimate_gib``) and, on CUDA, ``torch.cuda.max_memory_allocated`` (``max_memory_allocated_gib``).
 """
 from __future__ import annotations
 
@@ -99,6 +128,7 @@ import argparse
 import contextlib
 import copy
 import datetime as _dt
+import fcntl
 import glob
 import json
 import math
@@ -301,6 +331,8 @@ class Built:
         desc: the inputs in words (shapes and dtypes at batch B), for the row.
         params: parameter count.
         note: how the model was built (config, overrides).
+        item_out_elems: elements per batch item of the largest output the model may return (Hugging Face: decoder
+            sequence x vocabulary, the language-model logits); 0 when not known. Used by the memory estimate.
     """
 
     model: Any
@@ -308,6 +340,7 @@ class Built:
     desc: str
     params: int = 0
     note: str = ""
+    item_out_elems: int = 0
 
 
 def _wrapper_class():
@@ -441,6 +474,7 @@ def build_hf(name: str, tiny: bool = False, seq: int = 512, device: str = "cpu")
             return x.to(dev), ids.to(dev)
 
         desc = f"input_features (B, {mels}, {frames}) float32, decoder_input_ids (B, {dec_seq}) int64"
+        out_seq = dec_seq
     elif main == "input_ids":
         s = min(seq, limit) if limit else seq
         names = ("input_ids", "decoder_input_ids") if enc_dec else ("input_ids",)
@@ -450,12 +484,13 @@ def build_hf(name: str, tiny: bool = False, seq: int = 512, device: str = "cpu")
             return tuple(torch.randint(0, vocab, (batch, s), generator=g).to(dev) for _ in names)
 
         desc = ", ".join(f"{n} (B, {s}) int64" for n in names)
+        out_seq = s
     else:
         raise NotBuildable(f"{model_name}: main input {main!r} is not handled by the zoo")
     model = _wrapper_class()(hf, names).eval()
     n_params = sum(p.numel() for p in hf.parameters())
     note = f"{model_name}({cfg_name}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}))"
-    return Built(model, make, desc, n_params, note)
+    return Built(model, make, desc, n_params, note, item_out_elems=out_seq * vocab)
 
 
 def _vision(model, size: tuple[int, ...], note: str) -> Built:
@@ -511,6 +546,178 @@ def estimate_params(entry: Entry, tiny: bool = False) -> int | None:
         return build(entry, tiny, device="meta").params
     except Exception:  # noqa: BLE001 - only an estimate; the real build reports the error
         return None
+
+
+def _meta_activation_peak(built: Built, batch: int) -> int:
+    """Peak of live activation bytes over one forward of ``built.model`` at ``batch`` on the meta device.
+
+    Every non-aliasing op output is counted from its creation until its Python object is freed (as in eager).
+
+    Raises:
+        Exception: whatever the meta forward raises (e.g. an op that reads a value, ``Tensor.item``).
+    """
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    state = {"live": 0, "peak": 0}
+
+    def free(n: int) -> None:
+        state["live"] -= n
+
+    class _Track(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not any(r.alias_info is not None for r in func._schema.returns):  # views / in-place: no new bytes
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        n = t.numel() * t.element_size()
+                        state["live"] += n
+                        weakref.finalize(t, free, n)
+                state["peak"] = max(state["peak"], state["live"])
+            return out
+
+    inputs = built.make_inputs(batch, "meta", 0)
+    with torch.no_grad(), _Track():
+        out = built.model(*inputs)
+    del out
+    return state["peak"]
+
+
+@dataclass
+class Plan:
+    """The runner's size estimates of one entry (meta-device build; no memory used).
+
+    Attributes:
+        params: parameter count, or None when the meta build failed (or a self-test entry).
+        need: estimated peak GPU bytes of the model's process (:func:`memory_need`), or None when unknown.
+        how: how ``need`` was estimated, in words.
+    """
+
+    params: int | None = None
+    need: int | None = None
+    how: str = "unknown"
+
+
+def memory_need(params: int, activation_peak: int | None, out_bytes: int = 0) -> tuple[int, str]:
+    """Estimated peak GPU bytes of one model process: 1 GiB + BYTES_PER_PARAM x params + 2 x the FP32 activation
+    peak; when that peak is unknown, max(4 x params, 4 GiB) + 3 x ``out_bytes`` (the FP32 bytes of the largest
+    output at the batch: the reference and the two CUDA-graph outputs) for the activations.
+
+    Returns:
+        (bytes, how it was estimated in words).
+    """
+    base = 2**30 + BYTES_PER_PARAM * params
+    if activation_peak is not None:
+        return base + 2 * activation_peak, "meta forward"
+    return base + max(4 * params, 4 * 2**30) + 3 * out_bytes, "rough (meta forward failed)"
+
+
+def plan_entry(entry: Entry, tiny: bool = False, seq: int = 512, scale: float = 1.0) -> Plan:
+    """:class:`Plan` of ``entry`` at its scaled batch size (self-test entries: nothing known, nothing built)."""
+    if entry.suite == "test":
+        return Plan()
+    try:
+        built = build(entry, tiny, seq, device="meta")
+    except Exception:  # noqa: BLE001 - only an estimate; the real build reports the error
+        return Plan()
+    try:
+        peak = _meta_activation_peak(built, scaled_batch(entry.batch_size, scale))
+    except Exception:  # noqa: BLE001 - data-dependent ops cannot run on meta
+        peak = None
+    need, how = memory_need(built.params, peak, 4 * scaled_batch(entry.batch_size, scale) * built.item_out_elems)
+    return Plan(built.params, need, how)
+
+
+def gpu_total_memory(gpu: str) -> int | None:
+    """Total bytes of physical GPU ``gpu`` from NVML (``pynvml``), else ``nvidia-smi``; None when neither works.
+    Does not initialise CUDA in this process."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(int(gpu))).total)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - not installed or no driver: try nvidia-smi
+        pass
+    try:
+        out = subprocess.run(["nvidia-smi", "-i", str(gpu), "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30)
+        return int(float(out.stdout.strip().splitlines()[0])) * 2**20 if out.returncode == 0 else None
+    except Exception:  # noqa: BLE001 - no nvidia-smi
+        return None
+
+
+def fits(need: int | None, running: list[int | None], total: int | None, frac: float) -> bool:
+    """Whether a model of estimated ``need`` bytes may start on a GPU where models of estimates ``running`` run.
+
+    Always when nothing runs there; otherwise only when every estimate and ``total`` are known and the sum stays
+    within ``frac`` x ``total``.
+    """
+    if not running:
+        return True
+    if need is None or total is None or any(r is None for r in running):
+        return False
+    return need + sum(running) <= frac * total
+
+
+def gpu_slots(gpus: str | None, jobs_per_gpu: int, cuda: bool) -> list[str | None]:
+    """The runner's slots: each GPU of comma-separated ``gpus`` (repeats allowed) ``jobs_per_gpu`` times; GPU 0
+    when ``gpus`` is empty on CUDA with ``jobs_per_gpu`` > 1; else one slot without a GPU set.
+
+    Raises:
+        ValueError: a GPU that is not a non-negative integer, or ``jobs_per_gpu`` < 1.
+    """
+    if jobs_per_gpu < 1:
+        raise ValueError(f"--jobs-per-gpu must be >= 1, got {jobs_per_gpu}")
+    ids = [g.strip() for g in gpus.split(",") if g.strip()] if gpus else []
+    bad = [g for g in ids if not g.isdigit()]
+    if bad:
+        raise ValueError(f"--gpus takes comma-separated GPU indices such as 0,1 or 0,0,0,0; got {bad}")
+    if not ids and cuda and jobs_per_gpu > 1:
+        ids = ["0"]
+    if not ids:
+        return [None]
+    return [g for g in ids for _ in range(jobs_per_gpu)]
+
+
+def order_and_limit(entries: list[Entry], plans: dict[str, Plan], order: str,
+                    max_params: float | None) -> tuple[list[Entry], list[tuple[Entry, str]]]:
+    """(entries to run, (entry, reason) to skip): with ``order`` "size" sorted by parameter count, smallest first
+    (stable; unknown counts first: such a model fails fast or is a self-test entry); above ``max_params`` skipped."""
+    run, skip = [], []
+    for e in entries:
+        n = plans[e.name].params if e.name in plans else None
+        if max_params is not None and n is not None and n > max_params:
+            skip.append((e, f"--max-params {max_params:.3g}: {n / 1e9:.2f} B parameters"))
+        else:
+            run.append(e)
+    if order == "size":
+        run.sort(key=lambda e: (plans[e.name].params or 0) if e.name in plans else 0)
+    return run, skip
+
+
+@contextlib.contextmanager
+def gpu_timing_lock(path: str | os.PathLike | None, waits: list[float]):
+    """Hold an exclusive ``fcntl.flock`` on ``path`` (created if missing) for the block; append the seconds
+    spent waiting for it to ``waits``. ``path`` None: no lock, a wait of 0."""
+    if not path:
+        waits.append(0.0)
+        yield
+        return
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        t = time.perf_counter()
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        waits.append(time.perf_counter() - t)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
 
 # ------------------------------------------------------------------------------------------------ measuring
@@ -676,6 +883,13 @@ def measure_model(entry: Entry, args: argparse.Namespace) -> dict:
                  entry.batch_size, "dtype": args.dtype, "tiny": bool(args.tiny), "device": args.device,
                  "status": "running", "current": "build", "variants": {}, "started": _dt.datetime.now().isoformat(
                      timespec="seconds"), "env": _env()}
+    lock_path = os.environ.get("ZOO_GPU_LOCK") or None
+    procs = int(os.environ.get("ZOO_PROCS_PER_GPU", "1"))
+    waits: list[float] = []
+    row.update(procs_per_gpu=procs, gpu_lock={"file": lock_path, "wait_s": 0.0, "sections": 0},
+               compile_note=f"compile seconds measured with {procs} concurrent model process(es) on this GPU")
+    if os.environ.get("ZOO_MEM_ESTIMATE"):
+        row["memory_estimate_gib"] = round(int(os.environ["ZOO_MEM_ESTIMATE"]) / 2**30, 2)
     save = lambda: _write_json(path, row)  # noqa: E731
     save()
     if cuda:
@@ -750,7 +964,9 @@ def measure_model(entry: Entry, args: argparse.Namespace) -> dict:
         row["current"] = "timing " + ", ".join(todo)
         save()
         try:
-            res = time_interleaved(todo, cuda, args.repeats, args.repeat_s)
+            with gpu_timing_lock(lock_path, waits):
+                row["gpu_lock"].update(wait_s=round(sum(waits), 3), sections=len(waits))
+                res = time_interleaved(todo, cuda, args.repeats, args.repeat_s)
         except Exception as exc:  # noqa: BLE001
             for n in todo:
                 row["variants"][n].update(ok=False, error=f"timing: {one_line(exc)}")
@@ -795,6 +1011,8 @@ def measure_model(entry: Entry, args: argparse.Namespace) -> dict:
         record("inductor_cg", lambda: cuda_graph(fns["inductor"][0], low_inputs), low_inputs, needs="inductor")
         fns.pop("inductor", None), fns.pop("tctune", None)
         timed("inductor_cg", "tctune_cg")
+    if cuda:
+        row["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     row.update(status="ok", current=None, finished=_dt.datetime.now().isoformat(timespec="seconds"),
                wall_s=round(time.perf_counter() - t0, 1))
     save()
@@ -1094,14 +1312,22 @@ class _Job:
     cache: str | None = None
 
 
-def _start(job: _Job, args: argparse.Namespace, timeout: float, gpu: str | None) -> None:
-    """Start ``job``'s process in its own process group (so a kill reaches its compile workers)."""
+def _start(job: _Job, args: argparse.Namespace, timeout: float, gpu: str | None, slots: list[str | None],
+           need: int | None = None) -> None:
+    """Start ``job``'s process in its own process group (so a kill reaches its compile workers) on ``gpu``:
+    ``CUDA_VISIBLE_DEVICES``, the GPU's timing lock file and its process count, compile threads split over
+    ``slots``."""
     flag = "--worker" if job.kind == "model" else "--worker-optimize"
     cmd = [sys.executable, str(Path(__file__).resolve()), flag, job.entry.name, *_child_args(args)]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    env.pop("ZOO_MEM_ESTIMATE", None)
+    if need is not None:
+        env["ZOO_MEM_ESTIMATE"] = str(need)
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
-        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // len(args.gpus))))
+        env["ZOO_GPU_LOCK"] = str(Path(args.out).resolve() / f".gpu-{gpu}.lock")
+        env["ZOO_PROCS_PER_GPU"] = str(slots.count(gpu))
+        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // len(slots))))
     if not args.warm_cache:
         job.cache = tempfile.mkdtemp(prefix="zoo_cache_")
         env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(job.cache, "inductor"),
@@ -1110,8 +1336,9 @@ def _start(job: _Job, args: argparse.Namespace, timeout: float, gpu: str | None)
     job.t0, job.timeout = time.perf_counter(), timeout
     job.proc = subprocess.Popen(cmd, stdout=None, stderr=job.err, env=env, start_new_session=True)
     where = f" on GPU {gpu}" if gpu is not None else ""
+    est = f", estimate {need / 2**30:.1f} GiB" if need is not None else ""
     print(f"[zoo] {job.entry.name}: {job.kind} started{where} (batch "
-          f"{scaled_batch(job.entry.batch_size, args.scale)}, limit {timeout:.0f} s)", flush=True)
+          f"{scaled_batch(job.entry.batch_size, args.scale)}, limit {timeout:.0f} s{est})", flush=True)
 
 
 def _poll(job: _Job) -> tuple[bool, int | None]:
@@ -1158,52 +1385,70 @@ def _finish(job: _Job, args: argparse.Namespace, rc: int | None) -> dict:
     return row
 
 
-def run_all(entries: list[Entry], args: argparse.Namespace) -> list[dict]:
+def _skip_row(args: argparse.Namespace, e: Entry, reason: str, params: int | None = None) -> dict:
+    row = {"name": e.name, "suite": e.suite, "dtype": args.dtype, "variants": {},
+           "batch_size": scaled_batch(e.batch_size, args.scale), "status": "skipped", "reason": reason}
+    if params is not None:
+        row["params"] = params
+    _write_json(row_path(Path(args.out), e.name), row)
+    return row
+
+
+def run_all(entries: list[Entry], args: argparse.Namespace, plans: dict[str, Plan] | None = None,
+            totals: dict[str, int | None] | None = None) -> list[dict]:
     """Run every entry's model job (and optimize job where asked) in fresh processes under the time limits.
 
-    Jobs start in list order, one per slot: one slot without ``--gpus``, else one per listed GPU (the process
-    sees only that GPU). No job starts with less than ``--min-model-s`` of ``--budget-s`` left; each gets
-    ``min(its limit, what is left - 10 s)``. Models not started get ``skipped`` rows.
+    Slots come from :func:`gpu_slots` (``args.slots``). A free slot takes the first queued job that
+    :func:`fits` its GPU's memory (``plans`` estimates against ``totals``, GPU -> bytes; not checked on the
+    CPU), so a large model waits while smaller ones behind it start. No job starts with less than
+    ``--min-model-s`` of ``--budget-s`` left; each gets ``min(its limit, what is left - 10 s)``. Models not
+    started get ``skipped`` rows.
 
     Returns:
         The model rows of this call, in list order.
     """
+    plans = plans or {}
+    totals = totals or {}
     jobs = [_Job(e, "model") for e in entries if not args.no_variants]
     optimize = set(args.optimize or ())
     jobs += [_Job(e, "optimize") for e in entries if e.name in optimize]
-    slots: list[str | None] = list(args.gpus) if args.gpus else [None]
-    active: dict[str | None, _Job] = {}
+    slots: list[str | None] = list(getattr(args, "slots", None) or [None])
+    guard = args.device.startswith("cuda")
+    active: dict[int, _Job] = {}
     rows: dict[str, dict] = {}
     skipped: list[str] = []
+    need = lambda job: plans[job.entry.name].need if job.entry.name in plans else None  # noqa: E731
     while jobs or active:
-        for slot in [s for s in slots if s not in active]:
+        for i in [i for i in range(len(slots)) if i not in active]:
             if not jobs:
                 break
             left = args.budget_s - (time.perf_counter() - _T0) if args.budget_s else math.inf
             if left < args.min_model_s:
                 for job in jobs:
                     if job.kind == "model":
-                        e = job.entry
-                        skipped.append(e.name)
-                        rows[e.name] = {"name": e.name, "suite": e.suite, "dtype": args.dtype, "variants": {},
-                                        "batch_size": scaled_batch(e.batch_size, args.scale), "status": "skipped",
-                                        "reason": f"--budget-s: {left:.0f} s left"}
-                        _write_json(row_path(Path(args.out), e.name), rows[e.name])
+                        skipped.append(job.entry.name)
+                        rows[job.entry.name] = _skip_row(args, job.entry, f"--budget-s: {left:.0f} s left")
                     else:
                         print(f"[zoo] {job.entry.name}: optimize not started (--budget-s: {left:.0f} s left)")
                 jobs.clear()
                 break
-            job = jobs.pop(0)
-            limit = args.model_timeout if job.kind == "model" else args.optimize_budget_s + 120
-            _start(job, args, min(limit, left - 10), slot)
-            active[slot] = job
-        for slot, job in list(active.items()):
+            gpu = slots[i]
+            running = [need(j) for k, j in active.items() if slots[k] == gpu]
+            pick = next((job for job in jobs if not guard or fits(need(job), running, totals.get(gpu),
+                                                                  args.max_memory_frac)), None)
+            if pick is None:
+                continue  # this GPU is full for every queued job; wait for a process to end
+            jobs.remove(pick)
+            limit = args.model_timeout if pick.kind == "model" else args.optimize_budget_s + 120
+            _start(pick, args, min(limit, left - 10), gpu, slots, need(pick))
+            active[i] = pick
+        for i, job in list(active.items()):
             done, rc = _poll(job)
             if done:
                 row = _finish(job, args, rc)
                 if job.kind == "model":
                     rows[job.entry.name] = row
-                del active[slot]
+                del active[i]
         if active:
             time.sleep(0.2)
     if skipped:
@@ -1243,7 +1488,8 @@ def _parser() -> argparse.ArgumentParser:
     how.add_argument("--repeats", type=int, default=5, help="timed repeats per variant; the median is kept (5)")
     how.add_argument("--repeat-s", type=float, default=0.05, help="target seconds per timed repeat (0.05)")
     how.add_argument("--max-memory-frac", type=float, default=0.8,
-                     help="a model whose 8 bytes per parameter exceed this fraction of GPU memory is not built (0.8)")
+                     help="a model whose 8 bytes per parameter exceed this fraction of GPU memory is not built, and "
+                          "models sharing a GPU start only while their memory estimates stay within it (0.8)")
     how.add_argument("--warm-cache", action="store_true",
                      help="keep the user's Inductor/Triton caches (default: a fresh cache folder per model)")
     how.add_argument("--optimize-trials", type=int, default=12, help="trials of each `tctune optimize` (12)")
@@ -1255,8 +1501,17 @@ def _parser() -> argparse.ArgumentParser:
     lim.add_argument("--budget-s", type=float, default=None,
                      help="seconds for this whole call: no model starts with less than --min-model-s left")
     lim.add_argument("--min-model-s", type=float, default=60.0, help="see --budget-s (60)")
-    lim.add_argument("--gpus", help="comma-separated GPU indices: run one model process per GPU at a time (each sees "
-                     "only its GPU; Inductor compile threads split between them); default: one process at a time")
+    lim.add_argument("--gpus", help="comma-separated GPU indices, one model process slot each; a GPU may repeat "
+                     "(0,0,0,0: four processes share GPU 0; builds and compiles overlap, timed sections take turns "
+                     "under a per-GPU lock file in --out). Inductor compile threads are split among all slots. "
+                     "Default: one process at a time")
+    lim.add_argument("--jobs-per-gpu", type=int, default=1,
+                     help="repeat every --gpus entry this many times (on CUDA without --gpus: GPU 0) (1)")
+    lim.add_argument("--order", choices=("size", "list"), default=None,
+                     help="size: smallest parameter count first (default without --models); list: as selected "
+                          "(default with --models)")
+    lim.add_argument("--max-params", type=float, default=None,
+                     help="write models above this many parameters (e.g. 2e9) as skipped rows (default: no limit)")
     mrg = p.add_argument_group("summary")
     mrg.add_argument("--merge", nargs="+", metavar="DIR", help="merge the rows under these folders and print the table")
     mrg.add_argument("--merge-out", type=Path, default=DEFAULT_MERGE_OUT,
@@ -1296,7 +1551,10 @@ def main(argv: list[str] | None = None) -> int:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
         if args.device == "cpu" and not (args.worker or args.worker_optimize or args.list):
             print("[zoo] no CUDA device: measuring on the CPU (a dry run; CUDA-graph variants are skipped)", flush=True)
-    args.gpus = tuple(g.strip() for g in args.gpus.split(",") if g.strip()) if args.gpus else ()
+    try:
+        args.slots = gpu_slots(args.gpus, args.jobs_per_gpu, args.device.startswith("cuda"))
+    except ValueError as exc:
+        p.error(str(exc))
     if args.worker or args.worker_optimize:
         entry = all_entries(include_test=True)[args.worker or args.worker_optimize]
         if args.worker:
@@ -1316,7 +1574,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.out is None:
         p.error("--out DIR is required to measure (rows go to DIR/rows/)")
-    rows = run_all(entries, args)
+    order = args.order or ("list" if args.models else "size")
+    plans: dict[str, Plan] = {}
+    if order == "size" or args.max_params is not None or len(args.slots) > 1:
+        t = time.perf_counter()
+        plans = {e.name: plan_entry(e, args.tiny, args.seq, args.scale) for e in entries}
+        print(f"[zoo] size estimates of {len(plans)} models in {time.perf_counter() - t:.0f} s", flush=True)
+    entries, skip = order_and_limit(entries, plans, order, args.max_params)
+    for e, reason in skip:
+        _skip_row(args, e, reason, plans[e.name].params)
+        print(f"[zoo] {e.name}: skipped ({reason})", flush=True)
+    totals = {g: gpu_total_memory(g) for g in set(args.slots) if g is not None} if args.device.startswith(
+        "cuda") else {}
+    if any(t is None for t in totals.values()):
+        print("[zoo] GPU memory size unknown (no NVML, no nvidia-smi): one model at a time per GPU", flush=True)
+    rows = run_all(entries, args, plans, totals)
     if rows:
         print(short_table(rows))
     return 0

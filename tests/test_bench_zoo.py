@@ -332,3 +332,121 @@ def test_rel_err_chunked_matches_the_direct_formula():
     bad[0, 0, :2] = float("nan")
     assert zoo.rel_err(bad, ref)["nonfinite"] == 2
     assert zoo.rel_err(out[:2], ref)["rel_err"] == math.inf
+
+
+# ------------------------------------------------------------------------------------------------ sharing a GPU
+
+_LOCK_CHILD = """
+import importlib.util, json, sys, time
+spec = importlib.util.spec_from_file_location("tctune_bench_zoo", sys.argv[1])
+zoo = sys.modules["tctune_bench_zoo"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(zoo)
+spans, waits = [], []
+for _ in range(3):
+    time.sleep(0.05)  # "compiling": outside the lock
+    with zoo.gpu_timing_lock(sys.argv[2], waits):
+        t0 = time.time()
+        time.sleep(0.3)  # the timed section
+        spans.append((t0, time.time()))
+print(json.dumps({"spans": spans, "waits": waits}))
+"""
+
+
+def test_timing_lock_serializes_two_processes_timed_sections(tmp_path):
+    lock = tmp_path / ".gpu-0.lock"
+    procs = [subprocess.Popen([sys.executable, "-c", _LOCK_CHILD, str(ZOO_PATH), str(lock)], stdout=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    res = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    spans = sorted(s for r in res for s in r["spans"])
+    assert len(spans) == 6
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        assert start >= end - 1e-3, spans  # no two timed sections overlap
+    assert max(w for r in res for w in r["waits"]) > 0.1  # someone waited for the other's section
+    waits = []
+    with zoo.gpu_timing_lock(None, waits):
+        pass
+    assert waits == [0.0]
+
+
+def test_gpu_slots_parsing():
+    assert zoo.gpu_slots("0,0,0,0", 1, True) == ["0", "0", "0", "0"]
+    assert zoo.gpu_slots("0,1", 2, True) == ["0", "0", "1", "1"]
+    assert zoo.gpu_slots(None, 3, True) == ["0", "0", "0"]
+    assert zoo.gpu_slots(None, 1, True) == [None]
+    assert zoo.gpu_slots(None, 3, False) == [None]
+    with pytest.raises(ValueError, match="--gpus"):
+        zoo.gpu_slots("0,x", 1, True)
+    with pytest.raises(ValueError, match="--jobs-per-gpu"):
+        zoo.gpu_slots("0", 0, True)
+    with pytest.raises(SystemExit):
+        zoo.main(["--models", "zoo_test_mlp", "--gpus", "a", "--device", "cpu", "--out", "/tmp/x"])
+
+
+def test_memory_guard_decisions():
+    gib = 2**30
+    assert zoo.fits(200 * gib, [], 140 * gib, 0.8)  # alone always starts (its own limit is checked at build)
+    assert zoo.fits(40 * gib, [30 * gib, 40 * gib], 140 * gib, 0.8)  # 110 <= 112
+    assert not zoo.fits(43 * gib, [30 * gib, 40 * gib], 140 * gib, 0.8)  # 113 > 112
+    assert not zoo.fits(1 * gib, [1 * gib], None, 0.8)  # GPU size unknown: one at a time
+    assert not zoo.fits(None, [1 * gib], 140 * gib, 0.8)  # own estimate unknown: runs alone
+    assert not zoo.fits(1 * gib, [None], 140 * gib, 0.8)  # a running one unknown: nothing joins it
+    need, how = zoo.memory_need(10**9, 3 * gib)
+    assert need == gib + 8 * 10**9 + 6 * gib and how == "meta forward"
+    need, how = zoo.memory_need(10**9, None)
+    assert need == gib + 8 * 10**9 + 4 * gib and how.startswith("rough")  # max(4 B/param, 4 GiB)
+    need, _ = zoo.memory_need(2 * 10**9, None, out_bytes=10 * gib)
+    assert need == gib + 16 * 10**9 + 8 * 10**9 + 30 * gib  # + the reference and two CUDA-graph outputs
+
+
+def test_meta_activation_peak_counts_live_bytes():
+    class Net(torch.nn.Module):
+        def forward(self, x):
+            a = x * 2  # 4 KiB live
+            b = a + 1  # 8 KiB live
+            del a
+            c = b.view(-1) * 3  # view: no new bytes; product: 8 KiB live again (b and c)
+            return c
+
+    built = zoo.Built(Net(), lambda b, dev, seed: (torch.randn(b, 256).to(dev),), "x")
+    peak = zoo._meta_activation_peak(built, 4)
+    assert peak == 2 * 4 * 256 * 4  # at most two (4, 256) float32 tensors live at once (a freed before c)
+    assert zoo._meta_activation_peak(built, 8) == 2 * peak  # scales with the batch
+
+
+def test_order_smallest_first_and_max_params_skip():
+    E = zoo.Entry
+    entries = [E("big", "huggingface", 1), E("small", "timm", 1), E("unknown", "timm", 1), E("mid", "timm", 1)]
+    plans = {"big": zoo.Plan(7_000_000_000, 60), "small": zoo.Plan(5_000_000, 1), "unknown": zoo.Plan(),
+             "mid": zoo.Plan(300_000_000, 3)}
+    run, skip = zoo.order_and_limit(entries, plans, "size", None)
+    assert [e.name for e in run] == ["unknown", "small", "mid", "big"] and skip == []
+    run, skip = zoo.order_and_limit(entries, plans, "list", 2e9)
+    assert [e.name for e in run] == ["small", "unknown", "mid"]
+    assert [(e.name, r) for e, r in skip] == [("big", "--max-params 2e+09: 7.00 B parameters")]
+
+
+def test_max_params_writes_skipped_rows(tmp_path):
+    pytest.importorskip("transformers")
+    assert zoo.main(["--models", "BertForMaskedLM", "--tiny", "--max-params", "1000", "--device", "cpu",
+                     "--out", str(tmp_path)]) == 0
+    row = json.loads(zoo.row_path(tmp_path, "BertForMaskedLM").read_text())
+    assert row["status"] == "skipped" and row["reason"].startswith("--max-params") and row["params"] > 1000
+
+
+def test_two_processes_share_one_gpu_slot_pair_and_record_the_lock(tmp_path, monkeypatch):
+    """--gpus 0,0 on the CPU: both start together, each row names GPU 0's lock file and two processes per GPU."""
+    monkeypatch.setenv("ZOO_TEST_SLEEP_S", "1")
+    assert zoo.main(["--models", "zoo_test_sleep,zoo_test_mlp", "--gpus", "0,0", "--device", "cpu",
+                     "--variants", "fp32_eager,eager", "--repeats", "2", "--repeat-s", "0.001",
+                     "--out", str(tmp_path), "--model-timeout", "60"]) == 0
+    import datetime as dt
+
+    rows = [json.loads(zoo.row_path(tmp_path, n).read_text()) for n in ("zoo_test_sleep", "zoo_test_mlp")]
+    for r in rows:
+        assert r["status"] == "ok", r.get("reason")
+        assert r["procs_per_gpu"] == 2 and "2 concurrent" in r["compile_note"]
+        assert r["gpu_lock"]["file"] == str((tmp_path / ".gpu-0.lock").resolve())
+        assert r["gpu_lock"]["sections"] == 2 and r["gpu_lock"]["wait_s"] >= 0  # fp32_eager and eager timings
+    started = [dt.datetime.fromisoformat(r["started"]) for r in rows]
+    assert abs((started[1] - started[0]).total_seconds()) < 5
