@@ -109,7 +109,8 @@ process that is building, compiling or running a first call uses the GPU and the
 times, so launch-bound variants without CUDA graphs can time slower (the CUDA-graph variants far less). Compile
 seconds are wall time under the contention of ``procs_per_gpu`` concurrent processes (and the divided compile
 threads); tctune's and Inductor's compile seconds of a model are compared with each other within one row,
-measured under the same conditions, not with rows of a call with another ``procs_per_gpu``.
+measured under the same conditions, not with rows of a call with another ``procs_per_gpu``. A ``tctune optimize``
+job holds its GPU's lock for its whole search (its trials compile and time inside it; ``gpu_lock_wait_s``).
 
 Memory guard. A model does not start on a GPU while the estimates of the models running there plus its own exceed
 ``--max-memory-frac`` (0.8) of the GPU's memory (read with NVML, else ``nvidia-smi``; when it cannot be read,
@@ -1105,7 +1106,11 @@ def run_optimize(entry: Entry, args: argparse.Namespace) -> dict:
 
         cfg = TuneConfig(out_dir=str(work / "run"), batch_sizes=(batch,), trials=args.optimize_trials,
                          timeout_s=args.optimize_budget_s, export=False, quiet=True)
-        optimize(model_file, cfg)
+        waits: list[float] = []
+        with gpu_timing_lock(os.environ.get("ZOO_GPU_LOCK") or None, waits):  # its trials time inside the search
+            row["gpu_lock_wait_s"] = round(waits[0], 3)
+            _write_json(path, row)
+            optimize(model_file, cfg)
         report = json.loads((work / "run" / "report.json").read_text())
     except Exception as exc:  # noqa: BLE001 - recorded
         row.update(status="error", error=one_line(exc), wall_s=round(time.perf_counter() - t0, 1))
