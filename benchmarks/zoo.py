@@ -108,8 +108,9 @@ seconds it waited for that lock (``gpu_lock.wait_s``) and ``procs_per_gpu``. Wha
 process that is building, compiling or running a first call uses the GPU and the host CPU while another one
 times, so launch-bound variants without CUDA graphs can time slower (the CUDA-graph variants far less). Compile
 seconds are wall time under the contention of ``procs_per_gpu`` concurrent processes (and the divided compile
-threads); tctune's and Inductor's compile seconds of a model are compared with each other within one row,
-measured under the same conditions, not with rows of a call with another ``procs_per_gpu``. A ``tctune optimize``
+threads); tctune's and Inductor's compile seconds of a model are compared with each other within one row (both
+compiled with the same number of concurrent processes, though the momentary load of the others varies), not
+with rows of a call with another ``procs_per_gpu``. A ``tctune optimize``
 job holds its GPU's lock for its whole search (its trials compile and time inside it; ``gpu_lock_wait_s``).
 
 Memory guard. A model does not start on a GPU while the estimates of the models running there plus its own exceed
