@@ -1,0 +1,452 @@
+"""CPU tests of benchmarks/zoo.py: model lists, slicing, tiny model building, the per-model summary, merging,
+the subprocess runner's timeout and budget paths, and a tiny end-to-end dry run (no GPU, no timm)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+ZOO_PATH = ROOT / "benchmarks" / "zoo.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("tctune_bench_zoo", ZOO_PATH)
+    mod = sys.modules["tctune_bench_zoo"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+zoo = _load()
+
+
+# ------------------------------------------------------------------------------------------------ lists
+
+
+def test_lists_hold_both_suites_and_torchvision_with_positive_batches():
+    every = zoo.all_entries()
+    suites = {s: [e for e in every.values() if e.suite == s] for s in ("huggingface", "timm", "torchvision")}
+    assert len(suites["huggingface"]) == len(zoo.HF_MODELS) >= 50
+    assert len(suites["timm"]) == len(zoo.TIMM_MODELS) >= 15
+    assert {e.name for e in suites["torchvision"]} == {"resnet50", "mobilenet_v3_large", "efficientnet_b0",
+                                                       "convnext_tiny", "vit_b_16", "swin_t"}
+    assert all(isinstance(e.batch_size, int) and e.batch_size >= 1 for e in every.values())
+    assert not any(e.suite == "test" for e in every.values())  # self-test entries only by name
+    assert "zoo_test_sleep" in zoo.all_entries(include_test=True)
+
+
+def test_every_hf_entry_maps_to_a_config_and_model_class():
+    transformers = pytest.importorskip("transformers")
+    for name in zoo.HF_MODELS:
+        cfg, model, _ = zoo.hf_spec(name)
+        assert cfg.endswith("Config"), name
+        # a missing class is reported as not_built at run time; here every mapping names a real class
+        assert hasattr(transformers, cfg) and hasattr(transformers, model), (name, cfg, model)
+
+
+def test_slices_partition_the_list_and_mix_suites():
+    whole = zoo.select()
+    parts = [zoo.select(slice_=f"{i}/4") for i in range(1, 5)]
+    names = [e.name for p in parts for e in p]
+    assert sorted(names) == sorted(e.name for e in whole) and len(names) == len(set(names))
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    assert {e.suite for e in parts[0]} >= {"huggingface", "timm"}
+    assert [e.name for e in zoo.select("resnet50,T5Small")] == ["resnet50", "T5Small"]
+    assert {e.suite for e in zoo.select(suites="timm")} == {"timm"}
+
+
+@pytest.mark.parametrize("bad", ["0/3", "4/3", "a/b", "3"])
+def test_bad_slice_is_one_clear_error(bad):
+    with pytest.raises(ValueError, match="slice"):
+        zoo.select(slice_=bad)
+
+
+def test_unknown_model_names_the_list_option():
+    with pytest.raises(ValueError, match="--list"):
+        zoo.select("BertForMaskedLM,NoSuchModel")
+
+
+def test_scaled_batch():
+    assert zoo.scaled_batch(32, 1.0) == 32
+    assert zoo.scaled_batch(32, 0.5) == 16
+    assert zoo.scaled_batch(1, 0.01) == 1
+
+
+# ------------------------------------------------------------------------------------------------ building
+
+
+@pytest.mark.parametrize("name", ["BertForMaskedLM", "GPT2ForSequenceClassification", "T5Small",
+                                  "openai/whisper-tiny", "GPTNeoForCausalLM"])
+def test_tiny_hf_models_build_and_run_forward(name):
+    pytest.importorskip("transformers")
+    entry = zoo.all_entries()[name]
+    built = zoo.build(entry, tiny=True)
+    assert built.params < 2_000_000  # the tiny sizes took effect
+    inputs = built.make_inputs(3, "cpu", 7)
+    assert all(x.shape[0] == 3 for x in inputs)
+    ids = [x for x in inputs if not x.is_floating_point()]
+    assert ids and all(x.max() > 0 for x in ids)  # random tokens, not zeros
+    again = built.make_inputs(3, "cpu", 7)
+    assert all(torch.equal(a, b) for a, b in zip(inputs, again))  # seeded
+    with torch.no_grad():
+        out = built.model(*inputs)
+    assert isinstance(out, torch.Tensor) and out.shape[0] == 3 and torch.isfinite(out).all()
+
+
+def test_sequence_length_follows_the_position_table():
+    pytest.importorskip("transformers")
+    every = zoo.all_entries()
+    # meta device: the full-size configs, no memory
+    assert "(B, 512)" in zoo.build(every["BertForMaskedLM"], device="meta").desc
+    assert "(B, 510)" in zoo.build(every["RobertaForCausalLM"], device="meta").desc  # positions offset by pad + 1
+    assert "(B, 128)" in zoo.build(every["BlenderbotForCausalLM"], device="meta").desc
+    assert "(B, 256)" in zoo.build(every["BertForMaskedLM"], seq=256, device="meta").desc
+    enc_dec = zoo.build(every["T5Small"], device="meta").desc
+    assert "decoder_input_ids (B, 512)" in enc_dec
+
+
+def test_tiny_kwargs_only_touch_present_attributes_and_fix_token_ids():
+    kw = zoo.tiny_kwargs({"n_embd": 768, "n_layer": 12, "vocab_size": 50257, "eos_token_id": 50256,
+                          "pad_token_id": 0})
+    assert kw["n_embd"] == 64 and kw["n_layer"] == 2 and "hidden_size" not in kw
+    assert kw["eos_token_id"] < kw["vocab_size"] and "pad_token_id" not in kw
+    neo = zoo.tiny_kwargs({"num_layers": 24, "attention_types": [[["global", "local"], 12]]})
+    assert neo["attention_types"] == [[["global", "local"], 1]]
+
+
+def test_timm_models_build_when_timm_is_installed():
+    pytest.importorskip("timm", reason="timm is not installed here (the GPU machine has it)")
+    built = zoo.build(zoo.all_entries()["mobilenetv2_100"], device="meta")
+    assert "(B, 3," in built.desc
+
+
+def test_missing_package_is_not_buildable_with_reason(monkeypatch):
+    monkeypatch.setitem(sys.modules, "timm", None)  # import timm raises ImportError
+    with pytest.raises(zoo.NotBuildable, match="timm is not installed"):
+        zoo.build(zoo.all_entries()["ghostnet_100"])
+
+
+def test_missing_transformers_class_is_not_buildable(monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.setitem(zoo.HF_SPECS, "BertForMaskedLM", ("BertConfig", "NoSuchModelClass", {}))
+    with pytest.raises(zoo.NotBuildable, match="has no NoSuchModelClass"):
+        zoo.build_hf("BertForMaskedLM", tiny=True)
+
+
+# ------------------------------------------------------------------------------------------------ summary
+
+
+def _row(name, tct=None, ind=None, tct_cg=None, ind_cg=None, rel=1e-3, eager_rel=1e-3, fallbacks=(),
+         tct_compile=12.0, ind_compile=10.0, status="ok", suite="huggingface", finished="2026-12-01T10:00:00"):
+    def var(ips, **kw):
+        return {"ok": True, "items_per_s": ips, **kw} if ips else {"ok": False, "error": "RuntimeError: boom"}
+
+    return {"name": name, "suite": suite, "batch_size": 8, "dtype": "bf16", "status": status, "finished": finished,
+            "env": {"device": "NVIDIA H200", "torch": "2.11.0"},
+            "variants": {"fp32_eager": var(100.0), "eager": var(150.0, rel_err=eager_rel),
+                         "inductor": var(ind, rel_err=eager_rel, compile_s=ind_compile),
+                         "tctune": var(tct, rel_err=rel, compile_s=tct_compile),
+                         "inductor_cg": var(ind_cg), "tctune_cg": var(tct_cg)},
+            "tctune": {"fallbacks": list(fallbacks), "subgraphs": 1}}
+
+
+def test_accuracy_rule_boundaries():
+    assert zoo.accuracy_consistent(2 * 4e-3 + 1e-3, 4e-3) is True
+    assert zoo.accuracy_consistent(2 * 4e-3 + 1.01e-3, 4e-3) is False
+    assert zoo.accuracy_consistent(9e-4, 0.0) is True  # the absolute slack
+    assert zoo.accuracy_consistent(None, 1e-3) is None
+
+
+def test_summarize_computes_speedups_and_flags():
+    s = zoo.summarize(_row("m", tct=300.0, ind=250.0, tct_cg=500.0, ind_cg=400.0, rel=2e-2, eager_rel=5e-3))
+    assert s["speedup_vs_inductor"] == pytest.approx(1.2)
+    assert s["speedup_vs_inductor_cg"] == pytest.approx(1.25)
+    assert s["accuracy_consistent"] is False  # 2e-2 > 2 * 5e-3 + 1e-3
+    assert s["tctune_ok"] is True and s["fallbacks"] == []
+    assert s["compile_ratio"] == pytest.approx(1.2)
+    fb = zoo.summarize(_row("m", tct=100.0, ind=250.0, fallbacks=["RuntimeError: overflow"]))
+    assert fb["tctune_ok"] is False and fb["speedup_vs_inductor"] == pytest.approx(0.4)
+    failed = zoo.summarize(_row("m", tct=None, ind=250.0))
+    assert failed["tctune_ok"] is False and failed["speedup_vs_inductor"] is None
+    assert failed["tctune_error"] == "RuntimeError: boom"
+
+
+def test_geomean():
+    assert zoo.geomean([2.0, 0.5]) == pytest.approx(1.0)
+    assert zoo.geomean([1.21, 1.0, None, math.inf]) == pytest.approx(1.1)
+    assert zoo.geomean([]) is None
+
+
+def test_optimize_fields_against_best_plain_trial_and_fp32_fallback():
+    trials = [
+        {"number": 0, "state": "COMPLETE", "feasible": True, "throughput": 100.0,
+         "params": {"batch_size": 8, "precision": "fp32", "graph_passes": False, "runtime": "eager"}},
+        {"number": 1, "state": "COMPLETE", "feasible": True, "throughput": 400.0,
+         "params": {"batch_size": 8, "precision": "bf16", "graph_passes": False, "runtime": "inductor"}},
+        {"number": 2, "state": "COMPLETE", "feasible": False, "throughput": 900.0,  # too inaccurate: not a baseline
+         "params": {"batch_size": 8, "precision": "fp16", "graph_passes": False, "runtime": "eager"}},
+        {"number": 3, "state": "COMPLETE", "feasible": True, "throughput": 500.0,
+         "params": {"batch_size": 8, "precision": "bf16", "graph_passes": True, "runtime": "inductor"}},
+    ]
+    best = dict(trials[3])
+    report = {"best": best, "trials": trials, "baselines": [{"batch_size": 8, "throughput": 100.0, "trial": 0}]}
+    f = zoo.optimize_fields(report)
+    assert f["speedup_vs_best_baseline"] == pytest.approx(1.25)
+    assert f["best_plain"]["trial"] == 1
+    assert f["speedup_vs_fp32_eager"] == pytest.approx(5.0)
+    assert f["optimize_speedup_source"].startswith("computed here")
+    report["best"] = dict(best, speedup_vs_best_baseline=4.9)
+    assert zoo.optimize_fields(report)["speedup_vs_fp32_eager"] == 4.9
+    assert zoo.optimize_fields({"best": None, "trials": []})["speedup_vs_best_baseline"] is None
+
+
+def _write_rows(folder: Path, rows: list[dict]) -> None:
+    for r in rows:
+        p = zoo.row_path(folder, r["name"])
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(r))
+
+
+def test_merge_slices_prefers_ok_rows_and_writes_the_schema(tmp_path, capsys):
+    a, b = tmp_path / "s1", tmp_path / "s2"
+    _write_rows(a, [_row("BertForMaskedLM", tct=300.0, ind=250.0, tct_cg=420.0, ind_cg=400.0),
+                    _row("resnet50", suite="torchvision", status="skipped")])
+    _write_rows(b, [_row("resnet50", suite="torchvision", tct=110.0, ind=100.0, tct_cg=120.0, ind_cg=100.0,
+                         rel=5e-3, eager_rel=1e-3, finished="2026-12-01T09:00:00"),
+                    {"name": "openai/gpt-oss-20b", "suite": "huggingface", "batch_size": 8, "dtype": "bf16",
+                     "status": "not_built", "reason": "too large", "variants": {}}])
+    opt = zoo.row_path(b, "resnet50", "optimize")
+    opt.write_text(json.dumps({"name": "resnet50", "status": "ok", "speedup_vs_best_baseline": 1.3}))
+    out = tmp_path / "latest.json"
+    assert zoo.main(["--merge", str(a), str(b), "--merge-out", str(out)]) == 0
+    latest = json.loads(out.read_text())
+    assert {"device", "date", "torch", "models"} <= set(latest)
+    assert latest["device"] == "NVIDIA H200"
+    m = latest["models"]
+    assert set(m) == {"BertForMaskedLM", "resnet50", "openai/gpt-oss-20b"}
+    keys = {"suite", "batch_size", "dtype", "tctune_ok", "fallbacks", "speedup_vs_inductor", "accuracy_consistent",
+            "rel_err", "inductor_rel_err", "compile_s", "inductor_compile_s", "optimize_speedup_vs_best_baseline"}
+    assert keys <= set(m["resnet50"])
+    assert m["resnet50"]["status"] == "ok"  # the ok row beat the newer... skipped one
+    assert m["resnet50"]["speedup_vs_inductor"] == pytest.approx(1.1)
+    assert m["resnet50"]["accuracy_consistent"] is False  # 5e-3 > 2 * 1e-3 + 1e-3
+    assert m["resnet50"]["optimize_speedup_vs_best_baseline"] == 1.3
+    assert m["openai/gpt-oss-20b"]["status"] == "not_built"
+    s = latest["summary"]
+    assert s["geomean_speedup_vs_inductor"] == pytest.approx(math.sqrt(1.2 * 1.1))
+    assert s["geomean_speedup_vs_inductor_cg"] == pytest.approx(math.sqrt(1.05 * 1.2))
+    assert s["not_built"] == ["openai/gpt-oss-20b"] and s["accuracy_inconsistent"] == ["resnet50"]
+    table = capsys.readouterr().out
+    assert "| BertForMaskedLM | huggingface | 8 | 1.20 |" in table
+    assert "Geomean tctune / Inductor: **1.15×** over 2 models" in table
+
+
+def test_merge_without_rows_is_a_usage_error(tmp_path):
+    with pytest.raises(SystemExit):
+        zoo.main(["--merge", str(tmp_path), "--merge-out", str(tmp_path / "x.json")])
+
+
+# ------------------------------------------------------------------------------------------------ runner
+
+
+def test_help_explains_the_options():
+    out = subprocess.run([sys.executable, str(ZOO_PATH), "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    for opt in ("--slice", "--models", "--scale", "--tiny", "--model-timeout", "--budget-s", "--merge",
+                "--optimize", "--variants"):
+        assert opt in out.stdout
+
+
+def test_a_model_past_its_time_limit_is_killed_while_another_slot_runs(tmp_path, monkeypatch):
+    """Two slots (--gpus): the MLP runs and finishes while the sleeping model is killed at its time limit."""
+    monkeypatch.setenv("ZOO_TEST_SLEEP_S", "120")
+    t0 = time.perf_counter()
+    assert zoo.main(["--models", "zoo_test_sleep,zoo_test_mlp", "--gpus", "0,1", "--device", "cpu",
+                     "--variants", "fp32_eager,eager", "--repeats", "1", "--repeat-s", "0.001",
+                     "--out", str(tmp_path), "--model-timeout", "15"]) == 0
+    sleep = json.loads(zoo.row_path(tmp_path, "zoo_test_sleep").read_text())
+    mlp = json.loads(zoo.row_path(tmp_path, "zoo_test_mlp").read_text())
+    assert time.perf_counter() - t0 < 40  # killed, not waited for
+    assert sleep["status"] == "timeout" and "killed after 15 s" in sleep["reason"]
+    assert mlp["status"] == "ok", mlp.get("reason")
+    import datetime as dt
+
+    started = [dt.datetime.fromisoformat(r["started"]) for r in (sleep, mlp)]
+    assert abs((started[1] - started[0]).total_seconds()) < 10  # started together (one after the other: >= 15 s)
+
+
+def test_budget_stops_starting_models(tmp_path, capsys):
+    assert zoo.main(["--models", "zoo_test_mlp,BertForMaskedLM", "--device", "cpu", "--out", str(tmp_path),
+                     "--budget-s", "1", "--min-model-s", "60"]) == 0
+    for name in ("zoo_test_mlp", "BertForMaskedLM"):
+        row = json.loads(zoo.row_path(tmp_path, name).read_text())
+        assert row["status"] == "skipped" and "--budget-s" in row["reason"]
+    assert "--models zoo_test_mlp,BertForMaskedLM" in capsys.readouterr().out
+
+
+def test_tiny_dry_run_end_to_end_on_cpu(tmp_path):
+    pytest.importorskip("transformers")
+    # the worker path in this process (the runner's subprocess is exercised by the timeout test)
+    assert zoo.main(["--worker", "BertForMaskedLM", "--tiny", "--scale", "0.0625", "--device", "cpu",
+                     "--variants", "fp32_eager,eager", "--repeats", "2", "--repeat-s", "0.005",
+                     "--out", str(tmp_path)]) == 0
+    row = json.loads(zoo.row_path(tmp_path, "BertForMaskedLM").read_text())
+    assert row["status"] == "ok", row.get("reason")
+    assert row["batch_size"] == 2 and row["tiny"] is True
+    v = row["variants"]
+    assert v["fp32_eager"]["items_per_s"] > 0 and v["eager"]["items_per_s"] > 0
+    assert 0 < v["eager"]["rel_err"] < 5e-2 and v["eager"]["nonfinite"] == 0  # bf16 against FP32
+    assert v["tctune"]["skipped"].startswith("not requested")
+    assert v["eager_cg"]["ok"] is False  # no CUDA here
+    out = tmp_path / "latest.json"
+    zoo.main(["--merge", str(tmp_path), "--merge-out", str(out)])
+    m = json.loads(out.read_text())["models"]["BertForMaskedLM"]
+    assert m["status"] == "ok" and m["speedup_vs_inductor"] is None and m["tctune_ok"] is False
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graph_replays_new_inputs():
+    lin = torch.nn.Linear(16, 16).cuda()
+    x = torch.randn(4, 16, device="cuda")
+    with torch.no_grad():
+        run = zoo.cuda_graph(lin, (x,))
+        y = torch.randn(4, 16, device="cuda")
+        torch.testing.assert_close(run(y), lin(y))
+
+
+def test_rel_err_chunked_matches_the_direct_formula():
+    g = torch.Generator().manual_seed(3)
+    ref = torch.randn(5, 7, 11, generator=g)
+    out = (ref + 1e-2 * torch.randn(5, 7, 11, generator=g)).bfloat16()
+    direct = float((out.double() - ref.double()).norm() / ref.double().norm())
+    got = zoo.rel_err(out, ref, chunk=13)  # chunks that do not divide the size
+    assert got["rel_err"] == pytest.approx(direct, rel=1e-12) and got["nonfinite"] == 0
+    bad = out.clone()
+    bad[0, 0, :2] = float("nan")
+    assert zoo.rel_err(bad, ref)["nonfinite"] == 2
+    assert zoo.rel_err(out[:2], ref)["rel_err"] == math.inf
+
+
+# ------------------------------------------------------------------------------------------------ sharing a GPU
+
+_LOCK_CHILD = """
+import importlib.util, json, sys, time
+spec = importlib.util.spec_from_file_location("tctune_bench_zoo", sys.argv[1])
+zoo = sys.modules["tctune_bench_zoo"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(zoo)
+spans, waits = [], []
+for _ in range(3):
+    time.sleep(0.05)  # "compiling": outside the lock
+    with zoo.gpu_timing_lock(sys.argv[2], waits):
+        t0 = time.time()
+        time.sleep(0.3)  # the timed section
+        spans.append((t0, time.time()))
+print(json.dumps({"spans": spans, "waits": waits}))
+"""
+
+
+def test_timing_lock_serializes_two_processes_timed_sections(tmp_path):
+    lock = tmp_path / ".gpu-0.lock"
+    procs = [subprocess.Popen([sys.executable, "-c", _LOCK_CHILD, str(ZOO_PATH), str(lock)], stdout=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    res = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    spans = sorted(s for r in res for s in r["spans"])
+    assert len(spans) == 6
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        assert start >= end - 1e-3, spans  # no two timed sections overlap
+    assert max(w for r in res for w in r["waits"]) > 0.1  # someone waited for the other's section
+    waits = []
+    with zoo.gpu_timing_lock(None, waits):
+        pass
+    assert waits == [0.0]
+
+
+def test_gpu_slots_parsing():
+    assert zoo.gpu_slots("0,0,0,0", 1, True) == ["0", "0", "0", "0"]
+    assert zoo.gpu_slots("0,1", 2, True) == ["0", "0", "1", "1"]
+    assert zoo.gpu_slots(None, 3, True) == ["0", "0", "0"]
+    assert zoo.gpu_slots(None, 1, True) == [None]
+    assert zoo.gpu_slots(None, 3, False) == [None]
+    with pytest.raises(ValueError, match="--gpus"):
+        zoo.gpu_slots("0,x", 1, True)
+    with pytest.raises(ValueError, match="--jobs-per-gpu"):
+        zoo.gpu_slots("0", 0, True)
+    with pytest.raises(SystemExit):
+        zoo.main(["--models", "zoo_test_mlp", "--gpus", "a", "--device", "cpu", "--out", "/tmp/x"])
+
+
+def test_memory_guard_decisions():
+    gib = 2**30
+    assert zoo.fits(200 * gib, [], 140 * gib, 0.8)  # alone always starts (its own limit is checked at build)
+    assert zoo.fits(40 * gib, [30 * gib, 40 * gib], 140 * gib, 0.8)  # 110 <= 112
+    assert not zoo.fits(43 * gib, [30 * gib, 40 * gib], 140 * gib, 0.8)  # 113 > 112
+    assert not zoo.fits(1 * gib, [1 * gib], None, 0.8)  # GPU size unknown: one at a time
+    assert not zoo.fits(None, [1 * gib], 140 * gib, 0.8)  # own estimate unknown: runs alone
+    assert not zoo.fits(1 * gib, [None], 140 * gib, 0.8)  # a running one unknown: nothing joins it
+    need, how = zoo.memory_need(10**9, 3 * gib)
+    assert need == gib + 8 * 10**9 + 6 * gib and how == "meta forward"
+    need, how = zoo.memory_need(10**9, None)
+    assert need == gib + 8 * 10**9 + 4 * gib and how.startswith("rough")  # max(4 B/param, 4 GiB)
+    need, _ = zoo.memory_need(2 * 10**9, None, out_bytes=10 * gib)
+    assert need == gib + 16 * 10**9 + 8 * 10**9 + 30 * gib  # + the reference and two CUDA-graph outputs
+
+
+def test_meta_activation_peak_counts_live_bytes():
+    class Net(torch.nn.Module):
+        def forward(self, x):
+            a = x * 2  # 4 KiB live
+            b = a + 1  # 8 KiB live
+            del a
+            c = b.view(-1) * 3  # view: no new bytes; product: 8 KiB live again (b and c)
+            return c
+
+    built = zoo.Built(Net(), lambda b, dev, seed: (torch.randn(b, 256).to(dev),), "x")
+    peak = zoo._meta_activation_peak(built, 4)
+    assert peak == 2 * 4 * 256 * 4  # at most two (4, 256) float32 tensors live at once (a freed before c)
+    assert zoo._meta_activation_peak(built, 8) == 2 * peak  # scales with the batch
+
+
+def test_order_smallest_first_and_max_params_skip():
+    E = zoo.Entry
+    entries = [E("big", "huggingface", 1), E("small", "timm", 1), E("unknown", "timm", 1), E("mid", "timm", 1)]
+    plans = {"big": zoo.Plan(7_000_000_000, 60), "small": zoo.Plan(5_000_000, 1), "unknown": zoo.Plan(),
+             "mid": zoo.Plan(300_000_000, 3)}
+    run, skip = zoo.order_and_limit(entries, plans, "size", None)
+    assert [e.name for e in run] == ["unknown", "small", "mid", "big"] and skip == []
+    run, skip = zoo.order_and_limit(entries, plans, "list", 2e9)
+    assert [e.name for e in run] == ["small", "unknown", "mid"]
+    assert [(e.name, r) for e, r in skip] == [("big", "--max-params 2e+09: 7.00 B parameters")]
+
+
+def test_max_params_writes_skipped_rows(tmp_path):
+    pytest.importorskip("transformers")
+    assert zoo.main(["--models", "BertForMaskedLM", "--tiny", "--max-params", "1000", "--device", "cpu",
+                     "--out", str(tmp_path)]) == 0
+    row = json.loads(zoo.row_path(tmp_path, "BertForMaskedLM").read_text())
+    assert row["status"] == "skipped" and row["reason"].startswith("--max-params") and row["params"] > 1000
+
+
+def test_two_processes_share_one_gpu_slot_pair_and_record_the_lock(tmp_path, monkeypatch):
+    """--gpus 0,0 on the CPU: both start together, each row names GPU 0's lock file and two processes per GPU."""
+    monkeypatch.setenv("ZOO_TEST_SLEEP_S", "1")
+    assert zoo.main(["--models", "zoo_test_sleep,zoo_test_mlp", "--gpus", "0,0", "--device", "cpu",
+                     "--variants", "fp32_eager,eager", "--repeats", "2", "--repeat-s", "0.001",
+                     "--out", str(tmp_path), "--model-timeout", "60"]) == 0
+    import datetime as dt
+
+    rows = [json.loads(zoo.row_path(tmp_path, n).read_text()) for n in ("zoo_test_sleep", "zoo_test_mlp")]
+    for r in rows:
+        assert r["status"] == "ok", r.get("reason")
+        assert r["procs_per_gpu"] == 2 and "2 concurrent" in r["compile_note"]
+        assert r["gpu_lock"]["file"] == str((tmp_path / ".gpu-0.lock").resolve())
+        assert r["gpu_lock"]["sections"] == 2 and r["gpu_lock"]["wait_s"] >= 0  # fp32_eager and eager timings
+    started = [dt.datetime.fromisoformat(r["started"]) for r in rows]
+    assert abs((started[1] - started[0]).total_seconds()) < 5
