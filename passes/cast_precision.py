@@ -144,7 +144,7 @@ def cast_precision(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
     new: dict[fx.Node, Any] = {}
     big: set[fx.Node] = set()  # FP32 values that may hold finite constants beyond the low range (docstring)
     saturated: list[str] = []
-    rewriter = _Caster(gm, new, big)
+    rewriter = _Caster(gm, new, big, saturated)
     overflow = _overflow_reasons(nodes, spec)
     weights_low, weights_fp32 = _cast_weights(gm, nodes, keep, low, new, frozenset(overflow), spec.residual_fp32,
                                               big, saturated)
@@ -360,10 +360,11 @@ def _calibration_ignored(nodes: list[fx.Node]) -> dict[str, str]:
 class _Caster:
     """Inserts and reuses cast nodes; ``new`` maps each processed node to its dtype in the rewritten graph."""
 
-    def __init__(self, gm: fx.GraphModule, new: dict, big: set) -> None:
+    def __init__(self, gm: fx.GraphModule, new: dict, big: set, saturated: list) -> None:
         self.gm = gm
         self.new = new
         self.big = big  # values to saturate (clamp to the low range) before a cast down
+        self.saturated = saturated
         self.cache: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
         self.made: set[fx.Node] = set()
         self.inserted = 0
@@ -400,6 +401,8 @@ class _Caster:
                     source = self.gm.graph.call_function(torch.ops.aten.clamp.default, (src, -limit, limit))
                     copy_meta(src, source, src.meta.get("val"))
                     source.meta[_OWN_CAST] = True
+                    self.saturated.append(f"{src.name}: clamped to +-{limit:.4g} before its cast to "
+                                          f"{str(dtype).replace('torch.', '')}")
                 cast = self.gm.graph.call_function(_CAST, (source,), {"dtype": dtype})
             copy_meta(src, cast, _retype(src.meta.get("val"), dtype))
             cast.meta[_OWN_CAST] = True
