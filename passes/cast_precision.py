@@ -199,6 +199,10 @@ def _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors
         # Python-level ops (symbolic int arithmetic): no tensors to cast.
         new[node] = orig[node]
         return
+    if node.meta.get(_OWN_CAST):
+        # A saturating clamp this pass inserted before a cast down (a second run): already typed.
+        new[node] = orig[node]
+        return
     name = op_name(node)
     if name in _PASSTHROUGH:
         if name == "_assert_tensor_metadata" and node.kwargs.get("dtype") is not None:

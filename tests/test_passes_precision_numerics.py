@@ -310,3 +310,16 @@ def test_calibrated_fp16_transformer_encoder_layer_with_padding_mask():
     with torch.no_grad():
         got, ref = gm(*x), wrapped(*x)
     assert torch.isfinite(got).all() and _rel(got, ref) <= zoo.TOLERANCES["fp16"]["rel_l2"]
+
+
+def test_saturation_idempotent():
+    torch.manual_seed(0)
+    model = MaskedAttention().eval()
+    gm = zoo.capture(model, _mask_inputs(3))
+    cast_precision(gm, _spec("fp16", "pure"))
+    code = gm.code
+
+    again = cast_precision(gm, _spec("fp16", "pure"))
+
+    assert again.notes["casts_inserted"] == 0 and again.notes["constants_saturated"] == []
+    assert gm.code == code
