@@ -127,9 +127,13 @@ def cast_precision(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
 
     Returns:
         A ``PassResult`` named ``"cast_precision"``: ``count`` is the number of ops now computing in the low
-        dtype (``changed`` their names); ``skipped`` lists the keep-list ops kept FP32
-        (``"keep-list: softmax stays FP32"``), or one ``"<graph>"`` entry when the precision is not
-        fp16/bf16; ``notes`` has ``dtype``, ``casts_inserted``, ``weights_low`` and ``weights_fp32``.
+        dtype (``changed`` their names); ``skipped`` lists the ops kept FP32 with the rule that kept them
+        (``"keep-list: softmax stays FP32"``, ``"explicit FP32: pow reads only values the model cast to
+        FP32"``, ``"residual: ..."``, ``"overflow: ..."``), or one ``"<graph>"`` entry when the precision is
+        not fp16/bf16; ``notes`` has ``dtype``, ``casts_inserted``, ``weights_low``, ``weights_fp32``,
+        ``constants_saturated`` (one line per saturated constant or clamped cast, e.g. ``"masked_fill:
+        -1e+09 -> -6.55e+04 (float16 range)"``) and ``calibration_ignored`` (``{node: reason}`` for infinite
+        or NaN calibration statistics, worded by ``passes.calibrate.ignored_reasons``).
     """
     result = PassResult(name=NAME, graph_module=gm)
     if spec.precision not in ("fp16", "bf16"):
