@@ -44,10 +44,10 @@ the same without strings.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
