@@ -361,6 +361,41 @@ def test_backend_fp16_calibrates_overflow_on_the_first_call():
     _assert_close(got, ref, "fp16")
 
 
+class _FP32Masks(nn.Module):
+    """Attention whose masks are written in FP32 terms: ``masked_fill(pad, -1e9)`` (PyTorch refuses it as an
+    fp16 fill value) and an additive ``(1 - m) * finfo(float32).min`` mask."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = (q @ k.transpose(-1, -2)).masked_fill(m[:, None, :] == 0, -1e9)
+        scores = scores + (1.0 - m[:, None, :].float()) * torch.finfo(torch.float32).min
+        return self.out(F.softmax(scores, dim=-1) @ v)
+
+
+@pytest.mark.parametrize("precision,policy", [("fp16", "pure"), ("bf16", "autocast")])
+def test_backend_out_of_range_mask_constants_no_fallback(precision, policy):
+    torch.manual_seed(0)
+    model = _FP32Masks().eval()
+    m = torch.ones(3, 6, dtype=torch.long)
+    m[:, -2:] = 0
+    compiled = torch.compile(model, backend="tctune", options={"precision": precision, "policy": policy},
+                             dynamic=False)
+    torch.manual_seed(6)
+    x = torch.randn(3, 6, 16)
+    with torch.no_grad():
+        got, ref = compiled(x, m), model(x, m)
+    assert all(not rep.fallback for rep in tb.reports), [rep.fallback for rep in tb.reports]
+    cast = next(r for rep in tb.reports for r in rep.results if r.name == "cast_precision")
+    assert cast.notes["constants_saturated"], cast.notes
+    assert torch.isfinite(got).all()
+    _assert_close(got, ref, precision)
+
+
 def test_backend_fp16_without_real_inputs_runs_bf16(caplog):
     """No real tensors to calibrate on: the subgraph is compiled at bf16 with a warning, never at blind fp16."""
     entry = ZOO["overflow_mlp"]
