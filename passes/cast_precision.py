@@ -41,6 +41,21 @@ of placeholders and ``get_attr`` nodes (``meta`` is not updated by FX, so the pa
   (casting its value down would overflow there). The reason quotes the value and the source module from
   ``node.meta["nn_module_stack"]``: ``"overflow: max |x| 7.1e4 > 65504/2 at fp16 (module
   encoder.layer.3.output.dense)"``.
+* Explicit up-casts in the model stay: a value the model converts to FP32 itself (``x.float()``,
+  ``x.to(torch.float32)``, ``positions.float()``: RMSNorm statistics, rotary angles, GPT-Neo's attention
+  scores) is an *explicit FP32* value, and an op whose floating inputs are all explicit FP32 values (or FP32
+  anchors; 0-dim constants do not count) runs in FP32, GEMMs included, as ``model.to(dt)`` computes it. Where
+  such a value meets a low one (``weight * x.to(input_dtype)``) the op runs low, as the model's cast back to its
+  own dtype does under ``model.to(dt)``. Casting these ops down instead put a tiny Llama's bf16 error (rotary
+  positions rounded to bf16, RMSNorm statistics in bf16) at 4x that of ``model.to(torch.bfloat16)``.
+* Constants outside the low dtype's range (a mask filled with ``torch.finfo(torch.float32).min``,
+  ``masked_fill(mask, -1e9)`` at fp16) saturate to the low dtype's finite range (``torch.finfo(dt).max``):
+  a Python-scalar fill value of an op computing low (``masked_fill``, ``where``, ``full_like``, ``mul``,
+  ``add``, ...; PyTorch raises "value cannot be converted to type c10::Half without overflow" on the fill
+  ones), a weight or lifted constant stored low, and an FP32 value computed from such a constant (a
+  ``full(..., dtype=torch.float32)`` mask) when it is cast down (a ``clamp`` before the cast). Infinities are
+  not touched: a deliberate ``-inf`` mask stays ``-inf`` (fp16 and bf16 hold it), except in a value that also
+  carries such a constant, whose cast down saturates it too. ``notes["constants_saturated"]`` lists each.
 * Integer and bool tensors are never cast; symbolic-size queries, guards and asserts are left alone.
 * Graph outputs are cast back to their original dtypes, so the caller sees eager's dtypes and shapes.
 
@@ -50,6 +65,7 @@ second cast.
 """
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any
 
@@ -58,7 +74,8 @@ from torch import fx
 
 from passes._graph import copy_meta, fake_from_tensor, finish, get_attr_value, op_name, set_attr_tensor
 from passes.base import PassResult, PassSpec, Skip
-from passes.calibrate import FINITE_MAX, MAX_ABS_META, source_module
+from passes.calibrate import (FINITE_MAX, MAX_ABS_META, NONFINITE_META, CalibrationRanges, ignored_reasons,
+                              source_module)
 
 NAME = "cast_precision"
 
@@ -82,6 +99,18 @@ _FOLLOW_OPS = frozenset(
 )
 #: Meta-only outputs: shape/type of the input matters, not its values.
 _LIKE_OPS = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like"})
+#: Explicit conversions: their FP32 output is an explicit FP32 value (an up-cast the model wrote).
+_CONVERSIONS = frozenset({"_to_copy", "to", "_to_dtype", "type_as"})
+#: Ops whose Python-scalar arguments become element values (fill values, additive / multiplicative masks):
+#: saturated to the low dtype's finite range when the op computes low.
+_VALUE_OPS = frozenset(
+    {
+        "full", "full_like", "new_full", "fill", "masked_fill", "where", "scalar_tensor", "clamp", "clamp_min",
+        "clamp_max", "index_fill", "constant_pad_nd", "hardtanh", "scatter", "mul", "add", "sub", "rsub",
+    }
+)
+#: ``node.meta`` flag on the casts this pass inserts (never taken for the model's own conversions).
+_OWN_CAST = "tctune_cast"
 
 
 def cast_precision(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
@@ -99,9 +128,13 @@ def cast_precision(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
 
     Returns:
         A ``PassResult`` named ``"cast_precision"``: ``count`` is the number of ops now computing in the low
-        dtype (``changed`` their names); ``skipped`` lists the keep-list ops kept FP32
-        (``"keep-list: softmax stays FP32"``), or one ``"<graph>"`` entry when the precision is not
-        fp16/bf16; ``notes`` has ``dtype``, ``casts_inserted``, ``weights_low`` and ``weights_fp32``.
+        dtype (``changed`` their names); ``skipped`` lists the ops kept FP32 with the rule that kept them
+        (``"keep-list: softmax stays FP32"``, ``"explicit FP32: pow reads only values the model cast to
+        FP32"``, ``"residual: ..."``, ``"overflow: ..."``), or one ``"<graph>"`` entry when the precision is
+        not fp16/bf16; ``notes`` has ``dtype``, ``casts_inserted``, ``weights_low``, ``weights_fp32``,
+        ``constants_saturated`` (one line per saturated constant or clamped cast, e.g. ``"masked_fill:
+        -1e+09 -> -6.55e+04 (float16 range)"``) and ``calibration_ignored`` (``{node: reason}`` for infinite
+        or NaN calibration statistics, worded by ``passes.calibrate.ignored_reasons``).
     """
     result = PassResult(name=NAME, graph_module=gm)
     if spec.precision not in ("fp16", "bf16"):
@@ -114,113 +147,233 @@ def cast_precision(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
     nodes = list(gm.graph.nodes)
     orig = {n: _dtypes(n.meta.get("val")) for n in nodes}
     new: dict[fx.Node, Any] = {}
-    rewriter = _Caster(gm, new)
+    big: set[fx.Node] = set()  # FP32 values that may hold finite constants beyond the low range (docstring)
+    saturated: list[str] = []
+    rewriter = _Caster(gm, new, big, saturated)
     overflow = _overflow_reasons(nodes, spec)
-    weights_low, weights_fp32 = _cast_weights(gm, nodes, keep, low, new, frozenset(overflow), spec.residual_fp32)
+    weights_low, weights_fp32 = _cast_weights(gm, nodes, keep, low, new, frozenset(overflow), spec.residual_fp32,
+                                              big, saturated)
     anchors: set[fx.Node] = set()  # FP32 values from keep-list ops / the residual stream (module docstring)
+    explicit32: set[fx.Node] = set()  # FP32 values the model converted to FP32 itself, and ops on them only
 
     for node in nodes:
-        if node.op in ("placeholder", "get_attr"):
-            new.setdefault(node, orig[node])
-            continue
-        if node.op == "output":
-            _cast_outputs(node, orig, rewriter)
-            continue
-        if node.op != "call_function":
-            # call_module (_guards_fn) / call_method: left alone.
-            new[node] = orig[node]
-            continue
-        if node.target is operator.getitem:
-            parent = new.get(node.args[0])
-            idx = node.args[1]
-            is_seq = isinstance(parent, (list, tuple)) and isinstance(idx, int) and -len(parent) <= idx < len(parent)
-            new[node] = parent[idx] if is_seq else orig[node]
-            _retype_meta(node, orig[node], new[node])
-            if node.args[0] in anchors and new[node] == torch.float32:
-                anchors.add(node)
-            continue
-        if not isinstance(node.target, torch._ops.OpOverload):
-            # Python-level ops (symbolic int arithmetic): no tensors to cast.
-            new[node] = orig[node]
-            continue
-        name = op_name(node)
-        if name in _PASSTHROUGH:
-            if name == "_assert_tensor_metadata" and node.kwargs.get("dtype") is not None:
-                src = new.get(node.args[0])
-                if isinstance(src, torch.dtype) and src != node.kwargs["dtype"]:
-                    node.kwargs = {**node.kwargs, "dtype": src}
-            new[node] = orig[node]
-            continue
-        if _explicit_dtype(node) or name in _LIKE_OPS:
-            # A conversion / factory the model asked for: keep its inputs and its output dtype.
-            new[node] = orig[node]
-            continue
-        if name in keep:
-            # Keep-list op: floating inputs back to the dtype the original graph had (FP32).
-            rewriter.map_inputs(node, lambda arg: orig.get(arg))
-            new[node] = orig[node]
-            if _has_float(orig[node]) or _has_float_input(node, orig):
-                result.skipped.append(Skip(node.name, f"keep-list: {name} stays FP32"))
-            if _has_fp32(orig[node]):
-                anchors.add(node)
-            continue
-        if name == "embedding":
-            # A lookup runs in its table's dtype (FP32 table: FP32 anchor; low table, e.g. a tied LM head: low).
-            table = new.get(node.args[0])
-            new[node] = table if isinstance(table, torch.dtype) else orig[node]
-            _retype_meta(node, orig[node], new[node])
-            if new[node] == torch.float32:
-                anchors.add(node)
-            elif _lowered(orig[node], new[node]):
-                result.changed.append(node.name)
-                result.count += 1
-            continue
-        if node.name in overflow:
-            # Calibration saw values the low dtype cannot hold here (or this op reads such a value): FP32.
-            rewriter.map_inputs(node, lambda arg: orig.get(arg))
-            new[node] = orig[node]
-            if _has_fp32(orig[node]):
-                anchors.add(node)
-            result.skipped.append(Skip(node.name, overflow[node.name]))
-            continue
-        if orig[node] == torch.float32 and name in _FOLLOW_OPS and _all_float_inputs_in(node, anchors, new):
-            # Layout / identity op on an FP32 anchor: follows its input's dtype, as under autocast.
-            new[node] = orig[node]
-            anchors.add(node)
-            continue
-        if orig[node] == torch.float32 and name in _RESIDUAL_OPS and spec.residual_fp32:
-            reason = _residual_reason(node, name, keep, anchors, new)
-            if reason is not None:
-                # Residual add / sub: FP32 like autocast's type promotion (inputs cast up, output FP32).
-                rewriter.map_inputs(node, lambda arg: orig.get(arg))
-                new[node] = orig[node]
-                anchors.add(node)
-                result.skipped.append(Skip(node.name, reason))
-                continue
-        had_float = rewriter.map_inputs(node, lambda arg: low)
-        new[node] = _lower(orig[node], low) if had_float else orig[node]
-        _retype_meta(node, orig[node], new[node])
-        if _lowered(orig[node], new[node]):
-            result.changed.append(node.name)
-            result.count += 1
+        _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors, explicit32, big, saturated)
+        out = new.get(node)
+        if node.op == "call_function" and _has_fp32(out):
+            ins = node.all_input_nodes
+            if node not in explicit32 and any(a in explicit32 for a in ins) and _is_tensor_val(node):
+                explicit32.add(node)
+            if node not in big and any(a in big for a in ins):
+                big.add(node)
 
     result.notes = {
         "dtype": str(low).replace("torch.", ""),
         "casts_inserted": rewriter.inserted,
         "weights_low": weights_low,
         "weights_fp32": weights_fp32,
+        "constants_saturated": saturated,
+        "calibration_ignored": _calibration_ignored(nodes),
     }
-    if result.count or rewriter.inserted or weights_low:
+    if result.count or rewriter.inserted or weights_low or saturated:
         finish(gm)
     return result
+
+
+def _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors, explicit32, big, saturated) -> None:
+    """Type one node (the rules of the module docstring, in order), recording into the shared maps and sets."""
+    if node.op in ("placeholder", "get_attr"):
+        new.setdefault(node, orig[node])
+        return
+    if node.op == "output":
+        _cast_outputs(node, orig, rewriter)
+        return
+    if node.op != "call_function":
+        # call_module (_guards_fn) / call_method: left alone.
+        new[node] = orig[node]
+        return
+    if node.target is operator.getitem:
+        parent = new.get(node.args[0])
+        idx = node.args[1]
+        is_seq = isinstance(parent, (list, tuple)) and isinstance(idx, int) and -len(parent) <= idx < len(parent)
+        new[node] = parent[idx] if is_seq else orig[node]
+        _retype_meta(node, orig[node], new[node])
+        if node.args[0] in anchors and new[node] == torch.float32:
+            anchors.add(node)
+        return
+    if not isinstance(node.target, torch._ops.OpOverload):
+        # Python-level ops (symbolic int arithmetic): no tensors to cast.
+        new[node] = orig[node]
+        return
+    if node.meta.get(_OWN_CAST):
+        # A saturating clamp this pass inserted before a cast down (a second run): already typed.
+        new[node] = orig[node]
+        return
+    name = op_name(node)
+    if name in _PASSTHROUGH:
+        if name == "_assert_tensor_metadata" and node.kwargs.get("dtype") is not None:
+            src = new.get(node.args[0])
+            if isinstance(src, torch.dtype) and src != node.kwargs["dtype"]:
+                node.kwargs = {**node.kwargs, "dtype": src}
+        new[node] = orig[node]
+        return
+    if _explicit_dtype(node) or name in _LIKE_OPS:
+        # A conversion / factory the model asked for: keep its inputs and its output dtype.
+        new[node] = orig[node]
+        if orig[node] == torch.float32:
+            if name in _CONVERSIONS and not node.meta.get(_OWN_CAST) and node.all_input_nodes:
+                explicit32.add(node)  # an up-cast the model wrote (x.float(), positions.float())
+            if _big_scalars(node, low):
+                big.add(node)  # e.g. full(..., finfo(float32).min, dtype=float32): saturated when cast down
+        return
+    if name in keep:
+        # Keep-list op: floating inputs back to the dtype the original graph had (FP32).
+        rewriter.map_inputs(node, lambda arg: orig.get(arg))
+        new[node] = orig[node]
+        if _has_float(orig[node]) or _has_float_input(node, orig):
+            result.skipped.append(Skip(node.name, f"keep-list: {name} stays FP32"))
+        if _has_fp32(orig[node]):
+            anchors.add(node)
+        return
+    if name == "embedding":
+        # A lookup runs in its table's dtype (FP32 table: FP32 anchor; low table, e.g. a tied LM head: low).
+        table = new.get(node.args[0])
+        new[node] = table if isinstance(table, torch.dtype) else orig[node]
+        _retype_meta(node, orig[node], new[node])
+        if new[node] == torch.float32:
+            anchors.add(node)
+        elif _lowered(orig[node], new[node]):
+            result.changed.append(node.name)
+            result.count += 1
+        return
+    if node.name in overflow:
+        # Calibration saw values the low dtype cannot hold here (or this op reads such a value): FP32.
+        rewriter.map_inputs(node, lambda arg: orig.get(arg))
+        new[node] = orig[node]
+        if _has_fp32(orig[node]):
+            anchors.add(node)
+        if _big_scalars(node, low):
+            big.add(node)
+        result.skipped.append(Skip(node.name, overflow[node.name]))
+        return
+    if orig[node] == torch.float32 and name in _FOLLOW_OPS and _all_float_inputs_in(node, anchors, new):
+        # Layout / identity op on an FP32 anchor: follows its input's dtype, as under autocast.
+        new[node] = orig[node]
+        anchors.add(node)
+        return
+    if orig[node] == torch.float32 and _in_explicit_fp32(node, explicit32, anchors, new):
+        # Every floating input is FP32 because the model made it so: compute as model.to(dt) does, in FP32.
+        rewriter.map_inputs(node, lambda arg: orig.get(arg))  # 0-dim constants stored low come back up
+        new[node] = orig[node]
+        if _big_scalars(node, low):
+            big.add(node)
+        result.skipped.append(Skip(node.name, f"explicit FP32: {name} reads only values the model cast to FP32"))
+        return
+    if orig[node] == torch.float32 and name in _RESIDUAL_OPS and spec.residual_fp32:
+        reason = _residual_reason(node, name, keep, anchors, new)
+        if reason is not None:
+            # Residual add / sub: FP32 like autocast's type promotion (inputs cast up, output FP32).
+            rewriter.map_inputs(node, lambda arg: orig.get(arg))
+            new[node] = orig[node]
+            anchors.add(node)
+            if _big_scalars(node, low):
+                big.add(node)
+            result.skipped.append(Skip(node.name, reason))
+            return
+    had_float = rewriter.map_inputs(node, lambda arg: low)
+    new[node] = _lower(orig[node], low) if had_float else orig[node]
+    _retype_meta(node, orig[node], new[node])
+    if _lowered(orig[node], new[node]):
+        result.changed.append(node.name)
+        result.count += 1
+        if name in _VALUE_OPS:
+            saturated.extend(_saturate_scalars(node, low))
+    elif _has_fp32(new[node]) and _big_scalars(node, low):
+        big.add(node)
+
+
+def _is_tensor_val(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _in_explicit_fp32(node: fx.Node, explicit32: set, anchors: set, new: dict) -> bool:
+    """Whether ``node`` reads an explicit FP32 value and every other non-0-dim floating input is FP32 too."""
+    inputs = [a for a in _float_inputs(node, new) if not _is_scalar_tensor(a)]
+    if not any(a in explicit32 for a in inputs):
+        return False
+    return all(new[a] == torch.float32 and (a in explicit32 or a in anchors) for a in inputs)
+
+
+def _is_scalar_tensor(node: fx.Node) -> bool:
+    """A 0-dim tensor: PyTorch's type promotion lets it follow the other operands' dtype."""
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.dim() == 0
+
+
+def _scalar_args(node: fx.Node):
+    """(container, key, value) for every Python float argument of ``node`` (top level and in lists)."""
+    for container in (node.args, node.kwargs):
+        keys = range(len(container)) if isinstance(container, tuple) else list(container)
+        for k in keys:
+            v = container[k]
+            if isinstance(v, float):
+                yield container, k, v, None
+            elif isinstance(v, (list, tuple)):
+                for j, item in enumerate(v):
+                    if isinstance(item, float):
+                        yield container, k, item, j
+
+
+def _out_of_range(value: float, dtype: torch.dtype) -> bool:
+    return math.isfinite(value) and abs(value) > torch.finfo(dtype).max
+
+
+def _big_scalars(node: fx.Node, low: torch.dtype) -> bool:
+    """Whether ``node`` (an FP32 op) takes a finite Python-float constant beyond ``low``'s range as a value."""
+    if not isinstance(node.target, torch._ops.OpOverload) or op_name(node) not in _VALUE_OPS:
+        return False
+    return any(_out_of_range(v, low) for _, _, v, _ in _scalar_args(node))
+
+
+def _saturate_scalars(node: fx.Node, low: torch.dtype) -> list[str]:
+    """Clamp ``node``'s finite out-of-range float arguments to ``low``'s finite range; one note per change."""
+    limit = torch.finfo(low).max
+    notes: list[str] = []
+    args, kwargs = list(node.args), dict(node.kwargs)
+    for container, key, value, j in list(_scalar_args(node)):
+        if not _out_of_range(value, low):
+            continue
+        fixed = math.copysign(limit, value)
+        target = args if container is node.args else kwargs
+        if j is None:
+            target[key] = fixed
+        else:
+            seq = list(target[key])
+            seq[j] = fixed
+            target[key] = type(node.args[key] if container is node.args else node.kwargs[key])(seq)
+        notes.append(f"{node.name}: {value:.4g} -> {fixed:.4g} ({str(low).replace('torch.', '')} range)")
+    node.args, node.kwargs = tuple(args), kwargs
+    return notes
+
+
+def _calibration_ignored(nodes: list[fx.Node]) -> dict[str, str]:
+    """``{node: reason}`` for calibration statistics that were not finite (``passes.calibrate.ignored_reasons``)."""
+    ranges = CalibrationRanges()
+    for node in nodes:
+        kind = node.meta.get(NONFINITE_META)
+        if kind:
+            ranges[node.name] = node.meta.get(MAX_ABS_META, 0.0)
+            ranges.nonfinite[node.name] = kind
+    return ignored_reasons(ranges)
 
 
 class _Caster:
     """Inserts and reuses cast nodes; ``new`` maps each processed node to its dtype in the rewritten graph."""
 
-    def __init__(self, gm: fx.GraphModule, new: dict) -> None:
+    def __init__(self, gm: fx.GraphModule, new: dict, big: set, saturated: list) -> None:
         self.gm = gm
         self.new = new
+        self.big = big  # values to saturate (clamp to the low range) before a cast down
+        self.saturated = saturated
         self.cache: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
         self.made: set[fx.Node] = set()
         self.inserted = 0
@@ -246,18 +399,35 @@ class _Caster:
 
     def cast(self, src: fx.Node, dtype: torch.dtype, before: fx.Node) -> fx.Node:
         """A node holding ``src`` in ``dtype``: the source of a cast we made, a cached cast, or a new one."""
-        if src in self.made and self.new.get(src.args[0]) == dtype:
-            return src.args[0]  # no cast of a cast: go back to the value it came from
+        if src in self.made and self.new.get(_uncast(src)) == dtype:
+            return _uncast(src)  # no cast of a cast: go back to the value it came from
         key = (src, dtype)
         if key not in self.cache:
+            source = src
             with self.gm.graph.inserting_before(before):
-                cast = self.gm.graph.call_function(_CAST, (src,), {"dtype": dtype})
+                if dtype in _LOW and src in self.big:
+                    limit = torch.finfo(dtype).max
+                    source = self.gm.graph.call_function(torch.ops.aten.clamp.default, (src, -limit, limit))
+                    copy_meta(src, source, src.meta.get("val"))
+                    source.meta[_OWN_CAST] = True
+                    self.saturated.append(f"{src.name}: clamped to +-{limit:.4g} before its cast to "
+                                          f"{str(dtype).replace('torch.', '')}")
+                cast = self.gm.graph.call_function(_CAST, (source,), {"dtype": dtype})
             copy_meta(src, cast, _retype(src.meta.get("val"), dtype))
+            cast.meta[_OWN_CAST] = True
             self.cache[key] = cast
             self.made.add(cast)
             self.new[cast] = dtype
             self.inserted += 1
         return self.cache[key]
+
+
+def _uncast(cast: fx.Node) -> fx.Node:
+    """The value a cast this pass made reads (through its saturating ``clamp``, if any)."""
+    src = cast.args[0]
+    if src.target == torch.ops.aten.clamp.default and src.meta.get(_OWN_CAST):
+        return src.args[0]
+    return src
 
 
 def _overflow_reasons(nodes: list[fx.Node], spec: PassSpec) -> dict[str, str]:
@@ -286,6 +456,8 @@ def _overflow_reasons(nodes: list[fx.Node], spec: PassSpec) -> dict[str, str]:
 
 def _sci(x: float) -> str:
     """``71000.0`` -> ``"7.1e4"`` (scientific notation without the ``+0`` padding)."""
+    if not math.isfinite(x):
+        return str(x)  # "inf" / "nan": no mantissa to split
     mantissa, exponent = f"{x:.1e}".split("e")
     return f"{mantissa}e{int(exponent)}"
 
@@ -298,11 +470,15 @@ def _cast_weights(
     new: dict,
     fp32_ops: frozenset = frozenset(),
     fp32_lookups: bool = True,
+    big: set | None = None,
+    saturated: list | None = None,
 ) -> tuple[list[str], list[str]]:
     """Store floating weights read only by non-keep-list ops in ``low``; returns (low names, FP32 names).
 
     ``fp32_ops``: names of further ops that compute in FP32 (overflow), whose weights stay FP32 too.
     ``fp32_lookups``: embedding tables read only by lookups stay FP32 (``PassSpec.residual_fp32``).
+    Finite values beyond ``low``'s range saturate to ``torch.finfo(low).max`` in the low copy (noted in
+    ``saturated``); an FP32 weight holding such values joins ``big`` (clamped wherever it is cast down).
     """
     by_tensor: dict[int, list[fx.Node]] = {}
     tensors: dict[int, torch.Tensor] = {}
@@ -324,8 +500,17 @@ def _cast_weights(
             or (fp32_lookups and all(_is_lookup(u, attr_nodes) for u in users))
         ):
             weights_fp32.extend(sorted({n.target for n in attr_nodes}))
+            if big is not None and _has_out_of_range(tensors[key], low):
+                big.update(attr_nodes)
             continue
-        low_tensor = tensors[key].detach().to(low)
+        value = tensors[key].detach()
+        if _has_out_of_range(value, low):
+            limit = torch.finfo(low).max
+            value = torch.where(torch.isfinite(value), value.clamp(-limit, limit), value)
+            if saturated is not None:
+                saturated.append(f"{attr_nodes[0].target}: values beyond +-{limit:.4g} saturated "
+                                 f"({str(low).replace('torch.', '')} range)")
+        low_tensor = value.to(low)
         for target in sorted({n.target for n in attr_nodes}):
             set_attr_tensor(gm, target, low_tensor)
             weights_low.append(target)
@@ -336,6 +521,14 @@ def _cast_weights(
                 n.meta["val"] = fake
             new[n] = low
     return weights_low, weights_fp32
+
+
+def _has_out_of_range(t: torch.Tensor, low: torch.dtype) -> bool:
+    """Whether ``t`` holds a finite value beyond ``low``'s finite range."""
+    if not t.numel():
+        return False
+    mag = t.detach().abs()
+    return bool(((mag > torch.finfo(low).max) & torch.isfinite(mag)).any())
 
 
 def _reads_fp32(user: fx.Node, keep: frozenset) -> bool:

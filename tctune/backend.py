@@ -23,7 +23,16 @@ into ``aten.t`` + ``aten.addmm`` there. So each Dynamo subgraph is **re-exported
    AOT tracing that plain ``torch.compile`` loads from its cache (issue #7).
 
 Any exception in tctune's part (export, passes) is logged as a warning on the ``tctune`` logger with its
-reason, and that subgraph is compiled by plain Inductor instead: tctune never breaks the user's compile.
+reason (once per distinct reason), recorded in the :class:`SubgraphReport`, and that subgraph is compiled by
+plain Inductor instead: tctune never breaks the user's compile. The fallback keeps the requested precision: at
+fp16 / bf16 Inductor compiles Dynamo's graph cast the way ``model.to(dt)`` would run it (floating inputs,
+parameters and buffers cast to ``dt`` on entry, floating outputs cast back to their dtype), never the FP32 graph.
+
+fp16 overflow. fp16 holds at most 65504, and the backend has no calibration data of its own: at fp16 it runs
+the overflow analysis (``passes.calibrate``) on the first call's inputs, which Dynamo hands the backend as real
+tensors, before the casting passes, so ops whose activations come near 65504 stay FP32. When the inputs are
+not real tensors (nothing to calibrate on), that subgraph is compiled at bf16 instead where the device has
+bf16, with a warning; never silently at an uncalibrated fp16.
 
 Frozen weights are a snapshot: after changing a model's weights in inference, call ``torch._dynamo.reset()``
 (or compile again) so the padded / cast copies are rebuilt.
@@ -35,6 +44,7 @@ the same without strings.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -45,6 +55,7 @@ import torch
 from torch import fx
 
 from passes import PIPELINE, PassResult, run_pipeline
+from passes.calibrate import calibrate_ranges, overflow_nodes
 
 logger = logging.getLogger("tctune.backend")
 
@@ -55,6 +66,11 @@ last_results: list[PassResult] = []
 #: One report per subgraph compiled since the last :func:`reset` (most recent last, at most 256 kept).
 reports: list["SubgraphReport"] = []
 _MAX_REPORTS = 256
+#: Fallback reasons already warned about (each distinct reason is logged as a warning once).
+_warned: set[str] = set()
+#: The passes that cast (calibration runs right before the first of them).
+_CAST_PASSES = ("cast_fp8_linears", "cast_precision")
+_LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 _OPTION_KEYS = ("precision", "pad", "target", "passes", "policy")
 
@@ -114,6 +130,9 @@ class SubgraphReport:
             (tctune's pipeline) and ``inductor`` (``compile_fx``: AOT autograd + code generation up to the
             first call; Triton kernels may still compile lazily on that call).
         policy: the cast policy used (``"autocast"`` or ``"pure"``).
+        notes: what the backend decided beyond the passes, one line each: the fp16 calibration
+            (``"fp16 calibrated on the first call's inputs: 2 op(s) kept FP32 for overflow"``), a switch to
+            bf16, or how a fallback was compiled (``"fallback compiled at bf16, cast like model.to(dt)"``).
 
     ``summary()`` (also its ``repr``) gives all of that in one line.
     """
@@ -125,6 +144,7 @@ class SubgraphReport:
     frozen: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     policy: str = "autocast"
+    notes: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         """One line: precision, policy, what each pass rewrote, fallback reason and step seconds."""
@@ -133,7 +153,8 @@ class SubgraphReport:
         head = f"{self.precision} ({self.policy} policy, {mode}): "
         body = f"plain Inductor ({self.fallback})" if self.fallback else fired
         secs = ", ".join(f"{k} {v:.2f} s" for k, v in self.seconds.items())
-        return head + body + (f"; {secs}" if secs else "")
+        notes = "".join(f"; {n}" for n in self.notes)
+        return head + body + notes + (f"; {secs}" if secs else "")
 
     def __repr__(self) -> str:
         return f"SubgraphReport({self.summary()})"
@@ -144,9 +165,10 @@ class SubgraphReport:
 
 
 def reset() -> None:
-    """Forget the recorded reports (``last_results`` and ``reports``)."""
+    """Forget the recorded reports (``last_results`` and ``reports``) and which fallbacks were warned about."""
     last_results.clear()
     reports.clear()
+    _warned.clear()
 
 
 def backend(
@@ -242,15 +264,78 @@ def _compile(gm: fx.GraphModule, example_inputs: list, cfg: BackendConfig) -> Ca
         if training:
             logger.info("training graph (grad enabled, inputs require grad): eval-only passes skipped, "
                         "weights stay graph inputs")
-        compiled = _compile_with_passes(gm, example_inputs, hw.pass_spec(report.precision, training, cfg.policy), cfg, report)
+        compiled = _compile_with_passes(gm, example_inputs, _spec_for(hw, training, cfg.policy, report.precision),
+                                        cfg, report, hw)
     except Exception as exc:  # noqa: BLE001 - never break the user's compile
         reason = f"{type(exc).__name__}: {exc}"
         report.fallback = reason
         report.results = []
-        logger.warning("tctune backend: falling back to plain Inductor for this subgraph (%s)", reason)
-        compiled = compile_fx(gm, example_inputs)
+        compiled = _fallback(gm, example_inputs, report)
     _record(report)
     return compiled
+
+
+def _spec_for(hw, training: bool, policy: str, precision: str):
+    """The passes' ``PassSpec`` for one subgraph (the one place the backend asks the hardware for it)."""
+    return hw.pass_spec(precision, training, policy)
+
+
+def _fallback(gm: fx.GraphModule, example_inputs: list, report: SubgraphReport) -> Callable:
+    """Plain Inductor for a subgraph tctune could not rewrite, at the requested precision (module docstring)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    dtype = _LOW_DTYPES.get(report.precision)
+    how = "plain Inductor"
+    compiled = None
+    if dtype is not None:
+        try:
+            cast = _cast_like_model_to(gm, example_inputs, dtype)
+            compiled = compile_fx(cast, example_inputs)
+            how = f"plain Inductor at {report.precision} (inputs, weights cast like model.to(dt))"
+            report.notes.append(f"fallback compiled at {report.precision}, cast like model.to(dt)")
+        except Exception as exc:  # noqa: BLE001 - the FP32 graph below still compiles
+            report.notes.append(f"fallback at {report.precision} failed ({type(exc).__name__}: {exc}); "
+                                "compiled in the model's own dtypes")
+            how = f"plain Inductor in the model's own dtypes ({report.precision} cast failed: {exc})"
+            compiled = None
+    if compiled is None:
+        compiled = compile_fx(gm, example_inputs)
+    key = report.fallback.splitlines()[0] if report.fallback else ""
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning("tctune backend: falling back to %s for this subgraph (%s)", how, report.fallback)
+    else:
+        logger.debug("tctune backend: falling back to %s for this subgraph (%s)", how, report.fallback)
+    return compiled
+
+
+def _cast_like_model_to(gm: fx.GraphModule, example_inputs: list, dtype: torch.dtype) -> fx.GraphModule:
+    """A copy of Dynamo's graph ``gm`` computing as ``model.to(dtype)`` would: every floating tensor input
+    (user inputs, lifted parameters and buffers) cast to ``dtype`` on entry, every floating tensor output cast
+    back to its original dtype. Constants the model creates with an explicit dtype keep it, as they would."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    values = dict(zip(placeholders, example_inputs))
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            def back(arg: fx.Node) -> fx.Node:
+                val = arg.meta.get("example_value")
+                new = env[arg]
+                if isinstance(val, torch.Tensor) and val.is_floating_point() and val.dtype != dtype:
+                    return graph.call_method("to", (new, val.dtype))
+                return new
+
+            graph.output(fx.node.map_arg(node.args[0], back))
+            continue
+        new = graph.node_copy(node, lambda n: env[n])
+        value = values.get(node)
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+            new = graph.call_method("to", (new, dtype))
+        env[node] = new
+    out = fx.GraphModule(gm, graph)
+    out.meta.update(gm.meta)
+    return out
 
 
 def _warm_compile_pool() -> None:
@@ -377,7 +462,8 @@ def _dynamic_shapes(nodes: list[fx.Node], runtime: list[int]) -> tuple | None:
     return tuple(specs) if any(specs) else None
 
 
-def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: SubgraphReport) -> Callable:
+def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: SubgraphReport,
+                         hw: Any = None) -> Callable:
     from torch._inductor.compile_fx import compile_fx
 
     inputs = _classify(gm, example_inputs, freeze=not spec.training)
@@ -405,7 +491,15 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
         report.frozen = sorted(inputs.weights.values())
         t1 = time.perf_counter()
         report.seconds["export"] = round(t1 - t0, 3)
-        report.results = run_pipeline(exported, spec, cfg.pass_names())
+        names = cfg.pass_names()
+        if spec.precision == "fp16":
+            # Overflow analysis on the first call's inputs, before the casting passes (module docstring).
+            cut = next((i for i, n in enumerate(names) if n in _CAST_PASSES), len(names))
+            report.results = run_pipeline(exported, spec, names[:cut])
+            spec = _calibrate_fp16(exported, runtime_args, spec, report, hw, cfg.policy)
+            report.results += run_pipeline(exported, spec, names[cut:])
+        else:
+            report.results = run_pipeline(exported, spec, names)
     t2 = time.perf_counter()
     report.seconds["passes"] = round(t2 - t1, 3)
     for r in report.results:
@@ -420,6 +514,31 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
 
     run._tctune_report = report  # type: ignore[attr-defined]
     return run
+
+
+def _calibrate_fp16(exported: fx.GraphModule, runtime_args: tuple, spec, report: SubgraphReport, hw: Any,
+                    policy: str):
+    """``spec`` with ``fp32_nodes`` from a calibration run on ``runtime_args``; bf16's spec (with a warning and a
+    note) when the inputs are not real tensors and the device has bf16; fp16 uncalibrated with a warning else."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    real = all(not (isinstance(t, torch.Tensor) and is_fake(t)) for t in runtime_args)
+    if real:
+        with torch.no_grad():
+            ranges = calibrate_ranges(exported, [runtime_args])
+        fp32 = overflow_nodes(ranges, "fp16", spec.overflow_margin)
+        report.notes.append(f"fp16 calibrated on the first call's inputs: {len(fp32)} op(s) kept FP32 for overflow")
+        return dataclasses.replace(spec, fp32_nodes=fp32)
+    if hw is not None and (not hw.is_gpu or "bf16" in hw.tensor_core_precisions):
+        logger.warning("tctune backend: no real inputs to calibrate fp16 overflow on; this subgraph runs bf16 "
+                       "(fp16's range is 65504, bf16's that of fp32)")
+        report.precision = "bf16"
+        report.notes.append("fp16 refused (no real inputs to calibrate overflow on): bf16 instead")
+        return _spec_for(hw, spec.training, policy, "bf16")
+    logger.warning("tctune backend: fp16 without overflow calibration (no real inputs) and no bf16 on this "
+                   "device: activations beyond 65504 become inf")
+    report.notes.append("fp16 uncalibrated: no real inputs, no bf16 on this device")
+    return spec
 
 
 def _stable_cache_key(gm: fx.GraphModule) -> None:

@@ -285,18 +285,134 @@ def test_backend_graph_is_cacheable_by_aot_autograd(tmp_path, monkeypatch):
 
 
 def test_backend_falls_back_to_inductor_when_a_pass_raises(monkeypatch, caplog):
+    """A fallback keeps the requested precision: Inductor gets Dynamo's graph cast like model.to(bf16), never
+    the FP32 graph; the reason is in the report and warned about once for two subgraphs."""
+    import torch._inductor.compile_fx as cfx
+
+    def boom(gm, spec, names=()):
+        raise RuntimeError("injected pass failure")
+
+    seen: list[torch.fx.GraphModule] = []
+    real = cfx.compile_fx
+
+    def spy(gm, *args, **kwargs):
+        seen.append(gm)
+        return real(gm, *args, **kwargs)
+
+    monkeypatch.setattr(tb, "run_pipeline", boom)
+    monkeypatch.setattr(cfx, "compile_fx", spy)
+    torch.manual_seed(0)
+    model = _Broken().eval()  # two subgraphs, the same failure in each
+    compiled = torch.compile(model, backend=tb.backend(precision="bf16"))
+    torch.manual_seed(4)
+    x = torch.randn(4, 11)
+    with caplog.at_level(logging.WARNING, logger="tctune"), torch.no_grad():
+        got, ref = compiled(x), model(x)
+    _assert_close(got, ref, "bf16")
+    assert got.dtype == torch.float32 and not torch.allclose(got, ref, rtol=1e-6, atol=1e-7)  # bf16 numbers
+    assert len(tb.reports) == 2 and all("injected pass failure" in rep.fallback for rep in tb.reports)
+    assert all(rep.notes == ["fallback compiled at bf16, cast like model.to(dt)"] for rep in tb.reports)
+    assert "plain Inductor" in repr(tb.reports[-1]) and tb.last_results == []
+    warnings = [r for r in caplog.records if "falling back" in r.getMessage()]
+    assert len(warnings) == 1 and "injected pass failure" in warnings[0].getMessage()
+    assert "at bf16" in warnings[0].getMessage()
+    casts = [n for gm in seen for n in gm.graph.nodes if n.op == "call_method" and n.target == "to"]
+    assert any(torch.bfloat16 in n.args for n in casts) and any(torch.float32 in n.args for n in casts)
+
+
+def test_backend_fallback_fp32_compiles_the_graph_as_is(monkeypatch):
     def boom(gm, spec, names=()):
         raise RuntimeError("injected pass failure")
 
     monkeypatch.setattr(tb, "run_pipeline", boom)
     entry = ZOO["mlp"]
     model = entry.build()
-    compiled = torch.compile(model, backend=tb.backend(precision="bf16"))
+    compiled = torch.compile(model, backend=tb.backend(precision="fp32"))
     x = entry.example_inputs(3)
-    with caplog.at_level(logging.WARNING, logger="tctune"), torch.no_grad():
-        _assert_close(compiled(*x), model(*x), "fp32")  # plain Inductor: fp32 numbers
-    assert "injected pass failure" in caplog.text and "falling back" in caplog.text
-    assert tb.reports[-1].fallback and tb.last_results == []
+    with torch.no_grad():
+        _assert_close(compiled(*x), model(*x), "fp32")
+    assert tb.reports[-1].fallback and tb.reports[-1].notes == []
+
+
+# ------------------------------------------------------------------------------------------------ fp16 overflow
+
+
+def test_backend_fp16_calibrates_overflow_on_the_first_call():
+    """fp16 through the backend: activations ~1e5 (past 65504) stay FP32 after a calibration run on the first
+    call's inputs; the output is finite and accurate on fresh inputs."""
+    entry = ZOO["overflow_mlp"]
+    model = entry.build()
+    torch.manual_seed(3)
+    x = entry.example_inputs(4)
+    with torch.no_grad():
+        assert not torch.isfinite(model.half()(x[0].half())).all()  # what uncalibrated fp16 gives
+        model.float()
+        compiled = torch.compile(model, backend="tctune", options={"precision": "fp16"}, dynamic=False)
+        compiled(*x)
+        rep = tb.reports[-1]
+        torch.manual_seed(8)
+        x2 = entry.example_inputs(4)
+        got, ref = compiled(*x2), model(*x2)
+    assert not rep.fallback and rep.precision == "fp16", rep
+    assert any(n.startswith("fp16 calibrated on the first call's inputs: ") for n in rep.notes), rep.notes
+    cast = next(r for r in rep.results if r.name == "cast_precision")
+    assert any(s.reason.startswith("overflow: max |x| ") for s in cast.skipped), cast.skipped
+    assert torch.isfinite(got).all()
+    _assert_close(got, ref, "fp16")
+
+
+class _FP32Masks(nn.Module):
+    """Attention whose masks are written in FP32 terms: ``masked_fill(pad, -1e9)`` (PyTorch refuses it as an
+    fp16 fill value) and an additive ``(1 - m) * finfo(float32).min`` mask."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = (q @ k.transpose(-1, -2)).masked_fill(m[:, None, :] == 0, -1e9)
+        scores = scores + (1.0 - m[:, None, :].float()) * torch.finfo(torch.float32).min
+        return self.out(F.softmax(scores, dim=-1) @ v)
+
+
+@pytest.mark.parametrize("precision,policy", [("fp16", "pure"), ("bf16", "autocast")])
+def test_backend_out_of_range_mask_constants_no_fallback(precision, policy):
+    torch.manual_seed(0)
+    model = _FP32Masks().eval()
+    m = torch.ones(3, 6, dtype=torch.long)
+    m[:, -2:] = 0
+    compiled = torch.compile(model, backend="tctune", options={"precision": precision, "policy": policy},
+                             dynamic=False)
+    torch.manual_seed(6)
+    x = torch.randn(3, 6, 16)
+    with torch.no_grad():
+        got, ref = compiled(x, m), model(x, m)
+    assert all(not rep.fallback for rep in tb.reports), [rep.fallback for rep in tb.reports]
+    cast = next(r for rep in tb.reports for r in rep.results if r.name == "cast_precision")
+    assert cast.notes["constants_saturated"], cast.notes
+    assert torch.isfinite(got).all()
+    _assert_close(got, ref, precision)
+
+
+def test_backend_fp16_without_real_inputs_runs_bf16(caplog):
+    """No real tensors to calibrate on: the subgraph is compiled at bf16 with a warning, never at blind fp16."""
+    entry = ZOO["overflow_mlp"]
+    model = entry.build()
+    captured = tb._hardware(None, False)
+    report = tb.SubgraphReport(precision="fp16", training=False)
+    exported = torch.export.export(model, entry.example_inputs(2)).module()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = (mode.from_tensor(entry.example_inputs(2)[0]),)
+    spec = tb._spec_for(captured, False, "autocast", "fp16")
+    with caplog.at_level(logging.WARNING, logger="tctune"):
+        out = tb._calibrate_fp16(exported, fake, spec, report, captured, "autocast")
+    assert out.precision == "bf16" and report.precision == "bf16"
+    assert report.notes == ["fp16 refused (no real inputs to calibrate overflow on): bf16 instead"]
+    assert "runs bf16" in caplog.text
 
 
 # ------------------------------------------------------------------------------------------------ entry point

@@ -8,7 +8,7 @@ import torch
 
 import zoo
 from passes import PassSpec, cast_precision
-from passes.calibrate import MAX_ABS_META, calibrate_ranges, overflow_nodes
+from passes.calibrate import MAX_ABS_META, NONFINITE_META, calibrate_ranges, ignored_reasons, overflow_nodes
 
 FP16 = PassSpec(precision="fp16")
 
@@ -36,12 +36,16 @@ def test_calibrate_ranges_records_max_abs():
 
 
 def test_overflow_nodes_limits():
-    ranges = {"a": 7.1e4, "b": 3.0e4, "c": 40000.0, "d": float("nan")}
+    ranges = {"a": 7.1e4, "b": 3.0e4, "c": 40000.0, "d": float("nan"), "e": float("inf")}
 
-    assert overflow_nodes(ranges, "fp16") == {"a", "c", "d"}  # > 65504 / 2
-    assert overflow_nodes(ranges, "fp16", margin=1.0) == {"a", "d"}
-    assert overflow_nodes(ranges, "bf16") == {"d"}
+    # NaN / inf statistics are not overflow (the FP32 run produced them; the low dtype holds inf too).
+    assert overflow_nodes(ranges, "fp16") == {"a", "c"}  # > 65504 / 2
+    assert overflow_nodes(ranges, "fp16", margin=1.0) == {"a"}
+    assert overflow_nodes(ranges, "bf16") == frozenset()
     assert overflow_nodes(ranges, "tf32") == frozenset()
+    reasons = ignored_reasons(ranges)
+    assert reasons["d"] == "calibration: FP32 run gave NaN here; ignored for overflow"
+    assert reasons["e"].startswith("calibration: FP32 run gave +-inf here") and set(reasons) == {"d", "e"}
     with pytest.raises(ValueError, match="margin"):
         overflow_nodes(ranges, "fp16", margin=0)
 
