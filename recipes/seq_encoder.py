@@ -14,7 +14,7 @@ Model: ``transformers`` ``BertForSequenceClassification`` from a ``BertConfig`` 
 wrapped so that ``forward(input_ids)`` returns the ``(batch, 2)`` logits tensor. Sizes (``SIZES``), chosen by
 the environment variable ``TCTUNE_SEQ_ENCODER_SIZE`` (default ``base``) when the module is imported:
 
-- ``base``: seq_len 128, hidden 256, 4 layers, 4 heads, FFN 1024, vocab 32 (3.2 M parameters); trained
+- ``base``: seq_len 128, hidden 256, 4 layers, 4 heads, FFN 1024, vocab 32 (3.27 M parameters); trained
   ``steps`` = 1,500 AdamW steps of batch 128 in FP32 -- estimated at well under a minute on one H200
   (``benchmarks/trained.py`` records the measured time as ``build_s``), far longer on a CPU.
 - ``tiny``: seq_len 32, hidden 64, 2 layers, 2 heads, FFN 128; 200 steps of batch 64, 10-30 s on one CPU
