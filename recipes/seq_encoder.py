@@ -40,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -183,11 +184,21 @@ def build_model() -> nn.Module:
         model.load_state_dict(load_file(str(path)))
         return model.to(device).eval()
     model = train(device=device)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(tmp))
-    os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the whole new one
+    _save(save_file, {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, path)
     return model
+
+
+def _save(save_file, state: dict, path: Path) -> None:
+    """Write ``state`` to ``path`` atomically (a concurrent reader sees no file or the whole file); a cache that
+    cannot be written only costs the next call a retraining, so that is a warning, not an error."""
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(tmp))
+        os.replace(tmp, path)
+    except OSError as exc:
+        warnings.warn(f"cannot cache the trained weights in {path.parent} ({exc.strerror or exc}); set "
+                      "TCTUNE_CACHE_DIR to a writable folder to train only once", stacklevel=3)
 
 
 _example_calls = 0

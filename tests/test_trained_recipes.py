@@ -88,6 +88,17 @@ def test_digits_cache_key_follows_the_training_settings(digits, monkeypatch):
     assert digits.cache_path() != before
 
 
+def test_digits_unwritable_cache_warns_and_still_builds(digits, tmp_path, monkeypatch):
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("a file where the cache folder should be")
+    monkeypatch.setenv("TCTUNE_CACHE_DIR", str(blocker))
+    monkeypatch.setitem(digits.TRAIN, "epochs", 1)
+    with pytest.warns(UserWarning, match="cannot cache the trained weights.*TCTUNE_CACHE_DIR"):
+        model = digits.build_model()
+    assert isinstance(model, digits.DigitsCNN) and not model.training
+    assert list(tmp_path.iterdir()) == [blocker]  # no temporary file left behind
+
+
 def test_digits_training_is_deterministic(digits):
     a = digits.train({"epochs": 1}).state_dict()
     b = digits.train({"epochs": 1}).state_dict()
