@@ -136,8 +136,7 @@ def variants(name: str, model, captured, hw, device, calib, plan):
 def run_model(name: str, args, hw, device, t_start: float) -> dict:
     """Train/load ``name``, plan FP8, and measure every variant; returns the model's JSON entry."""
     from tctune.capture import capture
-    from tctune.measure import compare, precision_mode, release_memory, time_call
-    from tctune.runtime import wrap
+    from tctune.measure import compare, precision_mode, release_memory
 
     recipe = load_recipe(name)
     t0 = time.perf_counter()
@@ -168,7 +167,7 @@ def run_model(name: str, args, hw, device, t_start: float) -> dict:
         if runtime != "eager" and time.perf_counter() - t_start > args.budget_s:
             runtime = "cudagraphs" if device.type == "cuda" else "eager"
         row["runtime"] = runtime
-        fn = module = None
+        module = None
         try:
             with precision_mode(precision):
                 module = build()
@@ -178,21 +177,22 @@ def run_model(name: str, args, hw, device, t_start: float) -> dict:
             row.update(rel_l2=err.rel_l2_error, max_abs=err.max_abs_error, nonfinite=err.nonfinite,
                        top1_agreement=float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()))
             inputs = tuple(t.to(device) for t in recipe.example_inputs(batch))
-            if runtime.startswith("inductor"):
-                torch._dynamo.reset()  # the copies share forward code: no recompile limit, no stale graphs
-            with precision_mode(precision):
-                fn, setup_s = wrap(module, runtime, inputs)
-                timing = time_call(lambda: fn(*inputs), batch, device, single_calls=0,
-                                   target_repeat_s=0.1 if device.type == "cuda" else 0.02, max_iterations=200)
-            row.update(throughput=timing.throughput, latency_ms=timing.latency_ms, setup_s=setup_s)
+            try:
+                row.update(throughput(module, runtime, inputs, batch, device, precision))
+            except Exception as exc:  # noqa: BLE001 - a runtime that fails: time the module without compiling
+                fallback = "cudagraphs" if device.type == "cuda" and runtime != "cudagraphs" else "eager"
+                row["timing_error"] = f"{runtime}: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+                if args.verbose:
+                    traceback.print_exc()
+                row["runtime"] = runtime = fallback
+                release_memory(device)
+                row.update(throughput(module, runtime, inputs, batch, device, precision))
         except Exception as exc:  # noqa: BLE001 - one failing variant is a result, not the end of the run
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}" if str(exc) else type(exc).__name__
             if args.verbose:
                 traceback.print_exc()
         finally:
-            fn = module = None
-            if runtime.startswith("inductor"):
-                torch._dynamo.reset()
+            module = None
             release_memory(device)
         if precision == "fp32" and "score" in row:
             fp32_score, fp32_tp = row["score"], row.get("throughput")
@@ -202,6 +202,29 @@ def run_model(name: str, args, hw, device, t_start: float) -> dict:
               ("score", "rel_l2", "throughput", "accepted_by", "error") if k in row), flush=True)
     entry["fp32_score"] = fp32_score
     return entry
+
+
+def throughput(module, runtime: str, inputs: tuple, batch: int, device, precision: str) -> dict:
+    """``{"throughput": items/s, "latency_ms", "setup_s"}`` of ``module`` on ``inputs`` through ``runtime``
+    (``tctune.runtime.wrap`` then ``tctune.measure.time_call``: warm-up, 5 repeats, median; TF32 off except tf32).
+    Dynamo's caches are reset around a compiled run: the variants' modules share forward code."""
+    from tctune.measure import precision_mode, time_call
+    from tctune.runtime import wrap
+
+    compiled = runtime.startswith("inductor")
+    if compiled:
+        torch._dynamo.reset()
+    fn = None
+    try:
+        with precision_mode(precision):
+            fn, setup_s = wrap(module, runtime, inputs)
+            timing = time_call(lambda: fn(*inputs), batch, device, single_calls=0,
+                               target_repeat_s=0.1 if device.type == "cuda" else 0.02, max_iterations=200)
+    finally:
+        fn = None
+        if compiled:
+            torch._dynamo.reset()
+    return {"throughput": timing.throughput, "latency_ms": timing.latency_ms, "setup_s": setup_s}
 
 
 def gates(row: dict, fp32_score: float | None, fp32_tp: float | None) -> None:

@@ -282,3 +282,14 @@ def test_trained_benchmark_tiny_dry_run(tmp_path, cache_dir, monkeypatch):
         assert sum("error" not in r for r in m["rows"]) >= len(m["rows"]) - 2
     md = (tmp_path / "trained.md").read_text()
     assert "| model | variant |" in md and "accepted by" in md and "FP8 plan" in md
+
+
+@pytest.mark.slow
+def test_trained_benchmark_times_eagerly_when_the_runtime_fails(tmp_path, cache_dir):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA graphs work here: the fallback cannot be provoked this way")
+    bench = _bench()  # CUDA-graph capture fails on the CPU: every row falls back to eager timing and says why
+    assert bench.main(["--tiny", "--models", "digits_cnn", "--runtime", "cudagraphs", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "trained.json").read_text())["models"][0]["rows"]
+    assert rows and all(r["runtime"] == "eager" and r["timing_error"].startswith("cudagraphs: ") for r in rows)
+    assert all(r["throughput"] > 0 and "error" not in r for r in rows)
