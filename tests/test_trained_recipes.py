@@ -293,3 +293,18 @@ def test_trained_benchmark_times_eagerly_when_the_runtime_fails(tmp_path, cache_
     rows = json.loads((tmp_path / "trained.json").read_text())["models"][0]["rows"]
     assert rows and all(r["runtime"] == "eager" and r["timing_error"].startswith("cudagraphs: ") for r in rows)
     assert all(r["throughput"] > 0 and "error" not in r for r in rows)
+
+
+@pytest.mark.slow
+def test_trained_benchmark_compiles_the_autocast_wrapper(cache_dir):
+    # Dynamo inlines the recipe's forward under the autocast wrapper and looks its module up in sys.modules:
+    # an unregistered recipe module made every autocast row fall back to eager timing.
+    bench = _bench()
+    recipe = bench.load_recipe("digits_cnn")
+    assert sys.modules["trained_recipe_digits_cnn"] is recipe
+    from tctune.runtime import Autocast
+
+    model = recipe.build_model()
+    got = bench.throughput(Autocast(model, torch.bfloat16, "cpu"), "inductor", recipe.example_inputs(8), 8,
+                           torch.device("cpu"), "bf16")
+    assert got["throughput"] > 0 and got["setup_s"] > 0
