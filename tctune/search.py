@@ -761,14 +761,16 @@ class Tuner:
             again = None
             try:  # the graph this trial measured (its keep-list), even if a resumed run plans anew
                 again = self.evaluate(dict(t.params), fp8_keep=t.user_attrs.get("fp8_keep"))["throughput"]
-            except Exception as exc:  # noqa: BLE001 - the first timing stands
+            except CandidateRejected as exc:  # the first timing stands; a programming error is not swallowed
                 log.info("trial %d could not be re-measured: %s", t.number, _first_line(exc))
             runs[str(t.number)] = [*(runs.get(str(t.number)) or [t.user_attrs["throughput"]]), again]
         conf = {"band": CONFIRM_BAND, "after_trial": max(t.number for t in study.get_trials(deepcopy=False)),
                 "runs": runs}
         study.set_user_attr("confirmation", conf)
         means = confirmed_throughputs(study)
-        log.info("re-measured: %s", "; ".join(f"trial {n}: mean {means[int(n)]:.4g}/s" for n in runs if int(n) in means))
+        again_ok = [str(t.number) for t in top if runs[str(t.number)][-1] is not None]
+        log.info("re-measured %d of %d: %s", len(again_ok), len(top),
+                 "; ".join(f"trial {n}: mean {means[int(n)]:.4g}/s" for n in again_ok) or "none")
         return conf
 
     @staticmethod

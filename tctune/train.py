@@ -78,7 +78,13 @@ class TrainTuner(Tuner):
             self._refs[batch_size] = ((inputs, targets), grads)
         return self._refs[batch_size]
 
-    def evaluate(self, params: dict, on_repeat=None) -> dict:
+    def evaluate(self, params: dict, on_repeat=None, fp8_keep=None) -> dict:
+        """Build, check and time one training step; the same signature as :meth:`Tuner.evaluate` (``fp8_keep``
+        is unused: precision fp8 is not searched in training).
+
+        Raises:
+            CandidateRejected: out of memory, a non-finite loss or gradients, or GradScaler skipping most steps.
+        """
         bs, precision, runtime = params["batch_size"], params["precision"], params.get("runtime", "eager")
         (inputs, targets), ref_grads = self.reference(bs)
         accum = self.accumulation(bs)

@@ -429,3 +429,18 @@ def test_noise_line_names_its_two_trials_and_is_not_said_when_the_best_is_the_ba
     assert "the repeats of the best (trial 3) and of its FP32 eager baseline (trial 0)" in md
     same = dict(base, speedup_vs_baseline=1.0)
     assert "Within measurement noise" not in render_markdown(_report(best=same, baseline=baseline, trials=[base]))
+
+
+@pytest.mark.parametrize("mode", ["infer", "train"])
+def test_finalists_are_re_measured_in_both_modes(tmp_path, monkeypatch, mode):
+    """Every finalist is timed again after the trials, whatever the evaluator (inference or training step), and
+    the report holds each re-measured throughput (a rejected re-run would leave None there)."""
+    monkeypatch.setattr("tctune.search.CONFIRM_BAND", 1.0)  # every candidate is "close": the top 3 are re-timed
+    f = tmp_path / "trainable.py"
+    f.write_text(TRAINABLE)
+    report = optimize(f, TuneConfig(out_dir=str(tmp_path / "out"), batch_sizes=(4, 8), trials=4, quiet=True,
+                                    export=False, prune=False, mode=mode))
+    conf = report["confirmation"]
+    assert conf and len(conf["runs"]) == 3
+    assert all(len(v) == 2 and v[1] is not None and v[1] > 0 for v in conf["runs"].values()), conf
+    assert report["best"]["confirmed_throughput"] > 0
