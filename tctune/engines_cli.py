@@ -19,7 +19,6 @@ each with ``<artifact>.manifest.json`` (inputs, shapes, dtypes, integer ranges, 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import time
@@ -163,6 +162,36 @@ def _config_target(cfg: dict) -> str | None:
     return None
 
 
+def rebuild_graphs(mf, cfg: dict, hw, device) -> tuple["TrialParams", "ExportGraphs"]:
+    """The graphs of the trial a ``best_config.json`` describes (:func:`read_config`), rebuilt the way the search
+    built the graph it measured: capture at batch 2, then :func:`tctune.deploy.export_graphs` with the config's
+    :class:`~tctune.trial.TrialParams` (precision, policy, FP8 keep-list) and, for a calibrated fp16 trial, the
+    same seeded reference inputs at the tuned batch size (:func:`tctune.trial.reference_inputs`).
+
+    Args:
+        mf: the loaded model file; hw: the hardware planned for; device: where the model and inputs live.
+
+    Raises:
+        ExportError: the model could not be captured. PassError: a cast pass failed.
+    """
+    from .capture import capture
+    from .deploy import calibration_for, export_graphs
+    from .errors import CaptureError
+    from .measure import precision_mode
+    from .trial import TrialParams, reference_inputs
+
+    trial = TrialParams.from_config(cfg)
+    model = mf.model().eval().to(device)
+    with precision_mode("fp32"):
+        try:
+            gm = capture(model, mf.inputs(2, device))
+        except CaptureError as exc:
+            raise ExportError(f"cannot export {mf.path.name}: {exc}\n  fix: make the batch dimension dynamic in "
+                              "forward (no hard-coded batch size in reshape/view/expand; use x.shape[0] or -1)") from exc
+    inputs = reference_inputs(mf, trial.batch_size, device) if trial.calibration else None
+    return trial, export_graphs(gm, hw, trial, calibration_for(trial, inputs))
+
+
 def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FORMATS,
                      out_dir: str | Path | None = None, *, force: bool = False) -> dict[str, Any]:
     """Rebuild the tuned graph of ``model_file`` from ``config_path`` and write the engines in ``formats``.
@@ -182,7 +211,7 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
     from .export import cache
     from .hardware import resolve
     from .modelfile import load_model_file
-    from .search import EXPORT_PIPELINE, apply_passes, measuring_device
+    from .trial import measuring_device
 
     cfg = read_config(config_path)
     formats = tuple(formats)
@@ -200,25 +229,9 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
     hw = resolve(_config_target(cfg))
     device = measuring_device()
 
-    model = mf.model().eval().to(device)
-    try:
-        gm = capture(model, mf.inputs(2, device))
-    except CaptureError as exc:
-        raise ExportError(f"cannot export {mf.path.name}: {exc}\n  fix: make the batch dimension dynamic in "
-                          "forward (no hard-coded batch size in reshape/view/expand; use x.shape[0] or -1)") from exc
-    fp8 = None
-    if precision == "fp8":
-        # The PyTorch graph (AOTInductor, cache key) runs _scaled_mm; the ONNX is its bf16 twin with float8 Q/DQ.
-        from .export.onnx_fp8 import build_fp8_graphs
-
-        policy = params.get("policy", "autocast")
-        # the keep-list the best trial was measured with (best_config.json's fp8_keep), so this is that graph
-        spec = dataclasses.replace(hw.pass_spec("fp8", policy=policy), fp8_keep=tuple(cfg.get("fp8_keep") or ()))
-        fp8 = build_fp8_graphs(gm, spec, EXPORT_PIPELINE).to(device)
-        graph = fp8.fp8
-    else:
-        graph, _ = apply_passes(gm, hw, precision, EXPORT_PIPELINE)
-        graph = graph.to(device)
+    trial, graphs = rebuild_graphs(mf, cfg, hw, device)
+    fp8 = graphs.fp8.to(device) if graphs.fp8 is not None else None
+    graph = graphs.graph.to(device)
     make_inputs = lambda b: mf.inputs(b, device)  # noqa: E731
     digest = cache.graph_hash(graph)
     cc = hw.compute_capability or None

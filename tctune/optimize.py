@@ -24,7 +24,9 @@ from .errors import ExportError, UsageError
 from .hardware import HardwareSpec, resolve
 from .modelfile import load_model_file
 from .report import build_report, write_atomic, write_report
-from .search import EXPORT_PIPELINE, TuneConfig, Tuner, apply_passes, best_trial
+from .deploy import calibration_for, export_graphs
+from .search import TuneConfig, Tuner, best_trial
+from .trial import build_trial_graph
 
 log = logging.getLogger("tctune")
 
@@ -150,7 +152,7 @@ def export_best(tuner: Tuner, params: dict, out: Path,
     Returns:
         ``(artifacts, passes)``: the artifact paths/errors and the pass results (as dicts) for the report.
     """
-    from .export import build_engine, build_fp8_graphs, export_onnx, export_onnx_fp8, tensorrt_available
+    from .export import build_engine, export_onnx, export_onnx_fp8, tensorrt_available
 
     artifacts: dict = {"onnx": None, "onnx_max_abs_error": None, "tensorrt": None, "tensorrt_skipped_reason": None}
     if tuner.cfg.mode == "train":
@@ -160,27 +162,16 @@ def export_best(tuner: Tuner, params: dict, out: Path,
         artifacts["onnx_error"] = f"not exported: the model could not be captured ({tuner.captured.reason})"
         artifacts["tensorrt_skipped_reason"] = "no ONNX to build from"
         return artifacts, []
-    calibration = [tuner.reference(params["batch_size"])[0]]
-    policy = params.get("policy", "autocast")
-    keep = tuner.keep_for(params, fp8_keep)
-    _, measured = apply_passes(tuner.captured.graph_module, tuner.hw, params["precision"], calibration=calibration,
-                               policy=policy, fp8_keep=keep)
+    trial = tuner.trial_params(params, fp8_keep)
+    calibration = [tuner.reference(trial.batch_size)[0]]
+    _, measured = build_trial_graph(tuner.captured.graph_module, tuner.hw, trial, calibration)
     passes = [r.to_dict() for r in measured]  # what ran in the measured candidate, for the report
-    if params.get("graph_passes") is False:
+    if not trial.graph_passes:
         for p in passes:
             p["note"] = "the best trial ran the model as written; these are the passes its exported graph carries"
-    export_precision = params["precision"]
-    fp8 = None
-    if export_precision == "fp8":
-        # torch._scaled_mm has no ONNX translation: model.onnx is the bf16 graph with every FP8 linear as float8
-        # QuantizeLinear/DequantizeLinear (static per-tensor activation scales from `calibration`), see
-        # tctune/export/onnx_fp8.py; its onnx_note says how it was validated.
-        spec = dataclasses.replace(tuner.hw.pass_spec("fp8", policy=policy), fp8_keep=keep)
-        fp8 = build_fp8_graphs(tuner.captured.graph_module, spec, EXPORT_PIPELINE)
-        g = fp8.bf16
-    else:
-        g, _ = apply_passes(tuner.captured.graph_module, tuner.hw, export_precision, EXPORT_PIPELINE, calibration,
-                            policy)
+    export_precision = trial.precision
+    graphs = export_graphs(tuner.captured.graph_module, tuner.hw, trial, calibration_for(trial, calibration[0]))
+    fp8, g = graphs.fp8, graphs.onnx_graph
     if not tuner.cfg.export:
         artifacts["onnx_error"] = "export disabled (--no-export)"
         artifacts["tensorrt_skipped_reason"] = "export disabled (--no-export)"
@@ -206,7 +197,7 @@ def export_best(tuner: Tuner, params: dict, out: Path,
             and not artifacts.get("onnx_fp32")):  # FP8: the validated FP32 twin with the same Q/DQ is already kept
         # onnxruntime's CPU provider lacks many fp16/bf16 kernels: the typed model.onnx is for TensorRT or a GPU
         # provider. Also write the same graph in FP32 so there is an engine that runs (and is validated) anywhere.
-        g32, _ = apply_passes(tuner.captured.graph_module, tuner.hw, "fp32", EXPORT_PIPELINE)
+        g32 = export_graphs(tuner.captured.graph_module, tuner.hw, trial.but(precision="fp32"), None).graph
         try:
             info32 = export_onnx(g32.to(tuner.device), lambda b: tuner.mf.inputs(b, tuner.device),
                                  out / "model.fp32.onnx", batch_sizes=check)
@@ -283,12 +274,11 @@ def optimize(model_path: str | Path, cfg: TuneConfig) -> dict:
                      "tensorrt_skipped_reason": "the run was interrupted"}
     if bt is not None and not tuner.interrupted:
         artifacts, passes = export_best(tuner, dict(bt.params), out, fp8_keep=bt.user_attrs.get("fp8_keep"))
-        best_cfg = {"model": mf.name, "model_path": str(mf.path), "hardware": hw.to_dict(), "params": dict(bt.params),
-                    "batch_sizes": sorted(cfg.batch_sizes),
+        trial = tuner.trial_params(dict(bt.params), bt.user_attrs.get("fp8_keep"))
+        best_cfg = {"model": mf.name, "model_path": str(mf.path), "hardware": hw.to_dict(),
+                    **trial.to_config(dict(bt.params)), "batch_sizes": sorted(cfg.batch_sizes),
                     "throughput": bt.user_attrs.get("throughput"), "max_rel_error": bt.user_attrs.get("max_rel_error"),
                     "passes": [p["name"] for p in passes], "study": study.study_name, "tctune_version": __version__}
-        if bt.user_attrs.get("fp8_keep") is not None:
-            best_cfg["fp8_keep"] = bt.user_attrs["fp8_keep"]
         write_atomic(out / "best_config.json", json.dumps(best_cfg, indent=2) + "\n")
         artifacts["best_config"] = str(out / "best_config.json")
     if cfg.storage is None:

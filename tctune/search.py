@@ -8,7 +8,6 @@ eager baseline at every searched batch size is enqueued first, so the report's s
 from __future__ import annotations
 
 import copy
-import dataclasses
 import hashlib
 import json
 import logging
@@ -24,23 +23,19 @@ from typing import Any, Callable, Sequence
 import optuna
 import torch
 
-from passes import PIPELINE, run_pipeline
-from passes.calibrate import calibrate_ranges, overflow_nodes
-from passes.base import PassFailure
+from passes.policy import POLICIES
 
 from .capture import Captured, batch_range, try_capture
 from .errors import CandidateRejected, ModelFileError, PassError, UsageError
 from .fp8_plan import FP8Plan, choose_fastest, plan_graph
-from .hardware import POLICIES, HardwareSpec
+from .hardware import HardwareSpec
 from .measure import (ErrorStats, check_accuracy, compare, is_oom, precision_mode, release_memory,
                       time_call)
 from .modelfile import ModelFile
+from .trial import FailureKind, TrialParams, apply_passes, build_trial_graph, measuring_device, reference_inputs
 from .runtime import CUDA_GRAPH_RUNTIMES, RUNTIMES_CPU, RUNTIMES_GPU, Autocast, ChannelsLast, detach_outputs, wrap
 
 log = logging.getLogger("tctune")
-
-#: Seed for the fresh random inputs of each batch size (all candidates at one batch see the same inputs).
-INPUT_SEED = 1234
 
 TRAIN_NO_PASSES = ("training runs the model as written (autocast; GradScaler for fp16): tctune's graph passes "
                    "are inference rewrites and are not applied in --mode train yet")
@@ -54,7 +49,7 @@ BRUTE_FORCE_MAX = 96
 #: built and timed once more, and the winner is the best by the mean of both timings. Why: on the H200 the seed
 #: CNN's search took Inductor without a CUDA graph at 6.25 M img/s over Inductor + CUDA graph at 6.14 M (1.7 %
 #: apart, a 0.17 ms call), and the same configuration timed again in that process ran 5.48 M
-#: (benchmarks/NOTES.md, fourth session): one timing of a launch-bound candidate can be 12 % off.
+#: (benchmarks/NOTES.md): one timing of a launch-bound candidate can be 12 % off.
 CONFIRM_TOP = 3
 CONFIRM_BAND = 0.05
 
@@ -153,11 +148,6 @@ class TuneConfig:
         return asdict(self)
 
 
-#: The passes for engines (ONNX → TensorRT / onnxruntime): the cuBLASLt epilogue op has no ONNX translation,
-#: and TensorRT fuses bias + activation itself.
-EXPORT_PIPELINE = tuple(n for n in PIPELINE if n != "fuse_epilogue")
-
-
 @dataclass
 class Candidate:
     """A runnable candidate: ``module(*inputs)`` under ``precision_mode(precision)``."""
@@ -167,49 +157,6 @@ class Candidate:
     passes: list = field(default_factory=list)  # PassResult objects
     description: str = ""
     fp8_keep: tuple[str, ...] | None = None  # precision fp8, tctune's graph: the keep-list it was built with
-
-
-def measuring_device() -> torch.device:
-    """``cuda:0`` when torch sees a GPU, else the CPU."""
-    return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
-
-
-def apply_passes(gm: torch.fx.GraphModule, hw: HardwareSpec, precision: str,
-                 names: tuple[str, ...] = PIPELINE,
-                 calibration: list[tuple] | None = None, policy: str = "autocast",
-                 fp8_keep: tuple[str, ...] = ()) -> tuple[torch.fx.GraphModule, list]:
-    """Deep-copy ``gm`` and run the pass pipeline ``names`` for ``(hw, precision)``.
-
-    Args:
-        policy: the cast pass's precision policy, ``"autocast"`` or ``"pure"`` (``HardwareSpec.pass_spec``).
-        fp8_keep: at precision fp8, module-path patterns whose linears stay bf16 (``PassSpec.fp8_keep``).
-        calibration: at fp16, inputs to run through the FP32 graph just before the casting passes; nodes
-            whose max |activation| comes within a factor 2 of fp16's 65504 stay FP32 (overflow analysis,
-            ``passes/calibrate.py``), and the report names their source modules.
-
-    Raises:
-        PassError: a pass failed (the message names it and the passes before it).
-    """
-    with warnings.catch_warnings():  # deepcopy of an exported module warns about pytree internals
-        warnings.simplefilter("ignore", FutureWarning)
-        g = copy.deepcopy(gm)
-    spec = hw.pass_spec(precision, policy=policy)
-    if fp8_keep:
-        spec = dataclasses.replace(spec, fp8_keep=tuple(fp8_keep))
-    try:
-        if calibration and precision == "fp16":
-            casts = [i for i, n in enumerate(names) if n in ("cast_fp8_linears", "cast_precision")]
-            split = casts[0] if casts else len(names)
-            results = run_pipeline(g, spec, names[:split])
-            with torch.inference_mode():
-                ranges = calibrate_ranges(g, calibration)
-            spec = dataclasses.replace(spec, fp32_nodes=overflow_nodes(ranges, precision, spec.overflow_margin))
-            results += run_pipeline(g, spec, names[split:])
-        else:
-            results = run_pipeline(g, spec, names)
-    except PassFailure as exc:
-        raise PassError(str(exc)) from exc
-    return g, results
 
 
 class Tuner:
@@ -314,8 +261,7 @@ class Tuner:
     def reference(self, batch_size: int) -> tuple[tuple, Any]:
         """Fresh random inputs for ``batch_size`` (seeded, so every candidate sees the same) and FP32 outputs."""
         if batch_size not in self._refs:
-            torch.manual_seed(INPUT_SEED + batch_size)
-            inputs = self.mf.inputs(batch_size, self.device)
+            inputs = reference_inputs(self.mf, batch_size, self.device)
             try:
                 with precision_mode("fp32"), torch.inference_mode():
                     ref = self.model(*inputs)
@@ -339,15 +285,19 @@ class Tuner:
             cand.description += ", channels-last"
         return cand
 
+    def trial_params(self, params: dict, fp8_keep: Sequence[str] | None = None) -> TrialParams:
+        """The typed parameters of trial ``params`` with its FP8 keep-list resolved (:meth:`keep_for`)."""
+        keep = self.keep_for(params, fp8_keep) if params.get("graph_passes") else ()
+        return TrialParams.from_params(params, keep)
+
     def _build(self, params: dict, fp8_keep: Sequence[str] | None = None) -> Candidate:
         precision = params["precision"]
         runtime = params.get("runtime", "eager")
         if params["graph_passes"]:
-            inputs, _ = self.reference(params["batch_size"])
-            policy = params.get("policy", "autocast")
-            keep = self.keep_for(params, fp8_keep)
-            g, results = apply_passes(self.captured.graph_module, self.hw, precision, calibration=[inputs],
-                                      policy=policy, fp8_keep=keep)
+            trial = self.trial_params(params, fp8_keep)
+            inputs, _ = self.reference(trial.batch_size)
+            g, results = build_trial_graph(self.captured.graph_module, self.hw, trial, [inputs])
+            keep, policy = trial.fp8_keep, trial.policy
             label = f"{precision} ({policy})" if precision in ("fp16", "bf16") else precision
             if precision == "fp8":
                 label += f" (bf16: {', '.join(keep)})" if keep else " (every eligible linear)"
@@ -384,14 +334,15 @@ class Tuner:
             log.info("FP8 plan (%s policy): %s", policy, self.fp8_plans[policy].summary())
         plan = self.fp8_plans[policy]
         if not plan.usable:
-            raise CandidateRejected(plan.reason)
+            raise CandidateRejected(plan.reason, FailureKind.ACCURACY)
         return plan.keep
 
     def _plan_fp8(self, policy: str, batch_size: int) -> FP8Plan:
         inputs, ref = self.reference(batch_size)
         try:
-            plan = plan_graph(self.captured.graph_module, self.hw, inputs, ref, self.cfg.max_error_fp8,
-                              policy=policy, device=self.device)
+            gm, hw = self.captured.graph_module, self.hw
+            plan = plan_graph(lambda keep, names: apply_passes(gm, hw, "fp8", names, policy=policy, fp8_keep=keep)[0],
+                              inputs, ref, self.cfg.max_error_fp8, device=self.device)
         except PassError:
             raise
         except Exception as exc:  # noqa: BLE001 - an FP8 graph that cannot run rejects the FP8 candidates
@@ -441,11 +392,16 @@ class Tuner:
                 fn, setup_s = wrap(cand.module, runtime, inputs)
                 if runtime.startswith("inductor") and setup_s > self.cfg.compile_budget_s:
                     self.compile_over_budget = f"trial compile took {setup_s:.0f} s"
-                    raise CandidateRejected(f"compile took {setup_s:.0f} s > --compile-budget {self.cfg.compile_budget_s:g} s")
+                    raise CandidateRejected(f"compile took {setup_s:.0f} s > --compile-budget {self.cfg.compile_budget_s:g} s",
+                                            FailureKind.COMPILE_BUDGET)
                 with torch.inference_mode():
                     out = detach_outputs(fn(*inputs))
             err: ErrorStats = compare(out, ref)
-            check_accuracy(err, cand.precision, out)
+            try:
+                check_accuracy(err, cand.precision, out)
+            except CandidateRejected as exc:
+                exc.kind = exc.kind or FailureKind.ACCURACY
+                raise
             del out
             with precision_mode(cand.precision):
                 timing = time_call(lambda: fn(*inputs), bs, self.device, on_repeat=on_repeat,
@@ -462,7 +418,8 @@ class Tuner:
             peak = timing.peak_memory_mib - (held - own) / 2**20
         extra = {} if cand.fp8_keep is None else {"fp8_keep": list(cand.fp8_keep)}  # export rebuilds this graph
         return trial_metrics(timing, err, peak_memory_mib=peak, setup_s=setup_s, description=cand.description,
-                             passes=[{"name": r.name, "changed": r.count} for r in cand.passes], **extra)
+                             passes=[{"name": r.name, "changed": r.count, **({"failed": r.notes["failed"]} if "failed" in r.notes else {})}
+                                     for r in cand.passes], **extra)
 
     # -- study ------------------------------------------------------------------------------------------
     def space_size(self) -> int:
@@ -584,8 +541,7 @@ class Tuner:
                     continue
                 what = "measured" if prev.state == optuna.trial.TrialState.COMPLETE else "failed"
                 return f"duplicate of trial {prev.number} ({what}; not run again)"
-            reason = prev.user_attrs.get("fail_reason") or ""
-            if ("out of memory" in reason and {k: v for k, v in prev.params.items() if k != "batch_size"} == same_settings
+            if (prev.user_attrs.get("fail_kind") == FailureKind.OUT_OF_MEMORY.value and {k: v for k, v in prev.params.items() if k != "batch_size"} == same_settings
                     and prev.params.get("batch_size", 0) <= params["batch_size"]):
                 return f"batch {prev.params['batch_size']} already ran out of memory with these settings (trial {prev.number})"
         if params.get("policy") == "pure" and (not params.get("graph_passes")
@@ -614,6 +570,7 @@ class Tuner:
         for t in running:
             tid = storage.get_trial_id_from_study_id_trial_number(sid, t.number)
             storage.set_trial_user_attr(tid, "fail_reason", "interrupted: the process ended during this trial")
+            storage.set_trial_user_attr(tid, "fail_kind", FailureKind.INTERRUPTED.value)
             storage.set_trial_state_values(tid, optuna.trial.TrialState.FAIL)
         log.warning("marked %d interrupted trial(s) as failed; finished trials are kept", len(running))
         return len(running)
@@ -623,7 +580,7 @@ class Tuner:
         params = {k: trial.suggest_categorical(k, v) for k, v in space.items()}
         skip = self.skip_reason(trial.study, params, trial.number)
         if skip:
-            trial.set_user_attr("fail_reason", skip)
+            fail(trial, skip, FailureKind.SKIPPED)
             raise optuna.TrialPruned(skip)
         def on_repeat(step: int, throughput: float) -> None:
             if self.cfg.objective != "throughput":
@@ -638,17 +595,17 @@ class Tuner:
         try:
             metrics = self.evaluate(params, on_repeat=on_repeat)
         except CandidateRejected as exc:
-            trial.set_user_attr("fail_reason", str(exc))
+            fail(trial, str(exc), failure_kind(exc))
             raise
         except PassError as exc:
-            trial.set_user_attr("fail_reason", str(exc))
-            raise CandidateRejected(str(exc)) from exc
+            fail(trial, str(exc), FailureKind.PASS_ERROR)
+            raise CandidateRejected(str(exc), FailureKind.PASS_ERROR) from exc
         except (ModelFileError, UsageError, optuna.TrialPruned):
             raise  # the user's files or options: one clear error for the whole run; or stopped early
         except Exception as exc:  # anything else a candidate raises costs that trial, not the study
             reason = f"{type(exc).__name__}: {_first_line(exc)}"
-            trial.set_user_attr("fail_reason", reason)
-            raise CandidateRejected(reason) from exc
+            fail(trial, reason, FailureKind.RUNTIME_ERROR)
+            raise CandidateRejected(reason, FailureKind.RUNTIME_ERROR) from exc
         for k, v in metrics.items():
             trial.set_user_attr(k, v)
         fp8 = params["precision"] == "fp8"
@@ -656,15 +613,16 @@ class Tuner:
                                 "relative error", "--max-error-fp8" if fp8 else "--max-error"),
                   "max_latency_ms": (metrics["latency_p99_ms"], self.cfg.max_latency_ms, "p99 latency ms", "--max-latency-ms"),
                   "max_memory_mib": (metrics["peak_memory_mib"], self.cfg.max_memory_mib, "peak memory MiB", "--max-memory-mib")}
-        over = []
+        over, kind = [], None
         for key, (value, limit, what, flag) in limits.items():
             if limit is None or value is None:
                 continue
             trial.set_constraint(key, float(value - limit))
             if value > limit:
                 over.append(f"{what} {value:.3g} > {flag} {limit:g}")
+                kind = kind or (FailureKind.ACCURACY if key == "max_error" else FailureKind.CONSTRAINT)
         if over:
-            trial.set_user_attr("fail_reason", "; ".join(over))
+            fail(trial, "; ".join(over), kind)
         return objective_values(metrics, self.cfg.objective)
 
     def run(self) -> optuna.Study:
@@ -823,8 +781,25 @@ def rejection(exc: BaseException, device: torch.device, batch_size: int, what: s
     """The :class:`CandidateRejected` for an exception a candidate raised, after freeing its memory."""
     release_memory(device)
     if is_oom(exc):
-        return CandidateRejected(f"out of memory at batch size {batch_size}")
-    return CandidateRejected(f"{what} failed: {type(exc).__name__}: {_first_line(exc)}")
+        return CandidateRejected(f"out of memory at batch size {batch_size}", FailureKind.OUT_OF_MEMORY)
+    return CandidateRejected(f"{what} failed: {type(exc).__name__}: {_first_line(exc)}", FailureKind.RUNTIME_ERROR)
+
+
+def failure_kind(exc: CandidateRejected) -> FailureKind:
+    """The kind of a rejection: the one its raiser set, else out of memory when it was caused by one (the
+    timing loop's rejection), else a runtime error."""
+    if exc.kind is not None:
+        return FailureKind(exc.kind)
+    cause = exc.__cause__
+    if cause is not None and is_oom(cause):
+        return FailureKind.OUT_OF_MEMORY
+    return FailureKind.RUNTIME_ERROR
+
+
+def fail(trial: optuna.Trial, reason: str, kind: FailureKind) -> None:
+    """Record why ``trial`` failed: ``fail_reason`` (text for the report) and ``fail_kind`` (a FailureKind value)."""
+    trial.set_user_attr("fail_reason", reason)
+    trial.set_user_attr("fail_kind", kind.value)
 
 
 def trial_metrics(timing, err: ErrorStats, **extra) -> dict:
@@ -863,8 +838,9 @@ def counts_as_measured(t: optuna.trial.FrozenTrial) -> bool:
     killed (no reason recorded, or "interrupted") does not: its candidate is measured again later."""
     if t.state != optuna.trial.TrialState.FAIL:
         return True
-    reason = t.user_attrs.get("fail_reason")
-    return bool(reason) and not reason.startswith("interrupted")
+    if t.user_attrs.get("fail_kind") == FailureKind.INTERRUPTED.value:
+        return False
+    return bool(t.user_attrs.get("fail_reason"))
 
 
 def is_feasible(t: optuna.trial.FrozenTrial) -> bool:

@@ -28,6 +28,7 @@ from .errors import CandidateRejected, ModelFileError
 from .measure import compare, precision_mode, time_call
 from .modelfile import SIGNATURES
 from .search import Tuner, rejection, trial_metrics
+from .trial import FailureKind, reference_inputs
 
 LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -65,8 +66,8 @@ class TrainTuner(Tuner):
     def reference(self, batch_size: int):
         """Inputs, targets and the FP32 gradients of one step from the initial weights."""
         if batch_size not in self._refs:
-            torch.manual_seed(1234 + batch_size)
-            inputs, targets = self.mf.inputs(batch_size, self.device), self.targets(batch_size)
+            inputs = reference_inputs(self.mf, batch_size, self.device)
+            targets = self.targets(batch_size)
             model = self.fresh_model()
             try:
                 with precision_mode("fp32"):
@@ -120,7 +121,7 @@ class TrainTuner(Tuner):
                 opt.zero_grad(set_to_none=True)
                 loss = forward_backward()
                 if not torch.isfinite(loss.detach()).all():
-                    raise CandidateRejected(f"{precision} training loss is not finite ({float(loss):.3g})")
+                    raise CandidateRejected(f"{precision} training loss is not finite ({float(loss):.3g})", FailureKind.ACCURACY)
                 scale = scaler.get_scale() if scaler else 1.0
                 grads = [p.grad.detach().float() / (scale * 1.0) * accum for p in model.parameters() if p.grad is not None]
                 if self.device.type == "cuda":
@@ -135,9 +136,10 @@ class TrainTuner(Tuner):
         except Exception as exc:
             raise rejection(exc, self.device, bs, f"{runtime} training step") from exc
         if scaler and skipped["steps"] and skipped["skipped"] * 2 > skipped["steps"]:
-            raise CandidateRejected(f"GradScaler skipped {skipped['skipped']} of {skipped['steps']} fp16 steps (gradients overflow)")
+            raise CandidateRejected(f"GradScaler skipped {skipped['skipped']} of {skipped['steps']} fp16 steps (gradients overflow)",
+                                   FailureKind.ACCURACY)
         if err.nonfinite:
-            raise CandidateRejected(f"{precision} gradients hold {err.nonfinite} NaN/inf values")
+            raise CandidateRejected(f"{precision} gradients hold {err.nonfinite} NaN/inf values", FailureKind.ACCURACY)
         return trial_metrics(
             timing, err, passes=[], setup_s=setup_s,
             description=f"train step {precision}{' + GradScaler' if scaler else ''}, {runtime}, "

@@ -413,7 +413,7 @@ def test_no_fp8_linear_gives_plain_bf16_export_and_note(tmp_path):
 def test_padded_pipeline_quantizes_padded_linear(tmp_path):
     """With the export pipeline for Hopper, pad_linear_dims pads N=10 to 16 first: the head becomes FP8 too."""
     from tctune.hardware import resolve
-    from tctune.search import EXPORT_PIPELINE
+    from tctune.deploy import EXPORT_PIPELINE
 
     torch.manual_seed(0)
     graphs = _graphs(FP8Net(), resolve("9.0").pass_spec("fp8"), names=EXPORT_PIPELINE)

@@ -112,7 +112,7 @@ def test_train_mode_needs_loss_fn(tiny, tmp_path):
 def test_apply_passes_calibration_keeps_overflowing_modules_fp32():
     """At fp16, calibration inputs make the overflow analysis keep a module FP32 (named in the skip reason)."""
     import zoo
-    from tctune.search import apply_passes
+    from tctune.trial import apply_passes
 
     model, gm, entry = zoo.build("overflow_mlp")
     h100 = resolve("h100")
