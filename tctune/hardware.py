@@ -630,8 +630,8 @@ def _target_spec(target: str) -> HardwareSpec:
     if cc is None:
         names = ", ".join(k for k, t in TARGETS.items() if _parse_cc(t.compute_capability) >= _MIN_CC)
         raise UsageError(
-            f"unknown --target {target!r}; use a GPU name ({names}) or a compute capability as sm_XY, "
-            f"XY or X.Y (e.g. sm_90, 90, 9.0)"
+            f"unknown target {target!r}; use a GPU name ({names}) or a compute capability as sm_XY, "
+            f"XY or X.Y (e.g. sm_90, 90, 9.0)", field="target"
         )
     if cc < _MIN_CC:
         arch_for(_cc_str(*cc))  # raises HardwareError

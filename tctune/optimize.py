@@ -47,7 +47,7 @@ def check_out_dir(out_dir: str | Path) -> Path:
         blocker = next((q for q in (p, *p.parents) if q.is_file()), None)
         what = (f"cannot be created: {blocker} is a file" if blocker is not None
                 else f"is not writable ({exc.strerror or exc})")
-        raise UsageError(f"output folder {p} {what}\n  fix: pass --out DIR with a folder you can write") from exc
+        raise UsageError(f"out_dir {p} {what}\n  fix: an output folder you can write", field="out_dir") from exc
     return p
 
 
@@ -66,11 +66,12 @@ def check_devices(cfg: TuneConfig) -> list[int]:
     if not cfg.devices or cfg.worker:
         return []
     if not torch.cuda.is_available():
-        raise UsageError("--devices needs CUDA GPUs and torch sees none\n  fix: drop --devices to measure on this machine's CPU")
+        raise UsageError("devices needs CUDA GPUs and torch sees none\n  fix: leave devices out to measure on this "
+                         "machine's CPU", field="devices")
     n = torch.cuda.device_count()
     bad = [d for d in cfg.devices if d >= n]
     if bad:
-        raise UsageError(f"--devices {','.join(map(str, bad))}: this machine has GPUs 0..{n - 1}")
+        raise UsageError(f"devices {','.join(map(str, bad))}: this machine has GPUs 0..{n - 1}", field="devices")
     return list(cfg.devices)
 
 
@@ -236,11 +237,7 @@ def optimize(model_path: str | Path, cfg: TuneConfig) -> dict:
     if len(devices) > 1:  # this process measures on the first GPU, one worker process on each other
         cfg = dataclasses.replace(cfg, trials=math.ceil(cfg.trials / len(devices)))
     device = torch.device(f"cuda:{devices[0]}") if devices else None
-    if cfg.mode == "train":
-        from .train import TrainTuner
-        tuner: Tuner = TrainTuner(cfg, mf, hw, device)
-    else:
-        tuner = Tuner(cfg, mf, hw, device)
+    tuner = Tuner(cfg, mf, hw, device)  # its evaluator times training steps in --mode train
     out = check_out_dir(cfg.out_dir)  # after every input check: a rejected run leaves no empty folder
     if len(devices) > 1:
         tuner.create_study()  # enqueue the baselines and fail interrupted trials once, before workers start

@@ -547,8 +547,9 @@ def test_optimize_export_best_fp8_writes_qdq_onnx(tmp_path):
     tuner = SimpleNamespace(cfg=SimpleNamespace(mode="infer", export=True, batch_sizes=[4, 64]),
                             captured=SimpleNamespace(ok=True, graph_module=gm, reason=None), hw=resolve("9.0"),
                             device=device, mf=mf, reference=reference, fp8_keep=_no_planning)
-    from tctune.search import Tuner
-    tuner.keep_for = lambda p, recorded=None: Tuner.keep_for(tuner, p, recorded)  # the real resolver, on this fake
+    from tctune.search import InferenceEvaluator
+    tuner.keep_for = lambda p, recorded=None: InferenceEvaluator.keep_for(tuner, p, recorded)  # the real resolver
+    tuner.trial_params = lambda p, recorded=None: InferenceEvaluator.trial_params(tuner, p, recorded)  # on this fake
     params = {"precision": "fp8", "batch_size": 4, "policy": "autocast", "graph_passes": True}
     artifacts, passes = export_best(tuner, params, tmp_path, fp8_keep=[])  # the best trial's recorded keep-list
     assert artifacts["onnx"] == str(tmp_path / "model.onnx")

@@ -158,10 +158,12 @@ def test_unwritable_output_folder(tmp_path):
 
 
 def test_tune_config_rejects_bad_values():
-    with pytest.raises(UsageError, match="--trials"):
+    with pytest.raises(UsageError, match="trials must be at least 1") as err:
         TuneConfig(out_dir="x", trials=0)
-    with pytest.raises(UsageError, match="--runtimes"):
+    assert err.value.field == "trials"
+    with pytest.raises(UsageError, match="runtimes has unknown warp") as err:
         TuneConfig(out_dir="x", runtimes=("warp",))
+    assert err.value.field == "runtimes"
 
 
 SLOW_AT_32 = '''

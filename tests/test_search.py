@@ -1,4 +1,5 @@
 """Search logic on the CPU: objectives, constraints, Pareto front, enumeration without repeats."""
+import dataclasses
 import json
 
 import optuna
@@ -128,8 +129,8 @@ def test_apply_passes_calibration_keeps_overflowing_modules_fp32():
 
 def test_policy_dimension_measures_pure_graphs_and_prunes_twins(tiny, tmp_path, monkeypatch):
     """The cast policy (searched on GPUs) as it runs: "pure" only for the fp16/bf16 graph, else pruned."""
-    monkeypatch.setattr(Tuner, "searches_policy", property(lambda self: True))
     t = tuner(tiny, tmp_path, trials=16)
+    t.search_space = dataclasses.replace(t.search_space, policy=True)
     study = t.run()
     assert t.space()["policy"] == ["autocast", "pure"]
     pure = [tr for tr in study.trials if tr.params.get("policy") == "pure"]
@@ -142,8 +143,8 @@ def test_policy_dimension_measures_pure_graphs_and_prunes_twins(tiny, tmp_path, 
 
 def test_compiled_graph_candidates_are_measured_right_after_the_fp32_baselines(tiny, tmp_path, monkeypatch):
     """The likely winner on a GPU (graph + Inductor, pure policy) is enqueued before TPE's random draws."""
-    monkeypatch.setattr(Tuner, "searches_policy", property(lambda self: True))
     t = tuner(tiny, tmp_path, trials=1, runtimes=("eager", "inductor"))
+    t.search_space = dataclasses.replace(t.search_space, policy=True)
     study = t.create_study()
 
     queued = [tr.system_attrs["fixed_params"]
@@ -153,8 +154,8 @@ def test_compiled_graph_candidates_are_measured_right_after_the_fp32_baselines(t
     assert low  # the CPU searches bf16
     assert queued[2:2 + len(low)] == [{"batch_size": 16, "precision": p, "graph_passes": True, "runtime": "inductor",
                                        "policy": "pure"} for p in low]
-    monkeypatch.setattr(Tuner, "searches_memory_format", property(lambda self: True))
-    t.precisions = ("fp32", "fp16", "fp8")  # as on an H200
+    t.search_space = dataclasses.replace(t.search_space, memory_format=True,
+                                         precisions=("fp32", "fp16", "fp8"))  # as on an H200
     assert [(c["precision"], c["policy"], c["memory_format"]) for c in t.compiled_first()] == [
         ("fp16", "pure", "contiguous"), ("fp16", "pure", "channels_last"), ("fp8", "pure", "contiguous")]
     # the FP8 graph's bf16 part follows the policy too: pure FP8 is a candidate, not a pruned twin
@@ -240,7 +241,7 @@ def test_confirmation_keeps_a_failed_re_run_at_its_first_timing_and_skips_clear_
 
 
 def test_run_confirms_and_the_report_says_so(tiny, tmp_path, monkeypatch):
-    monkeypatch.setattr("tctune.search.CONFIRM_BAND", 1.0)  # every candidate is "close": the top 3 are re-timed
+    monkeypatch.setattr("tctune.search.loop.CONFIRM_BAND", 1.0)  # every candidate is "close": the top 3 are re-timed
     report = optimize(tiny, TuneConfig(out_dir=str(tmp_path / "out"), batch_sizes=(4, 16), trials=4, quiet=True,
                                        export=False, prune=False))
     conf = report["confirmation"]
@@ -295,10 +296,10 @@ def example_inputs(batch_size):
 
 def test_memory_format_dimension_runs_channels_last(tmp_path, monkeypatch):
     """Channels-last (searched for conv nets on GPUs) converts weights and inputs and keeps the numbers."""
-    monkeypatch.setattr(Tuner, "searches_memory_format", property(lambda self: True))
     f = tmp_path / "conv.py"
     f.write_text(CONV)
     t = tuner(f, tmp_path, trials=16)
+    t.search_space = dataclasses.replace(t.search_space, memory_format=True)
     study = t.run()
     nhwc = [tr for tr in study.trials if tr.params.get("memory_format") == "channels_last"
             and tr.state == optuna.trial.TrialState.COMPLETE]
@@ -313,16 +314,17 @@ def test_memory_format_dimension_runs_channels_last(tmp_path, monkeypatch):
 def test_cuda_graph_runtimes_need_a_gpu_and_inference(tiny, tmp_path, runtime):
     from tctune.errors import UsageError
 
-    with pytest.raises(UsageError, match=f"--runtimes {runtime} needs a CUDA GPU"):
+    with pytest.raises(UsageError, match=f"runtimes {runtime} needs a CUDA GPU") as err:
         tuner(tiny, tmp_path, runtimes=(runtime,))
-    with pytest.raises(UsageError, match=f"--runtimes {runtime} is for inference"):
+    assert err.value.field == "runtimes"
+    with pytest.raises(UsageError, match=f"runtimes {runtime} is for inference"):
         tuner(tiny, tmp_path, runtimes=(runtime,), mode="train")
 
 
 def test_runtimes_without_eager_say_the_baselines_need_it(tiny, tmp_path, caplog):
     from tctune.errors import UsageError
 
-    with pytest.raises(UsageError, match="(?s)leaves out eager.*fix: --runtimes eager,inductor"):
+    with pytest.raises(UsageError, match="(?s)leaves out eager.*fix: runtimes eager,inductor"):
         tuner(tiny, tmp_path, runtimes=("inductor",))
     with caplog.at_level("WARNING", logger="tctune"):
         tuner(tiny, tmp_path, fp8_keep=("*.fc",))  # the CPU never searches fp8
@@ -435,7 +437,7 @@ def test_noise_line_names_its_two_trials_and_is_not_said_when_the_best_is_the_ba
 def test_finalists_are_re_measured_in_both_modes(tmp_path, monkeypatch, mode):
     """Every finalist is timed again after the trials, whatever the evaluator (inference or training step), and
     the report holds each re-measured throughput (a rejected re-run would leave None there)."""
-    monkeypatch.setattr("tctune.search.CONFIRM_BAND", 1.0)  # every candidate is "close": the top 3 are re-timed
+    monkeypatch.setattr("tctune.search.loop.CONFIRM_BAND", 1.0)  # every candidate is "close": the top 3 are re-timed
     f = tmp_path / "trainable.py"
     f.write_text(TRAINABLE)
     report = optimize(f, TuneConfig(out_dir=str(tmp_path / "out"), batch_sizes=(4, 8), trials=4, quiet=True,

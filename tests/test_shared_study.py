@@ -82,7 +82,8 @@ def test_worker_args_round_trip_through_the_cli():
 def test_devices_need_cuda_here():
     if __import__("torch").cuda.is_available():
         pytest.skip("this machine has a GPU")
-    with pytest.raises(UsageError, match="--devices needs CUDA"):
+    with pytest.raises(UsageError, match="devices needs CUDA") as err:
         check_devices(TuneConfig(out_dir="o", devices=(0, 1)))
+    assert err.value.field == "devices"
     with pytest.raises(UsageError):
         parse_devices("0,x")

@@ -24,25 +24,45 @@ from typing import Any
 import optuna
 import torch
 
-from .errors import CandidateRejected, ModelFileError
-from .measure import compare, precision_mode, time_call
-from .modelfile import SIGNATURES
-from .search import Tuner, rejection, trial_metrics
-from .trial import FailureKind, reference_inputs
+from ..errors import CandidateRejected, ModelFileError
+from ..measure import compare, precision_mode, time_call
+from ..modelfile import SIGNATURES
+from ..trial import FailureKind, TrialParams, reference_inputs
+from .results import rejection, trial_metrics
 
 LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-class TrainTuner(Tuner):
-    """A :class:`~tctune.search.Tuner` whose candidates are training steps."""
+def check_trainable(mf) -> None:
+    """Raises ModelFileError (naming what to add) when the model file lacks what ``--mode train`` needs."""
+    missing = [fn for fn in ("example_targets", "loss_fn") if getattr(mf, fn) is None]
+    if missing:
+        sigs = "\n".join(f"  add: {SIGNATURES[fn]}" for fn in missing)
+        raise ModelFileError(f"{mf.path.name}: --mode train needs {' and '.join(f'{m}()' for m in missing)}\n{sigs}")
 
-    def __init__(self, cfg, mf, hw, device=None):
-        missing = [fn for fn in ("example_targets", "loss_fn") if getattr(mf, fn) is None]
-        if missing:
-            sigs = "\n".join(f"  add: {SIGNATURES[fn]}" for fn in missing)
-            raise ModelFileError(f"{mf.path.name}: --mode train needs {' and '.join(f'{m}()' for m in missing)}\n{sigs}")
-        super().__init__(cfg, mf, hw, device)
+
+class TrainingEvaluator:
+    """Training-step candidates (the evaluator interface of :mod:`tctune.search.evaluate`).
+
+    Args:
+        cfg: run options (``effective_batch``); mf: the model file (with ``example_targets`` and ``loss_fn``);
+        device: where steps run; model: the model on ``device`` (its initial weights start every trial).
+
+    Raises:
+        ModelFileError: the model file lacks ``example_targets`` or ``loss_fn``.
+    """
+
+    def __init__(self, cfg, mf, device: torch.device, model: torch.nn.Module):
+        check_trainable(mf)
+        self.cfg, self.mf, self.device, self.model = cfg, mf, device, model
         self.initial_state = copy.deepcopy(self.model.state_dict())
+        self._refs: dict[int, tuple] = {}
+        self.fp8_plans: dict = {}  # precision fp8 is not searched in training
+        self.compile_over_budget: str | None = None
+
+    def trial_params(self, params: dict, fp8_keep=None) -> TrialParams:
+        """The typed parameters of trial ``params`` (no FP8 keep-list: fp8 is not searched in training)."""
+        return TrialParams.from_params(params)
 
     def targets(self, batch_size: int) -> Any:
         try:
@@ -80,7 +100,7 @@ class TrainTuner(Tuner):
         return self._refs[batch_size]
 
     def evaluate(self, params: dict, on_repeat=None, fp8_keep=None) -> dict:
-        """Build, check and time one training step; the same signature as :meth:`Tuner.evaluate` (``fp8_keep``
+        """Build, check and time one training step; the evaluator interface's signature (``fp8_keep``
         is unused: precision fp8 is not searched in training).
 
         Raises:

@@ -1,0 +1,360 @@
+"""Deployable engines from a tuned configuration, and their timing (the library behind ``tctune export`` and
+``tctune bench``).
+
+:func:`export_artifacts` rebuilds the tuned graph of a model file from its ``best_config.json`` (capture with a
+dynamic batch, then :func:`tctune.deploy.export_graphs` with the config's trial parameters: the graph the search
+measured) and writes, per format:
+
+- ONNX ``model.onnx``, validated by onnxruntime at batch 1, the tuned batch and the largest searched batch;
+  a batch axis that froze to a constant fails the command. At precision fp8 every FP8 linear is written as
+  float8e4m3fn QuantizeLinear/DequantizeLinear (opset 19, static per-tensor activation scales calibrated on
+  the model file's example inputs; ``tctune.export.onnx_fp8``), everything else bf16;
+- TensorRT ``model.engine`` (strongly typed, one profile min/opt/max = 1 / tuned / largest) where the
+  ``tensorrt`` package is importable; otherwise the reason is given;
+- AOTInductor ``model.pt2`` (dynamic batch), compared with PyTorch at two batch sizes;
+
+each with ``<artifact>.manifest.json`` (inputs, shapes, dtypes, integer ranges, cache key) and a standalone
+``runner.py``. An artifact whose manifest carries the same cache key is reused, not rebuilt.
+:func:`bench_artifact` times any of them with the same code the generated runner uses.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from .errors import ExportError, UsageError
+
+log = logging.getLogger("tctune")
+
+FORMATS = ("onnx", "tensorrt", "aoti")
+#: Goes into the ONNX/TensorRT cache keys at precision fp8: what the FP8 ONNX holds (a bf16 export of the
+#: same graph would otherwise share the key).
+FP8_ONNX_SCHEME = "float8e4m3fn Q/DQ, static per-tensor activation scales, opset 19"
+ARTIFACT_NAMES = {"onnx": "model.onnx", "tensorrt": "model.engine", "aoti": "model.pt2"}
+
+# ------------------------------------------------------------------------------------------------ export
+
+
+def read_config(path: str | Path) -> dict:
+    """Load and check a ``best_config.json``.
+
+    Returns:
+        The config with ``params`` (``batch_size`` int, ``precision`` str, ``graph_passes`` bool) and
+        ``batch_sizes`` (sorted list of ints; ``[batch_size]`` when the file predates that field).
+
+    Raises:
+        UsageError: the file is missing, not JSON, or lacks ``params.batch_size`` / ``params.precision``.
+    """
+    p = Path(path)
+    fix = "  fix: pass the best_config.json that `tctune optimize` wrote (OUT/best_config.json)"
+    try:
+        cfg = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(f"config not found: {p}\n{fix}") from None
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot read config {p}: {exc}\n{fix}") from None
+    params = cfg.get("params") if isinstance(cfg, dict) else None
+    if not isinstance(params, dict) or not isinstance(params.get("batch_size"), int) \
+            or not isinstance(params.get("precision"), str):
+        raise UsageError(f"{p} has no params.batch_size (int) and params.precision (str)\n{fix}")
+    from passes import PRECISIONS
+
+    if params["precision"] not in PRECISIONS:
+        raise UsageError(f"{p}: params.precision {params['precision']!r} is not one tctune tunes "
+                         f"({', '.join(PRECISIONS)})\n{fix}")
+    if params["precision"] == "fp8" and params.get("graph_passes") is False:
+        raise UsageError(f"{p}: precision fp8 needs tctune's graph (FP8 GEMMs are a graph rewrite), but "
+                         f"params.graph_passes is false\n{fix}")
+    keep = cfg.get("fp8_keep")
+    if keep is not None and (not isinstance(keep, list) or not all(isinstance(k, str) and k for k in keep)):
+        raise UsageError(f"{p}: fp8_keep must be a list of module-path patterns (as `tctune optimize` writes it), "
+                         f"got {keep!r}\n{fix}")
+    sizes = cfg.get("batch_sizes") or [params["batch_size"]]
+    if not isinstance(sizes, list) or not all(isinstance(b, int) and b >= 1 for b in sizes):
+        raise UsageError(f"{p}: batch_sizes must be a list of positive ints, got {sizes!r}\n{fix}")
+    cfg["batch_sizes"] = sorted(set(sizes) | {params["batch_size"]})
+    return cfg
+
+
+def parse_formats(text: str) -> tuple[str, ...]:
+    """``"onnx,aoti"`` -> ``("onnx", "aoti")``.
+
+    Raises:
+        UsageError: an unknown or empty format list.
+    """
+    items = [f.strip().lower() for f in text.split(",") if f.strip()]
+    aliases = {"trt": "tensorrt", "pt2": "aoti", "aotinductor": "aoti"}
+    items = [aliases.get(f, f) for f in items]
+    bad = [f for f in items if f not in FORMATS]
+    if bad or not items:
+        raise UsageError(f"invalid --format {text!r}\n  fix: a comma list of {', '.join(FORMATS)}")
+    return tuple(dict.fromkeys(items))
+
+
+def _config_target(cfg: dict) -> str | None:
+    """The hardware to plan the passes for: the config's ``target``, else the GPU it was tuned on, else None."""
+    if cfg.get("target"):
+        return str(cfg["target"])
+    hw = cfg.get("hardware") or {}
+    if not isinstance(hw, dict):
+        raise UsageError(f"the config's hardware must be the object `tctune optimize` wrote, got {hw!r}\n"
+                         "  fix: remove it, or name the GPU with a \"target\" key (e.g. \"h100\" or \"sm_90\")")
+    if hw.get("is_gpu") and hw.get("compute_capability"):
+        return str(hw["compute_capability"])
+    return None
+
+
+def rebuild_graphs(mf, cfg: dict, hw, device) -> tuple["TrialParams", "ExportGraphs"]:
+    """The graphs of the trial a ``best_config.json`` describes (:func:`read_config`), rebuilt the way the search
+    built the graph it measured: capture at batch 2, then :func:`tctune.deploy.export_graphs` with the config's
+    :class:`~tctune.trial.TrialParams` (precision, policy, FP8 keep-list) and, for a calibrated fp16 trial, the
+    same seeded reference inputs at the tuned batch size (:func:`tctune.trial.reference_inputs`).
+
+    Args:
+        mf: the loaded model file; hw: the hardware planned for; device: where the model and inputs live.
+
+    Raises:
+        ExportError: the model could not be captured. PassError: a cast pass failed.
+    """
+    from .capture import capture
+    from .deploy import calibration_for, export_graphs
+    from .errors import CaptureError
+    from .measure import precision_mode
+    from .trial import TrialParams, reference_inputs
+
+    trial = TrialParams.from_config(cfg)
+    model = mf.model().eval().to(device)
+    with precision_mode("fp32"):
+        try:
+            gm = capture(model, mf.inputs(2, device))
+        except CaptureError as exc:
+            raise ExportError(f"cannot export {mf.path.name}: {exc}\n  fix: make the batch dimension dynamic in "
+                              "forward (no hard-coded batch size in reshape/view/expand; use x.shape[0] or -1)") from exc
+    inputs = reference_inputs(mf, trial.batch_size, device) if trial.calibration else None
+    return trial, export_graphs(gm, hw, trial, calibration_for(trial, inputs))
+
+
+def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FORMATS,
+                     out_dir: str | Path | None = None, *, force: bool = False) -> dict[str, Any]:
+    """Rebuild the tuned graph of ``model_file`` from ``config_path`` and write the engines in ``formats``.
+
+    Returns:
+        ``{"out": str, "config": {...}, "formats": {fmt: {"status": "built" | "reused" | "skipped",
+        "path", "manifest", "runner", "reason", "seconds", ...build details}}}``.
+
+    Raises:
+        UsageError: bad config or formats. ModelFileError: the model file breaks the contract.
+        ExportError: capture failed, the ONNX batch axis froze, or validation failed (message: cause + fix).
+    """
+    import torch
+
+    from .capture import capture
+    from .errors import CaptureError
+    from .export import cache
+    from .hardware import resolve
+    from .modelfile import load_model_file
+    from .trial import measuring_device
+
+    cfg = read_config(config_path)
+    formats = tuple(formats)
+    mf = load_model_file(model_file)
+    tuned_for = cfg.get("model_path") or cfg.get("model")
+    if tuned_for and Path(str(tuned_for)).stem != mf.name:
+        logging.getLogger("tctune").warning(
+            "%s was tuned for %s, not %s: its batch size and precision may not suit this model "
+            "(run `tctune optimize %s` for a config of its own)", config_path, tuned_for, mf.path.name, mf.path.name)
+    out = Path(out_dir) if out_dir else Path(config_path).resolve().parent
+    out.mkdir(parents=True, exist_ok=True)
+    params = cfg["params"]
+    precision, tuned = params["precision"], params["batch_size"]
+    largest = max(cfg["batch_sizes"])
+    hw = resolve(_config_target(cfg))
+    device = measuring_device()
+
+    trial, graphs = rebuild_graphs(mf, cfg, hw, device)
+    fp8 = graphs.fp8.to(device) if graphs.fp8 is not None else None
+    graph = graphs.graph.to(device)
+    make_inputs = lambda b: mf.inputs(b, device)  # noqa: E731
+    digest = cache.graph_hash(graph)
+    cc = hw.compute_capability or None
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        cc = f"{major}.{minor}"
+    sizes = {"min": 1, "opt": tuned, "max": largest}
+
+    from .export.onnx import _input_names
+    from .export.runner import describe_inputs, write_runner
+
+    names = _input_names(graph, len(mf.inputs(2, "cpu")))
+    inputs = describe_inputs(graph, lambda b: mf.inputs(b, "cpu"), names, (2, min(largest, 64)))
+    base = {"model": mf.name, "model_file": str(mf.path), "precision": precision, "graph_passes": params.get("graph_passes"),
+            "hardware": hw.name, "inputs": inputs, "batch_sizes": sizes}
+    results: dict[str, Any] = {}
+
+    def cache_key(fmt: str, extra: dict | None = None) -> dict:
+        if fp8 is not None and fmt in ("onnx", "tensorrt"):  # their file is the Q/DQ ONNX, not the _scaled_mm graph
+            extra = {**(extra or {}), "fp8_onnx": FP8_ONNX_SCHEME}
+        return cache.artifact_key(graph, fmt=fmt, precision=precision, inputs=inputs, batch_sizes=sizes,
+                                  compute_capability=cc if fmt != "onnx" or device.type == "cuda" else None,
+                                  graph_digest=digest, extra=extra)
+
+    def reuse(fmt: str, key: dict) -> bool:
+        path = out / ARTIFACT_NAMES[fmt]
+        hit = None if force else cache.cached(path, key)
+        if hit is None:
+            return False
+        results[fmt] = {"status": "reused", "path": str(path), "manifest": str(path) + ".manifest.json",
+                        "runner": str(out / "runner.py"), **(hit.get("result") or {})}
+        return True
+
+    def finish(fmt: str, key: dict, info: dict, started: float, **manifest_extra) -> None:
+        path = out / ARTIFACT_NAMES[fmt]
+        manifest = {**base, "format": fmt, "artifact": path.name, **manifest_extra, "cache_key": key,
+                    "result": info}
+        runner = write_runner(path, manifest)
+        if fmt == "onnx" and info.get("onnx_fp32"):  # FP8: the validated FP32 twin with the same Q/DQ, CPU-runnable
+            twin = Path(info["onnx_fp32"])
+            write_runner(twin, {**manifest, "artifact": twin.name, "precision": "fp32", "qdq": "float8e4m3fn"})
+        results[fmt] = {"status": "built", "path": str(path), "manifest": str(path) + ".manifest.json",
+                        "runner": str(runner), "seconds": round(time.perf_counter() - started, 2), **info}
+
+    onnx_inputs = None
+    if "onnx" in formats or "tensorrt" in formats:
+        key = cache_key("onnx")
+        if not reuse("onnx", key):
+            onnx_inputs = _build_onnx(graph, make_inputs, out / ARTIFACT_NAMES["onnx"], (1, tuned, largest), fp8=fp8)
+            started = time.perf_counter() - onnx_inputs.pop("_seconds")
+            onnx_names = {i["name"] for i in onnx_inputs["onnx_inputs"]}
+            finish("onnx", key, _summary(onnx_inputs, "onnx"), started, device="cpu",
+                   inputs=[i for i in inputs if i["name"] in onnx_names] or inputs)
+        if "onnx" not in formats:
+            results["onnx"]["status"] += " (for tensorrt)"
+
+    if "tensorrt" in formats:
+        skipped = _build_tensorrt(out, inputs, sizes, cache_key("tensorrt"), finish, reuse)
+        if skipped is not None:
+            results["tensorrt"] = skipped
+
+    if "aoti" in formats:
+        key = cache_key("aoti", {"device": str(device)})
+        if not reuse("aoti", key):
+            from .export.aoti import export_aoti
+
+            started = time.perf_counter()
+            info = export_aoti(graph, make_inputs, out / ARTIFACT_NAMES["aoti"], (tuned, 1 if tuned != 1 else 2))
+            if info["aoti_error"]:
+                raise ExportError(f"the AOTInductor package {ARTIFACT_NAMES['aoti']} does not match PyTorch: "
+                                  f"{info['aoti_error']}")
+            finish("aoti", key, _summary(info, "aoti"), started, device=info["aoti_device"])
+    return {"out": str(out), "model": mf.name, "precision": precision, "hardware": hw.name,
+            "batch_sizes": sizes, "formats": results}
+
+
+def _build_onnx(graph, make_inputs, path: Path, check: tuple[int, int, int], fp8=None) -> dict:
+    """export_onnx at two of ``check`` and validate_onnx at the third; frozen/failed batches raise ExportError.
+
+    With ``fp8`` (an ``FP8Graphs``), ``export_onnx_fp8`` writes the float8 Q/DQ model and validates it at all
+    three batch sizes against the PyTorch FP8 graph (relative L2 <= 5e-2, else ExportError).
+    """
+    from .export.onnx import export_onnx, validate_onnx
+    from .export.onnx_fp8 import export_onnx_fp8
+
+    started = time.perf_counter()
+    first, tuned, largest = check
+    pair = (tuned, largest) if tuned != largest else (tuned, first if first != tuned else tuned + 1)
+    if fp8 is not None:
+        info = export_onnx_fp8(fp8, make_inputs, path, batch_sizes=tuple(dict.fromkeys((first, tuned, largest))))
+    else:
+        info = export_onnx(graph, make_inputs, path, batch_sizes=pair)
+    extra = [b for b in dict.fromkeys(check) if b not in pair]
+    if fp8 is None and extra and info.get("onnx_error") is None:
+        entries = validate_onnx(graph, make_inputs, path, extra)
+        info["onnx_validation"] += entries
+        errors = [e["error"] for e in entries if "error" in e]
+        if errors:
+            info["onnx_error"] = "; ".join(errors)
+        measured = [e["max_abs_error"] for e in info["onnx_validation"] if e["max_abs_error"] is not None]
+        info["onnx_max_abs_error"] = max(measured) if measured else None
+    err = info.get("onnx_error")
+    if err:
+        if "froze" in err or "not dynamic" in err:
+            raise ExportError(f"{path.name}: {err}\n  fix: make the batch dimension dynamic in forward "
+                              "(no hard-coded batch size in reshape/view/expand; use x.shape[0] or -1)")
+        if "cannot load the model" in err:  # e.g. bf16 graph: no CPU kernel; the file is for TensorRT / a GPU EP
+            log.warning("ONNX written but not validated here: %s", err)
+        else:
+            raise ExportError(f"{path.name} does not match PyTorch: {err}")
+    info["_seconds"] = time.perf_counter() - started
+    return info
+
+
+def _build_tensorrt(out: Path, inputs: list, sizes: dict, key: dict, finish, reuse) -> dict | None:
+    """Build (or reuse) model.engine from model.onnx; returns ``{"status": "skipped", "reason"}`` or None."""
+    from .export import build_engine, tensorrt_available
+
+    ok, reason = tensorrt_available()
+    if not ok:
+        return {"status": "skipped", "reason": reason}
+    if reuse("tensorrt", key):
+        return None
+    started = time.perf_counter()
+    shapes = {i["name"]: tuple(-1 if d == "batch" else int(d) for d in i["shape"]) for i in inputs}
+    info = build_engine(out / ARTIFACT_NAMES["onnx"], out / ARTIFACT_NAMES["tensorrt"], input_shapes=shapes,
+                        batch_sizes=(sizes["min"], sizes["opt"], sizes["max"]),
+                        timing_cache=out / "tensorrt.timing_cache")
+    if not info.get("tensorrt"):
+        return {"status": "skipped", "reason": info.get("tensorrt_skipped_reason")}
+    finish("tensorrt", key, info, started, device="cuda")
+    return None
+
+
+def _summary(info: dict, prefix: str) -> dict:
+    """The JSON-ready subset of a build result kept in the manifest."""
+    keep = {"onnx": ("onnx_opset", "onnx_max_abs_error", "onnx_validation", "onnx_error", "onnx_dynamic",
+                     "onnx_export_s", "onnx_outputs", "onnx_note", "onnx_fp8", "onnx_fp32"),
+            "aoti": ("aoti_device", "aoti_export_s", "aoti_compile_s", "aoti_validation", "aoti_max_abs_error",
+                     "aoti_error")}[prefix]
+    return {k: info.get(k) for k in keep}
+
+
+# ------------------------------------------------------------------------------------------------ bench
+
+
+def bench_artifact(artifact: str | Path, batch: int | None = None, iters: int = 50, warmup: int = 10,
+                   provider: str | None = None) -> dict:
+    """Time one artifact with the generated runner's code (``tctune/export/_runner_template.py``).
+
+    Returns:
+        ``{artifact, format, device, batch_size, iters, warmup, latency_ms, latency_p90_ms, latency_mean_ms,
+        throughput}`` (ms per call; items/s).
+
+    Raises:
+        UsageError: the artifact or its manifest is missing, or a bad ``--batch``/``--iters``.
+        ExportError: its runtime is missing (e.g. TensorRT for ``.engine``) or fails to load it.
+    """
+    from .export import _runner_template as rt
+
+    path = Path(artifact)
+    if not path.exists():
+        raise UsageError(f"artifact not found: {path}\n  fix: pass a file written by `tctune export`")
+    if path.suffix not in rt.LOADERS:
+        raise UsageError(f"{path.name}: unknown artifact type {path.suffix!r}\n  fix: pass a .onnx, .engine or .pt2 file")
+    if not Path(rt.manifest_path(str(path))).exists():
+        raise UsageError(f"{path.name} has no manifest ({path.name}.manifest.json) with its input shapes\n"
+                         "  fix: write it with `tctune export MODEL_FILE --config best_config.json`")
+    if iters < 1 or warmup < 0:
+        raise UsageError(f"--iters must be >= 1 and --warmup >= 0, got {iters} and {warmup}")
+    try:
+        return rt.time_artifact(str(path), batch, iters, warmup, provider)
+    except rt.RunnerError as exc:
+        fix = ("\n  fix: bench it on a machine with TensorRT and a GPU, or bench the .onnx file"
+               if path.suffix == ".engine" else "")
+        if path.suffix == ".onnx" and any(w in str(exc).lower() for w in ("bfloat16", "float16", "float8")):
+            twin = path.with_name(path.stem + ".fp32.onnx")
+            fix = ("\n  fix: onnxruntime's CPU provider lacks kernels for this precision; bench it with "
+                   "--provider CUDAExecutionProvider on a GPU, or TensorRT"
+                   + (f", or bench {twin.name} (the same graph in FP32) here" if twin.exists() else ""))
+        raise ExportError(f"cannot time {path.name}: {exc}{fix}") from exc
