@@ -64,7 +64,7 @@ from tctune.hardware import resolve
 from tctune.measure import precision_mode, time_call
 from tctune.modelfile import load_model_file
 from tctune.runtime import wrap
-from tctune.search import apply_passes
+from tctune.trial import apply_passes
 path, dev, batch, tiny = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
 device = torch.device(dev)
 mf = load_model_file({root!r} + "/recipes/bert_base.py")

@@ -371,7 +371,7 @@ def run_model(name: str, args, device: torch.device, hw, clock: Clock, ceilings:
     import tctune.backend as tb
     from tctune.capture import capture
     from tctune.fp8_plan import plan_graph
-    from tctune.search import apply_passes
+    from tctune.trial import apply_passes
 
     spec = MODELS[name]
     batch = spec.tiny_batch if args.dry_run else spec.batch

@@ -94,7 +94,7 @@ def parse_formats(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(items))
 
 
-def _config_target(cfg: dict) -> str | None:
+def config_target(cfg: dict) -> str | None:
     """The hardware to plan the passes for: the config's ``target``, else the GPU it was tuned on, else None."""
     if cfg.get("target"):
         return str(cfg["target"])
@@ -171,7 +171,7 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
     params = cfg["params"]
     precision, tuned = params["precision"], params["batch_size"]
     largest = max(cfg["batch_sizes"])
-    hw = resolve(_config_target(cfg))
+    hw = resolve(config_target(cfg))
     device = measuring_device()
 
     trial, graphs = rebuild_graphs(mf, cfg, hw, device)
@@ -346,7 +346,7 @@ def bench_artifact(artifact: str | Path, batch: int | None = None, iters: int = 
         raise UsageError(f"{path.name} has no manifest ({path.name}.manifest.json) with its input shapes\n"
                          "  fix: write it with `tctune export MODEL_FILE --config best_config.json`")
     if iters < 1 or warmup < 0:
-        raise UsageError(f"--iters must be >= 1 and --warmup >= 0, got {iters} and {warmup}")
+        raise UsageError(f"iters must be >= 1 and warmup >= 0, got {iters} and {warmup}", field="iters")
     try:
         return rt.time_artifact(str(path), batch, iters, warmup, provider)
     except rt.RunnerError as exc:

@@ -75,20 +75,16 @@ def check_devices(cfg: TuneConfig) -> list[int]:
     return list(cfg.devices)
 
 
-def worker_args(cfg: TuneConfig, storage: str, index: int) -> list[str]:
-    """Command-line options that make a worker process run ``cfg``'s search on the shared study."""
-    args = ["--out", cfg.out_dir, "--storage", storage, "--worker", "--quiet", "--no-export",
-            "--trials", str(cfg.trials), "--batch-sizes", ",".join(map(str, cfg.batch_sizes)),
-            "--max-error", repr(cfg.max_error), "--max-error-fp8", repr(cfg.max_error_fp8), "--seed", str(cfg.seed + index), "--objective", cfg.objective,
-            "--mode", cfg.mode, "--compile-budget", repr(cfg.compile_budget_s)] + ([] if cfg.prune else ["--no-prune"])
-    optional = {"--timeout": cfg.timeout_s, "--target": cfg.target, "--max-latency-ms": cfg.max_latency_ms,
-                "--max-memory-mib": cfg.max_memory_mib, "--effective-batch": cfg.effective_batch,
-                "--runtimes": ",".join(cfg.runtimes) if cfg.runtimes else None,
-                "--fp8-keep": None if cfg.fp8_keep is None else (",".join(cfg.fp8_keep) or "none")}
-    for flag, value in optional.items():
-        if value is not None:
-            args += [flag, str(value)]
-    return args
+def worker_config(cfg: TuneConfig, storage: str, index: int) -> TuneConfig:
+    """The configuration worker process ``index`` runs: ``cfg``'s search on the shared study ``storage``, with its
+    own sampler seed, no export, no report, no progress bar and no workers of its own."""
+    return dataclasses.replace(cfg, storage=storage, worker=True, quiet=True, export=False, seed=cfg.seed + index,
+                               devices=None)
+
+
+def worker_command(model_path: str | Path, cfg: TuneConfig) -> list[str]:
+    """The command line that starts a worker: ``tctune optimize`` receiving ``cfg`` serialized as JSON."""
+    return [sys.executable, "-m", "tctune", "optimize", str(model_path), "--worker-config", cfg.to_json()]
 
 
 def write_onnx_runners(tuner: Tuner, params: dict, artifacts: dict, graph: torch.nn.Module) -> None:
@@ -242,7 +238,7 @@ def optimize(model_path: str | Path, cfg: TuneConfig) -> dict:
     if len(devices) > 1:
         tuner.create_study()  # enqueue the baselines and fail interrupted trials once, before workers start
         for i, d in enumerate(devices[1:], start=1):
-            cmd = [sys.executable, "-m", "tctune", "optimize", str(mf.path), *worker_args(cfg, tuner.storage_url(), i)]
+            cmd = worker_command(mf.path, worker_config(cfg, tuner.storage_url(), i))
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(d))
             log.info("worker on GPU %d: %d trials", d, cfg.trials)
             workers.append((d, subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)))

@@ -408,7 +408,7 @@ def example_inputs(batch_size):
 def test_export_from_best_config_rebuilds_the_measured_graph(tmp_path, precision, policy):
     """The graph `tctune export --config best_config.json` builds equals, node for node, the one the search
     measured: the trial's cast policy, and at fp16 the overflow keep-list from the same calibration inputs."""
-    from tctune.engines_cli import _config_target, read_config, rebuild_graphs
+    from tctune.engines import config_target, read_config, rebuild_graphs
     from tctune.hardware import resolve
     from tctune.modelfile import load_model_file
     from tctune.search import TuneConfig, Tuner
@@ -432,7 +432,7 @@ def test_export_from_best_config_rebuilds_the_measured_graph(tmp_path, precision
     config.write_text(json.dumps({"model": "overflow", "hardware": hw.to_dict(), **trial.to_config(params),
                                   "batch_sizes": [4, 8]}))
     read = read_config(config)
-    _, graphs = rebuild_graphs(load_model_file(f), read, resolve(_config_target(read)), torch.device("cpu"))
+    _, graphs = rebuild_graphs(load_model_file(f), read, resolve(config_target(read)), torch.device("cpu"))
 
     def nodes(gm):
         return [(n.op, str(n.target), str(n.args), str(n.meta.get("val").dtype if hasattr(n.meta.get("val"), "dtype") else ""))
