@@ -7,7 +7,7 @@ construction the measured graph: same precision, cast policy, FP8 keep-list and 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
 import torch
@@ -67,4 +67,66 @@ def export_graphs(gm: torch.fx.GraphModule, hw, trial: TrialParams, calibration:
     return ExportGraphs(g, g, None, results)
 
 
-__all__ = ["EXPORT_PIPELINE", "ExportGraphs", "calibration_for", "export_graphs"]
+@dataclass
+class Artifacts:
+    """What ``tctune optimize`` exported for the best trial (``report.json``'s ``artifacts``: :meth:`to_dict`).
+
+    Attributes:
+        onnx: path of ``model.onnx``; onnx_max_abs_error: its max abs error in onnxruntime vs PyTorch (None when
+            onnxruntime could not run it); onnx_error: why there is no (validated) ONNX; onnx_note: how an FP8
+            ONNX was quantized and validated; onnx_inputs: its inputs (name, shape with ``"batch"``, dtype);
+            onnx_fp8: FP8 export details (Q/DQ counts, calibration, validation).
+        onnx_fp32, onnx_fp32_max_abs_error, onnx_fp32_error: the same graph in FP32 (written when onnxruntime
+            cannot run the low-precision ``model.onnx``).
+        onnx_runner, onnx_fp32_runner: the generated ``runner.py`` beside each ONNX file.
+        tensorrt: path of ``model.engine``; tensorrt_skipped_reason: why there is none.
+        best_config, study_db: paths of ``best_config.json`` and the SQLite study.
+        details: everything else the engine writers report (``onnx_opset``, ``onnx_validation``...), by key.
+    """
+
+    onnx: str | None = None
+    onnx_max_abs_error: float | None = None
+    onnx_error: str | None = None
+    onnx_note: str | None = None
+    onnx_inputs: list | None = None
+    onnx_fp8: dict | None = None
+    onnx_fp32: str | None = None
+    onnx_fp32_max_abs_error: float | None = None
+    onnx_fp32_error: str | None = None
+    onnx_runner: str | None = None
+    onnx_fp32_runner: str | None = None
+    tensorrt: str | None = None
+    tensorrt_skipped_reason: str | None = None
+    best_config: str | None = None
+    study_db: str | None = None
+    details: dict = field(default_factory=dict)
+    _assigned: set = field(default_factory=set, init=False, repr=False, compare=False)
+
+    #: Keys ``report.json`` always has (None when not written).
+    ALWAYS = ("onnx", "onnx_max_abs_error", "tensorrt", "tensorrt_skipped_reason")
+
+    def __setattr__(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+        if name != "_assigned" and "_assigned" in self.__dict__:  # set after construction: reported even if None
+            self._assigned.add(name)
+
+    def update(self, info: dict) -> None:
+        """Take an engine writer's result dict: its known keys set the fields, the others go to ``details``."""
+        names = {f.name for f in fields(self)} - {"details", "_assigned"}
+        for k, v in info.items():
+            if k in names:
+                setattr(self, k, v)
+            else:
+                self.details[k] = v
+
+    def to_dict(self) -> dict:
+        """The ``artifacts`` object of ``report.json``: :data:`ALWAYS`, every other field that is not None or was
+        assigned, and ``details``' keys."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name not in ("details", "_assigned")
+               and (f.name in self.ALWAYS or getattr(self, f.name) is not None or f.name in self._assigned)}
+        out.update(self.details)
+        return out
+
+
+__all__ = ["Artifacts", "EXPORT_PIPELINE", "ExportGraphs", "calibration_for", "export_graphs"]

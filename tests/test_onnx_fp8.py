@@ -552,6 +552,7 @@ def test_optimize_export_best_fp8_writes_qdq_onnx(tmp_path):
     tuner.trial_params = lambda p, recorded=None: InferenceEvaluator.trial_params(tuner, p, recorded)  # on this fake
     params = {"precision": "fp8", "batch_size": 4, "policy": "autocast", "graph_passes": True}
     artifacts, passes = export_best(tuner, params, tmp_path, fp8_keep=[])  # the best trial's recorded keep-list
+    artifacts = artifacts.to_dict()  # as report.json holds it
     assert artifacts["onnx"] == str(tmp_path / "model.onnx")
     assert artifacts["onnx_opset"] == 19 and artifacts["onnx_fp8"]["qdq_nodes"]["QuantizeLinear"] == 3
     assert "not implemented" not in artifacts["onnx_note"] and "static per-tensor" in artifacts["onnx_note"]
