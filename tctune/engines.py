@@ -79,21 +79,6 @@ def read_config(path: str | Path) -> dict:
     return cfg
 
 
-def parse_formats(text: str) -> tuple[str, ...]:
-    """``"onnx,aoti"`` -> ``("onnx", "aoti")``.
-
-    Raises:
-        UsageError: an unknown or empty format list.
-    """
-    items = [f.strip().lower() for f in text.split(",") if f.strip()]
-    aliases = {"trt": "tensorrt", "pt2": "aoti", "aotinductor": "aoti"}
-    items = [aliases.get(f, f) for f in items]
-    bad = [f for f in items if f not in FORMATS]
-    if bad or not items:
-        raise UsageError(f"invalid --format {text!r}\n  fix: a comma list of {', '.join(FORMATS)}")
-    return tuple(dict.fromkeys(items))
-
-
 def config_target(cfg: dict) -> str | None:
     """The hardware to plan the passes for: the config's ``target``, else the GPU it was tuned on, else None."""
     if cfg.get("target"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..engines import FORMATS, bench_artifact, export_artifacts, parse_formats
+from ..engines import FORMATS, bench_artifact, export_artifacts
 from ..errors import ExportError, UsageError
 from .common import parse_batch_sizes
 
@@ -60,6 +60,21 @@ def run(args) -> int:
     if args.command == "bench":
         return _cmd_bench(args)
     return _cmd_export(args)
+
+
+def parse_formats(text: str) -> tuple[str, ...]:
+    """``"onnx,aoti"`` -> ``("onnx", "aoti")``.
+
+    Raises:
+        UsageError: an unknown or empty format list.
+    """
+    items = [f.strip().lower() for f in text.split(",") if f.strip()]
+    aliases = {"trt": "tensorrt", "pt2": "aoti", "aotinductor": "aoti"}
+    items = [aliases.get(f, f) for f in items]
+    bad = [f for f in items if f not in FORMATS]
+    if bad or not items:
+        raise UsageError(f"invalid --format {text!r}\n  fix: a comma list of {', '.join(FORMATS)}")
+    return tuple(dict.fromkeys(items))
 
 
 def _cmd_export(args) -> int:
