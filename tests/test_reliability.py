@@ -100,6 +100,9 @@ def test_out_of_memory_is_recorded_and_the_study_goes_on(tmp_path):
     # `x.shape[0] >= 32` branch allows (1..31), so its candidates there are skipped with that reason.
     eager = [t for t in big if not t.params["graph_passes"]]
     assert eager and all("out of memory" in t.user_attrs["fail_reason"] for t in eager)
+    # classified where it failed, not by its text: measured ones are out of memory, the others skipped for it
+    kinds = {t.user_attrs["fail_kind"] for t in eager}
+    assert "out_of_memory" in kinds and kinds <= {"out_of_memory", "skipped"}
     assert all(("out of memory" in t.user_attrs.get("fail_reason", "")
                 or "accepts batch 1..31" in t.user_attrs.get("fail_reason", t.user_attrs.get("skip_reason", "")))
                for t in big if t.params["graph_passes"])

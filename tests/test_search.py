@@ -77,6 +77,7 @@ def test_max_error_constraint_rejects_inaccurate_precision(tiny, tmp_path):
     assert best.params["precision"] == "fp32"
     low = [tr for tr in study.trials if tr.params["precision"] == "bf16" and tr.state == optuna.trial.TrialState.COMPLETE]
     assert low and all("relative error" in tr.user_attrs["fail_reason"] for tr in low)
+    assert all(tr.user_attrs["fail_kind"] == "accuracy" for tr in low)
 
 
 TRAINABLE = TINY + '''

@@ -82,9 +82,10 @@ class InferenceEvaluator:
             except Exception as exc:
                 release_memory(self.device)
                 if is_oom(exc):
-                    raise CandidateRejected(f"the FP32 reference ran out of memory at batch size {batch_size}") from exc
+                    raise CandidateRejected(f"the FP32 reference ran out of memory at batch size {batch_size}",
+                                            FailureKind.OUT_OF_MEMORY) from exc
                 raise CandidateRejected(f"the model raised at batch size {batch_size} (FP32 reference run): "
-                                        f"{type(exc).__name__}: {first_line(exc)}") from exc
+                                        f"{type(exc).__name__}: {first_line(exc)}", FailureKind.RUNTIME_ERROR) from exc
             self._refs[batch_size] = (inputs, ref)
         return self._refs[batch_size]
 
