@@ -440,3 +440,20 @@ def test_export_from_best_config_rebuilds_the_measured_graph(tmp_path, precision
 
     assert nodes(graphs.graph) == nodes(measured.module)
     assert graphs.graph.code == measured.module.code
+
+
+def test_trial_params_round_trip_and_reject_bad_values():
+    from tctune.errors import UsageError
+    from tctune.trial import TrialParams
+
+    t = TrialParams(batch_size=8, precision="fp8", graph_passes=True, runtime="inductor", policy="pure",
+                    fp8_keep=("*.down",), calibration=True)
+    assert TrialParams.from_dict(json.loads(json.dumps(t.to_dict()))) == t
+    searched = {"batch_size": 8, "precision": "fp8", "graph_passes": True, "runtime": "inductor", "policy": "pure"}
+    config = json.loads(json.dumps(t.to_config(searched)))
+    assert config["params"] == searched and config["fp8_keep"] == ["*.down"]
+    assert TrialParams.from_config(config) == t
+    assert TrialParams(batch_size=8, precision="bf16", fp8_keep=("*.down",)).fp8_keep == ()  # below fp8: none
+    with pytest.raises(UsageError, match="policy must be one of") as err:
+        TrialParams(batch_size=8, precision="fp16", policy="half")
+    assert err.value.field == "policy"
