@@ -165,8 +165,8 @@ class InferenceEvaluator:
         return choose_fastest(plan, lambda keep: self._fp8_throughput(policy, keep, inputs))
 
     def _fp8_throughput(self, policy: str, keep: tuple[str, ...], inputs: tuple) -> float | None:
-        """Throughput (items/s) of the FP8 graph with ``keep`` through the fastest runtime searched (the one
-        :meth:`compiled_first` uses; eager when none is compiled), or None when it fails (logged)."""
+        """Throughput (items/s) of the FP8 graph with ``keep`` through the fastest runtime searched
+        (``SearchSpace.fastest_compiled_runtime``; eager when none is compiled), or None when it fails (logged)."""
         runtime = self.fastest_compiled_runtime or "eager"
         fn = None
         try:

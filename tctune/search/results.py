@@ -97,7 +97,7 @@ def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
     fastest = max(ok, key=lambda t: t.user_attrs["throughput"])
     conf = confirmed_throughputs(study)
     if conf and fastest.number <= study.user_attrs["confirmation"]["after_trial"] and any(t.number in conf for t in ok):
-        # re-measured after the trials (Tuner.confirm): the best mean of its timings, among those candidates
+        # re-measured after the trials (tctune.search.loop.Tuner.confirm): the best mean of its timings, among those candidates
         return max((t for t in ok if t.number in conf), key=lambda t: conf[t.number])
     return fastest
 
