@@ -68,18 +68,6 @@ class Tuner:
         self.cfg, self.mf, self.hw = cfg, mf, hw
         self.device = device or measuring_device()
         training = cfg.mode == "train"
-        if training:
-            check_trainable(mf)
-        self.model = mf.model().to(self.device)
-        self.model.train(training)
-        precisions = hw.search_precisions(measure_on_gpu=self.device.type == "cuda", training=training)
-        if training:
-            self.captured = Captured(None, TRAIN_NO_PASSES)
-        else:
-            cap_inputs = mf.inputs(2, self.device)
-            with precision_mode("fp32"):
-                self.captured = try_capture(self.model, cap_inputs)
-        self.out_dir = Path(cfg.out_dir)
         default = RUNTIMES_GPU if self.device.type == "cuda" else RUNTIMES_CPU
         if training:
             default = tuple(r for r in default if r not in CUDA_GRAPH_RUNTIMES)
@@ -95,6 +83,18 @@ class Tuner:
             raise UsageError(f"runtimes {','.join(runtimes)} leaves out eager, which the FP32 eager baselines "
                              f"every result is compared with need\n  fix: runtimes eager,{','.join(runtimes)}",
                              field="runtimes")
+        if training:
+            check_trainable(mf)  # before the model is built
+        self.model = mf.model().to(self.device)
+        self.model.train(training)
+        precisions = hw.search_precisions(measure_on_gpu=self.device.type == "cuda", training=training)
+        if training:
+            self.captured = Captured(None, TRAIN_NO_PASSES)
+        else:
+            cap_inputs = mf.inputs(2, self.device)
+            with precision_mode("fp32"):
+                self.captured = try_capture(self.model, cap_inputs)
+        self.out_dir = Path(cfg.out_dir)
         if cfg.max_memory_mib is not None and self.device.type != "cuda":
             log.warning("--max-memory-mib limits peak CUDA memory; this run measures on the %s, where it is not "
                         "measured, so the limit is ignored", self.device.type.upper())
