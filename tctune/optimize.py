@@ -26,6 +26,7 @@ from .modelfile import load_model_file
 from .report import build_report, write_atomic, write_report
 from .deploy import Artifacts, calibration_for, export_graphs
 from .search import TuneConfig, Tuner, best_trial
+from .search.train import check_trainable
 from .trial import build_trial_graph
 
 log = logging.getLogger("tctune")
@@ -234,6 +235,8 @@ def optimize(model_path: str | Path, cfg: TuneConfig) -> dict:
     if len(devices) > 1:  # this process measures on the first GPU, one worker process on each other
         cfg = dataclasses.replace(cfg, trials=math.ceil(cfg.trials / len(devices)))
     device = torch.device(f"cuda:{devices[0]}") if devices else None
+    if cfg.mode == "train":
+        check_trainable(mf)  # before the model is built
     tuner = Tuner(cfg, mf, hw, device)  # its evaluator times training steps in --mode train
     out = check_out_dir(cfg.out_dir)  # after every input check: a rejected run leaves no empty folder
     if len(devices) > 1:

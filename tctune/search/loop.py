@@ -35,7 +35,7 @@ from .results import (best_trial, confirmed_throughputs, counts_as_measured, fai
                       is_feasible, objective_values)
 from .space import SearchSpace
 from .storage import fail_interrupted, measured, open_study, retry_interrupted
-from .train import TrainingEvaluator, check_trainable
+from .train import TrainingEvaluator
 
 log = logging.getLogger("tctune")
 
@@ -83,18 +83,7 @@ class Tuner:
             raise UsageError(f"runtimes {','.join(runtimes)} leaves out eager, which the FP32 eager baselines "
                              f"every result is compared with need\n  fix: runtimes eager,{','.join(runtimes)}",
                              field="runtimes")
-        if training:
-            check_trainable(mf)  # before the model is built
-        self.model = mf.model().to(self.device)
-        self.model.train(training)
         precisions = hw.search_precisions(measure_on_gpu=self.device.type == "cuda", training=training)
-        if training:
-            self.captured = Captured(None, TRAIN_NO_PASSES)
-        else:
-            cap_inputs = mf.inputs(2, self.device)
-            with precision_mode("fp32"):
-                self.captured = try_capture(self.model, cap_inputs)
-        self.out_dir = Path(cfg.out_dir)
         if cfg.max_memory_mib is not None and self.device.type != "cuda":
             log.warning("--max-memory-mib limits peak CUDA memory; this run measures on the %s, where it is not "
                         "measured, so the limit is ignored", self.device.type.upper())
@@ -107,6 +96,15 @@ class Tuner:
         if "fp8" not in precisions and (cfg.fp8_keep is not None or cfg.max_error_fp8 != TuneConfig.max_error_fp8):
             log.warning("precision fp8 is not searched here (it needs FP8 Tensor Cores, sm_89 or newer, a GPU to "
                         "measure on and --mode infer), so --fp8-keep / --max-error-fp8 have no effect")
+        self.model = mf.model().to(self.device)
+        self.model.train(training)
+        if training:
+            self.captured = Captured(None, TRAIN_NO_PASSES)
+        else:
+            cap_inputs = mf.inputs(2, self.device)
+            with precision_mode("fp32"):
+                self.captured = try_capture(self.model, cap_inputs)
+        self.out_dir = Path(cfg.out_dir)
         on_gpu_infer = self.device.type == "cuda" and not training
         self.search_space = SearchSpace(
             batch_sizes=tuple(cfg.batch_sizes), precisions=tuple(precisions), runtimes=runtimes,

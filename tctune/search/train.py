@@ -48,12 +48,11 @@ class TrainingEvaluator:
         cfg: run options (``effective_batch``); mf: the model file (with ``example_targets`` and ``loss_fn``);
         device: where steps run; model: the model on ``device`` (its initial weights start every trial).
 
-    Raises:
-        ModelFileError: the model file lacks ``example_targets`` or ``loss_fn``.
+    Its first reference step raises ModelFileError when the model file lacks ``example_targets`` or ``loss_fn``
+    (``tctune optimize`` checks that before anything runs: :func:`check_trainable`).
     """
 
     def __init__(self, cfg, mf, device: torch.device, model: torch.nn.Module):
-        check_trainable(mf)
         self.cfg, self.mf, self.device, self.model = cfg, mf, device, model
         self.initial_state = copy.deepcopy(self.model.state_dict())
         self._refs: dict[int, tuple] = {}
@@ -86,6 +85,7 @@ class TrainingEvaluator:
     def reference(self, batch_size: int):
         """Inputs, targets and the FP32 gradients of one step from the initial weights."""
         if batch_size not in self._refs:
+            check_trainable(self.mf)
             inputs = reference_inputs(self.mf, batch_size, self.device)
             targets = self.targets(batch_size)
             model = self.fresh_model()
