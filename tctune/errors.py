@@ -47,7 +47,8 @@ class UsageError(TctuneError):
 
     Attributes:
         field: the option's name in the library (a ``TuneConfig`` field such as ``"batch_sizes"``), or None.
-            The library's messages name the field; the CLI rewrites it to its flag (``--batch-sizes``).
+            The library's messages name the field where they mean the option (and only there: the CLI rewrites
+            every occurrence of the field name to its flag, ``--batch-sizes``).
     """
 
     def __init__(self, message: str = "", field: str | None = None):

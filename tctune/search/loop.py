@@ -199,8 +199,8 @@ class Tuner:
         except Exception as exc:
             raise UsageError(
                 f"cannot open the study storage {url}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}\n"
-                f"  fix: check storage (an Optuna storage URL such as sqlite:///study.db or "
-                f"postgresql://user@host/db) and that the server is reachable", field="storage") from exc
+                f"  fix: give an Optuna storage URL such as sqlite:///study.db or postgresql://user@host/db, "
+                f"and check that the server is reachable") from exc
         if self.cfg.storage is None and not self._opened:
             # The default SQLite study has one tctune process (it starts any workers itself, after this):
             # a trial still RUNNING was cut off by a killed process.
