@@ -13,7 +13,7 @@ instead of ending the run:
 1. ``probe_compile`` / ``probe_load``: a 2-layer MLP (fp16, 256 wide) with ``Dim("batch")`` packaged in one child
    and loaded in another (what tctune does): does any CUDA package load on this machine?
 2. ``bert_base``: ``recipes/bert_base.py`` captured by tctune, fp16 graph with the ``pure`` cast policy
-   (``tctune.search.apply_passes``), packaged by ``tctune.export.aoti.export_aoti`` (which validates it at
+   (``tctune.trial.apply_passes``), packaged by ``tctune.export.aoti.export_aoti`` (which validates it at
    batch 1 and 64 against the graph), then timed at batch 64 / seq 128 against the same graph run eagerly and
    replayed as a CUDA graph, in the same child (``tctune.measure.time_call``: CUDA events, warm-up, median of
    5 repeats). Relative L2 error of each against FP32 eager.
@@ -65,7 +65,7 @@ from tctune.hardware import resolve
 from tctune.measure import precision_mode, time_call
 from tctune.modelfile import load_model_file
 from tctune.runtime import wrap
-from tctune.search import apply_passes
+from tctune.trial import apply_passes
 path, dev, batch, tiny = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
 device = torch.device(dev)
 mf = load_model_file({root!r} + "/recipes/bert_base.py")

@@ -28,7 +28,7 @@ baselines (the model as written)
                         ``nn.Linear``), then ``torch.compile``; transformer models on sm_89+ with torchao installed
 tctune (conv nets channels-last, weights and inputs, like their fp16 baselines)
     ``tctune_{bf16,fp16}_eager``        the captured graph (tctune.capture: torch.export, dynamic batch) after
-                                        ``tctune.search.apply_passes`` with the spec from ``tctune.hardware.resolve()``
+                                        ``tctune.trial.apply_passes`` with the spec from ``tctune.hardware.resolve()``
     ``tctune_{bf16,fp16}_cudagraphs``   the same graph replayed as one CUDA graph (``tctune.runtime.wrap``;
                                         the input copy is timed)
     ``tctune_fp16_pure_inductor``       the fp16 pure-policy graph compiled by Inductor (``tctune.runtime.wrap``
@@ -371,7 +371,7 @@ def run_model(name: str, args, device: torch.device, hw, clock: Clock, ceilings:
     import tctune.backend as tb
     from tctune.capture import capture
     from tctune.fp8_plan import plan_graph
-    from tctune.search import apply_passes
+    from tctune.trial import apply_passes
 
     spec = MODELS[name]
     batch = spec.tiny_batch if args.dry_run else spec.batch

@@ -1,16 +1,22 @@
 """tctune's graph passes: pure rewrites of ``torch.export`` ATen graphs, run and tested on the CPU.
 
 Each pass is a function ``(gm: torch.fx.GraphModule, spec: PassSpec) -> PassResult`` that mutates ``gm`` in
-place and reports what it changed and what it skipped, and why. ``run_pipeline`` runs them in order.
-This package imports torch only, never ``tctune``.
+place and reports what it changed and what it skipped, and why. ``run_pipeline`` runs them in order on one
+graph; ``build_graph`` builds a candidate's graph from an untouched capture (copy, fp16 overflow calibration,
+a pass that raises left out with its reason). The cast policy and the ``PassSpec`` for a hardware target are
+in ``passes.policy``. This package imports torch only, never ``tctune``.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+import warnings
 from typing import Callable, Sequence
 
 import torch
 
 from passes.base import DEFAULT_KEEP_LIST, PRECISIONS, PassFailure, PassResult, PassSpec, Skip
+from passes.calibrate import calibrate_ranges, overflow_nodes
 from passes.cast_fp8 import cast_fp8_linears
 from passes.cast_precision import cast_precision
 from passes.fold_bn import fold_conv_batchnorm
@@ -91,7 +97,76 @@ def run_pipeline(
     return results
 
 
+#: Passes that decide a candidate's precision: leaving one out would measure a graph that is not at the precision
+#: it claims, so :func:`build_graph` re-raises their failure instead of skipping them.
+CASTS: tuple[str, ...] = ("cast_fp8_linears", "cast_precision")
+
+
+def build_graph(gm: torch.fx.GraphModule, spec: PassSpec, names: Sequence[str] = PIPELINE,
+                calibration: Sequence[tuple] | None = None) -> tuple[torch.fx.GraphModule, list[PassResult]]:
+    """A candidate's graph: a deep copy of ``gm`` with the passes ``names`` run for ``spec`` (``gm`` untouched).
+
+    At precision fp16 with ``calibration`` inputs, the copy is run in FP32 on them just before the first cast
+    pass; nodes whose max |activation| comes within ``spec.overflow_margin`` of fp16's 65504 go into
+    ``spec.fp32_nodes`` and stay FP32 (``passes.calibrate``; the cast pass names their source modules).
+
+    A pass that raises (other than a cast pass, see :data:`CASTS`) does not fail the graph: it is built again
+    from ``gm`` without that pass, and the pass's result says it was skipped and why (one ``Skip`` on node
+    ``"<graph>"``, the error in ``notes["failed"]``).
+
+    Args:
+        gm: an ATen-level graph module from ``torch.export`` (not modified).
+        spec: target facts (``passes.policy.pass_spec`` builds one from hardware facts).
+        names: pass names, in order; each a key of ``PASSES``.
+        calibration: input tuples for the fp16 overflow analysis (ignored at other precisions).
+
+    Returns:
+        ``(graph, results)``: the rewritten copy, and one ``PassResult`` per name in ``names`` order.
+
+    Raises:
+        ValueError: an unknown pass name.
+        PassFailure: a cast pass raised (the message names it and the passes that ran before it).
+    """
+    unknown = [n for n in names if n not in PASSES]
+    if unknown:
+        raise ValueError(f"unknown pass(es) {unknown}; known passes: {sorted(PASSES)}")
+    failed: dict[str, PassFailure] = {}
+    while True:
+        run = [n for n in names if n not in failed]
+        try:
+            g, results = _build_once(gm, spec, run, calibration)
+            break
+        except PassFailure as exc:
+            if exc.pass_name in CASTS or exc.pass_name in failed:
+                raise
+            failed[exc.pass_name] = exc
+    by_name = {r.name: r for r in results}
+    out = []
+    for name in names:
+        if name in failed:
+            reason = f"{failed[name]}; the graph was rebuilt without this pass"
+            out.append(PassResult(name, g, skipped=[Skip("<graph>", reason)], notes={"failed": str(failed[name])}))
+        else:
+            out.append(by_name[name])
+    return g, out
+
+
+def _build_once(gm, spec, names, calibration):
+    with warnings.catch_warnings():  # deepcopy of an exported module warns about pytree internals
+        warnings.simplefilter("ignore", FutureWarning)
+        g = copy.deepcopy(gm)
+    if calibration and spec.precision == "fp16":
+        split = next((i for i, n in enumerate(names) if n in CASTS), len(names))
+        results = run_pipeline(g, spec, names[:split])
+        with torch.inference_mode():
+            ranges = calibrate_ranges(g, list(calibration))
+        spec = dataclasses.replace(spec, fp32_nodes=overflow_nodes(ranges, spec.precision, spec.overflow_margin))
+        return g, results + run_pipeline(g, spec, names[split:])
+    return g, run_pipeline(g, spec, names)
+
+
 __all__ = [
+    "CASTS",
     "DEFAULT_KEEP_LIST",
     "PASSES",
     "PIPELINE",
@@ -109,6 +184,7 @@ __all__ = [
     "pad_conv_channels",
     "pad_linear_dims",
     "pad_matmul_dims",
+    "build_graph",
     "run_pipeline",
     "simplify_attention_mask",
 ]

@@ -2,7 +2,7 @@
 
 Public API (the CLI ``tctune`` wraps the same functions)::
 
-    from tctune import optimize, TuneConfig, resolve, detect
+    from tctune import optimize, TuneConfig, TrialParams, resolve, detect
 """
 from __future__ import annotations
 
@@ -19,11 +19,14 @@ def __getattr__(name):  # lazy: keep `import tctune` (and `tctune --help`) fast
     if name == "TuneConfig":
         from .search import TuneConfig
         return TuneConfig
+    if name == "TrialParams":
+        from .trial import TrialParams
+        return TrialParams
     if name in ("resolve", "detect"):
         from . import hardware
         return getattr(hardware, name)
     raise AttributeError(name)
 
 
-__all__ = ["__version__", "optimize", "TuneConfig", "resolve", "detect", "TctuneError", "ModelFileError",
+__all__ = ["__version__", "optimize", "TuneConfig", "TrialParams", "resolve", "detect", "TctuneError", "ModelFileError",
            "CaptureError", "PassError", "CandidateRejected", "ExportError", "HardwareError", "UsageError"]

@@ -106,7 +106,7 @@ class BackendConfig:
                 raise ValueError(f"passes must be a list of pass names, got the string {self.passes!r} "
                                  f"(write passes=[{self.passes!r}])")
             object.__setattr__(self, "passes", tuple(self.passes))
-        from tctune.hardware import POLICIES
+        from passes.policy import POLICIES
 
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")

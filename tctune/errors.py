@@ -11,7 +11,7 @@ class TctuneError(Exception):
 
 
 class ModelFileError(TctuneError):
-    """The model file is missing, unreadable, or breaks the model-file contract (``tctune.modelfile``)."""
+    """The model file is missing, unreadable, or breaks the model-file contract (``tctune/modelfile.py``)."""
 
 
 class CaptureError(TctuneError):
@@ -23,7 +23,15 @@ class PassError(TctuneError):
 
 
 class CandidateRejected(TctuneError):
-    """A candidate configuration is illegal or inaccurate, e.g. 'fp16 output has 3 inf values'."""
+    """A candidate configuration is illegal or inaccurate, e.g. 'fp16 output has 3 inf values'.
+
+    Attributes:
+        kind: a ``tctune.trial.FailureKind`` value when the raiser knows it, else None (the search classifies).
+    """
+
+    def __init__(self, message: str = "", kind=None):
+        super().__init__(message)
+        self.kind = kind
 
 
 class ExportError(TctuneError):
@@ -35,4 +43,14 @@ class HardwareError(TctuneError):
 
 
 class UsageError(TctuneError):
-    """A command-line option has an invalid value."""
+    """An option has an invalid value.
+
+    Attributes:
+        field: the option's name in the library (a ``TuneConfig`` field such as ``"batch_sizes"``), or None.
+            The library's messages name the field where they mean the option (and only there: the CLI rewrites
+            every occurrence of the field name to its flag, ``--batch-sizes``).
+    """
+
+    def __init__(self, message: str = "", field: str | None = None):
+        super().__init__(message)
+        self.field = field

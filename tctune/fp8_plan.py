@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx
@@ -267,33 +267,35 @@ def _share(roles: dict[str, float], keep) -> float:
     return sum(v for r, v in roles.items() if r not in keep) / sum(roles.values())
 
 
-def plan_graph(gm: fx.GraphModule, hw, inputs: tuple, ref: Any, max_error: float, *, policy: str = "autocast",
-               device: torch.device | None = None, margin: float = DEFAULT_MARGIN) -> FP8Plan:
+def plan_graph(build: Callable[[tuple[str, ...], Sequence[str]], fx.GraphModule], inputs: tuple, ref: Any,
+               max_error: float, *, device: torch.device | None = None, margin: float = DEFAULT_MARGIN) -> FP8Plan:
     """:func:`plan_fp8_keep` for a captured graph: roles from the graph after the passes that run before
     ``cast_fp8_linears`` (so a fused QKV is one role), errors from FP8 graphs run on ``inputs`` against ``ref``.
 
     Args:
-        gm: the captured FP32 ATen graph module (not modified); hw: a ``tctune.hardware.HardwareSpec``.
+        build: ``build(keep, names)`` -> the FP8 graph of the captured model with keep-list ``keep`` after the passes
+            ``names`` (a fresh graph each call; the caller decides hardware and policy, e.g.
+            ``tctune.trial.apply_passes``).
         inputs: the calibration inputs (on ``device``); ref: the FP32 model's outputs for them.
-        max_error: the FP8 error limit; policy: the cast policy of the FP8 graphs (``autocast`` or ``pure``).
-        device: where the graphs run (default: ``gm``'s). NaN/inf outputs count as an infinite error.
+        max_error: the FP8 error limit; margin: see :func:`plan_fp8_keep`.
+        device: where the graphs run (default: the first graph's buffers' device, else the CPU). NaN/inf outputs
+            count as an infinite error.
 
     Raises:
-        tctune.errors.PassError: a pass failed; any exception of the FP8 graph's forward.
+        Whatever ``build`` raises (e.g. ``tctune.errors.PassError``); any exception of the FP8 graph's forward.
     """
     from passes import PIPELINE
 
     from .measure import compare, precision_mode, release_memory
-    from .search import apply_passes
 
-    device = device or next((t.device for t in gm.buffers()), torch.device("cpu"))
     before = PIPELINE[:PIPELINE.index("cast_fp8_linears")]
-    base, _ = apply_passes(gm, hw, "fp8", names=before, policy=policy)
+    base = build((), before)
+    device = device or next((t.device for t in base.buffers()), torch.device("cpu"))
     roles = linear_roles(base)
     del base
 
     def error_of(keep: tuple[str, ...]) -> float:
-        g, _ = apply_passes(gm, hw, "fp8", policy=policy, fp8_keep=keep)
+        g = build(keep, PIPELINE)
         try:
             with precision_mode("fp8"), torch.inference_mode():
                 err = compare(g.to(device)(*inputs), ref)

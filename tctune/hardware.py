@@ -1,7 +1,7 @@
 """The hardware model: which NVIDIA GPU tctune runs on (or plans for), described as plain data.
 
 Every later stage reads a :class:`HardwareSpec`: the search space (which precisions to try), the graph passes
-(alignment in elements per dtype, via :meth:`HardwareSpec.pass_spec`), and the report. Tensor Core
+(alignment in elements per dtype and the generation, read by ``passes.policy.pass_spec``), and the report. Tensor Core
 generations are data, one frozen :class:`ArchSpec` each (tinygrad style); no stage branches on GPU names.
 
 Where a spec comes from:
@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import NamedTuple
 
 from passes.base import PassSpec
+from passes.policy import pass_spec
 from tctune.errors import HardwareError, UsageError
 
 logger = logging.getLogger(__name__)
@@ -71,8 +72,7 @@ class ArchSpec:
         alignment: elements per dtype that GEMM dimensions (M, N, K) and conv channels should be a multiple of
             for Tensor Core kernels, restricted to this generation's precisions. Source: NVIDIA Deep Learning
             Performance Guide, "Matrix Multiplication Background User's Guide", Tensor Core requirements
-            (16 bytes: 8 fp16/bf16, 4 tf32, 16 int8/fp8). Measured on the H200: fp16 GEMM 8192x8192 with
-            K=8191 runs at 140 vs 646 TFLOP/s (DESIGN.md).
+            (16 bytes: 8 fp16/bf16, 4 tf32, 16 int8/fp8).
         exact: False when this spec was chosen for a compute capability tctune does not know (a newer chip
             described by the nearest older generation); see :func:`arch_for`.
     """
@@ -209,14 +209,6 @@ TARGETS: dict[str, Target] = {
 # --------------------------------------------------------------------------------------------------------------
 
 
-#: Precision policies of the cast pass (see ``HardwareSpec.pass_spec``).
-POLICIES = ("autocast", "pure")
-#: What the "pure" policy still keeps in FP32: losses and the ops whose low-precision results are unsafe.
-PURE_KEEP_LIST = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_nd", "mse_loss", "kl_div",
-                            "binary_cross_entropy_with_logits", "smooth_l1_loss", "l1_loss", "cumsum", "prod",
-                            "logsumexp"})
-
-
 @dataclass(frozen=True)
 class HardwareSpec:
     """The machine a study measures on, or the GPU it plans for (``--target``).
@@ -277,25 +269,9 @@ class HardwareSpec:
         return ("fp32",) + tuple(p for p in wanted if p in self.tensor_core_precisions)
 
     def pass_spec(self, precision: str, training: bool = False, policy: str = "autocast") -> PassSpec:
-        """The plain facts the graph passes need for one candidate.
-
-        Args:
-            precision: ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``.
-            training: True when the rewritten graph will be trained.
-            policy: ``"autocast"`` (the FP32 keep-list, residual adds and embeddings in FP32: autocast's
-                accuracy) or ``"pure"`` (everything in the low dtype except losses, as ``model.half()``:
-                less memory traffic; PyTorch's norm and softmax kernels still accumulate in FP32).
-
-        Raises:
-            ValueError: ``precision`` is not one PassSpec accepts.
-        """
-        # Row-wise FP8 scaling is what cuBLAS offers on sm_89/sm_90; Blackwell's cuBLAS lacks it (passes/cast_fp8.py).
-        scaling = "tensor" if self.arch == "Blackwell" else "row"
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        extra = {"keep_list": PURE_KEEP_LIST, "residual_fp32": False} if policy == "pure" else {}
-        return PassSpec(precision=precision, alignment=dict(self.alignment), arch=self.arch, training=training,
-                        fp8_scaling=scaling, **extra)
+        """Shorthand for ``passes.policy.pass_spec(self, precision, training=training, policy=policy)``, where the
+        cast policy lives (kept for callers that hold a spec; raises ValueError there)."""
+        return pass_spec(self, precision, training=training, policy=policy)
 
     def to_dict(self) -> dict:
         """Every field, JSON-ready (tuples become lists), plus ``is_gpu``."""
@@ -654,8 +630,8 @@ def _target_spec(target: str) -> HardwareSpec:
     if cc is None:
         names = ", ".join(k for k, t in TARGETS.items() if _parse_cc(t.compute_capability) >= _MIN_CC)
         raise UsageError(
-            f"unknown --target {target!r}; use a GPU name ({names}) or a compute capability as sm_XY, "
-            f"XY or X.Y (e.g. sm_90, 90, 9.0)"
+            f"unknown target {target!r}; use a GPU name ({names}) or a compute capability as sm_XY, "
+            f"XY or X.Y (e.g. sm_90, 90, 9.0)", field="target"
         )
     if cc < _MIN_CC:
         arch_for(_cc_str(*cc))  # raises HardwareError

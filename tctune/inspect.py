@@ -559,7 +559,7 @@ def inspect_model_file(path: str, target: str | None = None, precision: str | No
     from .capture import MAX_BATCH, batch_range, capture
     from .hardware import resolve
     from .modelfile import load_model_file
-    from .search import apply_passes
+    from .trial import apply_passes
 
     if batch_size < 1 or batch_size > MAX_BATCH:
         raise UsageError(f"--batch-size must be between 1 and {MAX_BATCH}, got {batch_size}")

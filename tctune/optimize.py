@@ -24,7 +24,10 @@ from .errors import ExportError, UsageError
 from .hardware import HardwareSpec, resolve
 from .modelfile import load_model_file
 from .report import build_report, write_atomic, write_report
-from .search import EXPORT_PIPELINE, TuneConfig, Tuner, apply_passes, best_trial
+from .deploy import Artifacts, calibration_for, export_graphs
+from .search import TuneConfig, Tuner, best_trial
+from .search.train import check_trainable
+from .trial import build_trial_graph
 
 log = logging.getLogger("tctune")
 
@@ -45,7 +48,7 @@ def check_out_dir(out_dir: str | Path) -> Path:
         blocker = next((q for q in (p, *p.parents) if q.is_file()), None)
         what = (f"cannot be created: {blocker} is a file" if blocker is not None
                 else f"is not writable ({exc.strerror or exc})")
-        raise UsageError(f"output folder {p} {what}\n  fix: pass --out DIR with a folder you can write") from exc
+        raise UsageError(f"out_dir {p} {what}\n  fix: an output folder you can write", field="out_dir") from exc
     return p
 
 
@@ -64,51 +67,48 @@ def check_devices(cfg: TuneConfig) -> list[int]:
     if not cfg.devices or cfg.worker:
         return []
     if not torch.cuda.is_available():
-        raise UsageError("--devices needs CUDA GPUs and torch sees none\n  fix: drop --devices to measure on this machine's CPU")
+        raise UsageError("devices needs CUDA GPUs and torch sees none\n  fix: leave devices out to measure on this "
+                         "machine's CPU", field="devices")
     n = torch.cuda.device_count()
     bad = [d for d in cfg.devices if d >= n]
     if bad:
-        raise UsageError(f"--devices {','.join(map(str, bad))}: this machine has GPUs 0..{n - 1}")
+        raise UsageError(f"devices {','.join(map(str, bad))}: this machine has GPUs 0..{n - 1}", field="devices")
     return list(cfg.devices)
 
 
-def worker_args(cfg: TuneConfig, storage: str, index: int) -> list[str]:
-    """Command-line options that make a worker process run ``cfg``'s search on the shared study."""
-    args = ["--out", cfg.out_dir, "--storage", storage, "--worker", "--quiet", "--no-export",
-            "--trials", str(cfg.trials), "--batch-sizes", ",".join(map(str, cfg.batch_sizes)),
-            "--max-error", repr(cfg.max_error), "--max-error-fp8", repr(cfg.max_error_fp8), "--seed", str(cfg.seed + index), "--objective", cfg.objective,
-            "--mode", cfg.mode, "--compile-budget", repr(cfg.compile_budget_s)] + ([] if cfg.prune else ["--no-prune"])
-    optional = {"--timeout": cfg.timeout_s, "--target": cfg.target, "--max-latency-ms": cfg.max_latency_ms,
-                "--max-memory-mib": cfg.max_memory_mib, "--effective-batch": cfg.effective_batch,
-                "--runtimes": ",".join(cfg.runtimes) if cfg.runtimes else None,
-                "--fp8-keep": None if cfg.fp8_keep is None else (",".join(cfg.fp8_keep) or "none")}
-    for flag, value in optional.items():
-        if value is not None:
-            args += [flag, str(value)]
-    return args
+def worker_config(cfg: TuneConfig, storage: str, index: int) -> TuneConfig:
+    """The configuration worker process ``index`` runs: ``cfg``'s search on the shared study ``storage``, with its
+    own sampler seed, no export, no report, no progress bar and no workers of its own."""
+    return dataclasses.replace(cfg, storage=storage, worker=True, quiet=True, export=False, seed=cfg.seed + index,
+                               devices=None)
 
 
-def write_onnx_runners(tuner: Tuner, params: dict, artifacts: dict, graph: torch.nn.Module) -> None:
+def worker_command(model_path: str | Path, cfg: TuneConfig) -> list[str]:
+    """The command line that starts a worker: ``tctune optimize`` receiving ``cfg`` serialized as JSON."""
+    return [sys.executable, "-m", "tctune", "optimize", str(model_path), "--worker-config", cfg.to_json()]
+
+
+def write_onnx_runners(tuner: Tuner, params: dict, artifacts: Artifacts, graph: torch.nn.Module) -> None:
     """A manifest and ``runner.py`` beside each ONNX file, so ``tctune bench`` and the runner can time it."""
     from .export.runner import describe_inputs, write_runner
 
     sizes = sorted(tuner.cfg.batch_sizes)
     for key, precision in (("onnx", params["precision"]), ("onnx_fp32", "fp32")):
-        path = artifacts.get(key)
-        if not path or (key == "onnx" and not artifacts.get("onnx_inputs")):
+        path = getattr(artifacts, key)
+        if not path or (key == "onnx" and not artifacts.onnx_inputs):
             continue
         try:
-            names = [i["name"] for i in artifacts["onnx_inputs"]]
+            names = [i["name"] for i in artifacts.onnx_inputs]
             inputs = describe_inputs(graph, lambda b: tuner.mf.inputs(b, "cpu"), names, (2, 3))
             manifest = {"model": tuner.mf.name, "model_file": str(tuner.mf.path), "precision": precision,
                         "format": "onnx", "artifact": Path(path).name, "device": "cpu", "inputs": inputs,
                         "batch_sizes": {"min": sizes[0], "opt": params["batch_size"], "max": sizes[-1]},
                         "written_by": "tctune optimize"}
-            if key == "onnx" and artifacts.get("onnx_note"):
-                manifest["note"] = artifacts["onnx_note"]  # e.g. FP8: static activation scales, how validated
-            if params["precision"] == "fp8" and artifacts.get("onnx_fp8"):
+            if key == "onnx" and artifacts.onnx_note:
+                manifest["note"] = artifacts.onnx_note  # e.g. FP8: static activation scales, how validated
+            if params["precision"] == "fp8" and artifacts.onnx_fp8:
                 manifest["qdq"] = "float8e4m3fn"  # the runner then avoids onnxruntime's float8 Q/DQ fusions
-            artifacts[f"{key}_runner"] = str(write_runner(path, manifest))
+            setattr(artifacts, f"{key}_runner", str(write_runner(path, manifest)))
         except Exception as exc:  # a runner is a convenience: never lose the run over it
             log.warning("no runner for %s: %s", path, exc)
 
@@ -133,7 +133,7 @@ def _fp8_calibration(tuner: Tuner, first: list[tuple]) -> list[tuple]:
 
 
 def export_best(tuner: Tuner, params: dict, out: Path,
-                fp8_keep: list[str] | None = None) -> tuple[dict, list[dict]]:
+                fp8_keep: list[str] | None = None) -> tuple[Artifacts, list[dict]]:
     """Export the best configuration's graph (passes at its precision) to ONNX, and TensorRT if importable.
 
     At precision fp8, ``model.onnx`` is the bf16 graph with each FP8 linear as float8e4m3fn
@@ -148,42 +148,32 @@ def export_best(tuner: Tuner, params: dict, out: Path,
             export is that graph even when this process planned none (a resumed study); None: ask the tuner.
 
     Returns:
-        ``(artifacts, passes)``: the artifact paths/errors and the pass results (as dicts) for the report.
+        ``(artifacts, passes)``: the artifact paths/errors (``Artifacts.to_dict()`` is report.json's
+        ``artifacts``) and the pass results (as dicts) for the report.
     """
-    from .export import build_engine, build_fp8_graphs, export_onnx, export_onnx_fp8, tensorrt_available
+    from .export import build_engine, export_onnx, export_onnx_fp8, tensorrt_available
 
-    artifacts: dict = {"onnx": None, "onnx_max_abs_error": None, "tensorrt": None, "tensorrt_skipped_reason": None}
+    artifacts = Artifacts()
     if tuner.cfg.mode == "train":
-        artifacts["onnx_error"] = artifacts["tensorrt_skipped_reason"] = "no engines in --mode train (engines are for inference)"
+        artifacts.onnx_error = artifacts.tensorrt_skipped_reason = "no engines in --mode train (engines are for inference)"
         return artifacts, []
     if not tuner.captured.ok:
-        artifacts["onnx_error"] = f"not exported: the model could not be captured ({tuner.captured.reason})"
-        artifacts["tensorrt_skipped_reason"] = "no ONNX to build from"
+        artifacts.onnx_error = f"not exported: the model could not be captured ({tuner.captured.reason})"
+        artifacts.tensorrt_skipped_reason = "no ONNX to build from"
         return artifacts, []
-    calibration = [tuner.reference(params["batch_size"])[0]]
-    policy = params.get("policy", "autocast")
-    keep = tuner.keep_for(params, fp8_keep)
-    _, measured = apply_passes(tuner.captured.graph_module, tuner.hw, params["precision"], calibration=calibration,
-                               policy=policy, fp8_keep=keep)
+    trial = tuner.trial_params(params, fp8_keep)
+    calibration = [tuner.reference(trial.batch_size)[0]]
+    _, measured = build_trial_graph(tuner.captured.graph_module, tuner.hw, trial, calibration)
     passes = [r.to_dict() for r in measured]  # what ran in the measured candidate, for the report
-    if params.get("graph_passes") is False:
+    if not trial.graph_passes:
         for p in passes:
             p["note"] = "the best trial ran the model as written; these are the passes its exported graph carries"
-    export_precision = params["precision"]
-    fp8 = None
-    if export_precision == "fp8":
-        # torch._scaled_mm has no ONNX translation: model.onnx is the bf16 graph with every FP8 linear as float8
-        # QuantizeLinear/DequantizeLinear (static per-tensor activation scales from `calibration`), see
-        # tctune/export/onnx_fp8.py; its onnx_note says how it was validated.
-        spec = dataclasses.replace(tuner.hw.pass_spec("fp8", policy=policy), fp8_keep=keep)
-        fp8 = build_fp8_graphs(tuner.captured.graph_module, spec, EXPORT_PIPELINE)
-        g = fp8.bf16
-    else:
-        g, _ = apply_passes(tuner.captured.graph_module, tuner.hw, export_precision, EXPORT_PIPELINE, calibration,
-                            policy)
+    export_precision = trial.precision
+    graphs = export_graphs(tuner.captured.graph_module, tuner.hw, trial, calibration_for(trial, calibration[0]))
+    fp8, g = graphs.fp8, graphs.onnx_graph
     if not tuner.cfg.export:
-        artifacts["onnx_error"] = "export disabled (--no-export)"
-        artifacts["tensorrt_skipped_reason"] = "export disabled (--no-export)"
+        artifacts.onnx_error = "export disabled (--no-export)"
+        artifacts.tensorrt_skipped_reason = "export disabled (--no-export)"
         return artifacts, passes
     bs = params["batch_size"]
     check = (bs, 3 if bs != 3 else 5)
@@ -196,39 +186,39 @@ def export_best(tuner: Tuner, params: dict, out: Path,
                                batch_sizes=check)
         artifacts.update(info)
     except ExportError as exc:
-        artifacts["onnx_error"] = str(exc)
+        artifacts.onnx_error = str(exc)
         log.warning("ONNX export failed: %s", exc)
     if fp8 is not None:  # the FP8 errors come from an FP32 twin when onnxruntime cannot run model.onnx itself
-        ort_ran_model = (artifacts.get("onnx_fp8") or {}).get("validated_on") == "model"
+        ort_ran_model = (artifacts.onnx_fp8 or {}).get("validated_on") == "model"
     else:
-        ort_ran_model = artifacts.get("onnx_max_abs_error") is not None
-    if (artifacts.get("onnx") and not ort_ran_model and export_precision in ("fp16", "bf16", "fp8")
-            and not artifacts.get("onnx_fp32")):  # FP8: the validated FP32 twin with the same Q/DQ is already kept
+        ort_ran_model = artifacts.onnx_max_abs_error is not None
+    if (artifacts.onnx and not ort_ran_model and export_precision in ("fp16", "bf16", "fp8")
+            and not artifacts.onnx_fp32):  # FP8: the validated FP32 twin with the same Q/DQ is already kept
         # onnxruntime's CPU provider lacks many fp16/bf16 kernels: the typed model.onnx is for TensorRT or a GPU
         # provider. Also write the same graph in FP32 so there is an engine that runs (and is validated) anywhere.
-        g32, _ = apply_passes(tuner.captured.graph_module, tuner.hw, "fp32", EXPORT_PIPELINE)
+        g32 = export_graphs(tuner.captured.graph_module, tuner.hw, trial.but(precision="fp32"), None).graph
         try:
             info32 = export_onnx(g32.to(tuner.device), lambda b: tuner.mf.inputs(b, tuner.device),
                                  out / "model.fp32.onnx", batch_sizes=check)
-            artifacts["onnx_fp32"] = info32["onnx"]
-            artifacts["onnx_fp32_max_abs_error"] = info32["onnx_max_abs_error"]
-            artifacts["onnx_fp32_error"] = info32.get("onnx_error")
+            artifacts.onnx_fp32 = info32["onnx"]
+            artifacts.onnx_fp32_max_abs_error = info32["onnx_max_abs_error"]
+            artifacts.onnx_fp32_error = info32.get("onnx_error")
         except ExportError as exc:
-            artifacts["onnx_fp32_error"] = str(exc)
+            artifacts.onnx_fp32_error = str(exc)
     write_onnx_runners(tuner, params, artifacts, g)
     ok, reason = tensorrt_available()
-    if not artifacts.get("onnx"):
-        artifacts["tensorrt_skipped_reason"] = "no ONNX to build from"
+    if not artifacts.onnx:
+        artifacts.tensorrt_skipped_reason = "no ONNX to build from"
     elif not ok:
-        artifacts["tensorrt_skipped_reason"] = reason
+        artifacts.tensorrt_skipped_reason = reason
     else:
         sizes = sorted(tuner.cfg.batch_sizes)
-        shapes = {i["name"]: tuple(-1 if d == "batch" else d for d in i["shape"]) for i in artifacts.get("onnx_inputs", [])}
+        shapes = {i["name"]: tuple(-1 if d == "batch" else d for d in i["shape"]) for i in (artifacts.onnx_inputs or [])}
         try:
             artifacts.update(build_engine(out / "model.onnx", out / "model.engine", input_shapes=shapes,
                                           batch_sizes=(sizes[0], bs, sizes[-1])))
         except ExportError as exc:
-            artifacts["tensorrt_skipped_reason"] = f"TensorRT build failed: {exc}"
+            artifacts.tensorrt_skipped_reason = f"TensorRT build failed: {exc}"
     return artifacts, passes
 
 
@@ -246,15 +236,13 @@ def optimize(model_path: str | Path, cfg: TuneConfig) -> dict:
         cfg = dataclasses.replace(cfg, trials=math.ceil(cfg.trials / len(devices)))
     device = torch.device(f"cuda:{devices[0]}") if devices else None
     if cfg.mode == "train":
-        from .train import TrainTuner
-        tuner: Tuner = TrainTuner(cfg, mf, hw, device)
-    else:
-        tuner = Tuner(cfg, mf, hw, device)
+        check_trainable(mf)  # before the model is built
+    tuner = Tuner(cfg, mf, hw, device)  # its evaluator times training steps in --mode train
     out = check_out_dir(cfg.out_dir)  # after every input check: a rejected run leaves no empty folder
     if len(devices) > 1:
         tuner.create_study()  # enqueue the baselines and fail interrupted trials once, before workers start
         for i, d in enumerate(devices[1:], start=1):
-            cmd = [sys.executable, "-m", "tctune", "optimize", str(mf.path), *worker_args(cfg, tuner.storage_url(), i)]
+            cmd = worker_command(mf.path, worker_config(cfg, tuner.storage_url(), i))
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(d))
             log.info("worker on GPU %d: %d trials", d, cfg.trials)
             workers.append((d, subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)))
@@ -275,24 +263,22 @@ def optimize(model_path: str | Path, cfg: TuneConfig) -> dict:
         return {"worker": True, "study": study.study_name, "n_trials": len(study.trials)}
     study = optuna.load_study(study_name=study.study_name, storage=tuner.storage_url())
     bt = best_trial(study)
-    artifacts: dict = {}
+    artifacts = Artifacts()
     passes: list[dict] = []
     if bt is not None and tuner.interrupted:
-        artifacts = {"onnx": None, "onnx_max_abs_error": None, "tensorrt": None,
-                     "onnx_error": "not exported: the run was interrupted (run the command again to resume)",
-                     "tensorrt_skipped_reason": "the run was interrupted"}
+        artifacts = Artifacts(onnx_error="not exported: the run was interrupted (run the command again to resume)",
+                              tensorrt_skipped_reason="the run was interrupted")
     if bt is not None and not tuner.interrupted:
         artifacts, passes = export_best(tuner, dict(bt.params), out, fp8_keep=bt.user_attrs.get("fp8_keep"))
-        best_cfg = {"model": mf.name, "model_path": str(mf.path), "hardware": hw.to_dict(), "params": dict(bt.params),
-                    "batch_sizes": sorted(cfg.batch_sizes),
+        trial = tuner.trial_params(dict(bt.params), bt.user_attrs.get("fp8_keep"))
+        best_cfg = {"model": mf.name, "model_path": str(mf.path), "hardware": hw.to_dict(),
+                    **trial.to_config(dict(bt.params)), "batch_sizes": sorted(cfg.batch_sizes),
                     "throughput": bt.user_attrs.get("throughput"), "max_rel_error": bt.user_attrs.get("max_rel_error"),
                     "passes": [p["name"] for p in passes], "study": study.study_name, "tctune_version": __version__}
-        if bt.user_attrs.get("fp8_keep") is not None:
-            best_cfg["fp8_keep"] = bt.user_attrs["fp8_keep"]
         write_atomic(out / "best_config.json", json.dumps(best_cfg, indent=2) + "\n")
-        artifacts["best_config"] = str(out / "best_config.json")
+        artifacts.best_config = str(out / "best_config.json")
     if cfg.storage is None:
-        artifacts["study_db"] = str(out / "study.db")
+        artifacts.study_db = str(out / "study.db")
     from .plots import write_plots
     plots = write_plots(study, out)
     report = build_report(
@@ -302,7 +288,7 @@ def optimize(model_path: str | Path, cfg: TuneConfig) -> dict:
         config=cfg.to_dict(),
         model={"name": mf.name, "path": str(mf.path), "tctune_version": __version__},
         passes=passes,
-        artifacts=artifacts,
+        artifacts=artifacts.to_dict(),
         capture={"ok": tuner.captured.ok, "reason": tuner.captured.reason},
         extra={"plots": plots, "workers": worker_status, "interrupted": tuner.interrupted,
                "fp8_plans": {policy: plan.to_dict() for policy, plan in tuner.fp8_plans.items()}},

@@ -197,7 +197,7 @@ class _IntBatch(torch.nn.Module):
 
 
 def test_onnx_axis_frozen_in_export_raises_export_error(tmp_path):
-    from tctune.engines_cli import _build_onnx
+    from tctune.engines import _build_onnx
 
     with pytest.raises(ExportError, match=r"(?s)batch axis froze.*fix: make the batch dimension dynamic"):
         _build_onnx(_IntBatch().eval(), lambda b: (torch.randn(b, 16),), tmp_path / "model.onnx", (1, 2, 5))

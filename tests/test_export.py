@@ -381,3 +381,93 @@ def test_build_engine_writes_files_other_users_can_read(cnn_export, tmp_path, mo
         os.umask(old)
     modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
     assert modes == {"model.engine": 0o644, "model.engine.json": 0o644, "timing.cache": 0o644}
+
+
+# ------------------------------------------------------------------ export rebuilds the measured graph
+
+OVERFLOW_MODEL = '''
+import torch
+import torch.nn.functional as F
+
+
+class M(torch.nn.Module):
+    """fp16 overflows after `big` (activations ~1e5 > 65504); LayerNorm, softmax and the residual add are what the
+    autocast policy keeps FP32 and the pure policy casts."""
+
+    def __init__(self):
+        super().__init__()
+        self.big = torch.nn.Linear(16, 32)
+        self.small = torch.nn.Linear(32, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        with torch.no_grad():
+            self.big.weight.mul_(1e5)
+            self.small.weight.mul_(3e-4)
+
+    def forward(self, x):
+        h = self.small(F.gelu(self.big(x)))
+        return self.norm(h + x).softmax(-1)
+
+
+def build_model():
+    torch.manual_seed(0)
+    return M()
+
+
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 16),)
+'''
+
+
+@pytest.mark.parametrize("precision,policy", [("fp16", "autocast"), ("bf16", "pure")])
+def test_export_from_best_config_rebuilds_the_measured_graph(tmp_path, precision, policy):
+    """The graph `tctune export --config best_config.json` builds equals, node for node, the one the search
+    measured: the trial's cast policy, and at fp16 the overflow keep-list from the same calibration inputs."""
+    from tctune.engines import config_target, read_config, rebuild_graphs
+    from tctune.hardware import resolve
+    from tctune.modelfile import load_model_file
+    from tctune.search import TuneConfig, Tuner
+
+    f = tmp_path / "overflow.py"
+    f.write_text(OVERFLOW_MODEL)
+    hw = resolve("h100")  # plans fp16 alignment; the graphs are built (not timed) on this CPU
+    cfg = TuneConfig(out_dir=str(tmp_path / "out"), batch_sizes=(4, 8), quiet=True, export=False)
+    tuner = Tuner(cfg, load_model_file(f), hw, device=torch.device("cpu"))
+    params = {"batch_size": 8, "precision": precision, "graph_passes": True, "runtime": "eager", "policy": policy}
+    measured = tuner.build(params)
+    trial = tuner.trial_params(params)
+    cast = {r.name: r for r in measured.passes}["cast_precision"]
+    if precision == "fp16":  # the case is only a test of calibration if the search's graph kept overflows FP32
+        assert any(s.reason.startswith("overflow:") for s in cast.skipped)
+    else:  # and only a test of the policy if the policy changed the graph
+        other = tuner.build({**params, "policy": "autocast"}).module
+        assert other.code != measured.module.code
+
+    config = tmp_path / "best_config.json"
+    config.write_text(json.dumps({"model": "overflow", "hardware": hw.to_dict(), **trial.to_config(params),
+                                  "batch_sizes": [4, 8]}))
+    read = read_config(config)
+    _, graphs = rebuild_graphs(load_model_file(f), read, resolve(config_target(read)), torch.device("cpu"))
+
+    def nodes(gm):
+        return [(n.op, str(n.target), str(n.args), str(n.meta.get("val").dtype if hasattr(n.meta.get("val"), "dtype") else ""))
+                for n in gm.graph.nodes]
+
+    assert nodes(graphs.graph) == nodes(measured.module)
+    assert graphs.graph.code == measured.module.code
+
+
+def test_trial_params_round_trip_and_reject_bad_values():
+    from tctune.errors import UsageError
+    from tctune.trial import TrialParams
+
+    t = TrialParams(batch_size=8, precision="fp8", graph_passes=True, runtime="inductor", policy="pure",
+                    fp8_keep=("*.down",), calibration=True)
+    assert TrialParams.from_dict(json.loads(json.dumps(t.to_dict()))) == t
+    searched = {"batch_size": 8, "precision": "fp8", "graph_passes": True, "runtime": "inductor", "policy": "pure"}
+    config = json.loads(json.dumps(t.to_config(searched)))
+    assert config["params"] == searched and config["fp8_keep"] == ["*.down"]
+    assert TrialParams.from_config(config) == t
+    assert TrialParams(batch_size=8, precision="bf16", fp8_keep=("*.down",)).fp8_keep == ()  # below fp8: none
+    with pytest.raises(UsageError, match="policy must be one of") as err:
+        TrialParams(batch_size=8, precision="fp16", policy="half")
+    assert err.value.field == "policy"

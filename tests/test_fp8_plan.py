@@ -13,7 +13,7 @@ from tctune.errors import CandidateRejected, UsageError
 from tctune.fp8_plan import MAX_ALTERNATIVES, choose_fastest, linear_roles, plan_fp8_keep, role
 from tctune.hardware import resolve
 from tctune.modelfile import load_model_file
-from tctune.search import TuneConfig, Tuner
+from tctune.search import InferenceEvaluator, TuneConfig, Tuner
 
 
 def test_role_replaces_layer_indices_only():
@@ -249,14 +249,14 @@ def _tuner(tmp_path, **kw) -> Tuner:
 @zoo.SCALED_MM_ROW
 def test_tuner_plans_once_per_policy_and_builds_the_planned_graph(tmp_path):
     tuner = _tuner(tmp_path, max_error_fp8=0.05)
-    loose = tuner.fp8_keep("pure", 4)
+    loose = tuner.evaluator.fp8_keep("pure", 4)
     assert loose == () and set(tuner.fp8_plans) == {"pure"}
     assert tuner.fp8_plans["pure"].roles.keys() == {"blocks.*.up", "blocks.*.down"}
 
     # an aim between the all-FP8 error and zero: the plan must keep something, and the candidate has it
     all_fp8 = tuner.fp8_plans["pure"].steps[0]["error"]
     tuner = _tuner(tmp_path, max_error_fp8=all_fp8 * 0.8)
-    keep = tuner.fp8_keep("pure", 4)
+    keep = tuner.evaluator.fp8_keep("pure", 4)
     plan = tuner.fp8_plans["pure"]
     assert keep and plan.usable and plan.error <= plan.target < all_fp8
     cand = tuner.build({"batch_size": 4, "precision": "fp8", "graph_passes": True, "runtime": "eager", "policy": "pure"})
@@ -278,18 +278,18 @@ def test_tuner_times_the_plans_alternatives_and_builds_the_fastest(tmp_path, mon
     plan = FP8Plan((), 0.01, 0.9, 1.0, roles, [{"keep": [], "error": 0.01}],
                    alternatives=[{"keep": [], "error": 0.01, "fp8_flop_share": 1.0},
                                  {"keep": ["blocks.*.down"], "error": 0.005, "fp8_flop_share": 0.5}])
-    monkeypatch.setattr("tctune.search.plan_graph", lambda *a, **k: plan)
+    monkeypatch.setattr("tctune.search.evaluate.plan_graph", lambda *a, **k: plan)
     seen = []
-    real = Tuner._fp8_throughput
+    real = InferenceEvaluator._fp8_throughput
 
     def spy(self, policy, keep, inputs):
         v = real(self, policy, keep, inputs)
         seen.append((keep, v))
         return v
 
-    monkeypatch.setattr(Tuner, "_fp8_throughput", spy)
+    monkeypatch.setattr(InferenceEvaluator, "_fp8_throughput", spy)
 
-    keep = tuner.fp8_keep("pure", 4)
+    keep = tuner.evaluator.fp8_keep("pure", 4)
 
     assert [k for k, _ in seen] == [(), ("blocks.*.down",)] and all(v and v > 0 for _, v in seen)
     fastest = max(seen, key=lambda kv: kv[1])[0]
@@ -310,7 +310,7 @@ def test_a_trials_recorded_keep_list_is_what_its_re_measure_builds(tmp_path, mon
     """Tuner.confirm rebuilds an FP8 trial with the keep-list it recorded, not a fresh plan (a resumed run)."""
     import optuna
     tuner = _tuner(tmp_path, max_error_fp8=0.05)
-    monkeypatch.setattr(Tuner, "fp8_keep", lambda self, policy, bs: pytest.fail("must not plan again"))
+    monkeypatch.setattr(InferenceEvaluator, "fp8_keep", lambda self, policy, bs: pytest.fail("must not plan again"))
     params = {"batch_size": 4, "precision": "fp8", "graph_passes": True, "runtime": "eager", "policy": "pure"}
     study = optuna.create_study(direction="maximize")
     dist = {k: optuna.distributions.CategoricalDistribution([v]) for k, v in params.items()}
@@ -339,9 +339,10 @@ def test_tuner_rejects_fp8_with_the_plans_reason_when_nothing_fits(tmp_path):
 
 def test_explicit_keep_list_skips_planning(tmp_path):
     tuner = _tuner(tmp_path, fp8_keep=("blocks.*.down",))
-    assert tuner.fp8_keep("pure", 4) == ("blocks.*.down",) and tuner.fp8_plans == {}
-    with pytest.raises(UsageError, match="--fp8-keep"):
+    assert tuner.evaluator.fp8_keep("pure", 4) == ("blocks.*.down",) and tuner.fp8_plans == {}
+    with pytest.raises(UsageError, match="fp8_keep must be") as err:
         TuneConfig(out_dir=str(tmp_path), fp8_keep="blocks.*")
+    assert err.value.field == "fp8_keep"
 
 
 def test_cli_parses_fp8_keep():

@@ -406,7 +406,7 @@ def test_no_fp8_linear_gives_plain_bf16_export_and_note(tmp_path):
 def test_padded_pipeline_quantizes_padded_linear(tmp_path):
     """With the export pipeline for Hopper, pad_linear_dims pads N=10 to 16 first: the head becomes FP8 too."""
     from tctune.hardware import resolve
-    from tctune.search import EXPORT_PIPELINE
+    from tctune.deploy import EXPORT_PIPELINE
 
     torch.manual_seed(0)
     graphs = _graphs(FP8Net(), resolve("9.0").pass_spec("fp8"), names=EXPORT_PIPELINE)
@@ -540,10 +540,12 @@ def test_optimize_export_best_fp8_writes_qdq_onnx(tmp_path):
     tuner = SimpleNamespace(cfg=SimpleNamespace(mode="infer", export=True, batch_sizes=[4, 64]),
                             captured=SimpleNamespace(ok=True, graph_module=gm, reason=None), hw=resolve("9.0"),
                             device=device, mf=mf, reference=reference, fp8_keep=_no_planning)
-    from tctune.search import Tuner
-    tuner.keep_for = lambda p, recorded=None: Tuner.keep_for(tuner, p, recorded)  # the real resolver, on this fake
+    from tctune.search import InferenceEvaluator
+    tuner.keep_for = lambda p, recorded=None: InferenceEvaluator.keep_for(tuner, p, recorded)  # the real resolver
+    tuner.trial_params = lambda p, recorded=None: InferenceEvaluator.trial_params(tuner, p, recorded)  # on this fake
     params = {"precision": "fp8", "batch_size": 4, "policy": "autocast", "graph_passes": True}
     artifacts, passes = export_best(tuner, params, tmp_path, fp8_keep=[])  # the best trial's recorded keep-list
+    artifacts = artifacts.to_dict()  # as report.json holds it
     assert artifacts["onnx"] == str(tmp_path / "model.onnx")
     assert artifacts["onnx_opset"] == 19 and artifacts["onnx_fp8"]["qdq_nodes"]["QuantizeLinear"] == 3
     assert "not implemented" not in artifacts["onnx_note"] and "static per-tensor" in artifacts["onnx_note"]

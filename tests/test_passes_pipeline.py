@@ -99,3 +99,40 @@ def test_run_pipeline_property_linear_stacks(sizes, precision, batch):
     )
     zoo.assert_matches_eager(model, gm, (torch.randn(batch, sizes[0]),), precision)
     assert all(r.count == 0 for r in run_pipeline(gm, spec))
+
+
+def test_build_graph_leaves_out_a_pass_that_raises_and_says_why(monkeypatch):
+    """A pass that corrupts the graph half-way and raises costs only itself: the graph is rebuilt from the
+    untouched capture without it, every other pass still runs, and its result says it was skipped and why."""
+    model, gm, entry = zoo.build("mlp")
+    before = {k: v.clone() for k, v in gm.state_dict().items()}
+
+    def broken(g, spec):
+        with torch.no_grad():
+            for p in g.parameters():
+                p.mul_(3.0)  # a partial rewrite the rebuilt graph must not carry
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(passes.PASSES, "pad_linear_dims", broken)
+    g, results = passes.build_graph(gm, PassSpec(precision="fp16", alignment=ALIGNMENT))
+
+    assert [r.name for r in results] == list(PIPELINE)
+    by_name = {r.name: r for r in results}
+    failed = by_name["pad_linear_dims"]
+    assert failed.count == 0 and "boom" in failed.notes["failed"]
+    assert failed.skipped and "rebuilt without this pass" in failed.skipped[0].reason
+    assert by_name["cast_precision"].count > 0  # the passes after it ran
+    assert all(torch.equal(v, before[k]) for k, v in gm.state_dict().items())  # the capture is untouched
+    zoo.assert_matches_eager(model, g, entry.example_inputs(5), "fp16")
+
+
+def test_build_graph_does_not_hide_a_failing_cast(monkeypatch):
+    """Leaving out a cast pass would measure a graph not at the precision it claims: its failure is raised."""
+    _, gm, _ = zoo.build("mlp")
+
+    def broken(g, spec):
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(passes.PASSES, "cast_precision", broken)
+    with pytest.raises(PassFailure, match="'cast_precision' failed"):
+        passes.build_graph(gm, PassSpec(precision="fp16", alignment=ALIGNMENT))

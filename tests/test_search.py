@@ -1,4 +1,5 @@
 """Search logic on the CPU: objectives, constraints, Pareto front, enumeration without repeats."""
+import dataclasses
 import json
 
 import optuna
@@ -76,6 +77,7 @@ def test_max_error_constraint_rejects_inaccurate_precision(tiny, tmp_path):
     assert best.params["precision"] == "fp32"
     low = [tr for tr in study.trials if tr.params["precision"] == "bf16" and tr.state == optuna.trial.TrialState.COMPLETE]
     assert low and all("relative error" in tr.user_attrs["fail_reason"] for tr in low)
+    assert all(tr.user_attrs["fail_kind"] == "accuracy" for tr in low)
 
 
 TRAINABLE = TINY + '''
@@ -112,7 +114,7 @@ def test_train_mode_needs_loss_fn(tiny, tmp_path):
 def test_apply_passes_calibration_keeps_overflowing_modules_fp32():
     """At fp16, calibration inputs make the overflow analysis keep a module FP32 (named in the skip reason)."""
     import zoo
-    from tctune.search import apply_passes
+    from tctune.trial import apply_passes
 
     model, gm, entry = zoo.build("overflow_mlp")
     h100 = resolve("h100")
@@ -128,8 +130,8 @@ def test_apply_passes_calibration_keeps_overflowing_modules_fp32():
 
 def test_policy_dimension_measures_pure_graphs_and_prunes_twins(tiny, tmp_path, monkeypatch):
     """The cast policy (searched on GPUs) as it runs: "pure" only for the fp16/bf16 graph, else pruned."""
-    monkeypatch.setattr(Tuner, "searches_policy", property(lambda self: True))
     t = tuner(tiny, tmp_path, trials=16)
+    t.search_space = dataclasses.replace(t.search_space, policy=True)
     study = t.run()
     assert t.space()["policy"] == ["autocast", "pure"]
     pure = [tr for tr in study.trials if tr.params.get("policy") == "pure"]
@@ -142,8 +144,8 @@ def test_policy_dimension_measures_pure_graphs_and_prunes_twins(tiny, tmp_path, 
 
 def test_compiled_graph_candidates_are_measured_right_after_the_fp32_baselines(tiny, tmp_path, monkeypatch):
     """The likely winner on a GPU (graph + Inductor, pure policy) is enqueued before TPE's random draws."""
-    monkeypatch.setattr(Tuner, "searches_policy", property(lambda self: True))
     t = tuner(tiny, tmp_path, trials=1, runtimes=("eager", "inductor"))
+    t.search_space = dataclasses.replace(t.search_space, policy=True)
     study = t.create_study()
 
     queued = [tr.system_attrs["fixed_params"]
@@ -153,8 +155,8 @@ def test_compiled_graph_candidates_are_measured_right_after_the_fp32_baselines(t
     assert low  # the CPU searches bf16
     assert queued[2:2 + len(low)] == [{"batch_size": 16, "precision": p, "graph_passes": True, "runtime": "inductor",
                                        "policy": "pure"} for p in low]
-    monkeypatch.setattr(Tuner, "searches_memory_format", property(lambda self: True))
-    t.precisions = ("fp32", "fp16", "fp8")  # as on an H200
+    t.search_space = dataclasses.replace(t.search_space, memory_format=True,
+                                         precisions=("fp32", "fp16", "fp8"))  # as on an H200
     assert [(c["precision"], c["policy"], c["memory_format"]) for c in t.compiled_first()] == [
         ("fp16", "pure", "contiguous"), ("fp16", "pure", "channels_last"), ("fp8", "pure", "contiguous")]
     # the FP8 graph's bf16 part follows the policy too: pure FP8 is a candidate, not a pruned twin
@@ -240,7 +242,7 @@ def test_confirmation_keeps_a_failed_re_run_at_its_first_timing_and_skips_clear_
 
 
 def test_run_confirms_and_the_report_says_so(tiny, tmp_path, monkeypatch):
-    monkeypatch.setattr("tctune.search.CONFIRM_BAND", 1.0)  # every candidate is "close": the top 3 are re-timed
+    monkeypatch.setattr("tctune.search.loop.CONFIRM_BAND", 1.0)  # every candidate is "close": the top 3 are re-timed
     report = optimize(tiny, TuneConfig(out_dir=str(tmp_path / "out"), batch_sizes=(4, 16), trials=4, quiet=True,
                                        export=False, prune=False))
     conf = report["confirmation"]
@@ -295,10 +297,10 @@ def example_inputs(batch_size):
 
 def test_memory_format_dimension_runs_channels_last(tmp_path, monkeypatch):
     """Channels-last (searched for conv nets on GPUs) converts weights and inputs and keeps the numbers."""
-    monkeypatch.setattr(Tuner, "searches_memory_format", property(lambda self: True))
     f = tmp_path / "conv.py"
     f.write_text(CONV)
     t = tuner(f, tmp_path, trials=16)
+    t.search_space = dataclasses.replace(t.search_space, memory_format=True)
     study = t.run()
     nhwc = [tr for tr in study.trials if tr.params.get("memory_format") == "channels_last"
             and tr.state == optuna.trial.TrialState.COMPLETE]
@@ -313,16 +315,17 @@ def test_memory_format_dimension_runs_channels_last(tmp_path, monkeypatch):
 def test_cuda_graph_runtimes_need_a_gpu_and_inference(tiny, tmp_path, runtime):
     from tctune.errors import UsageError
 
-    with pytest.raises(UsageError, match=f"--runtimes {runtime} needs a CUDA GPU"):
+    with pytest.raises(UsageError, match=f"runtimes {runtime} needs a CUDA GPU") as err:
         tuner(tiny, tmp_path, runtimes=(runtime,))
-    with pytest.raises(UsageError, match=f"--runtimes {runtime} is for inference"):
+    assert err.value.field == "runtimes"
+    with pytest.raises(UsageError, match=f"runtimes {runtime} is for inference"):
         tuner(tiny, tmp_path, runtimes=(runtime,), mode="train")
 
 
 def test_runtimes_without_eager_say_the_baselines_need_it(tiny, tmp_path, caplog):
     from tctune.errors import UsageError
 
-    with pytest.raises(UsageError, match="(?s)leaves out eager.*fix: --runtimes eager,inductor"):
+    with pytest.raises(UsageError, match="(?s)leaves out eager.*fix: runtimes eager,inductor"):
         tuner(tiny, tmp_path, runtimes=("inductor",))
     with caplog.at_level("WARNING", logger="tctune"):
         tuner(tiny, tmp_path, fp8_keep=("*.fc",))  # the CPU never searches fp8
@@ -429,3 +432,18 @@ def test_noise_line_names_its_two_trials_and_is_not_said_when_the_best_is_the_ba
     assert "the repeats of the best (trial 3) and of its FP32 eager baseline (trial 0)" in md
     same = dict(base, speedup_vs_baseline=1.0)
     assert "Within measurement noise" not in render_markdown(_report(best=same, baseline=baseline, trials=[base]))
+
+
+@pytest.mark.parametrize("mode", ["infer", "train"])
+def test_finalists_are_re_measured_in_both_modes(tmp_path, monkeypatch, mode):
+    """Every finalist is timed again after the trials, whatever the evaluator (inference or training step), and
+    the report holds each re-measured throughput (a rejected re-run would leave None there)."""
+    monkeypatch.setattr("tctune.search.loop.CONFIRM_BAND", 1.0)  # every candidate is "close": the top 3 are re-timed
+    f = tmp_path / "trainable.py"
+    f.write_text(TRAINABLE)
+    report = optimize(f, TuneConfig(out_dir=str(tmp_path / "out"), batch_sizes=(4, 8), trials=4, quiet=True,
+                                    export=False, prune=False, mode=mode))
+    conf = report["confirmation"]
+    assert conf and len(conf["runs"]) == 3
+    assert all(len(v) == 2 and v[1] is not None and v[1] > 0 for v in conf["runs"].values()), conf
+    assert report["best"]["confirmed_throughput"] > 0

@@ -7,9 +7,12 @@ import sys
 import optuna
 import pytest
 
-from tctune.cli import _parser, parse_devices
+import dataclasses
+
+from tctune.cli import parse_devices, parser
+from tctune.cli.optimize import config_from_args
 from tctune.errors import UsageError
-from tctune.optimize import check_devices, worker_args
+from tctune.optimize import check_devices, worker_command, worker_config
 from tctune.search import TuneConfig
 
 TINY = '''
@@ -70,19 +73,27 @@ def _fresh_database(server_url: str, name: str) -> str:
     return server_url.rsplit("/", 1)[0] + "/" + name
 
 
-def test_worker_args_round_trip_through_the_cli():
+def test_worker_config_round_trips_through_the_cli_as_json():
+    """A worker receives the TuneConfig itself (JSON), not an argv rebuilt option by option."""
     cfg = TuneConfig(out_dir="o", batch_sizes=(8, 32), trials=5, max_error=0.02, target="h100", seed=3,
-                     objective="pareto", max_latency_ms=4.5, runtimes=("eager", "inductor"), compile_budget_s=60.0)
-    args = _parser().parse_args(["optimize", "m.py", *worker_args(cfg, "sqlite:///x.db", 2)])
-    assert args.worker and args.storage == "sqlite:///x.db" and args.seed == 5
-    assert (args.batch_sizes, args.trials, args.max_error, args.target) == ("8,32", "5" and 5, 0.02, "h100")
-    assert (args.objective, args.max_latency_ms, args.runtimes, args.compile_budget) == ("pareto", 4.5, "eager,inductor", 60.0)
+                     objective="pareto", max_latency_ms=4.5, runtimes=("eager", "inductor"), compile_budget_s=60.0,
+                     fp8_keep=("*.down",), devices=(0, 1), prune=False)
+    sent = worker_config(cfg, "sqlite:///x.db", 2)
+    cmd = worker_command("m.py", sent)
+    args = parser().parse_args(cmd[cmd.index("optimize"):])
+    got = config_from_args(args)
+    assert got == sent
+    assert got.worker and got.storage == "sqlite:///x.db" and got.seed == 5 and got.devices is None
+    assert not got.export and got.quiet
+    assert dataclasses.replace(got, storage=None, worker=False, seed=3, devices=(0, 1), export=True,
+                               quiet=False) == cfg
 
 
 def test_devices_need_cuda_here():
     if __import__("torch").cuda.is_available():
         pytest.skip("this machine has a GPU")
-    with pytest.raises(UsageError, match="--devices needs CUDA"):
+    with pytest.raises(UsageError, match="devices needs CUDA") as err:
         check_devices(TuneConfig(out_dir="o", devices=(0, 1)))
+    assert err.value.field == "devices"
     with pytest.raises(UsageError):
         parse_devices("0,x")

@@ -1,19 +1,10 @@
-"""The ``tctune`` command: ``detect`` and ``optimize``.
-
-Every error a user can cause is printed as one message naming the cause and the fix, with no traceback
-unless ``--debug`` is given, and a non-zero exit status.
-"""
+"""``tctune optimize``: the command-line side of :func:`tctune.optimize.optimize`."""
 from __future__ import annotations
 
 import argparse
-import importlib
-import json
-import logging
-import sys
 from pathlib import Path
 
-from . import __version__
-from .errors import TctuneError, UsageError
+from .common import parse_batch_sizes, parse_devices, parse_fp8_keep, parse_runtimes
 
 EPILOG_OPTIMIZE = """\
 The model file is executed as `python model.py` would execute it: only optimize files you trust.
@@ -45,69 +36,9 @@ examples:
 """
 
 
-def parse_batch_sizes(text: str) -> tuple[int, ...]:
-    """``"8,32,128"`` → (8, 32, 128); ``"16-256"`` → 16, 32, ..., 256: doubling from LO, HI included (powers of
-    two when LO is one; ``"3-20"`` → 3, 6, 12, 20).
 
-    Raises:
-        UsageError: anything else, or a value below 1.
-    """
-    text = text.strip()
-    try:
-        if "-" in text and "," not in text:
-            lo, hi = (int(x) for x in text.split("-", 1))
-            if lo < 1 or hi < lo:
-                raise ValueError
-            sizes, b = [], lo
-            while b <= hi:
-                sizes.append(b)
-                b *= 2
-            if sizes[-1] != hi:
-                sizes.append(hi)
-            return tuple(sizes)
-        sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
-        if not sizes or sizes[0] < 1:
-            raise ValueError
-        return sizes
-    except ValueError:
-        raise UsageError(
-            f"invalid --batch-sizes {text!r}\n  fix: a comma list of positive integers (8,32,128) or a range LO-HI (16-256: doubling from 16, 256 included)"
-        ) from None
-
-
-def parse_devices(text: str) -> tuple[int, ...]:
-    """``"0,1"`` → (0, 1).
-
-    Raises:
-        UsageError: not a comma list of non-negative integers.
-    """
-    try:
-        devices = tuple(int(x) for x in text.split(",") if x.strip())
-        if not devices or min(devices) < 0:
-            raise ValueError
-        return devices
-    except ValueError:
-        raise UsageError(f"invalid --devices {text!r}\n  fix: a comma list of GPU indices, e.g. 0,1") from None
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="tctune",
-        description="Make a PyTorch model run fast on NVIDIA Tensor Cores, and prove it: detect the GPU, "
-                    "rewrite the model's graph for it, search batch size x precision x passes by measuring, "
-                    "export the winner.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--version", action="version", version=f"tctune {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
-
-    d = sub.add_parser("detect", help="show the GPU(s), compute capability, Tensor Core precisions and alignment",
-                       description="Find NVIDIA GPUs (cuda-python driver API; NVML for clocks and power; torch as a "
-                                   "fallback) and print what tctune will plan for. With no GPU it says so and exits 0.")
-    d.add_argument("--json", action="store_true", help="print JSON instead of text")
-    d.add_argument("--target", metavar="NAME", help="describe a GPU you don't have: sm_XX or a name (v100, t4, a100, a10, l4, l40s, h100, h200, ...)")
-    d.add_argument("--debug", action="store_true", help="show tracebacks")
-
+def register(sub) -> str:
+    """Add the ``optimize`` subcommand; returns its name."""
     o = sub.add_parser("optimize", help="search and measure the fastest accurate configuration of a model file",
                        description="Tune MODEL_FILE for this machine's GPU (or CPU) and write a report and engines.",
                        epilog=EPILOG_OPTIMIZE, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -142,7 +73,6 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--devices", metavar="LIST",
                    help="GPU indices, e.g. 0,1: one worker process per GPU on the same study (this process "
                         "measures on the first); the study is shared through --storage or OUT/study.db")
-    o.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     o.add_argument("--seed", type=int, default=0, help="sampler seed (default %(default)s)")
     o.add_argument("--runtimes", metavar="LIST",
                    help="execution backends to search: eager, cudagraphs, inductor, inductor-max-autotune, "
@@ -155,35 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--no-export", action="store_true", help="skip ONNX/TensorRT export")
     o.add_argument("--quiet", "-q", action="store_true", help="no progress bar or log lines; only the summary")
     o.add_argument("--debug", action="store_true", help="show tracebacks")
-    for modname in PLUGIN_COMMANDS:
-        mod = importlib.import_module(modname)
-        names = mod.register(sub)
-        for name in ([names] if isinstance(names, str) else names):
-            _PLUGINS[name] = mod.run
-    return p
-
-
-#: Modules that add subcommands: each defines ``register(subparsers) -> name or names`` (adding its parsers; heavy
-#: imports stay inside ``run``) and ``run(args) -> int`` (exit status). Errors are TctuneError subclasses.
-PLUGIN_COMMANDS: tuple[str, ...] = ("tctune.inspect", "tctune.engines_cli")
-_PLUGINS: dict = {}
-
-
-def _cmd_detect(args) -> int:
-    from .hardware import describe, detect, resolve
-    specs = [resolve(args.target)] if args.target else detect()
-    if args.json:
-        from .hardware import no_gpu_reason
-        payload = {"gpus": [s.to_dict() for s in specs]}
-        if not specs:
-            from .hardware import _cpu_spec
-
-            payload["reason"] = no_gpu_reason()
-            payload["cpu"] = _cpu_spec().to_dict()  # what `tctune optimize` plans for and measures on here
-        print(json.dumps(payload if not args.target else specs[0].to_dict(), indent=2))
-    else:
-        print(describe(specs))
-    return 0
+    o.add_argument("--worker-config", metavar="JSON", help=argparse.SUPPRESS)  # a worker's TuneConfig (--devices)
+    return "optimize"
 
 
 def _summary(report: dict, out: Path) -> str:
@@ -198,13 +101,13 @@ def _summary(report: dict, out: Path) -> str:
             lines.append(f"      p99 latency {b['latency_p99_ms']:.4g} ms per batch (the objective)")
         if base and b.get("speedup_vs_baseline"):
             lines.append(f"      {b['speedup_vs_baseline']:.2f}x FP32 eager at the same batch ({base['throughput']:.4g} items/s)")
-            from .report import base_trial, unstable_timing
+            from ..report import base_trial, unstable_timing
 
             shaky = unstable_timing(b, base_trial(report))
             if shaky:
                 lines.append(f"      unstable timing ({shaky}): not a reliable speedup; measure on an idle machine")
     else:
-        from .report import failure_summary
+        from ..report import failure_summary
 
         lines.append(f"no configuration qualified: {failure_summary(report.get('trials', []))}")
     a = report.get("artifacts", {})
@@ -214,98 +117,34 @@ def _summary(report: dict, out: Path) -> str:
     return "\n".join(lines)
 
 
-def _parse_runtimes(text: str | None) -> tuple[str, ...] | None:
-    if text is None:
-        return None
-    names = tuple(x.strip() for x in text.split(",") if x.strip())
-    if not names:
-        from .runtime import ALL_RUNTIMES
-
-        raise UsageError(f"--runtimes is empty\n  fix: a comma list from {', '.join(ALL_RUNTIMES)}, or leave it out "
-                         "for the default")
-    return names
-
-
-def parse_fp8_keep(text: str) -> tuple[str, ...] | None:
-    """``--fp8-keep``: ``auto`` -> None (planned), ``none`` -> ``()``, else the comma-separated patterns.
+def config_from_args(args) -> "TuneConfig":
+    """The ``TuneConfig`` of the parsed ``optimize`` options; a worker's (``--worker-config``) as sent.
 
     Raises:
-        UsageError: an empty value.
+        UsageError: a bad option value (naming the field; ``tctune.cli.main`` prints it as the flag).
     """
-    value = text.strip()
-    if value.lower() == "auto":
-        return None
-    if value.lower() == "none":
-        return ()
-    patterns = tuple(p.strip() for p in value.split(",") if p.strip())
-    if not patterns:
-        raise UsageError(f"--fp8-keep: give auto, none or module-path patterns such as '*.output.dense' (got {text!r})")
-    return patterns
+    from ..search import TuneConfig
 
-
-def _cmd_optimize(args) -> int:
-    from .optimize import optimize
-    from .search import TuneConfig
+    if args.worker_config:
+        return TuneConfig.from_json(args.worker_config)
     out = Path(args.out) if args.out else Path("tctune_out") / Path(args.model_file).stem
-    cfg = TuneConfig(out_dir=str(out), batch_sizes=parse_batch_sizes(args.batch_sizes), trials=args.trials,
-                     timeout_s=args.timeout, max_error=args.max_error, max_error_fp8=args.max_error_fp8, target=args.target, storage=args.storage,
-                     seed=args.seed, export=not args.no_export, quiet=args.quiet,
-                     runtimes=_parse_runtimes(args.runtimes),
-                     compile_budget_s=args.compile_budget, objective=args.objective, mode=args.mode,
-                     effective_batch=args.effective_batch, worker=args.worker, prune=not args.no_prune,
-                     devices=parse_devices(args.devices) if args.devices else None,
-                     max_latency_ms=args.max_latency_ms, max_memory_mib=args.max_memory_mib,
-                     fp8_keep=parse_fp8_keep(args.fp8_keep))
+    return TuneConfig(out_dir=str(out), batch_sizes=parse_batch_sizes(args.batch_sizes), trials=args.trials,
+                      timeout_s=args.timeout, max_error=args.max_error, max_error_fp8=args.max_error_fp8,
+                      target=args.target, storage=args.storage, seed=args.seed, export=not args.no_export,
+                      quiet=args.quiet, runtimes=parse_runtimes(args.runtimes), compile_budget_s=args.compile_budget,
+                      objective=args.objective, mode=args.mode, effective_batch=args.effective_batch,
+                      prune=not args.no_prune, devices=parse_devices(args.devices) if args.devices else None,
+                      max_latency_ms=args.max_latency_ms, max_memory_mib=args.max_memory_mib,
+                      fp8_keep=parse_fp8_keep(args.fp8_keep))
+
+
+def run(args) -> int:
+    from ..optimize import optimize
+
+    cfg = config_from_args(args)
     report = optimize(args.model_file, cfg)
     if not cfg.worker:
-        print(_summary(report, out))
+        print(_summary(report, Path(cfg.out_dir)))
     if report.get("interrupted"):
         return 130
     return 0 if report.get("best") or cfg.worker else 1  # nothing qualified: a non-zero status scripts can see
-
-
-class _StderrHandler(logging.StreamHandler):
-    """Writes to whatever ``sys.stderr`` is at each record (not the one at the first ``main()``): a caller that
-    swaps stderr (pytest's capture, a notebook) never leaves tctune's logger writing to a closed stream."""
-
-    def __init__(self) -> None:
-        super().__init__(sys.stderr)
-
-    @property  # type: ignore[override]
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value) -> None:
-        pass
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 0
-    quiet = getattr(args, "quiet", False)
-    logger = logging.getLogger("tctune")  # our logger only: libraries (onnxscript, optuna) stay quiet
-    if not logger.handlers:
-        handler = _StderrHandler()
-        handler.setFormatter(logging.Formatter("tctune: %(message)s"))
-        logger.addHandler(handler)
-        logger.propagate = False
-    logger.setLevel(logging.WARNING if quiet else logging.INFO)
-    try:
-        handlers = {"detect": _cmd_detect, "optimize": _cmd_optimize, **_PLUGINS}
-        return handlers[args.command](args)
-    except TctuneError as exc:
-        if getattr(args, "debug", False):
-            raise
-        print(f"tctune: error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, UsageError) else 1
-    except KeyboardInterrupt:
-        print("tctune: interrupted", file=sys.stderr)
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

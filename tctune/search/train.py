@@ -24,24 +24,44 @@ from typing import Any
 import optuna
 import torch
 
-from .errors import CandidateRejected, ModelFileError
-from .measure import compare, precision_mode, time_call
-from .modelfile import SIGNATURES
-from .search import Tuner, rejection, trial_metrics
+from ..errors import CandidateRejected, ModelFileError
+from ..measure import compare, precision_mode, time_call
+from ..modelfile import SIGNATURES
+from ..trial import FailureKind, TrialParams, reference_inputs
+from .results import rejection, trial_metrics
 
 LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-class TrainTuner(Tuner):
-    """A :class:`~tctune.search.Tuner` whose candidates are training steps."""
+def check_trainable(mf) -> None:
+    """Raises ModelFileError (naming what to add) when the model file lacks what ``--mode train`` needs."""
+    missing = [fn for fn in ("example_targets", "loss_fn") if getattr(mf, fn) is None]
+    if missing:
+        sigs = "\n".join(f"  add: {SIGNATURES[fn]}" for fn in missing)
+        raise ModelFileError(f"{mf.path.name}: --mode train needs {' and '.join(f'{m}()' for m in missing)}\n{sigs}")
 
-    def __init__(self, cfg, mf, hw, device=None):
-        missing = [fn for fn in ("example_targets", "loss_fn") if getattr(mf, fn) is None]
-        if missing:
-            sigs = "\n".join(f"  add: {SIGNATURES[fn]}" for fn in missing)
-            raise ModelFileError(f"{mf.path.name}: --mode train needs {' and '.join(f'{m}()' for m in missing)}\n{sigs}")
-        super().__init__(cfg, mf, hw, device)
+
+class TrainingEvaluator:
+    """Training-step candidates (the evaluator interface of :mod:`tctune.search.evaluate`).
+
+    Args:
+        cfg: run options (``effective_batch``); mf: the model file (with ``example_targets`` and ``loss_fn``);
+        device: where steps run; model: the model on ``device`` (its initial weights start every trial).
+
+    Its first reference step raises ModelFileError when the model file lacks ``example_targets`` or ``loss_fn``
+    (``tctune optimize`` checks that before anything runs: :func:`check_trainable`).
+    """
+
+    def __init__(self, cfg, mf, device: torch.device, model: torch.nn.Module):
+        self.cfg, self.mf, self.device, self.model = cfg, mf, device, model
         self.initial_state = copy.deepcopy(self.model.state_dict())
+        self._refs: dict[int, tuple] = {}
+        self.fp8_plans: dict = {}  # precision fp8 is not searched in training
+        self.compile_over_budget: str | None = None
+
+    def trial_params(self, params: dict, fp8_keep=None) -> TrialParams:
+        """The typed parameters of trial ``params`` (no FP8 keep-list: fp8 is not searched in training)."""
+        return TrialParams.from_params(params)
 
     def targets(self, batch_size: int) -> Any:
         try:
@@ -65,8 +85,9 @@ class TrainTuner(Tuner):
     def reference(self, batch_size: int):
         """Inputs, targets and the FP32 gradients of one step from the initial weights."""
         if batch_size not in self._refs:
-            torch.manual_seed(1234 + batch_size)
-            inputs, targets = self.mf.inputs(batch_size, self.device), self.targets(batch_size)
+            check_trainable(self.mf)
+            inputs = reference_inputs(self.mf, batch_size, self.device)
+            targets = self.targets(batch_size)
             model = self.fresh_model()
             try:
                 with precision_mode("fp32"):
@@ -78,7 +99,13 @@ class TrainTuner(Tuner):
             self._refs[batch_size] = ((inputs, targets), grads)
         return self._refs[batch_size]
 
-    def evaluate(self, params: dict, on_repeat=None) -> dict:
+    def evaluate(self, params: dict, on_repeat=None, fp8_keep=None) -> dict:
+        """Build, check and time one training step; the evaluator interface's signature (``fp8_keep``
+        is unused: precision fp8 is not searched in training).
+
+        Raises:
+            CandidateRejected: out of memory, a non-finite loss or gradients, or GradScaler skipping most steps.
+        """
         bs, precision, runtime = params["batch_size"], params["precision"], params.get("runtime", "eager")
         (inputs, targets), ref_grads = self.reference(bs)
         accum = self.accumulation(bs)
@@ -114,7 +141,7 @@ class TrainTuner(Tuner):
                 opt.zero_grad(set_to_none=True)
                 loss = forward_backward()
                 if not torch.isfinite(loss.detach()).all():
-                    raise CandidateRejected(f"{precision} training loss is not finite ({float(loss):.3g})")
+                    raise CandidateRejected(f"{precision} training loss is not finite ({float(loss):.3g})", FailureKind.ACCURACY)
                 scale = scaler.get_scale() if scaler else 1.0
                 grads = [p.grad.detach().float() / (scale * 1.0) * accum for p in model.parameters() if p.grad is not None]
                 if self.device.type == "cuda":
@@ -129,9 +156,10 @@ class TrainTuner(Tuner):
         except Exception as exc:
             raise rejection(exc, self.device, bs, f"{runtime} training step") from exc
         if scaler and skipped["steps"] and skipped["skipped"] * 2 > skipped["steps"]:
-            raise CandidateRejected(f"GradScaler skipped {skipped['skipped']} of {skipped['steps']} fp16 steps (gradients overflow)")
+            raise CandidateRejected(f"GradScaler skipped {skipped['skipped']} of {skipped['steps']} fp16 steps (gradients overflow)",
+                                   FailureKind.ACCURACY)
         if err.nonfinite:
-            raise CandidateRejected(f"{precision} gradients hold {err.nonfinite} NaN/inf values")
+            raise CandidateRejected(f"{precision} gradients hold {err.nonfinite} NaN/inf values", FailureKind.ACCURACY)
         return trial_metrics(
             timing, err, passes=[], setup_s=setup_s,
             description=f"train step {precision}{' + GradScaler' if scaler else ''}, {runtime}, "

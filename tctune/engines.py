@@ -1,25 +1,24 @@
-"""``tctune export`` and ``tctune bench``: deployable engines from a tuned configuration, and their timing.
+"""Deployable engines from a tuned configuration, and their timing (the library behind ``tctune export`` and
+``tctune bench``).
 
-``tctune export MODEL_FILE --config best_config.json`` rebuilds the tuned graph (capture with a dynamic
-batch, then the graph passes at the config's precision for the config's hardware) and writes, per format:
+:func:`export_artifacts` rebuilds the tuned graph of a model file from its ``best_config.json`` (capture with a
+dynamic batch, then :func:`tctune.deploy.export_graphs` with the config's trial parameters: the graph the search
+measured) and writes, per format:
 
 - ONNX ``model.onnx``, validated by onnxruntime at batch 1, the tuned batch and the largest searched batch;
   a batch axis that froze to a constant fails the command. At precision fp8 every FP8 linear is written as
   float8e4m3fn QuantizeLinear/DequantizeLinear (opset 19, static per-tensor activation scales calibrated on
   the model file's example inputs; ``tctune.export.onnx_fp8``), everything else bf16;
 - TensorRT ``model.engine`` (strongly typed, one profile min/opt/max = 1 / tuned / largest) where the
-  ``tensorrt`` package is importable; otherwise the reason is printed;
+  ``tensorrt`` package is importable; otherwise the reason is given;
 - AOTInductor ``model.pt2`` (dynamic batch), compared with PyTorch at two batch sizes;
 
 each with ``<artifact>.manifest.json`` (inputs, shapes, dtypes, integer ranges, cache key) and a standalone
 ``runner.py``. An artifact whose manifest carries the same cache key is reused, not rebuilt.
-
-``tctune bench ARTIFACT`` times any of them with the same code the generated runner uses.
+:func:`bench_artifact` times any of them with the same code the generated runner uses.
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
 import logging
 import time
@@ -35,61 +34,6 @@ FORMATS = ("onnx", "tensorrt", "aoti")
 #: same graph would otherwise share the key).
 FP8_ONNX_SCHEME = "float8e4m3fn Q/DQ, static per-tensor activation scales, opset 19"
 ARTIFACT_NAMES = {"onnx": "model.onnx", "tensorrt": "model.engine", "aoti": "model.pt2"}
-
-EPILOG_EXPORT = """\
-The model file is executed as `python model.py` would execute it: only export files you trust.
-CONFIG is the best_config.json that `tctune optimize` wrote; its params (batch_size, precision,
-graph_passes), batch_sizes and hardware decide the graph passes and the batch sizes validated.
-
-Outputs in OUT (default: the config's folder): model.onnx, model.engine (TensorRT installed only),
-model.pt2, a <artifact>.manifest.json beside each, and runner.py (standalone: `python runner.py
-model.onnx --batch 8` needs only onnxruntime and numpy). An artifact whose manifest has the same cache
-key (graph + weights, precision, shapes, compute capability, torch/onnx/TensorRT versions) is reused.
-
-examples:
-  tctune export recipes/seed_cnn.py --config tctune_out/seed_cnn/best_config.json
-  tctune export model.py --config best_config.json --format onnx --out engines/
-"""
-
-
-# ------------------------------------------------------------------------------------------------ argparse
-
-
-def register(subparsers) -> tuple[str, str]:
-    """Add the ``export`` and ``bench`` subcommands; returns their names (``run`` dispatches on ``args.command``)."""
-    e = subparsers.add_parser("export", help="build ONNX / TensorRT / AOTInductor engines from a best_config.json",
-                              description="Rebuild the tuned graph of MODEL_FILE from CONFIG and write deployable "
-                                          "engines, each validated against PyTorch, with a manifest and a runner.",
-                              epilog=EPILOG_EXPORT, formatter_class=argparse.RawDescriptionHelpFormatter)
-    e.add_argument("model_file", metavar="MODEL_FILE", help="the model file that was tuned (it is executed)")
-    e.add_argument("--config", required=True, metavar="CONFIG", help="best_config.json from `tctune optimize`")
-    e.add_argument("--format", default=",".join(FORMATS), metavar="LIST",
-                   help="comma list of onnx, tensorrt, aoti (default %(default)s)")
-    e.add_argument("--out", metavar="DIR", help="output folder (default: the config's folder)")
-    e.add_argument("--force", action="store_true", help="rebuild even when a cached artifact matches")
-    e.add_argument("--json", action="store_true", help="print the result as JSON")
-    e.add_argument("--debug", action="store_true", help="show tracebacks")
-
-    b = subparsers.add_parser("bench", help="time an engine (.onnx, .engine, .pt2) written by `tctune export`",
-                              description="Time ARTIFACT on random inputs of the shapes in its manifest: warm-up, "
-                                          "then timed calls; median latency (ms) and throughput (items/s).")
-    b.add_argument("artifact", metavar="ARTIFACT", nargs="+", help="one or more .onnx / .engine / .pt2 files")
-    b.add_argument("--batch", metavar="LIST", help="batch size(s), e.g. 1,8,32 (default: the tuned batch)")
-    b.add_argument("--iters", type=int, default=50, metavar="N", help="timed calls (default %(default)s)")
-    b.add_argument("--warmup", type=int, default=10, metavar="N", help="untimed calls first (default %(default)s)")
-    b.add_argument("--provider", metavar="NAME", help="onnxruntime execution provider (default: CUDA if present, else CPU)")
-    b.add_argument("--json", action="store_true", help="print the rows as JSON")
-    b.add_argument("--debug", action="store_true", help="show tracebacks")
-    # cli's plugin protocol maps one name per module; route "bench" to run() as well.
-    return ("export", "bench")
-
-
-def run(args) -> int:
-    """Dispatch ``export`` / ``bench``."""
-    if args.command == "bench":
-        return _cmd_bench(args)
-    return _cmd_export(args)
-
 
 # ------------------------------------------------------------------------------------------------ export
 
@@ -135,22 +79,7 @@ def read_config(path: str | Path) -> dict:
     return cfg
 
 
-def parse_formats(text: str) -> tuple[str, ...]:
-    """``"onnx,aoti"`` -> ``("onnx", "aoti")``.
-
-    Raises:
-        UsageError: an unknown or empty format list.
-    """
-    items = [f.strip().lower() for f in text.split(",") if f.strip()]
-    aliases = {"trt": "tensorrt", "pt2": "aoti", "aotinductor": "aoti"}
-    items = [aliases.get(f, f) for f in items]
-    bad = [f for f in items if f not in FORMATS]
-    if bad or not items:
-        raise UsageError(f"invalid --format {text!r}\n  fix: a comma list of {', '.join(FORMATS)}")
-    return tuple(dict.fromkeys(items))
-
-
-def _config_target(cfg: dict) -> str | None:
+def config_target(cfg: dict) -> str | None:
     """The hardware to plan the passes for: the config's ``target``, else the GPU it was tuned on, else None."""
     if cfg.get("target"):
         return str(cfg["target"])
@@ -161,6 +90,36 @@ def _config_target(cfg: dict) -> str | None:
     if hw.get("is_gpu") and hw.get("compute_capability"):
         return str(hw["compute_capability"])
     return None
+
+
+def rebuild_graphs(mf, cfg: dict, hw, device) -> tuple["TrialParams", "ExportGraphs"]:
+    """The graphs of the trial a ``best_config.json`` describes (:func:`read_config`), rebuilt the way the search
+    built the graph it measured: capture at batch 2, then :func:`tctune.deploy.export_graphs` with the config's
+    :class:`~tctune.trial.TrialParams` (precision, policy, FP8 keep-list) and, for a calibrated fp16 trial, the
+    same seeded reference inputs at the tuned batch size (:func:`tctune.trial.reference_inputs`).
+
+    Args:
+        mf: the loaded model file; hw: the hardware planned for; device: where the model and inputs live.
+
+    Raises:
+        ExportError: the model could not be captured. PassError: a cast pass failed.
+    """
+    from .capture import capture
+    from .deploy import calibration_for, export_graphs
+    from .errors import CaptureError
+    from .measure import precision_mode
+    from .trial import TrialParams, reference_inputs
+
+    trial = TrialParams.from_config(cfg)
+    model = mf.model().eval().to(device)
+    with precision_mode("fp32"):
+        try:
+            gm = capture(model, mf.inputs(2, device))
+        except CaptureError as exc:
+            raise ExportError(f"cannot export {mf.path.name}: {exc}\n  fix: make the batch dimension dynamic in "
+                              "forward (no hard-coded batch size in reshape/view/expand; use x.shape[0] or -1)") from exc
+    inputs = reference_inputs(mf, trial.batch_size, device) if trial.calibration else None
+    return trial, export_graphs(gm, hw, trial, calibration_for(trial, inputs))
 
 
 def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FORMATS,
@@ -182,7 +141,7 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
     from .export import cache
     from .hardware import resolve
     from .modelfile import load_model_file
-    from .search import EXPORT_PIPELINE, apply_passes, measuring_device
+    from .trial import measuring_device
 
     cfg = read_config(config_path)
     formats = tuple(formats)
@@ -197,28 +156,12 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
     params = cfg["params"]
     precision, tuned = params["precision"], params["batch_size"]
     largest = max(cfg["batch_sizes"])
-    hw = resolve(_config_target(cfg))
+    hw = resolve(config_target(cfg))
     device = measuring_device()
 
-    model = mf.model().eval().to(device)
-    try:
-        gm = capture(model, mf.inputs(2, device))
-    except CaptureError as exc:
-        raise ExportError(f"cannot export {mf.path.name}: {exc}\n  fix: make the batch dimension dynamic in "
-                          "forward (no hard-coded batch size in reshape/view/expand; use x.shape[0] or -1)") from exc
-    fp8 = None
-    if precision == "fp8":
-        # The PyTorch graph (AOTInductor, cache key) runs _scaled_mm; the ONNX is its bf16 twin with float8 Q/DQ.
-        from .export.onnx_fp8 import build_fp8_graphs
-
-        policy = params.get("policy", "autocast")
-        # the keep-list the best trial was measured with (best_config.json's fp8_keep), so this is that graph
-        spec = dataclasses.replace(hw.pass_spec("fp8", policy=policy), fp8_keep=tuple(cfg.get("fp8_keep") or ()))
-        fp8 = build_fp8_graphs(gm, spec, EXPORT_PIPELINE).to(device)
-        graph = fp8.fp8
-    else:
-        graph, _ = apply_passes(gm, hw, precision, EXPORT_PIPELINE)
-        graph = graph.to(device)
+    trial, graphs = rebuild_graphs(mf, cfg, hw, device)
+    fp8 = graphs.fp8.to(device) if graphs.fp8 is not None else None
+    graph = graphs.graph.to(device)
     make_inputs = lambda b: mf.inputs(b, device)  # noqa: E731
     digest = cache.graph_hash(graph)
     cc = hw.compute_capability or None
@@ -362,32 +305,6 @@ def _summary(info: dict, prefix: str) -> dict:
     return {k: info.get(k) for k in keep}
 
 
-def _cmd_export(args) -> int:
-    formats = parse_formats(args.format)
-    result = export_artifacts(args.model_file, args.config, formats, args.out, force=args.force)
-    if args.json:
-        print(json.dumps(result, indent=2, default=str))
-        return 0
-    print(f"{result['model']}: {result['precision']} on {result['hardware']}, batch "
-          f"{result['batch_sizes']['min']}/{result['batch_sizes']['opt']}/{result['batch_sizes']['max']} "
-          f"(min/tuned/max) -> {result['out']}")
-    for fmt in formats:
-        r = result["formats"].get(fmt, {})
-        if r.get("status") == "skipped":
-            print(f"  {fmt:9s} skipped: {r.get('reason')}")
-            continue
-        err = r.get(f"{fmt}_max_abs_error")
-        detail = f", max abs error vs PyTorch {err:.2e}" if isinstance(err, float) else ""
-        took = f" in {r['seconds']:.1f} s" if "seconds" in r and r["status"] == "built" else ""
-        print(f"  {fmt:9s} {r.get('status')}{took}: {r.get('path')}{detail}")
-        if fmt == "onnx" and r.get("onnx_note"):
-            print(f"  {'':9s} note: {r['onnx_note']}")
-    runners = {r.get("runner") for r in result["formats"].values() if r.get("runner")}
-    for runner in sorted(runners):
-        print(f"  runner:   python {runner} [ARTIFACT] --batch N --iters N")
-    return 0
-
-
 # ------------------------------------------------------------------------------------------------ bench
 
 
@@ -414,7 +331,7 @@ def bench_artifact(artifact: str | Path, batch: int | None = None, iters: int = 
         raise UsageError(f"{path.name} has no manifest ({path.name}.manifest.json) with its input shapes\n"
                          "  fix: write it with `tctune export MODEL_FILE --config best_config.json`")
     if iters < 1 or warmup < 0:
-        raise UsageError(f"--iters must be >= 1 and --warmup >= 0, got {iters} and {warmup}")
+        raise UsageError(f"iters must be >= 1 and warmup >= 0, got {iters} and {warmup}", field="iters")
     try:
         return rt.time_artifact(str(path), batch, iters, warmup, provider)
     except rt.RunnerError as exc:
@@ -426,51 +343,3 @@ def bench_artifact(artifact: str | Path, batch: int | None = None, iters: int = 
                    "--provider CUDAExecutionProvider on a GPU, or TensorRT"
                    + (f", or bench {twin.name} (the same graph in FP32) here" if twin.exists() else ""))
         raise ExportError(f"cannot time {path.name}: {exc}{fix}") from exc
-
-
-def _bench_in_child(artifact: str, args) -> list[dict]:
-    """Run ``tctune bench ARTIFACT --json`` in a child process; its rows, or its error as ExportError."""
-    import subprocess
-    import sys
-
-    cmd = [sys.executable, "-m", "tctune", "bench", str(artifact), "--json", "--iters", str(args.iters),
-           "--warmup", str(args.warmup)]
-    if args.batch:
-        cmd += ["--batch", args.batch]
-    if args.provider:
-        cmd += ["--provider", args.provider]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode:
-        msg = r.stderr.strip().removeprefix("tctune: error: ") or f"exit status {r.returncode}"
-        raise (UsageError if r.returncode == 2 else ExportError)(msg)
-    rows = json.loads(r.stdout)
-    return rows if isinstance(rows, list) else [rows]
-
-
-def _cmd_bench(args) -> int:
-    from .cli import parse_batch_sizes
-
-    try:
-        batches = list(parse_batch_sizes(args.batch)) if args.batch else [None]
-    except UsageError:
-        raise UsageError(f"invalid --batch {args.batch!r}\n  fix: a positive integer, a comma list (1,8,32) or a range "
-                         "LO-HI (1-64: doubling from 1, 64 included)") from None
-    if len(args.artifact) > 1:
-        # Each artifact in a process of its own: runtimes (onnxruntime's thread pool, torch's) left alive by
-        # one would otherwise slow the next one down (seen: a .pt2 timed 300x slower after an .onnx).
-        rows = [row for a in args.artifact for row in _bench_in_child(a, args)]
-    else:
-        rows = [bench_artifact(args.artifact[0], b, args.iters, args.warmup, args.provider) for b in batches]
-    if args.json:
-        print(json.dumps(rows if len(rows) > 1 else rows[0], indent=2))
-        return 0
-    header = ("artifact", "format", "device", "batch", "median ms", "p90 ms", "items/s")
-    table = [header] + [(r["artifact"], r["format"], r["device"], str(r["batch_size"]), f"{r['latency_ms']:.3f}",
-                         f"{r['latency_p90_ms']:.3f}", f"{r['throughput']:.1f}") for r in rows]
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    for n, row in enumerate(table):
-        print("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
-        if n == 0:
-            print("  ".join("-" * w for w in widths))
-    print(f"({rows[0]['iters']} timed calls after {rows[0]['warmup']} warm-up; wall clock per synchronized call)")
-    return 0

@@ -1,0 +1,129 @@
+"""The options of one ``tctune optimize`` run (:class:`TuneConfig`), checked when built."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+
+from ..errors import UsageError
+
+#: Study directions per objective: throughput (items/s), p99 latency (ms), peak memory (MiB).
+OBJECTIVES = {"throughput": ("maximize",), "latency": ("minimize",), "pareto": ("maximize", "minimize", "minimize")}
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """Options of one ``tctune optimize`` run (serialized into ``report.json``).
+
+    Attributes:
+        batch_sizes: batch sizes to search (items per call).
+        trials: trials to add to the study in this run (≥ 1).
+        timeout_s: stop starting new trials after this many seconds (None: no limit).
+        max_error: largest relative L2 error against the FP32 reference a candidate may have.
+        max_error_fp8: the same for FP8 candidates (E4M3 keeps 3 mantissa bits; 5e-2 ≈ 26 dB SQNR).
+        target: ``--target`` name or ``sm_XX`` (plan for that GPU's alignment); None: the detected device.
+        storage: Optuna storage URL; None: ``sqlite:///<out>/study.db``.
+        seed: sampler seed.
+        out_dir: output folder.
+        export: build ONNX (and TensorRT where importable) for the best configuration.
+        quiet: no progress bar.
+        runtimes: execution backends to search (``eager``, ``cudagraphs``, ``inductor``,
+            ``inductor-max-autotune``, ``inductor-cudagraphs``); None: all but max-autotune on a GPU (no CUDA
+            graphs in train mode), ``eager`` on the CPU.
+        compile_budget_s: an Inductor compile slower than this rejects its trial and stops further compiles.
+        objective: ``throughput`` (items/s, maximized), ``latency`` (p99 ms per batch, minimized) or ``pareto``
+            (throughput, p99 latency and peak memory together: the report lists the Pareto front).
+        max_latency_ms, max_memory_mib: constraints (p99 ms per batch; peak CUDA MiB) like ``max_error``.
+        mode: ``infer`` (forward passes) or ``train`` (forward, loss, backward, optimizer step).
+        effective_batch: training only: samples per optimizer step, reached by gradient accumulation over
+            micro-batches of the searched batch size (None: one micro-batch per step).
+        devices: CUDA device indices; with more than one, one worker process per GPU shares the study.
+        worker: this process is a worker started by ``devices`` (no export, no report).
+        prune: stop clearly slower candidates early (Optuna's PercentilePruner); False measures every one fully.
+        fp8_keep: FP8 keep-list (``fnmatch`` patterns of linears' module paths kept bf16 at precision fp8);
+            None: planned from measured sensitivity (:mod:`tctune.fp8_plan`); ``()``: every eligible linear FP8.
+    """
+
+    out_dir: str
+    batch_sizes: tuple[int, ...] = (8, 32, 128)
+    trials: int = 16
+    timeout_s: float | None = None
+    max_error: float = 1e-2
+    max_error_fp8: float = 5e-2
+    target: str | None = None
+    storage: str | None = None
+    seed: int = 0
+    export: bool = True
+    quiet: bool = False
+    runtimes: tuple[str, ...] | None = None
+    compile_budget_s: float = 300.0
+    objective: str = "throughput"
+    mode: str = "infer"
+    effective_batch: int | None = None
+    devices: tuple[int, ...] | None = None
+    worker: bool = False
+    prune: bool = True
+    max_latency_ms: float | None = None
+    max_memory_mib: float | None = None
+    fp8_keep: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        """Raises UsageError naming the bad field (``err.field``, e.g. ``"trials"``) and what it must be."""
+        from ..runtime import ALL_RUNTIMES
+
+        def bad(field: str, message: str) -> UsageError:
+            return UsageError(f"{field} {message}", field=field)
+
+        if self.runtimes is not None:
+            unknown = [r for r in self.runtimes if r not in ALL_RUNTIMES]
+            if unknown or not self.runtimes:
+                raise bad("runtimes", f"has unknown {', '.join(unknown) or '(empty)'}; choose from {', '.join(ALL_RUNTIMES)}")
+        if self.mode not in ("infer", "train"):
+            raise bad("mode", f"must be infer or train, got {self.mode!r}")
+        if self.effective_batch is not None and (self.mode != "train" or self.effective_batch < 1):
+            raise bad("effective_batch", "needs mode 'train' and a positive number of samples")
+        if self.devices is not None and (not self.devices or len(set(self.devices)) != len(self.devices)
+                                         or any(d < 0 for d in self.devices)):
+            raise bad("devices", f"must be distinct GPU indices such as 0,1 — got {self.devices}")
+        if self.objective not in OBJECTIVES:
+            raise bad("objective", f"must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        for name, v in (("max_latency_ms", self.max_latency_ms), ("max_memory_mib", self.max_memory_mib)):
+            if v is not None and v <= 0:
+                raise bad(name, f"must be positive, got {v}")
+        if self.compile_budget_s <= 0:
+            raise bad("compile_budget_s", f"must be a positive number of seconds, got {self.compile_budget_s}")
+        if not self.batch_sizes or any((not isinstance(b, int)) or b < 1 for b in self.batch_sizes):
+            raise bad("batch_sizes", f"must be positive integers, got {self.batch_sizes!r}")
+        if self.trials < 1:
+            raise bad("trials", f"must be at least 1, got {self.trials}")
+        if self.timeout_s is not None and self.timeout_s <= 0:
+            raise bad("timeout_s", f"must be a positive number of seconds, got {self.timeout_s}")
+        if not (self.max_error > 0):
+            raise bad("max_error", f"must be positive, got {self.max_error}")
+        if not (self.max_error_fp8 > 0):
+            raise bad("max_error_fp8", f"must be positive, got {self.max_error_fp8}")
+        if self.fp8_keep is not None and (isinstance(self.fp8_keep, str)
+                                          or not all(isinstance(p, str) and p.strip() for p in self.fp8_keep)):
+            raise bad("fp8_keep", f"must be None (planned), () or module-path patterns, got {self.fp8_keep!r}")
+
+    def to_dict(self) -> dict:
+        """Every field, JSON-ready (``report.json``'s ``config``; worker processes receive it)."""
+        return asdict(self)
+
+    def to_json(self) -> str:
+        """The configuration as JSON (:meth:`from_json` reads it back): how a worker process receives it."""
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, text: str) -> "TuneConfig":
+        """The inverse of :meth:`to_json` (lists become tuples).
+
+        Raises:
+            UsageError: not a JSON object of TuneConfig fields, or a field out of range.
+        """
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise UsageError(f"config is not JSON: {exc}", field="config") from None
+        names = {f.name for f in fields(cls)}
+        if not isinstance(data, dict) or not set(data) <= names or "out_dir" not in data:
+            raise UsageError(f"config must be a JSON object of {', '.join(sorted(names))}", field="config")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})

@@ -1,0 +1,240 @@
+"""Candidate evaluation: build a trial's candidate, check it against the FP32 reference, time it.
+
+An evaluator has one interface, whatever a trial runs: ``reference(batch_size)``, ``trial_params(params,
+fp8_keep)`` and ``evaluate(params, on_repeat=None, fp8_keep=None) -> metrics``, plus ``fp8_plans`` and
+``compile_over_budget``. :class:`InferenceEvaluator` times forward passes (tctune's graph or the model as
+written); :class:`tctune.search.train.TrainingEvaluator` times training steps. The loop
+(:class:`tctune.search.loop.Tuner`) holds one of them.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import optuna
+import torch
+
+from ..capture import Captured
+from ..errors import CandidateRejected, PassError
+from ..fp8_plan import FP8Plan, choose_fastest, plan_graph
+from ..measure import ErrorStats, check_accuracy, compare, is_oom, precision_mode, release_memory, time_call
+from ..runtime import Autocast, ChannelsLast, detach_outputs, wrap
+from ..trial import FailureKind, TrialParams, apply_passes, build_trial_graph, reference_inputs
+from .config import TuneConfig
+from .results import first_line, rejection, trial_metrics
+
+log = logging.getLogger("tctune")
+
+
+class Evaluator(Protocol):
+    """What the search loop asks of a candidate evaluator (see the module docstring)."""
+
+    fp8_plans: dict
+    compile_over_budget: str | None
+
+    def reference(self, batch_size: int) -> tuple: ...
+
+    def trial_params(self, params: dict, fp8_keep: Sequence[str] | None = None) -> TrialParams: ...
+
+    def evaluate(self, params: dict, on_repeat: Callable[[int, float], None] | None = None,
+                 fp8_keep: Sequence[str] | None = None) -> dict: ...
+
+
+@dataclass
+class Candidate:
+    """A runnable candidate: ``module(*inputs)`` under ``precision_mode(precision)``."""
+
+    module: Callable
+    precision: str
+    passes: list = field(default_factory=list)  # PassResult objects
+    description: str = ""
+    fp8_keep: tuple[str, ...] | None = None  # precision fp8, tctune's graph: the keep-list it was built with
+
+
+class InferenceEvaluator:
+    """Forward-pass candidates: tctune's graph (from ``captured``) or the model as written, on ``device``.
+
+    Args:
+        cfg: run options (error limits, compile budget, FP8 keep-list).
+        mf: the model file; hw: the hardware spec the passes plan for; device: where candidates run.
+        model: the FP32 eval-mode model on ``device`` (the reference, and the model-as-written candidates).
+        captured: the capture of ``model`` (``tctune.capture.try_capture``).
+        fastest_runtime: the runtime FP8 keep-lists are timed through (None: eager).
+    """
+
+    def __init__(self, cfg: TuneConfig, mf, hw, device: torch.device, model: torch.nn.Module, captured: Captured,
+                 fastest_runtime: str | None = None):
+        self.cfg, self.mf, self.hw, self.device, self.model, self.captured = cfg, mf, hw, device, model, captured
+        self.fastest_compiled_runtime = fastest_runtime
+        self._refs: dict[int, tuple[tuple, Any]] = {}
+        self.compile_over_budget: str | None = None
+        self.fp8_plans: dict[str, FP8Plan] = {}  # policy -> planned FP8 keep-list (when --fp8-keep is auto)
+
+    def reference(self, batch_size: int) -> tuple[tuple, Any]:
+        """Fresh random inputs for ``batch_size`` (seeded, so every candidate sees the same) and FP32 outputs."""
+        if batch_size not in self._refs:
+            inputs = reference_inputs(self.mf, batch_size, self.device)
+            try:
+                with precision_mode("fp32"), torch.inference_mode():
+                    ref = self.model(*inputs)
+            except Exception as exc:
+                release_memory(self.device)
+                if is_oom(exc):
+                    raise CandidateRejected(f"the FP32 reference ran out of memory at batch size {batch_size}",
+                                            FailureKind.OUT_OF_MEMORY) from exc
+                raise CandidateRejected(f"the model raised at batch size {batch_size} (FP32 reference run): "
+                                        f"{type(exc).__name__}: {first_line(exc)}", FailureKind.RUNTIME_ERROR) from exc
+            self._refs[batch_size] = (inputs, ref)
+        return self._refs[batch_size]
+
+    def build(self, params: dict, fp8_keep: Sequence[str] | None = None) -> Candidate:
+        """The candidate for trial ``params`` before its runtime wrapper (``batch_size``, ``precision``,
+        ``graph_passes``, ``policy``, ``memory_format``; ``runtime`` is applied by :meth:`evaluate`).
+        ``fp8_keep``: see :meth:`keep_for` (a trial's recorded ``fp8_keep``, rebuilt)."""
+        cand = self._build(params, fp8_keep)
+        if params.get("memory_format") == "channels_last":
+            module = cand.module if params["graph_passes"] else copy.deepcopy(cand.module)  # never the reference
+            cand.module = ChannelsLast(module.to(memory_format=torch.channels_last))
+            cand.description += ", channels-last"
+        return cand
+
+    def trial_params(self, params: dict, fp8_keep: Sequence[str] | None = None) -> TrialParams:
+        """The typed parameters of trial ``params`` with its FP8 keep-list resolved (:meth:`keep_for`)."""
+        keep = self.keep_for(params, fp8_keep) if params.get("graph_passes") else ()
+        return TrialParams.from_params(params, keep)
+
+    def _build(self, params: dict, fp8_keep: Sequence[str] | None = None) -> Candidate:
+        precision = params["precision"]
+        runtime = params.get("runtime", "eager")
+        if params["graph_passes"]:
+            trial = self.trial_params(params, fp8_keep)
+            inputs, _ = self.reference(trial.batch_size)
+            g, results = build_trial_graph(self.captured.graph_module, self.hw, trial, [inputs])
+            keep, policy = trial.fp8_keep, trial.policy
+            label = f"{precision} ({policy})" if precision in ("fp16", "bf16") else precision
+            if precision == "fp8":
+                label += f" (bf16: {', '.join(keep)})" if keep else " (every eligible linear)"
+            return Candidate(g.to(self.device), precision, results, f"tctune graph {label}, {runtime}",
+                             fp8_keep=keep if precision == "fp8" else None)
+        if precision in ("fp16", "bf16"):
+            dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+            return Candidate(Autocast(self.model, dtype, self.device.type), precision, [],
+                             f"model autocast {precision}, {runtime}")
+        return Candidate(self.model, precision, [], f"model {precision}, {runtime}")
+
+    def keep_for(self, params: dict, recorded: Sequence[str] | None = None) -> tuple[str, ...]:
+        """The FP8 keep-list the graph of trial ``params`` is built with: ``()`` below precision fp8; else
+        ``recorded`` (the list a finished trial measured, its ``fp8_keep`` user attribute) when given, so a rebuild
+        is that graph even if this process planned differently, or :meth:`fp8_keep`."""
+        if params["precision"] != "fp8":
+            return ()
+        if recorded is not None:
+            return tuple(recorded)
+        return self.fp8_keep(params.get("policy", "autocast"), params["batch_size"])
+
+    def fp8_keep(self, policy: str, batch_size: int) -> tuple[str, ...]:
+        """The FP8 keep-list for graph candidates with ``policy``: ``--fp8-keep``'s patterns, or the one planned
+        once per policy from the error of FP8 graphs on the FP32 reference inputs at ``batch_size``
+        (:func:`tctune.fp8_plan.plan_fp8_keep`, aiming at 0.9 × ``--max-error-fp8``).
+
+        Raises:
+            CandidateRejected: no linear can run FP8 within the limit (the plan's reason).
+        """
+        if self.cfg.fp8_keep is not None:
+            return tuple(self.cfg.fp8_keep)
+        if policy not in self.fp8_plans:
+            self.fp8_plans[policy] = self._plan_fp8(policy, batch_size)
+            log.info("FP8 plan (%s policy): %s", policy, self.fp8_plans[policy].summary())
+        plan = self.fp8_plans[policy]
+        if not plan.usable:
+            raise CandidateRejected(plan.reason, FailureKind.ACCURACY)
+        return plan.keep
+
+    def _plan_fp8(self, policy: str, batch_size: int) -> FP8Plan:
+        inputs, ref = self.reference(batch_size)
+        try:
+            gm, hw = self.captured.graph_module, self.hw
+            plan = plan_graph(lambda keep, names: apply_passes(gm, hw, "fp8", names, policy=policy, fp8_keep=keep)[0],
+                              inputs, ref, self.cfg.max_error_fp8, device=self.device)
+        except PassError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - an FP8 graph that cannot run rejects the FP8 candidates
+            raise rejection(exc, self.device, batch_size, "FP8 keep-list planning") from exc
+        return choose_fastest(plan, lambda keep: self._fp8_throughput(policy, keep, inputs))
+
+    def _fp8_throughput(self, policy: str, keep: tuple[str, ...], inputs: tuple) -> float | None:
+        """Throughput (items/s) of the FP8 graph with ``keep`` through the fastest runtime searched
+        (``SearchSpace.fastest_compiled_runtime``; eager when none is compiled), or None when it fails (logged)."""
+        runtime = self.fastest_compiled_runtime or "eager"
+        fn = None
+        try:
+            g, _ = apply_passes(self.captured.graph_module, self.hw, "fp8", policy=policy, fp8_keep=keep)
+            with precision_mode("fp8"):
+                fn, _ = wrap(g.to(self.device), runtime, inputs)
+                timing = time_call(lambda: fn(*inputs), len(inputs[0]), self.device)
+            return timing.throughput
+        except Exception as exc:  # noqa: BLE001 - one keep-list failing leaves the others
+            log.info("FP8 keep-list %s could not be timed: %s", ", ".join(keep) or "(none)", first_line(exc))
+            return None
+        finally:
+            fn = g = None
+            release_memory(self.device)
+
+    def evaluate(self, params: dict, on_repeat=None, fp8_keep: Sequence[str] | None = None) -> dict:
+        """Build, check and time one candidate; returns the trial's metrics (``fp8_keep``: see :meth:`build`).
+
+        Raises:
+            CandidateRejected: out of memory, NaN/inf outputs, or a broken rewrite.
+        """
+        bs = params["batch_size"]
+        runtime = params.get("runtime", "eager")
+        inputs, ref = self.reference(bs)
+        release_memory(self.device)  # what earlier candidates left (CUDA graph pools, compiled code)
+        held = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        cand = self.build(params, fp8_keep)
+        # Peak memory is reported per candidate: the peak during its run, minus what tctune itself holds
+        # (references for other batch sizes, the FP32 model), plus the inputs and, for the model as written,
+        # its weights, which the candidate uses but which were allocated before it.
+        own = sum(t.numel() * t.element_size() for t in inputs)
+        if not params["graph_passes"]:
+            own += sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+        setup_s = 0.0
+        fn = None
+        try:
+            with precision_mode(cand.precision):
+                fn, setup_s = wrap(cand.module, runtime, inputs)
+                if runtime.startswith("inductor") and setup_s > self.cfg.compile_budget_s:
+                    self.compile_over_budget = f"trial compile took {setup_s:.0f} s"
+                    raise CandidateRejected(f"compile took {setup_s:.0f} s > --compile-budget {self.cfg.compile_budget_s:g} s",
+                                            FailureKind.COMPILE_BUDGET)
+                with torch.inference_mode():
+                    out = detach_outputs(fn(*inputs))
+            err: ErrorStats = compare(out, ref)
+            try:
+                check_accuracy(err, cand.precision, out)
+            except CandidateRejected as exc:
+                exc.kind = exc.kind or FailureKind.ACCURACY
+                raise
+            del out
+            with precision_mode(cand.precision):
+                timing = time_call(lambda: fn(*inputs), bs, self.device, on_repeat=on_repeat,
+                                   target_repeat_s=0.1 if self.device.type == "cuda" else 0.15)
+        except (CandidateRejected, optuna.TrialPruned):
+            raise
+        except Exception as exc:
+            raise rejection(exc, self.device, bs, f"{runtime} run") from exc
+        finally:
+            cand.module = fn = None  # drop the candidate's weights / CUDA graph / compiled code now
+            release_memory(self.device)
+        peak = None
+        if timing.peak_memory_mib is not None:
+            peak = timing.peak_memory_mib - (held - own) / 2**20
+        extra = {} if cand.fp8_keep is None else {"fp8_keep": list(cand.fp8_keep)}  # export rebuilds this graph
+        return trial_metrics(timing, err, peak_memory_mib=peak, setup_s=setup_s, description=cand.description,
+                             passes=[{"name": r.name, "changed": r.count, **({"failed": r.notes["failed"]} if "failed" in r.notes else {})}
+                                     for r in cand.passes], **extra)
+
+
+__all__ = ["Candidate", "Evaluator", "InferenceEvaluator"]
