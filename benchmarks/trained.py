@@ -70,7 +70,7 @@ def tctune_graph(captured, hw, precision: str, policy: str, fp8_keep=(), calibra
     """tctune's rewritten graph of ``captured`` for ``(precision, policy, fp8_keep)``: the one call into tctune's
     pass pipeline (repoint here when it moves). ``calibration``: a list of input tuples for fp16 overflow
     analysis. Returns ``(graph module, pass results)``."""
-    from tctune.search import apply_passes
+    from tctune.trial import apply_passes
 
     return apply_passes(captured, hw, precision, calibration=calibration, policy=policy, fp8_keep=tuple(fp8_keep))
 
@@ -79,7 +79,12 @@ def tctune_fp8_plan(captured, hw, inputs, ref, device, policy: str = "autocast")
     """tctune's FP8 keep-list plan for ``captured`` on calibration ``inputs`` against FP32 outputs ``ref``."""
     from tctune.fp8_plan import plan_graph
 
-    return plan_graph(captured, hw, inputs, ref, L2_LIMIT["fp8"], policy=policy, device=device)
+    from tctune.trial import apply_passes
+
+    def build(keep, names):
+        return apply_passes(captured, hw, "fp8", names, policy=policy, fp8_keep=tuple(keep))[0]
+
+    return plan_graph(build, inputs, ref, L2_LIMIT["fp8"], device=device)
 
 
 def load_recipe(name: str):

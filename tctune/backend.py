@@ -56,6 +56,7 @@ from torch import fx
 
 from passes import PIPELINE, PassResult, run_pipeline
 from passes.calibrate import calibrate_ranges, overflow_nodes
+from passes.policy import pass_spec
 
 logger = logging.getLogger("tctune.backend")
 
@@ -85,7 +86,7 @@ class BackendConfig:
         pad: run ``pad_linear_dims`` (Tensor Core alignment of linear N and K).
         target: ``--target``-style name (``"h100"``, ``"sm_90"``) to plan for; None: the inputs' device.
         passes: pass names in order (default :data:`passes.PIPELINE`); ``pad=False`` removes the padding pass.
-        policy: cast policy (``tctune.hardware.POLICIES``): ``"autocast"`` keeps the FP32 keep-list, residual
+        policy: cast policy (``passes.policy.POLICIES``): ``"autocast"`` keeps the FP32 keep-list, residual
             adds and embeddings in FP32 (autocast's accuracy); ``"pure"`` casts everything but losses, like
             ``model.half()`` (less memory traffic, ``model.half()``'s error).
     """
@@ -277,7 +278,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, cfg: BackendConfig) -> Ca
 
 def _spec_for(hw, training: bool, policy: str, precision: str):
     """The passes' ``PassSpec`` for one subgraph (the one place the backend asks the hardware for it)."""
-    return hw.pass_spec(precision, training, policy)
+    return pass_spec(hw, precision, training=training, policy=policy)
 
 
 def _fallback(gm: fx.GraphModule, example_inputs: list, report: SubgraphReport) -> Callable:

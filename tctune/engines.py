@@ -136,8 +136,6 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
     """
     import torch
 
-    from .capture import capture
-    from .errors import CaptureError
     from .export import cache
     from .hardware import resolve
     from .modelfile import load_model_file

@@ -27,8 +27,6 @@ import threading
 from dataclasses import asdict, dataclass, field, replace
 from typing import NamedTuple
 
-from passes.base import PassSpec
-from passes.policy import pass_spec
 from tctune.errors import HardwareError, UsageError
 
 logger = logging.getLogger(__name__)
@@ -267,11 +265,6 @@ class HardwareSpec:
             return ("fp32", "bf16")
         wanted = ("tf32", "fp16", "bf16") if training else ("tf32", "fp16", "bf16", "fp8")
         return ("fp32",) + tuple(p for p in wanted if p in self.tensor_core_precisions)
-
-    def pass_spec(self, precision: str, training: bool = False, policy: str = "autocast") -> PassSpec:
-        """Shorthand for ``passes.policy.pass_spec(self, precision, training=training, policy=policy)``, where the
-        cast policy lives (kept for callers that hold a spec; raises ValueError there)."""
-        return pass_spec(self, precision, training=training, policy=policy)
 
     def to_dict(self) -> dict:
         """Every field, JSON-ready (tuples become lists), plus ``is_gpu``."""

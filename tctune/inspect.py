@@ -5,7 +5,7 @@ For every matmul and convolution of the captured ATen graph (``aten.linear``, ``
 ``conv_transpose1d/2d/3d`` and ``scaled_dot_product_attention``, counted as its two GEMMs) it reports the
 source module, the operand shapes at one batch size, the compute precision, the FLOPs, and whether the op
 runs efficiently on the target's Tensor Cores, with the reason when it does not. It then runs the pass
-pipeline (:func:`tctune.search.apply_passes`, whatever ``passes.run_pipeline`` contains) on a copy, inspects
+pipeline (:func:`tctune.trial.apply_passes`, whatever ``passes.run_pipeline`` contains) on a copy, inspects
 the rewritten graph the same way and pairs the two node by node.
 
 Eligibility rules (:func:`tensor_core_verdict`), in the order they are checked:

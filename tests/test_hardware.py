@@ -9,6 +9,7 @@ from enum import IntEnum
 import pytest
 
 from passes.base import PassSpec
+from passes.policy import pass_spec
 from tctune import hardware
 from tctune.errors import HardwareError, UsageError
 
@@ -125,8 +126,8 @@ def test_search_precisions_ampere_has_no_fp8():
 
 
 def test_pass_spec_fp8_scaling_by_arch():
-    assert hardware.resolve("h100").pass_spec("fp8").fp8_scaling == "row"
-    assert hardware.resolve("b200").pass_spec("fp8").fp8_scaling == "tensor"
+    assert pass_spec(hardware.resolve("h100"), "fp8").fp8_scaling == "row"
+    assert pass_spec(hardware.resolve("b200"), "fp8").fp8_scaling == "tensor"
 
 
 def test_search_precisions_volta_has_no_bf16_or_tf32():
@@ -134,7 +135,7 @@ def test_search_precisions_volta_has_no_bf16_or_tf32():
 
 
 def test_pass_spec_carries_alignment():
-    spec = hardware.resolve("a100").pass_spec("fp16", training=True)
+    spec = pass_spec(hardware.resolve("a100"), "fp16", training=True)
 
     assert isinstance(spec, PassSpec)
     assert spec.align("fp16") == 8 and spec.align("tf32") == 4
@@ -142,7 +143,7 @@ def test_pass_spec_carries_alignment():
 
 
 def test_pass_spec_cpu_has_no_alignment(cpu):
-    spec = cpu.pass_spec("bf16")
+    spec = pass_spec(cpu, "bf16")
 
     assert spec.alignment == {} and spec.arch == "cpu"
 

@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from passes.policy import pass_spec
 import torch.nn.functional as F
 from onnx import TensorProto
 from torch import fx, nn
@@ -409,7 +410,7 @@ def test_padded_pipeline_quantizes_padded_linear(tmp_path):
     from tctune.deploy import EXPORT_PIPELINE
 
     torch.manual_seed(0)
-    graphs = _graphs(FP8Net(), resolve("9.0").pass_spec("fp8"), names=EXPORT_PIPELINE)
+    graphs = _graphs(FP8Net(), pass_spec(resolve("9.0"), "fp8"), names=EXPORT_PIPELINE)
     assert sorted(graphs.fp8_weights) == ["fc1.weight", "fc2.weight", "fc3.weight", "head.weight"]
     info = export_onnx_fp8(graphs, _inputs, tmp_path / "model.onnx", batch_sizes=(3,))
     assert info["onnx_fp8"]["qdq_nodes"] == {"QuantizeLinear": 4, "DequantizeLinear": 8}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from passes.policy import pass_spec
 
 import zoo
 from passes import PassSpec, fold_conv_batchnorm
@@ -304,7 +305,7 @@ def test_pipeline_folds_frozen_batchnorm_on_sm90(precision):
     model = FrozenBlock().eval()
     gm = _capture(model, 8, 10, 10)
 
-    results = {r.name: r for r in run_pipeline(gm, hardware.resolve("sm_90").pass_spec(precision))}
+    results = {r.name: r for r in run_pipeline(gm, pass_spec(hardware.resolve("sm_90"), precision))}
 
     assert results["fold_conv_batchnorm"].count == 2
     assert not any(n.target == torch.ops.aten.rsqrt.default for n in gm.graph.nodes)

@@ -13,6 +13,7 @@ import importlib
 
 import pytest
 import torch
+from passes.policy import pass_spec
 from torch import nn
 import torch.nn.functional as F
 
@@ -27,7 +28,7 @@ SPLIT = torch.ops.aten.split_with_sizes.default
 
 
 def _spec(precision: str):
-    return hardware.resolve("sm_90").pass_spec(precision, policy="pure")
+    return pass_spec(hardware.resolve("sm_90"), precision, policy="pure")
 
 
 def _by_name(results):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from passes.policy import pass_spec
 from torch import nn
 import torch.nn.functional as F
 
@@ -118,7 +119,7 @@ def test_pipeline_padding_passes_keep_gpt2_tie(precision):
     storages, nbytes = _state(gm)
     table = gm.gpt2.transformer.wte.weight
 
-    results = {r.name: r for r in run_pipeline(gm, hardware.resolve("sm_90").pass_spec(precision), names)}
+    results = {r.name: r for r in run_pipeline(gm, pass_spec(hardware.resolve("sm_90"), precision), names)}
 
     assert results["pad_linear_dims"].count == 2  # the head and its tied embedding
     padded = gm.gpt2.transformer.wte.weight

@@ -115,7 +115,7 @@ class FP8Graphs:
         bf16: ``fp32`` cast to bf16 by ``cast_precision`` exactly as ``cast_fp8_linears`` casts it, with every
             linear left a bf16 ``aten.linear``: the graph ``model.onnx`` is exported from.
         fp8: ``fp32`` after ``cast_fp8_linears``: what PyTorch runs (``_scaled_mm``); the validation reference,
-            identical to ``tctune.search.apply_passes(gm, hw, "fp8", names)``.
+            identical to ``tctune.trial.apply_passes(gm, hw, "fp8", names)``.
         fp8_weights: weight attribute (e.g. ``"fc1.weight"``) -> ``(fp8 buffer, scale buffer)`` names on ``fp8``;
             empty when no linear is FP8-eligible.
         kn_weights: the weights of ``fp8_weights`` stored ``(K, N)`` (read by ``aten.addmm`` / ``aten.mm``, as
@@ -149,8 +149,8 @@ def build_fp8_graphs(gm: fx.GraphModule, spec: PassSpec, names: Sequence[str]) -
 
     Args:
         gm: the captured ATen graph module (``torch.export(...).module()``), FP32; not modified.
-        spec: ``HardwareSpec.pass_spec("fp8", policy=...)``: ``precision == "fp8"``, ``fp8_scaling`` row/tensor.
-        names: the pipeline (e.g. ``tctune.search.EXPORT_PIPELINE``); ``cast_fp8_linears`` and
+        spec: ``passes.policy.pass_spec(hw, "fp8", policy=...)``: ``precision == "fp8"``, ``fp8_scaling`` row/tensor.
+        names: the pipeline (e.g. ``tctune.deploy.EXPORT_PIPELINE``); ``cast_fp8_linears`` and
             ``cast_precision`` must come last (as in ``passes.PIPELINE``).
 
     Returns:

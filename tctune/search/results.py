@@ -43,9 +43,7 @@ def trial_metrics(timing, err: ErrorStats, **extra) -> dict:
         "latency_p50_ms": timing.latency_p50_ms,
         "latency_p99_ms": timing.latency_p99_ms,
         "peak_memory_mib": timing.peak_memory_mib,
-        "max_rel_error": err.rel_l2_error,
-        "max_abs_error": err.max_abs_error,
-        "nonfinite": err.nonfinite,
+        **err.to_metrics(),
         "repeats_ms": timing.repeats_ms,
     }
     metrics.update(extra)
