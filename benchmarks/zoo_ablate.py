@@ -7,6 +7,11 @@ Usage::
     python benchmarks/zoo_ablate.py --models DistilBertForMaskedLM --tiny --device cpu --out /tmp/a  # CPU dry run
     python benchmarks/zoo_ablate.py --table DIR                            # the table of the rows under DIR
 
+Sizing a call: a model costs 2 + 1 + (leave-one-out variants) compiles of about 10-40 s each on an H200 host
+(more when several processes compile at once), so run as many processes as models on one GPU
+(``--jobs-per-gpu``, all in one wave), ``--max-variants 3``, and ``--model-timeout`` a little under
+``--budget-s``: a variant that would not finish before its process's deadline is skipped, not killed half-way.
+
 Models are built by ``benchmarks/zoo.py`` (imported, module ``tctune_bench_zoo``): same configs, random weights,
 batch sizes (``--scale``), seeded inputs, timing helpers and per-GPU timing lock. Each model runs in its own
 process (``--model-timeout`` seconds, killed with its process group after that; fresh Inductor / Triton cache
@@ -308,6 +313,9 @@ def measure(entry, args: argparse.Namespace) -> dict:
         row["gpu_lock_wait_s"] = round(sum(waits), 2)
         save()
 
+    # The registered name when tctune is installed, else the callable (torch.compile passes options to both).
+    backend = "tctune" if "tctune" in torch._dynamo.list_backends() else tb.tctune_backend
+
     def tctune_options(passes: tuple[str, ...] | None) -> dict:
         opts = {"precision": args.dtype, "policy": "pure"}
         if passes is not None:
@@ -325,7 +333,7 @@ def measure(entry, args: argparse.Namespace) -> dict:
         row["variants"]["inductor"]["passes"] = None
         tb.reset()
         n0 = len(tb.reports)
-        got = compile_variant("full", lambda: torch.compile(model, backend="tctune", options=tctune_options(None)),
+        got = compile_variant("full", lambda: torch.compile(model, backend=backend, options=tctune_options(None)),
                               inputs)
         reports = list(tb.reports[n0:])
         fired = fired_passes(reports)
@@ -355,7 +363,7 @@ def measure(entry, args: argparse.Namespace) -> dict:
         row["plan"] = {n: list(p) for n, p in plan.items()}
         save()
         for name, passes in plan.items():
-            got = compile_variant(name, lambda: torch.compile(model, backend="tctune",
+            got = compile_variant(name, lambda: torch.compile(model, backend=backend,
                                                                 options=tctune_options(passes)), inputs)
             row["variants"][name]["passes"] = list(passes)
             if got is None:
