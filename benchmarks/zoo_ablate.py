@@ -204,12 +204,13 @@ def compare_profiles(ind: dict[str, tuple[float, float]], tct: dict[str, tuple[f
         ci, ti = ind.get(k, (0.0, 0.0))
         ct, tt = tct.get(k, (0.0, 0.0))
         deltas.append([k[:120], round(tt - ti, 1), round(ct, 2), round(ci, 2)])
-    deltas.sort(key=lambda d: -d[1])
+    deltas.sort(key=lambda d: (-d[1], d[0]))
+    saves = sorted((d for d in deltas if d[1] < 0), key=lambda d: (d[1], d[0]))[:5]
     return {"inductor": _side(ind), "full": _side(tct),
             "categories": {c: {s: round(v, 1) for s, v in d.items()} | {"delta": round(d["full"] - d["inductor"], 1)}
                            for c, d in sorted(cats.items(), key=lambda kv: -(kv[1]["full"] - kv[1]["inductor"]))},
             "diff": [d for d in deltas[:TOP] if d[1] > 0],
-            "saves": [d for d in deltas[::-1][:5] if d[1] < 0]}
+            "saves": saves}
 
 
 # ------------------------------------------------------------------------------------------------ one model
