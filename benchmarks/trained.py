@@ -23,6 +23,12 @@ repeats timed with CUDA events, median). The two gates: ``l2_gate`` -- ``rel_l2 
 tctune's limits; ``score_gate`` -- ``score >= 0.99 x`` the FP32 score (MLPerf's 99 % rule); ``accepted_by``
 names which accept (``both``, ``score only``, ``L2 only``, ``neither``). TF32 is off for every variant.
 
+A model whose FP32 score is near chance (below ``chance + UNTRAINED_MARGIN x (1 - chance)``, chance = 1 / number
+of classes) is flagged: its entry has ``"trained": false``, its rows keep their measurements but their gates
+are ``null`` and ``accepted_by`` is ``"model not trained"``, and the table says so. A recipe whose
+``build_model()`` raises (the encoder refuses a training below its ``MIN_ACCURACY``) gets an entry with
+``build_error`` and no rows. The FP32 score of every model is printed as it is measured.
+
 Usage::
 
     timeout 570 python benchmarks/trained.py --out OUT_DIR   # on a CUDA GPU: both models, about 5-7 min (estimated)
@@ -55,6 +61,12 @@ L2_LIMIT = {"fp8": 5e-2}
 L2_LIMIT_DEFAULT = 1e-2
 #: The score gate: candidate score >= this fraction of the FP32 score (MLPerf's "99 %" accuracy target).
 MIN_SCORE_RATIO = 0.99
+#: A model counts as *not trained* when its FP32 score is below ``chance + UNTRAINED_MARGIN * (1 - chance)``
+#: (chance = 1 / number of classes, from the logits' width): 0.75 for two classes, 0.55 for ten. Its rows keep
+#: their measurements but get no gate verdict (``accepted_by`` = ``"model not trained"``): a precision that
+#: "keeps" a chance-level score says nothing.
+UNTRAINED_MARGIN = 0.5
+NOT_TRAINED = "model not trained"
 
 #: Hand FP8 keep-lists per recipe (``fnmatch`` patterns on source module paths; the linears kept bf16).
 HAND_KEEP = {
@@ -153,7 +165,13 @@ def run_model(name: str, args, hw, device, t_start: float) -> dict:
 
     recipe = load_recipe(name)
     t0 = time.perf_counter()
-    model = recipe.build_model().to(device).eval()
+    try:
+        model = recipe.build_model().to(device).eval()
+    except Exception as exc:  # noqa: BLE001 - e.g. a training that failed its recipe's accuracy check
+        msg = f"{type(exc).__name__}: {exc}"
+        print(f"  {name}: build_model() failed, no rows: {msg}", flush=True)
+        return {"model": name, "size": getattr(recipe, "SIZE", None), "build_error": msg, "trained": False,
+                "fp32_score": None, "rows": []}
     build_s = time.perf_counter() - t0
     x_held = heldout(name, recipe)
     batch = BATCH[name][1 if args.tiny else 0]
@@ -162,8 +180,10 @@ def run_model(name: str, args, hw, device, t_start: float) -> dict:
         ref_logits = recipe.predict(model, x_held)
         calib_ref = model(*calib)
     captured = capture(model, calib)
+    chance = 1.0 / ref_logits.shape[-1]
+    min_trained = chance + UNTRAINED_MARGIN * (1 - chance)
     entry = {"model": name, "build_s": build_s, "batch_size": batch, "heldout_items": len(x_held),
-             "size": getattr(recipe, "SIZE", None), "rows": []}
+             "size": getattr(recipe, "SIZE", None), "chance": chance, "min_trained_score": min_trained, "rows": []}
     plan = None
     t0 = time.perf_counter()
     try:
@@ -174,6 +194,7 @@ def run_model(name: str, args, hw, device, t_start: float) -> dict:
         entry["fp8_plan"] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
     entry["fp8_plan_s"] = time.perf_counter() - t0
     fp32_score = fp32_tp = None
+    trained = None
     for label, precision, build in variants(name, model, captured, hw, device, calib, plan):
         row = {"variant": label, "precision": precision}
         runtime = args.runtime
@@ -209,12 +230,21 @@ def run_model(name: str, args, hw, device, t_start: float) -> dict:
             release_memory(device)
         if precision == "fp32" and "score" in row:
             fp32_score, fp32_tp = row["score"], row.get("throughput")
-        gates(row, fp32_score, fp32_tp)
+            trained = is_trained(fp32_score, chance)
+            print(f"  {name}: FP32 score {fp32_score:.4f} (chance {chance:.2f}, trained from {min_trained:.2f})"
+                  + ("" if trained else f" -- {NOT_TRAINED.upper()}: no gate verdicts for its rows"), flush=True)
+        gates(row, fp32_score, fp32_tp, trained=trained is not False)
         entry["rows"].append(row)
         print(f"  {name}: {label}: " + ", ".join(f"{k}={_fmt(row.get(k))}" for k in
               ("score", "rel_l2", "throughput", "accepted_by", "error") if k in row), flush=True)
     entry["fp32_score"] = fp32_score
+    entry["trained"] = trained
     return entry
+
+
+def is_trained(fp32_score: float, chance: float) -> bool:
+    """Whether an FP32 score (in [0, 1]) is clear of ``chance`` by ``UNTRAINED_MARGIN`` of the way to 1."""
+    return fp32_score >= chance + UNTRAINED_MARGIN * (1 - chance)
 
 
 def throughput(module, runtime: str, inputs: tuple, batch: int, device, precision: str) -> dict:
@@ -240,8 +270,10 @@ def throughput(module, runtime: str, inputs: tuple, batch: int, device, precisio
     return {"throughput": timing.throughput, "latency_ms": timing.latency_ms, "setup_s": setup_s}
 
 
-def gates(row: dict, fp32_score: float | None, fp32_tp: float | None) -> None:
-    """Fill ``score_ratio``, ``speedup``, ``l2_limit``, ``l2_gate``, ``score_gate`` and ``accepted_by`` of ``row``."""
+def gates(row: dict, fp32_score: float | None, fp32_tp: float | None, trained: bool = True) -> None:
+    """Fill ``score_ratio``, ``speedup``, ``l2_limit``, ``l2_gate``, ``score_gate`` and ``accepted_by`` of ``row``.
+    ``trained=False`` (the FP32 model scores near chance, :func:`is_trained`): the ratios are filled, the gates
+    are ``None`` and ``accepted_by`` is ``NOT_TRAINED``."""
     limit = L2_LIMIT.get(row["precision"], L2_LIMIT_DEFAULT)
     row["l2_limit"] = limit
     if "score" not in row or fp32_score is None:
@@ -250,6 +282,9 @@ def gates(row: dict, fp32_score: float | None, fp32_tp: float | None) -> None:
     row["score_ratio"] = row["score"] / fp32_score if fp32_score else math.nan
     if row.get("throughput") and fp32_tp:
         row["speedup"] = row["throughput"] / fp32_tp
+    if not trained:
+        row.update(l2_gate=None, score_gate=None, accepted_by=NOT_TRAINED)
+        return
     row["l2_gate"] = bool(row["nonfinite"] == 0 and row["rel_l2"] <= limit)
     row["score_gate"] = bool(row["score"] >= MIN_SCORE_RATIO * fp32_score)
     row["accepted_by"] = {(True, True): "both", (False, True): "score only", (True, False): "L2 only",
@@ -287,6 +322,14 @@ def table(result: dict) -> str:
                      r.get("accepted_by") if "error" not in r else f"failed: {r['error'][:80]}")
             lines.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
     for m in result["models"]:
+        if m.get("build_error"):
+            lines.append(f"\n{m['model']}: not measured: {m['build_error']}")
+        elif m.get("trained") is False:
+            lines.append(f"\n{m['model']}: {NOT_TRAINED.upper()}: FP32 score {_fmt(m['fp32_score'])} (chance "
+                         f"{_fmt(m['chance'])}, needs {_fmt(m['min_trained_score'])}); its rows carry no gate verdicts")
+    for m in result["models"]:
+        if m.get("build_error"):
+            continue
         plan = m.get("fp8_plan") or {}
         lines.append(f"\n{m['model']}: FP8 plan: {plan.get('summary') or plan.get('error')}")
     return "\n".join(lines)

@@ -308,3 +308,28 @@ def test_trained_benchmark_compiles_the_autocast_wrapper(cache_dir):
     got = bench.throughput(Autocast(model, torch.bfloat16, "cpu"), "inductor", recipe.example_inputs(8), 8,
                            torch.device("cpu"), "bf16")
     assert got["throughput"] > 0 and got["setup_s"] > 0
+
+
+def test_seq_failed_training_is_refused_and_not_cached(seq, tmp_path, monkeypatch):
+    monkeypatch.setenv("TCTUNE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(seq, "SIZE", "tiny")
+    monkeypatch.setitem(seq.SIZES["tiny"], "steps", 1)  # one step: the model stays at chance
+    with pytest.raises(seq.TrainingFailedError, match=r"'tiny' model scored 0\.[0-8]\d* .*after 1 training "
+                       r"steps.*Lower SIZES\['tiny'\]\['lr'\].*not cached"):
+        seq.build_model()
+    assert not seq.cache_path().exists() and list(tmp_path.iterdir()) == []
+
+
+def test_gates_withhold_verdicts_for_a_model_at_chance():
+    bench = _bench()
+    assert not bench.is_trained(0.587, 0.5) and bench.is_trained(0.97, 0.5)
+    assert not bench.is_trained(0.3, 0.1) and bench.is_trained(0.97, 0.1)
+    row = {"variant": "model.to(bf16)", "precision": "bf16", "score": 0.586, "rel_l2": 5e-3, "nonfinite": 0, "throughput": 200.0}
+    bench.gates(row, 0.587, 100.0, trained=False)
+    assert row["accepted_by"] == bench.NOT_TRAINED and row["l2_gate"] is None and row["score_gate"] is None
+    assert row["speedup"] == 2.0
+    md = bench.table({"models": [{"model": "m", "rows": [row], "trained": False, "fp32_score": 0.587,
+                                  "chance": 0.5, "min_trained_score": 0.75, "fp8_plan": {"summary": "-"}},
+                                 {"model": "n", "rows": [], "build_error": "TrainingFailedError: boom"}]})
+    assert "model not trained" in md and "MODEL NOT TRAINED: FP32 score 0.5870" in md
+    assert "n: not measured: TrainingFailedError: boom" in md
