@@ -114,7 +114,7 @@ def test_build_graph_leaves_out_a_pass_that_raises_and_says_why(monkeypatch):
         raise RuntimeError("boom")
 
     monkeypatch.setitem(passes.PASSES, "pad_linear_dims", broken)
-    g, results = passes.build_graph(gm, PassSpec(precision="fp16", alignment=ALIGNMENT))
+    g, results = passes.build_graph(gm, PassSpec(precision="fp16", alignment=zoo.ALIGNMENT))
 
     assert [r.name for r in results] == list(PIPELINE)
     by_name = {r.name: r for r in results}
@@ -135,4 +135,4 @@ def test_build_graph_does_not_hide_a_failing_cast(monkeypatch):
 
     monkeypatch.setitem(passes.PASSES, "cast_precision", broken)
     with pytest.raises(PassFailure, match="'cast_precision' failed"):
-        passes.build_graph(gm, PassSpec(precision="fp16", alignment=ALIGNMENT))
+        passes.build_graph(gm, PassSpec(precision="fp16", alignment=zoo.ALIGNMENT))
