@@ -346,15 +346,32 @@ def export_program(tuned: TunedModule):
     try:
         with warnings.catch_warnings(), _quiet_torch_logs():
             warnings.simplefilter("ignore")
-            return torch.export.export(graph, tuple(example), dynamic_shapes=_dynamic_spec(example), strict=False)
+            ep = torch.export.export(graph, tuple(example), dynamic_shapes=_dynamic_spec(example), strict=False)
     except Exception as exc:  # noqa: BLE001 - one clear error for any export failure
         raise ExportError(f"cannot save: torch.export of the tuned graph failed: {type(exc).__name__}: "
                           f"{str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}") from exc
+    _plain_outputs(ep)
+    return ep
+
+
+def _plain_outputs(ep) -> None:
+    """Where the program's output structure holds a class ``torch.export.save`` cannot serialize (a namedtuple or
+    dataclass without a registered serialized name), make the program return its flat tuple of outputs; the
+    manifest's ``out_spec`` / ``out_spec_plain`` re-assemble them on load."""
+    sig = ep.module_call_graph[0].signature
+    if sig is None or sig.out_spec is None or _spec_dumps(sig.out_spec) is not None:
+        return
+    sig.out_spec = pytree.tree_structure(tuple(range(sig.out_spec.num_leaves)))
 
 
 def save(tuned: TunedModule, path: str | Path) -> Path:
     """Write ``tuned`` to one file (a ``torch.export`` archive; ``.pt2`` by convention) that :func:`load` reads
     in any process with tctune and torch installed, without the model's code.
+
+    Outputs whose container classes cannot be serialized (a namedtuple or dataclass without a registered
+    serialized name) come back from the loaded module as plain tuples and dicts with the same leaves; a class
+    registered with ``torch.utils._pytree`` under a serialized name (transformers' ``ModelOutput``) comes back
+    as itself where it is importable.
 
     Holds: the tuned graph (:func:`export_program`: ops and weights at the tuned precision), the runtime,
     trial, output structure and dtypes, input shapes (``"batch"`` for the dynamic dim), compute capability and

@@ -290,3 +290,73 @@ def test_save_then_load_in_a_process_without_the_model_code(tmp_path):
     r = subprocess.run([sys.executable, "-c", LOAD, str(tmp_path)], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+Pair = __import__("collections").namedtuple("Pair", "y extra")
+
+
+class NamedOut(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        y = self.b(torch.relu(self.a(x)))
+        return Pair(y, {"norm": y.norm(dim=-1)})
+
+
+def test_model_as_written_autocast_winner_and_a_namedtuple_output_survive_save_and_load(tmp_path, monkeypatch):
+    from tctune.search import results
+
+    def as_written_bf16(study, *a, **k):
+        return next(t for t in study.trials if results.is_feasible(t) and not t.params["graph_passes"]
+                    and t.params["precision"] == "bf16")
+
+    monkeypatch.setattr(sys.modules["tctune.optimize"], "best_trial", as_written_bf16)
+    torch.manual_seed(1)
+    model = NamedOut()
+    tuned = tctune.optimize(model, (torch.randn(4, 16),), trials=4, runtimes=["eager"], no_export=True, quiet=True,
+                            out=tmp_path / "o")
+    assert (tuned.config.graph_passes, tuned.config.precision, tuned.autocast) == (False, "bf16", "bf16")
+    x = torch.randn(6, 16)
+    out = tuned(x)
+    with torch.no_grad():
+        ref = model(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            amp = model(x)
+    assert type(out) is Pair and out.y.dtype == torch.float32 and out.extra["norm"].dtype == torch.float32
+    assert torch.equal(out.y, amp.y.float()) and _rel(out.y, ref.y) <= 1e-2  # autocast, as the search measured
+    loaded = tctune.load(tctune.save(tuned, tmp_path / "m.pt2"))
+    assert loaded.manifest["autocast"] == "bf16"
+    back = loaded(x)
+    # the namedtuple class has no serialized name: the loaded module returns the plain containers
+    assert type(back) is tuple and list(back[1]) == ["norm"] and back[0].dtype == torch.float32
+    assert _rel(back[0], out.y) <= 1e-2 and _rel(back[1]["norm"], out.extra["norm"]) <= 1e-2
+
+
+def test_a_model_file_path_returns_a_tuned_module_too(tmp_path):
+    f = tmp_path / "mlp.py"
+    f.write_text(textwrap.dedent('''
+        import torch
+        def build_model():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(), torch.nn.Linear(20, 2))
+        def example_inputs(batch_size):
+            return (torch.randn(batch_size, 10),)
+    '''))
+    tuned = tctune.optimize(str(f), batch_sizes=[4], trials=2, runtimes="eager", no_export=True, quiet=True,
+                            out=tmp_path / "o")
+    assert isinstance(tuned, TunedModule) and tuned.report["model"]["path"] == str(f.resolve())
+    assert tuned(torch.randn(3, 10)).shape == (3, 2)
+    with pytest.raises(TypeError, match="score"):
+        tctune.optimize(str(f), score=lambda m: 1.0)
+
+
+def test_a_cuda_graph_runtime_runs_without_it_on_cpu_inputs_and_warns(tuned_bf16):
+    _, tuned = tuned_bf16
+    graphed = TunedModule(tuned.graph, tuned.config.but(runtime="cudagraphs"), "cudagraphs", out_spec=tuned.out_spec,
+                          out_dtypes=tuned.out_dtypes)
+    x = _inputs(3, 9)
+    with pytest.warns(RuntimeWarning, match="not on a CUDA GPU"):
+        out = graphed(*x)
+    assert torch.equal(out["logits"], tuned(*x)["logits"])
