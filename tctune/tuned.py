@@ -257,11 +257,10 @@ def from_search(optimized, keep_low_precision_outputs: bool = False) -> TunedMod
     Raises:
         UsageError: no configuration qualified (the report's failure summary says why).
     """
-    from .search.loop import Tuner
     from .trial import build_trial_graph, reference_inputs
 
     bt = optimized.best
-    tuner: Tuner = optimized.tuner
+    tuner = optimized.tuner  # a tctune.search.Tuner
     if bt is None:
         from .report import failure_summary
 
