@@ -142,6 +142,12 @@ class TunedModule(torch.nn.Module):
         config: the winning :class:`tctune.trial.TrialParams`.
         runtime: ``eager``, ``cudagraphs``, ``inductor``, ``inductor-max-autotune`` or ``inductor-cudagraphs``.
         manifest: what :func:`save` writes beside the graph (see the module docstring).
+
+    Built by :func:`from_search` (``tctune.optimize``) or :func:`load`; the constructor's other arguments:
+    ``autocast`` (``"fp16"``/``"bf16"``: run the graph under ``torch.autocast``, a winning model as written),
+    ``out_spec`` / ``out_dtypes`` (the FP32 reference's output structure and leaf dtype names, ``"float32"``),
+    ``save_graph`` (what :func:`save` exports), ``example_inputs`` (inputs at batch 2 for that export) and
+    ``exported`` (the ``ExportedProgram`` a loaded module came from).
     """
 
     def __init__(self, graph: torch.nn.Module, config, runtime: str, *, autocast: str | None = None,
