@@ -102,6 +102,73 @@ class ModelFile:
             )
         return model
 
+    @classmethod
+    def from_module(cls, model: torch.nn.Module, example_inputs, score: Callable | None = None,
+                    calibration=None, dynamic_shapes=None, name: str | None = None) -> "ModelFile":
+        """A model file built from a live module (``tctune.optimize(model, example_inputs)``).
+
+        Args:
+            model: the module; ``build_model()`` returns this object (the tuner puts it in eval mode on the
+                measuring device).
+            example_inputs: a callable ``batch_size -> tuple of tensors``, or one tuple of tensors (a single
+                tensor is a 1-tuple). From a tuple, the inputs of another batch size repeat its rows cyclically
+                (or keep the first ``batch_size``) along dim 0 of every tensor whose dim 0 is the tuple's batch
+                (:func:`resize_batch`); other tensors are passed as they are.
+            score, calibration, dynamic_shapes: as in a model file; set as attributes of the same name
+                (``calibration`` as ``calibration_inputs``) only when given.
+            name: the model's name in the report and the study (default: the module's class name).
+
+        Raises:
+            ModelFileError: ``model`` is not an ``nn.Module``, or ``example_inputs`` is neither a callable nor
+                a non-empty tuple of tensors.
+        """
+        if not isinstance(model, torch.nn.Module):
+            raise ModelFileError(f"optimize needs a torch.nn.Module or a model file path, got {type(model).__name__}")
+        label = name or type(model).__name__
+        if isinstance(example_inputs, torch.Tensor):
+            example_inputs = (example_inputs,)
+        if isinstance(example_inputs, list):
+            example_inputs = tuple(example_inputs)
+        if isinstance(example_inputs, tuple):
+            if not example_inputs or not all(isinstance(t, torch.Tensor) for t in example_inputs):
+                raise ModelFileError(
+                    f"{label}: example_inputs must be a tuple of tensors or a function batch_size -> tuple, got "
+                    "(" + ", ".join(type(t).__name__ for t in example_inputs) + ")")
+            fixed = example_inputs
+            make = lambda batch_size: resize_batch(fixed, batch_size)  # noqa: E731
+        elif callable(example_inputs):
+            make = example_inputs
+        else:
+            raise ModelFileError(f"{label}: example_inputs must be a tuple of tensors or a function "
+                                 f"batch_size -> tuple, got {type(example_inputs).__name__}")
+        mf = cls(path=Path(f"<{label}>"), name=label, build_model=lambda: model, example_inputs=make, score=score)
+        if calibration is not None:
+            mf.calibration_inputs = calibration  # type: ignore[attr-defined]
+        if dynamic_shapes is not None:
+            mf.dynamic_shapes = dynamic_shapes  # type: ignore[attr-defined]
+        return mf
+
+
+def example_batch(inputs: tuple) -> int | None:
+    """The batch of an example tuple: dim 0 of its first tensor with at least one dimension (None: no such)."""
+    return next((t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+
+
+def resize_batch(inputs: tuple, batch_size: int) -> tuple:
+    """``inputs`` at ``batch_size``: every tensor whose dim 0 is the tuple's batch (:func:`example_batch`) keeps
+    its first ``batch_size`` rows, or repeats its rows cyclically up to ``batch_size`` (rows ``0..B-1, 0..``);
+    other tensors are returned as they are. Shapes otherwise unchanged, dtypes and devices kept."""
+    b = example_batch(inputs)
+    out = []
+    for t in inputs:
+        if b is None or not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != b:
+            out.append(t)
+        elif batch_size <= b:
+            out.append(t[:batch_size].clone())
+        else:
+            out.append(t.repeat(-(-batch_size // b), *([1] * (t.dim() - 1)))[:batch_size].clone())
+    return tuple(out)
+
 
 def load_model_file(path: str | Path) -> ModelFile:
     """Import ``path`` as a module (executing it) and check the contract.

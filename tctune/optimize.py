@@ -22,7 +22,7 @@ import torch
 from . import __version__
 from .errors import ExportError, UsageError
 from .hardware import HardwareSpec, resolve
-from .modelfile import load_model_file
+from .modelfile import ModelFile, load_model_file
 from .report import build_report, write_atomic, write_report
 from .deploy import Artifacts, calibration_for, export_graphs
 from .search import TuneConfig, Tuner, best_trial
@@ -228,7 +228,26 @@ def optimize(model_path: str | Path, cfg: TuneConfig) -> dict:
     Raises:
         ModelFileError, HardwareError, UsageError: bad input, before any trial runs.
     """
-    mf = load_model_file(model_path)
+    return optimize_model(load_model_file(model_path), cfg).report
+
+
+@dataclasses.dataclass
+class Optimized:
+    """What :func:`optimize_model` ran: the report, the tuner (its captured graph, FP32 model, reference inputs)
+    and the best trial (None when nothing qualified, or in a worker process)."""
+
+    report: dict
+    tuner: Tuner
+    best: optuna.trial.FrozenTrial | None = None
+
+
+def optimize_model(mf: ModelFile, cfg: TuneConfig) -> Optimized:
+    """The pipeline of :func:`optimize` for a loaded model file, or a ``ModelFile`` built from a live module
+    (``ModelFile.from_module``). Writes the same files to ``cfg.out_dir``.
+
+    Raises:
+        ModelFileError, HardwareError, UsageError: bad input, before any trial runs.
+    """
     hw: HardwareSpec = resolve(cfg.target)
     devices = check_devices(cfg)
     workers: list[tuple[int, subprocess.Popen]] = []
@@ -260,7 +279,7 @@ def optimize(model_path: str | Path, cfg: TuneConfig) -> dict:
         if proc.returncode:
             log.warning("worker on GPU %d exited with %d: %s", d, proc.returncode, worker_status[-1]["error"])
     if cfg.worker:
-        return {"worker": True, "study": study.study_name, "n_trials": len(study.trials)}
+        return Optimized({"worker": True, "study": study.study_name, "n_trials": len(study.trials)}, tuner)
     study = optuna.load_study(study_name=study.study_name, storage=tuner.storage_url())
     bt = best_trial(study)
     artifacts = Artifacts()
@@ -294,4 +313,4 @@ def optimize(model_path: str | Path, cfg: TuneConfig) -> dict:
                "fp8_plans": {policy: plan.to_dict() for policy, plan in tuner.fp8_plans.items()}},
     )
     write_report(report, out)
-    return report
+    return Optimized(report, tuner, bt if bt is not None and not tuner.interrupted else None)

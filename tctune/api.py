@@ -1,0 +1,172 @@
+"""tctune from Python: :func:`optimize` a live ``nn.Module`` (or a model file) and get a tuned module back.
+
+::
+
+    import tctune
+    tuned = tctune.optimize(model, (x,), trials=16)     # the search `tctune optimize` runs
+    y = tuned(x)                                        # the winning graph, precision and runtime
+    tctune.save(tuned, "model.pt2")                     # one file: graph (tuned dtypes) + manifest
+    tuned = tctune.load("model.pt2")                    # in any process, without the model's code
+
+The keyword options are the ``tctune optimize`` flags with ``_`` for ``-`` (:data:`OPTIONS`).
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .errors import UsageError
+
+#: Keyword options of :func:`optimize`: the ``tctune optimize`` long flags (``--batch-sizes`` → ``batch_sizes``),
+#: mapped to the ``TuneConfig`` field each sets.
+OPTIONS = {"out": "out_dir", "batch_sizes": "batch_sizes", "trials": "trials", "timeout": "timeout_s",
+           "max_error": "max_error", "max_error_fp8": "max_error_fp8", "mode": "mode",
+           "effective_batch": "effective_batch", "objective": "objective", "max_latency_ms": "max_latency_ms",
+           "max_memory_mib": "max_memory_mib", "fp8_keep": "fp8_keep", "target": "target", "storage": "storage",
+           "devices": "devices", "seed": "seed", "runtimes": "runtimes", "compile_budget": "compile_budget_s",
+           "no_prune": "prune", "no_export": "export", "quiet": "quiet"}
+#: Keyword options of :func:`optimize` that are not flags: the live module's contract and the tuned module.
+API_OPTIONS = ("score", "calibration", "dynamic_shapes", "name", "keep_low_precision_outputs")
+
+
+def _fp8_keep(value) -> tuple[str, ...] | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    if isinstance(value, str):
+        if value.strip().lower() == "none":
+            return ()
+        return tuple(p.strip() for p in value.split(",") if p.strip())
+    return tuple(value)
+
+
+def _names(value) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return tuple(x.strip() for x in value.split(",") if x.strip())
+    return tuple(value)
+
+
+def tune_config(options: dict, *, out_dir: str | Path, batch_sizes: tuple[int, ...] | None = None):
+    """The ``TuneConfig`` of :func:`optimize`'s keyword ``options`` (:data:`OPTIONS`); ``out_dir`` and
+    ``batch_sizes`` are the defaults when the options leave them out.
+
+    Raises:
+        TypeError: an unknown keyword (the message lists the valid ones).
+        UsageError: a value out of range (``err.field`` names the ``TuneConfig`` field).
+    """
+    from .search import TuneConfig
+
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise TypeError(f"tctune.optimize() got unknown option(s) {', '.join(unknown)}; valid: "
+                        f"{', '.join([*OPTIONS, *API_OPTIONS])}")
+    kw: dict[str, Any] = {"out_dir": str(out_dir)}
+    if batch_sizes is not None:
+        kw["batch_sizes"] = tuple(batch_sizes)
+    for key, value in options.items():
+        field = OPTIONS[key]
+        if key in ("no_prune", "no_export"):
+            value = not value
+        elif key == "out":
+            value = str(value)
+        elif key == "batch_sizes":
+            value = (value,) if isinstance(value, int) else tuple(value)
+        elif key == "devices":
+            value = None if value is None else ((value,) if isinstance(value, int) else tuple(value))
+        elif key == "runtimes":
+            value = _names(value)
+        elif key == "fp8_keep":
+            value = _fp8_keep(value)
+        kw[field] = value
+    return TuneConfig(**kw)
+
+
+def optimize(model, example_inputs=None, /, **options):
+    """Tune ``model`` by measuring (the search ``tctune optimize`` runs) and return the tuned module.
+
+    Args:
+        model: an ``nn.Module`` (left in eval mode on the measuring device: ``cuda:0`` when torch sees a GPU,
+            else the CPU; a winning "model as written" configuration runs this very object), or the path of a
+            model file.
+        example_inputs: for a module: a tuple of example tensors (a tensor alone is a 1-tuple), or a callable
+            ``batch_size -> tuple of tensors`` (fresh random data, never all zeros). From a tuple, the batch
+            sizes searched default to the tuple's batch (dim 0 of its first tensor), and the inputs of another
+            batch size repeat or cut its rows along dim 0 (``tctune.modelfile.resize_batch``); from a callable
+            they default to 8, 32, 128 as on the command line. For a model file: leave it out (the file
+            defines ``example_inputs``), or pass a ``TuneConfig`` to get the report dictionary as before.
+        **options: the ``tctune optimize`` long flags with ``_`` (:data:`OPTIONS`): ``out`` (default: a new
+            temporary folder for a module, ``tctune_out/<stem>`` for a file), ``batch_sizes`` (int or
+            sequence), ``trials``, ``timeout`` (s), ``max_error``, ``max_error_fp8``, ``objective``,
+            ``max_latency_ms``, ``max_memory_mib``, ``fp8_keep`` (``"auto"``, ``"none"``, patterns), ``target``,
+            ``storage``, ``devices`` (one GPU for a live module), ``seed``, ``runtimes`` (names or a comma
+            list), ``compile_budget`` (s), ``no_prune``, ``no_export``, ``quiet``, ``mode``; and
+            ``score`` (``score(model) -> float``, higher is better), ``calibration`` (calibration inputs) and
+            ``dynamic_shapes`` as in the model-file contract, ``name`` (the report's model name; default the
+            class name), ``keep_low_precision_outputs`` (True: outputs in the tuned precision, not FP32).
+
+    Returns:
+        A :class:`tctune.tuned.TunedModule` running the winning configuration, with ``.report`` (the
+        ``report.json`` dictionary, also written to ``out``) and ``.config`` (``TrialParams``). With a model
+        path and a ``TuneConfig``: the report dictionary (the command line's call).
+
+    Raises:
+        TypeError: an unknown option.
+        UsageError: an option out of range; ``mode="train"`` or several ``devices`` with a live module; no
+            configuration qualified.
+        ModelFileError: ``model`` or ``example_inputs`` break the contract.
+    """
+    from .optimize import optimize as optimize_file, optimize_model
+    from .search import TuneConfig
+    from .tuned import from_search
+
+    keep_low = bool(options.pop("keep_low_precision_outputs", False))
+    if isinstance(model, (str, Path)):
+        if isinstance(example_inputs, TuneConfig):
+            if options:
+                raise TypeError("tctune.optimize(path, cfg): give the options in the TuneConfig, not as keywords")
+            return optimize_file(model, example_inputs)
+        if example_inputs is not None:
+            raise UsageError("a model file defines its own example_inputs(batch_size)\n  fix: tctune.optimize(path, "
+                             "**options), or pass the module itself with its example inputs")
+        extra = {k: options.pop(k) for k in API_OPTIONS if k in options}
+        if extra:
+            raise TypeError(f"{', '.join(extra)} are for a live module; a model file defines score() itself")
+        from .modelfile import load_model_file
+
+        mf = load_model_file(model)
+        cfg = tune_config(options, out_dir=Path("tctune_out") / mf.name)
+        return from_search(optimize_model(mf, cfg), keep_low)
+    return _optimize_module(model, example_inputs, options, keep_low)
+
+
+def _optimize_module(model: torch.nn.Module, example_inputs: tuple | Callable | None, options: dict,
+                     keep_low: bool):
+    from .modelfile import ModelFile, example_batch
+    from .optimize import optimize_model
+    from .tuned import from_search
+
+    if example_inputs is None:
+        raise UsageError("tctune.optimize(model, example_inputs): example inputs are needed to run the model\n"
+                         "  fix: pass a tuple of tensors, or a function batch_size -> tuple of tensors")
+    contract = {k: options.pop(k) for k in ("score", "calibration", "dynamic_shapes", "name") if k in options}
+    mf = ModelFile.from_module(model, example_inputs, **contract)
+    batch = None
+    if not callable(example_inputs) or isinstance(example_inputs, torch.Tensor):
+        b = example_batch(example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,))
+        batch = (b,) if b else None
+    out = options.get("out") or tempfile.mkdtemp(prefix=f"tctune_{mf.name}_")
+    cfg = tune_config(options, out_dir=out, batch_sizes=batch)
+    if cfg.mode != "infer":
+        raise UsageError("mode train needs example_targets and loss_fn: tune a model file for training\n"
+                         "  fix: leave mode out (inference), or write a model file", field="mode")
+    if cfg.devices and len(cfg.devices) > 1:
+        raise UsageError("several devices start worker processes that load a model file; a live module cannot be "
+                         "sent to them\n  fix: one device, or a model file", field="devices")
+    return from_search(optimize_model(mf, cfg), keep_low)
+
+
+__all__ = ["API_OPTIONS", "OPTIONS", "optimize", "tune_config"]

@@ -1,0 +1,362 @@
+"""tctune's Python API: ``tctune.optimize(model, example_inputs, **options)`` returns a ``TunedModule``;
+``tctune.save`` / ``tctune.load`` move it to another process that does not have the model's code.
+
+CPU, eager runtime, tiny budgets; the timing protocol is shortened (fewer repeats) to keep each test fast.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import tctune
+import tctune.optimize  # noqa: F401 - the pipeline module, patched below through sys.modules
+from tctune import measure
+from tctune.trial import TrialParams
+from tctune.tuned import MANIFEST, TunedModule
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class TwoHeads(torch.nn.Module):
+    """Dict and nested-tuple outputs, a non-persistent buffer, an embedding tied to the output projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 32)
+        self.body = torch.nn.Linear(32, 32)
+        self.head = torch.nn.Linear(32, 50, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.tensor(0.75), persistent=False)
+        self.register_buffer("shift", torch.linspace(-1, 1, 32))
+
+    def forward(self, ids, feats):
+        h = torch.relu(self.body(self.emb(ids) + feats)) * self.scale + self.shift
+        return {"logits": self.head(h), "extra": (h.sum(-1), h.mean(dim=(1, 2)))}
+
+
+def _inputs(b: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 50, (b, 6), generator=g), torch.randn(b, 6, 32, generator=g)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+@pytest.fixture(autouse=True)
+def short_timing(monkeypatch):
+    # Fewer timed repeats: these tests check what runs, not which configuration is fastest.
+    fast = functools.partial(measure.time_call, repeats=1, single_calls=2, max_iterations=3, warmup=1)
+    monkeypatch.setattr("tctune.search.evaluate.time_call", fast)
+
+
+def _pick_graph_bf16(monkeypatch):
+    """Make the search's winner tctune's bf16 graph (a seam: which trial wins is timing, not under test)."""
+    from tctune.search import results
+
+    def best(study, *a, **k):
+        ok = [t for t in study.trials if results.is_feasible(t) and t.params.get("graph_passes")
+              and t.params.get("precision") == "bf16"]
+        return ok[0] if ok else results.best_trial(study, *a, **k)
+
+    # the pipeline module (``tctune.optimize`` the attribute is the function)
+    monkeypatch.setattr(sys.modules["tctune.optimize"], "best_trial", best)
+
+
+@pytest.fixture(scope="module")
+def tuned_bf16(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("tctune.search.evaluate.time_call",
+                   functools.partial(measure.time_call, repeats=1, single_calls=2, max_iterations=3, warmup=1))
+        _pick_graph_bf16(mp)
+        torch.manual_seed(0)
+        model = TwoHeads()
+        tuned = tctune.optimize(model, _inputs(4), trials=2, runtimes="eager", no_export=True, quiet=True,
+                                out=tmp_path_factory.mktemp("api") / "out")
+    return model, tuned
+
+
+def test_tuned_module_matches_eager_and_keeps_structure_and_fp32(tuned_bf16):
+    model, tuned = tuned_bf16
+    assert isinstance(tuned, TunedModule) and isinstance(tuned, torch.nn.Module)
+    assert tuned.config == TrialParams.from_dict({**tuned.report["best"]["params"], "fp8_keep": []})
+    assert (tuned.config.precision, tuned.config.graph_passes, tuned.runtime) == ("bf16", True, "eager")
+    assert tuned.report["model"]["name"] == "TwoHeads"
+    for b, seed in ((4, 11), (7, 12)):  # the tuned batch and another one, fresh random inputs
+        x = _inputs(b, seed)
+        with torch.no_grad():
+            ref = model(*x)
+        out = tuned(*x)
+        assert type(out) is dict and list(out) == ["logits", "extra"]
+        assert type(out["extra"]) is tuple and len(out["extra"]) == 2
+        for o, r in ((out["logits"], ref["logits"]), *zip(out["extra"], ref["extra"])):
+            assert o.dtype == torch.float32 and o.shape == r.shape
+            assert _rel(o, r) <= 1e-2
+        assert _rel(out["logits"], ref["logits"]) > 0  # it really ran in bf16
+
+
+def test_keep_low_precision_outputs_returns_the_graph_dtypes(tuned_bf16):
+    _, tuned = tuned_bf16
+    low = TunedModule(tuned.graph, tuned.config, tuned.runtime, out_spec=tuned.out_spec, out_dtypes=tuned.out_dtypes,
+                      keep_low_precision_outputs=True)
+    raw = tuned.graph(*_inputs(3, 5))
+    out = low(*_inputs(3, 5))
+    assert [t.dtype for t in torch.utils._pytree.tree_leaves(out)] == [t.dtype for t in torch.utils._pytree.tree_leaves(raw)]
+
+
+def test_state_dict_keeps_keys_non_persistent_buffers_and_tied_weights(tuned_bf16):
+    model, tuned = tuned_bf16
+    keys = set(tuned.state_dict())
+    assert keys == set(model.state_dict())  # same names; the non-persistent 'scale' is not among them
+    assert "scale" not in keys and "scale" in dict(tuned.graph.named_buffers())
+    emb, head = tuned.graph.emb.weight, tuned.graph.head.weight
+    # bf16 graph, autocast policy: the embedding stays FP32 and the projection runs bf16, so the graph holds the
+    # bf16 copy it was measured with; a tie at one dtype stays one tensor (next test)
+    assert head is emb or (head.dtype == torch.bfloat16 and torch.equal(head, emb.to(head.dtype)))
+    tuned.load_state_dict(model.state_dict(), strict=True)  # the original keys load strictly
+
+
+def test_restore_layout_reties_split_weights_and_marks_buffers_non_persistent():
+    from tctune.capture import capture
+    from tctune.tuned import restore_layout, state_layout
+
+    model = TwoHeads().eval()
+    gm = capture(model, _inputs(2))
+    gm.head.weight = torch.nn.Parameter(gm.emb.weight.detach().clone())  # what a copying pass leaves
+    gm.register_buffer("scale", gm.scale.clone())  # persistent again
+    assert gm.head.weight is not gm.emb.weight and "scale" in gm.state_dict()
+    layout = state_layout(model)
+    assert layout == {"non_persistent": ["scale"], "tied": [["emb.weight", "head.weight"]]}
+    restore_layout(gm, layout)
+    assert gm.head.weight is gm.emb.weight and "scale" not in gm.state_dict()
+    with torch.no_grad():
+        gm.head.weight.mul_(2)  # a different value is never tied
+    gm.head.weight = torch.nn.Parameter(gm.emb.weight.detach() * 3)
+    restore_layout(gm, layout)
+    assert gm.head.weight is not gm.emb.weight
+
+
+def test_callable_example_inputs_and_default_batch_sizes(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.GELU(), torch.nn.Linear(24, 3))
+    tuned = tctune.optimize(model, lambda b: (torch.randn(b, 12),), batch_sizes=[3], trials=2, runtimes="eager",
+                            no_export=True, quiet=True, out=tmp_path / "o")
+    assert tuned.report["config"]["batch_sizes"] == [3]
+    x = torch.randn(5, 12)
+    assert _rel(tuned(x), model(x).detach()) <= 1e-2
+
+
+def test_tuple_inputs_are_resized_along_the_batch():
+    from tctune.modelfile import ModelFile
+
+    ids, feats = _inputs(3)
+    mf = ModelFile.from_module(TwoHeads(), (ids, feats))
+    big = mf.inputs(7)
+    assert [t.shape[0] for t in big] == [7, 7] and torch.equal(big[0][3:6], ids) and torch.equal(big[1][:2], feats[:2])
+    assert torch.equal(mf.inputs(2)[0], ids[:2])
+
+
+def test_unknown_option_is_a_type_error_naming_the_valid_ones():
+    with pytest.raises(TypeError, match=r"batch_size\b.*valid: .*batch_sizes.*max_error"):
+        tctune.optimize(torch.nn.Linear(2, 2), (torch.randn(2, 2),), batch_size=4)
+
+
+def test_bad_option_value_names_the_field():
+    with pytest.raises(tctune.UsageError) as info:
+        tctune.optimize(torch.nn.Linear(2, 2), (torch.randn(2, 2),), trials=0)
+    assert info.value.field == "trials"
+
+
+def test_tctune_optimize_is_the_function_after_the_submodule_is_imported():
+    code = ("import tctune.optimize, tctune.cli.optimize, inspect\n"
+            "from tctune import optimize\n"
+            "import tctune.api, tctune\n"
+            "from tctune.optimize import optimize_model, check_out_dir\n"
+            "assert optimize is tctune.api.optimize and tctune.optimize is tctune.api.optimize, optimize\n"
+            "assert inspect.isfunction(optimize)\n"
+            "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def _rewrite_manifest(path: Path, **changes) -> None:
+    with zipfile.ZipFile(path) as z:
+        items = [(i, z.read(i.filename)) for i in z.infolist()]
+    with zipfile.ZipFile(path, "w") as z:
+        for info, data in items:
+            if info.filename.endswith("extra/" + MANIFEST):
+                data = json.dumps({**json.loads(data), **changes}).encode()
+            z.writestr(info, data)
+
+
+def test_save_load_in_process_and_capability_warning(tuned_bf16, tmp_path, monkeypatch):
+    _, tuned = tuned_bf16
+    path = tctune.save(tuned, tmp_path / "m.pt2")
+    x = _inputs(5, 21)
+    loaded = tctune.load(path)
+    for a, b in zip(torch.utils._pytree.tree_leaves(loaded(*x)), torch.utils._pytree.tree_leaves(tuned(*x))):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert loaded.config == tuned.config and loaded.report["best"] == tuned.report["best"]
+    _rewrite_manifest(path, compute_capability="9.0", hardware="NVIDIA H200", arch="hopper")
+    monkeypatch.setattr("tctune.tuned._current_capability", lambda device: "8.6")
+    with pytest.warns(RuntimeWarning, match=r"tuned for compute capability 9\.0 \(NVIDIA H200.*bf16.*compute capability 8\.6"):
+        tctune.load(path)
+
+
+def test_load_refuses_a_file_that_is_not_a_tctune_archive(tmp_path):
+    p = tmp_path / "x.pt2"
+    p.write_bytes(b"not a zip")
+    with pytest.raises(tctune.UsageError, match="tctune.save"):
+        tctune.load(p)
+
+
+MODEL_SOURCE = textwrap.dedent('''
+    import torch
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(40, 16)
+            self.mix = torch.nn.Linear(16, 16)
+            self.out = torch.nn.Linear(16, 40, bias=False)
+            self.out.weight = self.emb.weight
+            self.register_buffer("temperature", torch.tensor(1.5), persistent=False)
+
+        def forward(self, ids):
+            h = torch.tanh(self.mix(self.emb(ids)))
+            return {"logits": self.out(h) / self.temperature, "hidden": h}
+''')
+
+SAVE = textwrap.dedent('''
+    import functools, sys, torch, tctune
+    import tctune.optimize
+    from tctune import measure
+    import tctune.search.evaluate as ev
+    ev.time_call = functools.partial(measure.time_call, repeats=1, single_calls=2, max_iterations=3, warmup=1)
+    sys.path.insert(0, sys.argv[1])
+    from usermodel import Tied
+    from tctune.search import results
+    def fp32_graph(study, *a, **k):  # the winner: tctune's FP32 graph (one dtype: the tie must survive)
+        return next(t for t in study.trials if results.is_feasible(t) and t.params["graph_passes"]
+                    and t.params["precision"] == "fp32")
+    sys.modules["tctune.optimize"].best_trial = fp32_graph
+    torch.manual_seed(0)
+    m = Tied()
+    ids = torch.randint(0, 40, (4, 7))
+    tuned = tctune.optimize(m, (ids,), trials=4, runtimes="eager", no_export=True, quiet=True, out=sys.argv[2] + "/o")
+    tctune.save(tuned, sys.argv[2] + "/tuned.pt2")
+    x = torch.randint(0, 40, (3, 7))
+    torch.save({"x": x, "y": tuned(x), "keys": sorted(m.state_dict())}, sys.argv[2] + "/expected.pt")
+''')
+
+LOAD = textwrap.dedent('''
+    import sys, torch, tctune
+    try:
+        import usermodel
+    except ImportError:
+        pass
+    else:
+        raise SystemExit("the model's module must not be importable here")
+    loaded = tctune.load(sys.argv[1] + "/tuned.pt2")
+    exp = torch.load(sys.argv[1] + "/expected.pt")
+    y = loaded(exp["x"])
+    assert list(y) == ["logits", "hidden"] and all(torch.equal(y[k], exp["y"][k]) for k in y), "outputs differ"
+    assert sorted(loaded.state_dict()) == exp["keys"], sorted(loaded.state_dict())
+    assert "temperature" in dict(loaded.graph.named_buffers()) and "temperature" not in loaded.state_dict()
+    assert loaded.graph.emb.weight is loaded.graph.out.weight, "tied weights were split"
+    print("ok")
+''')
+
+
+@pytest.mark.slow
+def test_save_then_load_in_a_process_without_the_model_code(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "usermodel.py").write_text(MODEL_SOURCE)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", SAVE, str(src), str(tmp_path)], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (src / "usermodel.py").unlink()  # and it is not on the path below either
+    r = subprocess.run([sys.executable, "-c", LOAD, str(tmp_path)], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+Pair = __import__("collections").namedtuple("Pair", "y extra")
+
+
+class NamedOut(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        y = self.b(torch.relu(self.a(x)))
+        return Pair(y, {"norm": y.norm(dim=-1)})
+
+
+def test_model_as_written_autocast_winner_and_a_namedtuple_output_survive_save_and_load(tmp_path, monkeypatch):
+    from tctune.search import results
+
+    def as_written_bf16(study, *a, **k):
+        return next(t for t in study.trials if results.is_feasible(t) and not t.params["graph_passes"]
+                    and t.params["precision"] == "bf16")
+
+    monkeypatch.setattr(sys.modules["tctune.optimize"], "best_trial", as_written_bf16)
+    torch.manual_seed(1)
+    model = NamedOut()
+    tuned = tctune.optimize(model, (torch.randn(4, 16),), trials=4, runtimes=["eager"], no_export=True, quiet=True,
+                            out=tmp_path / "o")
+    assert (tuned.config.graph_passes, tuned.config.precision, tuned.autocast) == (False, "bf16", "bf16")
+    x = torch.randn(6, 16)
+    out = tuned(x)
+    with torch.no_grad():
+        ref = model(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            amp = model(x)
+    assert type(out) is Pair and out.y.dtype == torch.float32 and out.extra["norm"].dtype == torch.float32
+    assert torch.equal(out.y, amp.y.float()) and _rel(out.y, ref.y) <= 1e-2  # autocast, as the search measured
+    loaded = tctune.load(tctune.save(tuned, tmp_path / "m.pt2"))
+    assert loaded.manifest["autocast"] == "bf16"
+    back = loaded(x)
+    # the namedtuple class has no serialized name: the loaded module returns the plain containers
+    assert type(back) is tuple and list(back[1]) == ["norm"] and back[0].dtype == torch.float32
+    assert _rel(back[0], out.y) <= 1e-2 and _rel(back[1]["norm"], out.extra["norm"]) <= 1e-2
+
+
+def test_a_model_file_path_returns_a_tuned_module_too(tmp_path):
+    f = tmp_path / "mlp.py"
+    f.write_text(textwrap.dedent('''
+        import torch
+        def build_model():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(), torch.nn.Linear(20, 2))
+        def example_inputs(batch_size):
+            return (torch.randn(batch_size, 10),)
+    '''))
+    tuned = tctune.optimize(str(f), batch_sizes=[4], trials=2, runtimes="eager", no_export=True, quiet=True,
+                            out=tmp_path / "o")
+    assert isinstance(tuned, TunedModule) and tuned.report["model"]["path"] == str(f.resolve())
+    assert tuned(torch.randn(3, 10)).shape == (3, 2)
+    with pytest.raises(TypeError, match="score"):
+        tctune.optimize(str(f), score=lambda m: 1.0)
+
+
+def test_a_cuda_graph_runtime_runs_without_it_on_cpu_inputs_and_warns(tuned_bf16):
+    _, tuned = tuned_bf16
+    graphed = TunedModule(tuned.graph, tuned.config.but(runtime="cudagraphs"), "cudagraphs", out_spec=tuned.out_spec,
+                          out_dtypes=tuned.out_dtypes)
+    x = _inputs(3, 9)
+    with pytest.warns(RuntimeWarning, match="not on a CUDA GPU"):
+        out = graphed(*x)
+    assert torch.equal(out["logits"], tuned(*x)["logits"])
