@@ -18,7 +18,9 @@ Pattern, as ``torch.export`` (non-strict, torch 2.13, no decompositions) records
     probs  = aten.dropout(probs, p, False)                 # optional, only with train=False (or p == 0)
     out    = aten.matmul(probs, v)                         # or aten.bmm
 
-becomes ``aten.scaled_dot_product_attention(q, k, v, mask, 0.0, False, scale=c | 1/c | 1.0)``. Every
+becomes ``aten.scaled_dot_product_attention(q, k, v, mask, 0.0, False, scale=c | 1/c | 1.0)``, with a
+contiguous copy (``aten.clone``) of each of q, k, v whose last dimension is not of stride 1 (CUDA's fused
+kernels require it; without it PyTorch runs the math fallback, FP32 GEMMs for fp16/bf16 inputs). Every
 intermediate (scores, scaled, masked, probs) must have exactly one user; q, k, v must be 3-D or 4-D with
 equal leading dimensions, ``q.shape[-1] == k.shape[-1]`` and ``k.shape[-2] == v.shape[-2]`` (read from
 ``meta["val"]``), and the mask must broadcast to the scores without enlarging them.
@@ -64,11 +66,14 @@ def fuse_attention(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
     Returns:
         A ``PassResult`` named ``"fuse_attention"``: ``count`` is the number of chains fused, ``changed`` the
         new SDPA node names; ``skipped`` names each score matmul (``matmul(q, k^T)``) not fused, with the
-        reason; ``notes["scales"]`` maps each new node to the scale it was given.
+        reason; ``notes["scales"]`` maps each new node to the scale it was given, ``notes["made_contiguous"]``
+        lists the q / k / v values that got a contiguous copy (last dimension not of stride 1: CUDA's fused
+        SDPA kernels need stride 1 there, see ``_dense_last_dim``).
     """
     del spec
     result = PassResult(name=NAME, graph_module=gm)
     scales: dict[str, float] = {}
+    dense: list[str] = []  # q / k / v values given a contiguous copy (_dense_last_dim)
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in _MATMULS:
             continue
@@ -84,6 +89,7 @@ def fuse_attention(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
             result.skipped.append(Skip(node.name, str(exc)))
             continue
         with gm.graph.inserting_before(out):
+            q, k, v = (_dense_last_dim(gm, x, dense) for x in (q, k, v))
             sdpa = gm.graph.call_function(_SDPA, (q, k, v, mask, 0.0, False), {"scale": scale})
         val = fake_eval(_SDPA, sdpa.args, sdpa.kwargs)
         copy_meta(out, sdpa, val if val is not None else out.meta.get("val"))
@@ -96,8 +102,32 @@ def fuse_attention(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         result.count += 1
     if result.count:
         result.notes["scales"] = scales
+        result.notes["made_contiguous"] = dense
         finish(gm)
     return result
+
+
+def _dense_last_dim(gm: fx.GraphModule, x: fx.Node, made: list[str]) -> fx.Node:
+    """``x``, or a contiguous copy of it when its last dimension may not have stride 1 (inserted at the
+    graph's insertion point; ``x``'s name is appended to ``made``).
+
+    CUDA's fused SDPA kernels (flash, memory-efficient, cuDNN) all require stride 1 in the last dimension of
+    q, k and v; otherwise PyTorch runs the math fallback, which computes fp16/bf16 inputs as two FP32 GEMMs
+    plus a materialized softmax (``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp`` is off by
+    default). A hand-written attention whose heads come from ``reshape(...).permute(...)`` of a fused QKV
+    projection (timm's Visformer: q of shape ``(B, H, N, D)`` with strides ``(.., .., 1, N)``) hits exactly
+    that; the model's own fused path calls ``q.contiguous()`` for the same reason.
+    """
+    val = x.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() == 0:
+        return x
+    if _same(val.stride(-1), 1) or _same(val.shape[-1], 1):
+        return x
+    dense = gm.graph.call_function(torch.ops.aten.clone.default, (x,), {"memory_format": torch.contiguous_format})
+    new_val = fake_eval(torch.ops.aten.clone.default, dense.args, dense.kwargs)
+    copy_meta(x, dense, new_val if new_val is not None else val)
+    made.append(x.name)
+    return dense
 
 
 def _transposed_key(mm: fx.Node) -> fx.Node | None:
