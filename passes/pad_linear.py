@@ -72,7 +72,9 @@ def pad_linear_dims(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
 
     Args:
         gm: an ATen-level graph module from ``torch.export`` (mutated in place).
-        spec: target facts; ``spec.align()`` is the alignment in elements for ``spec.precision``.
+        spec: target facts; ``spec.align()`` is the alignment in elements for ``spec.precision``; with
+            ``spec.pad_graph_outputs`` False the N of a linear the graph returns is left alone (skip reason
+            :data:`GRAPH_OUTPUT_REASON`; module docstring).
 
     Returns:
         A ``PassResult`` named ``"pad_linear_dims"``; ``count`` is the number of linears (and tied
