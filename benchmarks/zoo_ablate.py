@@ -22,9 +22,9 @@ Variants, all in ``torch.no_grad`` on the same inputs, compiled in this order:
 =====================  ==================================================================================
 ``inductor``           ``torch.compile(copy.deepcopy(model).to(dt))``: the baseline, inputs cast to dt
 ``full``               ``torch.compile(model, backend="tctune", options={"precision": dt, "policy": "pure"})``
-                       (every pass of ``passes.PIPELINE``)
+                       (the backend's default pipeline, ``tctune.backend.BACKEND_PIPELINE``)
 ``cast_only``          the same with ``passes=("cast_precision",)``: tctune's export and cast, no other pass
-``minus_<pass>``       ``passes`` = ``PIPELINE`` without ``<pass>``, one per pass that *fired* in ``full``
+``minus_<pass>``       ``passes`` = ``BACKEND_PIPELINE`` without ``<pass>``, one per pass that *fired* in ``full``
                        (``SubgraphReport.count(pass) > 0`` in any subgraph), most rewrites first, at most
                        ``--max-variants``; the cast passes (``passes.CASTS``) are never left out (the variant
                        would not run at dt)
@@ -131,7 +131,8 @@ def variant_plan(fired: dict[str, int], max_variants: int | None = None) -> dict
     Returns:
         variant name -> the ``passes`` option.
     """
-    from passes import CASTS, PIPELINE
+    from passes import CASTS
+    from tctune.backend import BACKEND_PIPELINE as PIPELINE  # what ``full`` runs
 
     plan: dict[str, tuple[str, ...]] = {"cast_only": ("cast_precision",)}
     order = [p for p in PIPELINE if p in fired and p not in CASTS]
@@ -341,9 +342,7 @@ def measure(entry, args: argparse.Namespace) -> dict:
         row.update(fired=fired, subgraphs=len(reports),
                    fallbacks=[(r.fallback.strip().splitlines() or [""])[0][:300] for r in reports if r.fallback],
                    summaries=[r.summary()[:300] for r in reports[:16]])
-        from passes import PIPELINE
-
-        row["variants"]["full"]["passes"] = list(PIPELINE)
+        row["variants"]["full"]["passes"] = list(tb.BACKEND_PIPELINE)
         if got is not None:
             full, out = got
             row["variants"]["full"]["rel_err_vs_inductor"] = zoo.rel_err(out.float(), ind_out.float())["rel_err"]

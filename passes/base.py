@@ -117,6 +117,16 @@ class PassSpec:
             residual-writing projections (``*.output.dense``: attention output and FFN down) in bf16 gives 5.0e-2,
             keeping the FFN (``*.intermediate.dense`` too) 3.7e-2 (benchmarks/NOTES.md, the "FP8 through
             Inductor" entry).
+        pad_graph_outputs: ``pad_linear_dims`` pads the N of a linear whose output the graph returns (directly,
+            or through views and dtype casts only) when True, the default of the eager / search path where
+            padding is measured per candidate. False (what ``tctune.backend`` sets, Inductor being its
+            runtime) leaves that N alone: the padded GEMM's output must then be sliced and copied whole into
+            the returned tensor, and under Inductor that copy cost more than the aligned GEMM saved. Measured
+            on the H200, bf16, full backend pipeline against the same pipeline without ``pad_linear_dims``,
+            as a fraction of ``torch.compile(model.to(bf16))``'s throughput: PegasusForCausalLM 0.95 -> 0.99
+            (its logits copy, ``triton_poi_fused__to_copy__unsafe_view_clone_slice``, took 4.8 ms beside the
+            9.3 ms LM-head GEMM), AllenaiLongformerBase 0.83 -> 0.88, TrOCRForCausalLM 0.92 -> 0.93
+            (benchmarks/results/zoo/2026-12-01-h200-ablate/, one JSON file per model).
     """
 
     precision: str = "fp32"
@@ -129,6 +139,7 @@ class PassSpec:
     fp8_scaling: str = "row"
     residual_fp32: bool = True
     fp8_keep: tuple = ()
+    pad_graph_outputs: bool = True
 
     def __post_init__(self) -> None:
         if self.precision not in _DTYPES:
@@ -138,6 +149,8 @@ class PassSpec:
         if isinstance(self.fp8_keep, str) or not all(isinstance(p, str) and p for p in self.fp8_keep):
             raise ValueError(f"fp8_keep must be a tuple of non-empty module-path patterns, got {self.fp8_keep!r}")
         object.__setattr__(self, "fp8_keep", tuple(self.fp8_keep))
+        if not isinstance(self.pad_graph_outputs, bool):
+            raise ValueError(f"pad_graph_outputs must be True or False, got {self.pad_graph_outputs!r}")
 
     @property
     def dtype(self) -> torch.dtype:

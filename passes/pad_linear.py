@@ -18,8 +18,19 @@ dimension (a table of measurements per architecture, ``benchmarks/should_pad_h20
 multiple (the alignment; 64 for a vocabulary-sized N where measured as fast) or says "can pad but should
 not" (a tiny dimension the padding would grow by more than 1.5x), and each decision is recorded in
 ``notes["should_pad"]``. The search still measures candidates with and without this pass.
+
+Graph outputs. With ``spec.pad_graph_outputs`` False (``tctune.backend``: Inductor compiles the graph and
+nothing measures the choice), a linear whose output the graph returns, directly or through views and dtype
+casts only (an LM head's logits), keeps its N: the slice back to N would make the returned tensor a copy of
+the whole padded output, which under Inductor cost more than the aligned GEMM saved (H200, bf16, backend
+pipeline with and without this pass, throughput as a fraction of ``torch.compile(model.to(bf16))``'s:
+PegasusForCausalLM 0.95 -> 0.99, AllenaiLongformerBase 0.83 -> 0.88, TrOCRForCausalLM 0.92 -> 0.93;
+benchmarks/results/zoo/2026-12-01-h200-ablate/). Its K is still padded (the input pad is interior), and so is
+the N of every linear whose output is consumed inside the graph.
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +46,20 @@ NAME = "pad_linear_dims"
 _LINEAR = torch.ops.aten.linear.default
 _EMBEDDING = torch.ops.aten.embedding.default
 
+#: Skip reason for a linear whose output the graph returns, under ``PassSpec.pad_graph_outputs=False``.
+GRAPH_OUTPUT_REASON = (
+    "output is a graph output: the slice copy costs more than the aligned GEMM saves under Inductor "
+    "(measured, H200 bf16, throughput vs Inductor padded -> unpadded: PegasusForCausalLM 0.95x -> 0.99x, "
+    "AllenaiLongformerBase 0.83x -> 0.88x); N not padded"
+)
+#: Ops through which a linear's output still reaches a graph output as the same values: views, layout copies and
+#: dtype casts (ATen overload packet names). Anything else computes a new tensor, which Inductor writes anyway.
+_PASS_THROUGH = frozenset({
+    "view", "_unsafe_view", "reshape", "view_as", "flatten", "unflatten", "squeeze", "unsqueeze", "permute",
+    "transpose", "t", "expand", "slice", "select", "split", "split_with_sizes", "chunk", "unbind", "alias",
+    "detach", "contiguous", "clone", "_to_copy", "to", "type_as", "lift_fresh_copy",
+})
+
 
 def pad_linear_dims(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
     """Pad every ``aten.linear`` weight's N and K up to ``spec.align()`` elements, in place.
@@ -47,7 +72,9 @@ def pad_linear_dims(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
 
     Args:
         gm: an ATen-level graph module from ``torch.export`` (mutated in place).
-        spec: target facts; ``spec.align()`` is the alignment in elements for ``spec.precision``.
+        spec: target facts; ``spec.align()`` is the alignment in elements for ``spec.precision``; with
+            ``spec.pad_graph_outputs`` False the N of a linear the graph returns is left alone (skip reason
+            :data:`GRAPH_OUTPUT_REASON`; module docstring).
 
     Returns:
         A ``PassResult`` named ``"pad_linear_dims"``; ``count`` is the number of linears (and tied
@@ -96,6 +123,11 @@ def pad_linear_dims(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         users = weight_users(gm, weight)
         shared = len(users) > 1
         n_dec = should_pad("linear", {"N": n_old}, spec.precision, spec.arch, align)
+        if n_dec.pad and not spec.pad_graph_outputs and any(
+            u.op == "call_function" and u.target == _LINEAR and returned_by_graph(u) for u, _ in users
+        ):
+            # This linear (or another user of the same weight, padded with it) is returned: keep N.
+            n_dec = PadDecision(False, n_dec.multiple, GRAPH_OUTPUT_REASON)
         k_dec = should_pad("linear", {"K": k_old}, spec.precision, spec.arch, align)
         decisions[node.name] = {"N": n_dec._asdict(), "K": k_dec._asdict()}
         n_new = round_up(n_old, n_dec.multiple) if n_dec.pad else n_old
@@ -188,7 +220,28 @@ def pad_linear_dims(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
 
 
 def _should_not(decision: PadDecision) -> bool:
-    return decision.reason.startswith("can pad but should not")
+    return decision.reason.startswith("can pad but should not") or decision.reason == GRAPH_OUTPUT_REASON
+
+
+def returned_by_graph(node: fx.Node) -> bool:
+    """Whether the graph returns ``node``'s value: ``node`` is an output, or reaches the output node through
+    views, layout copies and dtype casts only (``_PASS_THROUGH``, ``operator.getitem``), as an LM head's logits
+    do. ``node``'s other users do not matter: one such path makes the output a copy of the whole tensor."""
+    seen: set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        cur = todo.pop()
+        for user in cur.users:
+            if user.op == "output":
+                return True
+            if user in seen or user.op != "call_function" or not user.args or user.args[0] is not cur:
+                continue
+            packet = getattr(user.target, "overloadpacket", None)
+            name = getattr(packet, "__name__", None)
+            if user.target is operator.getitem or name in _PASS_THROUGH:
+                seen.add(user)
+                todo.append(user)
+    return False
 
 
 def _rows_paddable(user: fx.Node, w_node: fx.Node) -> bool:
@@ -206,4 +259,4 @@ def _rows_paddable(user: fx.Node, w_node: fx.Node) -> bool:
     return False
 
 
-__all__ = ["pad_linear_dims"]
+__all__ = ["GRAPH_OUTPUT_REASON", "pad_linear_dims", "returned_by_graph"]

@@ -34,6 +34,12 @@ tensors, before the casting passes, so ops whose activations come near 65504 sta
 not real tensors (nothing to calibrate on), that subgraph is compiled at bf16 instead where the device has
 bf16, with a warning; never silently at an uncalibrated fp16.
 
+Measured rules (Inductor is the runtime, and nothing measures each graph as the search does). The default
+pipeline is :data:`BACKEND_PIPELINE`: :data:`passes.PIPELINE` without the passes in :data:`INDUCTOR_SKIPS`
+(``fuse_attention``: Inductor matches attention itself), each noted in the :class:`SubgraphReport` with its
+reason; a pass named in ``passes=`` runs. And ``PassSpec.pad_graph_outputs`` is False: ``pad_linear_dims``
+leaves the N of a linear the graph returns (an LM head's logits) unpadded, with its skip reason.
+
 Frozen weights are a snapshot: after changing a model's weights in inference, call ``torch._dynamo.reset()``
 (or compile again) so the padded / cast copies are rebuilt.
 
@@ -60,7 +66,8 @@ from passes.policy import pass_spec
 
 logger = logging.getLogger("tctune.backend")
 
-__all__ = ["backend", "tctune_backend", "BackendConfig", "SubgraphReport", "last_results", "reports", "reset"]
+__all__ = ["backend", "tctune_backend", "BackendConfig", "SubgraphReport", "last_results", "reports", "reset",
+           "BACKEND_PIPELINE", "INDUCTOR_SKIPS"]
 
 #: The pass results of the most recent subgraph tctune compiled (``[]`` after a fallback).
 last_results: list[PassResult] = []
@@ -75,6 +82,20 @@ _LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 _OPTION_KEYS = ("precision", "pad", "target", "passes", "policy")
 
+#: Passes the backend leaves out of its default pipeline, each with the measured reason, recorded in every
+#: :class:`SubgraphReport`'s notes. ``fuse_attention``: it turns hand-written attention into SDPA, and with a
+#: relative-position bias or short windows SDPA's kernels are slower than the ones Inductor generates for the
+#: same graph (Inductor also has its own SDPA pattern matcher). H200, bf16, pure policy, throughput as a
+#: fraction of ``torch.compile(model.to(bf16))``'s, full backend pipeline -> without ``fuse_attention``:
+#: swin_t 0.90 -> 0.97 (its 7 cuDNN SDPA calls took 1.6 ms of a 6.0 ms forward), visformer_small 0.91 -> 0.99
+#: (benchmarks/results/zoo/2026-12-01-h200-ablate/swin_t.json, visformer_small.json).
+INDUCTOR_SKIPS: dict[str, str] = {
+    "fuse_attention": "Inductor matches attention itself; measured slower on swin_t and visformer_small "
+                      "(H200 bf16; name it in passes= to run it)",
+}
+#: The backend's default pass order: :data:`passes.PIPELINE` without :data:`INDUCTOR_SKIPS`.
+BACKEND_PIPELINE: tuple[str, ...] = tuple(n for n in PIPELINE if n not in INDUCTOR_SKIPS)
+
 
 @dataclass(frozen=True)
 class BackendConfig:
@@ -85,7 +106,8 @@ class BackendConfig:
             ``"fp32"``; a GPU: ``"bf16"`` where its Tensor Cores take bf16, else ``"fp16"``).
         pad: run ``pad_linear_dims`` (Tensor Core alignment of linear N and K).
         target: ``--target``-style name (``"h100"``, ``"sm_90"``) to plan for; None: the inputs' device.
-        passes: pass names in order (default :data:`passes.PIPELINE`); ``pad=False`` removes the padding pass.
+        passes: pass names in order (default :data:`BACKEND_PIPELINE`, :data:`passes.PIPELINE` without
+            :data:`INDUCTOR_SKIPS`; a pass named here runs); ``pad=False`` removes the padding pass.
         policy: cast policy (``passes.policy.POLICIES``): ``"autocast"`` keeps the FP32 keep-list, residual
             adds and embeddings in FP32 (autocast's accuracy); ``"pure"`` casts everything but losses, like
             ``model.half()`` (less memory traffic, ``model.half()``'s error).
@@ -113,8 +135,14 @@ class BackendConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
 
     def pass_names(self) -> tuple[str, ...]:
-        names = self.passes if self.passes is not None else PIPELINE
+        """The passes run on each subgraph, in order."""
+        names = self.passes if self.passes is not None else BACKEND_PIPELINE
         return tuple(n for n in names if self.pad or n != "pad_linear_dims")
+
+    def left_out(self) -> dict[str, str]:
+        """Passes of :data:`passes.PIPELINE` the default pipeline leaves out, with why (none when ``passes`` is
+        given: the user chose)."""
+        return dict(INDUCTOR_SKIPS) if self.passes is None else {}
 
 
 @dataclass
@@ -133,7 +161,9 @@ class SubgraphReport:
         policy: the cast policy used (``"autocast"`` or ``"pure"``).
         notes: what the backend decided beyond the passes, one line each: the fp16 calibration
             (``"fp16 calibrated on the first call's inputs: 2 op(s) kept FP32 for overflow"``), a switch to
-            bf16, or how a fallback was compiled (``"fallback compiled at bf16, cast like model.to(dt)"``).
+            bf16, how a fallback was compiled (``"fallback compiled at bf16, cast like model.to(dt)"``), and
+            each pass the default pipeline left out with its reason (``"fuse_attention not run: Inductor
+            matches attention itself; ..."``, :data:`INDUCTOR_SKIPS`).
 
     ``summary()`` (also its ``repr``) gives all of that in one line.
     """
@@ -185,7 +215,8 @@ def backend(
         precision: compute precision (``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"``); None: hardware default.
         pad: pad linear layers' N and K to the Tensor Core alignment (elements per dtype from the hardware).
         target: plan for this GPU (``"h100"``, ``"sm_90"``); None: the GPU the inputs are on, or the CPU.
-        passes: pass names in order (default: fold BN, pad, cast).
+        passes: pass names in order (default :data:`BACKEND_PIPELINE`: :data:`passes.PIPELINE` without
+            ``fuse_attention``, which runs only when named here).
         policy: ``"autocast"`` (FP32 keep-list, residual adds and embeddings in FP32) or ``"pure"`` (all low
             precision except losses, as ``model.half()``).
 
@@ -277,8 +308,11 @@ def _compile(gm: fx.GraphModule, example_inputs: list, cfg: BackendConfig) -> Ca
 
 
 def _spec_for(hw, training: bool, policy: str, precision: str):
-    """The passes' ``PassSpec`` for one subgraph (the one place the backend asks the hardware for it)."""
-    return pass_spec(hw, precision, training=training, policy=policy)
+    """The passes' ``PassSpec`` for one subgraph (the one place the backend asks the hardware for it).
+
+    ``pad_graph_outputs=False``: Inductor runs the graph, where padding the N of a returned linear measured
+    slower (``passes.pad_linear``'s module docstring)."""
+    return pass_spec(hw, precision, training=training, policy=policy, pad_graph_outputs=False)
 
 
 def _fallback(gm: fx.GraphModule, example_inputs: list, report: SubgraphReport) -> Callable:
@@ -513,6 +547,8 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
     def run(*args: Any):
         return compiled(*[args[i] for i in runtime])
 
+    # Only once tctune's graph compiled: a fallback runs no pass, so it has none to explain.
+    report.notes.extend(f"{n} not run: {why}" for n, why in cfg.left_out().items())
     run._tctune_report = report  # type: ignore[attr-defined]
     return run
 

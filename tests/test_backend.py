@@ -65,10 +65,13 @@ def _counts() -> dict[str, int]:
     "name,precision,fired",
     [
         ("mlp", "bf16", {"pad_linear_dims": 2, "cast_precision": 1}),
-        ("simple_cnn", "bf16", {"pad_linear_dims": 1, "cast_precision": 1}),
+        # its only linear is the returned head, with an aligned K: the backend leaves its N alone
+        # (tests/test_backend_rules.py checks the skip reason)
+        ("simple_cnn", "bf16", {"cast_precision": 1}),
         ("conv_bn", "fp32", {"fold_conv_batchnorm": 2}),
         # inside Dynamo's tracing context: the fusions' fake-tensor checks must use the exported graph's mode
-        ("bert", "bf16", {"fuse_attention": 2, "fuse_qkv": 2}),
+        # (fuse_attention is not in the backend's default pipeline: tests/test_backend_rules.py names it)
+        ("bert", "bf16", {"fuse_qkv": 2}),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )
@@ -133,7 +136,7 @@ def test_backend_defaults_to_fp32_on_cpu():
     with torch.no_grad():
         _assert_close(compiled(*x), model(*x), "fp32")
     assert tb.reports and tb.reports[-1].precision == "fp32"
-    assert [r.name for r in tb.last_results] == list(PIPELINE)
+    assert [r.name for r in tb.last_results] == [n for n in PIPELINE if n != "fuse_attention"]
 
 
 def test_backend_string_name_takes_options():
@@ -144,7 +147,8 @@ def test_backend_string_name_takes_options():
     with torch.no_grad():
         _assert_close(compiled(*x), model(*x), "bf16")
     assert tb.reports[-1].precision == "bf16"
-    assert [r.name for r in tb.last_results] == [n for n in PIPELINE if n != "pad_linear_dims"]
+    left_out = ("pad_linear_dims", "fuse_attention")
+    assert [r.name for r in tb.last_results] == [n for n in PIPELINE if n not in left_out]
 
 
 def test_backend_policy_pure_casts_the_keep_list_too():
