@@ -289,7 +289,7 @@ def optimize(model_path: str | Path, cfg: TuneConfig) -> dict:
         model={"name": mf.name, "path": str(mf.path), "tctune_version": __version__},
         passes=passes,
         artifacts=artifacts.to_dict(),
-        capture={"ok": tuner.captured.ok, "reason": tuner.captured.reason},
+        capture=tuner.captured.info(),
         extra={"plots": plots, "workers": worker_status, "interrupted": tuner.interrupted,
                "fp8_plans": {policy: plan.to_dict() for policy, plan in tuner.fp8_plans.items()}},
     )
