@@ -139,7 +139,7 @@ class ModelFile:
         first = samples[0][1]
         declared = self._declared(first)
         given = self._given_batched(len(first))
-        names = self._names_for_messages(len(first))
+        names = _LazyNames(self, len(first))
         mask = []
         for i in range(len(first)):
             shapes = [(b, tuple(s[i].shape)) for b, s in samples]
@@ -163,13 +163,17 @@ class ModelFile:
                 seen = {sh[d] for _, sh in shapes}
                 if len(seen) > 1:
                     a, b = sorted(seen)[:2]
+                    dim = f"torch.export.Dim('d{d}', min=1, max={max(seen) * 4})"
+                    arg = names.arg(i)
+                    example = (f"{{{arg!r}: {{{d}: {dim}}}}}" if arg else
+                               "(" + ", ".join(f"{{{d}: {dim}}}" if j == i else "None" for j in range(len(first)))
+                               + ("," if len(first) == 1 else "") + ")")
                     raise ModelFileError(
                         f"{self.path.name}: example_inputs input {i}{names[i]} dim {d} is {a} in one call and {b} "
                         f"in another (shapes {', '.join(str(sh) for _, sh in shapes)} at batch 2, 3, 2), but dim "
                         f"{d} is not declared dynamic: the captured graph would only accept one size\n"
                         f"  fix: declare it with torch.export.Dim in dynamic_shapes, e.g. DYNAMIC_SHAPES = "
-                        f"{{{names[i].strip(' ()')!r}: {{{d}: torch.export.Dim('d{d}', min=1, max={max(seen) * 4})}}}}"
-                        f", or return the same size at every call"
+                        f"{example}, or return the same size at every call"
                     )
         if not any(mask):
             shapes = ", ".join(str(tuple(t.shape)) for t in first)
@@ -197,10 +201,6 @@ class ModelFile:
                                      f"index 0..{n - 1} or one of forward's argument names")
             mask[i] = True
         return mask
-
-    def _names_for_messages(self, n: int) -> list[str]:
-        names = self._forward_names or []
-        return [f" ({names[i]})" if i < len(names) else "" for i in range(n)]
 
     def _raw(self, batch_size: int) -> tuple:
         """``example_inputs(batch_size)`` as a tuple of tensors, or a ModelFileError."""
@@ -335,3 +335,22 @@ def load_model_file(path: str | Path) -> ModelFile:
         raise ModelFileError(f"{p.name}: BATCHED_INPUTS must be a tuple of input indices or forward argument "
                              f"names, got {type(batched).__name__}")
     return ModelFile(path=p.resolve(), name=p.stem, dynamic_shapes=dynamic, batched_inputs=batched, **found)
+
+
+class _LazyNames:
+    """Forward argument names for error messages, looked up (building the model once) only when one is raised."""
+
+    def __init__(self, mf: ModelFile, n: int) -> None:
+        self.mf, self.n, self._names = mf, n, None
+
+    def arg(self, i: int) -> str:
+        if self._names is None:
+            try:
+                self._names = self.mf.forward_names()
+            except ModelFileError:
+                self._names = []
+        return self._names[i] if i < len(self._names) else ""
+
+    def __getitem__(self, i: int) -> str:
+        name = self.arg(i)
+        return f" ({name})" if name else ""
