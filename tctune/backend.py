@@ -299,7 +299,8 @@ def backend(
     from passes import PASSES
 
     cfg = BackendConfig(precision=precision, pad=pad, target=target, passes=passes, policy=policy, mode=mode,
-                        inductor=dict(inductor) if inductor else None, fp8_keep=tuple(fp8_keep or ()))
+                        inductor=dict(inductor) if isinstance(inductor, dict) else inductor,
+                        fp8_keep=fp8_keep if isinstance(fp8_keep, str) else tuple(fp8_keep or ()))
     unknown = [n for n in cfg.pass_names() if n not in PASSES]
     if unknown:
         raise ValueError(f"unknown pass(es) {unknown}; known passes: {sorted(PASSES)}")
