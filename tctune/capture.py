@@ -350,9 +350,16 @@ def _capture_error(exc: BaseException) -> CaptureError:
     text = str(exc).strip()
     first = text.splitlines()[0] if text else type(exc).__name__
     return CaptureError(
-        f"torch.export could not capture the model with a dynamic batch: {type(exc).__name__}: {first[:300]}"
+        f"torch.export could not capture the model with a dynamic batch{_and_dims(text)}: {type(exc).__name__}: "
+        f"{first[:300]}"
         + _hint(text, getattr(exc, "_tctune_printed", ""))
     )
+
+
+def _and_dims(message: str) -> str:
+    violated = re.search(r"Constraints violated \(([^)]*)\)", message)
+    others = [n.strip() for n in violated.group(1).split(",") if n.strip() != "batch"] if violated else []
+    return f" and dynamic {', '.join(others)}" if others else ""
 
 
 def _batch_range(ep, batched: Sequence[bool] | None = None) -> tuple[int | None, int | None]:
@@ -407,6 +414,17 @@ def _hint(message: str, printed: str) -> str:
     """Plain words and a fix for the usual reasons torch.export fails, with the user's line where known."""
     where = _WHERE.search(printed) or _WHERE.search(message)
     at = f" at {where.group(1)} (`{where.group(2).strip()}`)" if where else ""
+    violated = re.search(r"Constraints violated \(([^)]*)\)", message)
+    names = [n.strip() for n in violated.group(1).split(",")] if violated else []
+    if any(n != "batch" for n in names):
+        fixes = message.split("Suggested fixes:", 1)[1].strip().splitlines() if "Suggested fixes:" in message else []
+        fixes = [f.strip() for f in fixes if re.match(r"\s*\w+ = ", f)]
+        return (f"\n  cause: the model fixes or bounds the dimension(s) {', '.join(n for n in names if n != 'batch')} "
+                f"declared dynamic in dynamic_shapes{at}\n  fix: "
+                + (f"torch.export suggests {'; '.join(fixes)} (a constant: leave the dimension out of "
+                   "dynamic_shapes; a bound: set the Dim's min/max)" if fixes else
+                   "narrow the Dim's min/max to the sizes the model accepts, or leave the dimension out of "
+                   "dynamic_shapes"))
     if "data-dependent" in message or "DataDependent" in message:
         return (f"\n  cause: Python control flow on tensor *values*{at}\n"
                 "  fix: use torch.where / torch.cond instead of `if` on a tensor (tctune runs the model eagerly meanwhile)")

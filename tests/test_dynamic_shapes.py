@@ -278,3 +278,29 @@ def test_tensorrt_profile_from_dim_ranges():
     # build_engine checks the profile before looking for TensorRT
     with pytest.raises(ValueError, match="no range"):
         build_engine("m.onnx", "m.engine", input_shapes={"ids": (-1, "seq")}, batch_sizes=(1, 8, 32))
+
+
+class _PositionTable(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = torch.nn.Parameter(torch.randn(12, 4))
+
+    def forward(self, x):
+        return x + self.pos  # the sequence length is fixed to 12
+
+
+class _Bounded(torch.nn.Module):
+    def forward(self, x):
+        torch._check(x.shape[1] <= 32)
+        return x * 2
+
+
+@pytest.mark.parametrize("model,fix", [(_PositionTable(), "seq = 12"), (_Bounded(), "seq = Dim('seq', max=32)")])
+def test_declared_dim_the_model_fixes_is_one_clear_error(model, fix):
+    from tctune.errors import CaptureError
+
+    with pytest.raises(CaptureError) as err:
+        capture(model, (torch.randn(2, 12, 4),), ({1: torch.export.Dim("seq", min=2, max=64)},))
+    msg = str(err.value)
+    assert "dynamic batch and dynamic seq" in msg and "fixes or bounds the dimension(s) seq" in msg
+    assert f"torch.export suggests {fix}" in msg
