@@ -196,6 +196,8 @@ def test_search_measures_non_batched_inputs_fixed_and_reports_dynamic_dims(tmp_p
     done = [t for t in report["trials"] if t["state"] == "COMPLETE"]
     assert {t["params"]["batch_size"] for t in done} == {2, 4}
     assert any(t["params"].get("graph_passes") for t in done)
+    md = next((tmp_path / "out").rglob("report.md")).read_text()
+    assert "ids dim 1 = seq 2..64 (example 12)" in md and "mask dim 3 = seq 2..64" in md
 
 
 # ------------------------------------------------------------------------------------- undeclared dimensions
