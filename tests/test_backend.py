@@ -144,7 +144,7 @@ def test_backend_string_name_takes_options():
     with torch.no_grad():
         _assert_close(compiled(*x), model(*x), "bf16")
     assert tb.reports[-1].precision == "bf16"
-    assert [r.name for r in tb.last_results] == [n for n in PIPELINE if n != "pad_linear_dims"]
+    assert [r.name for r in tb.last_results] == [n for n in PIPELINE if n not in tb.PAD_PASSES]  # pad=False: all three
 
 
 def test_backend_policy_pure_casts_the_keep_list_too():
