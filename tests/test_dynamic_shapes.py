@@ -144,11 +144,11 @@ def test_onnx_declares_seq_and_validates_at_two_lengths(tmp_path):
 
 
 def test_without_dynamic_shapes_seq_is_fixed(tmp_path):
-    """The same model without DYNAMIC_SHAPES: seq specializes, the ONNX records it as a constant."""
+    """The same model without DYNAMIC_SHAPES: seq specializes, the graph refuses another length."""
     mf = load_model_file(_write(tmp_path, MODEL))
     _, gm = _eager_and_graph(mf)
     assert [d["symbol"] for d in dynamic_dims(gm)] == ["batch"]
-    with pytest.raises(Exception):
+    with pytest.raises(AssertionError, match=r"Guard failed: ids.size\(\)\[1\] == 12"):
         gm(*_at(mf, 2, 5))
 
 
