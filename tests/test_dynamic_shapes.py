@@ -33,9 +33,10 @@ MODEL = textwrap.dedent('''
 
         def forward(self, ids, mask, table, scale):
             h = self.emb(ids)
-            q, k, v = self.qkv(h).chunk(3, dim=-1)
-            a = torch.softmax(q @ k.transpose(-1, -2) / 20 ** 0.5 + mask[0], dim=-1) @ v
-            h = self.norm(h + self.out(a))
+            b, s, _ = h.shape
+            q, k, v = (t.reshape(b, s, 2, 10).transpose(1, 2) for t in self.qkv(h).chunk(3, dim=-1))
+            a = torch.softmax(q @ k.transpose(-1, -2) / 10 ** 0.5 + mask, dim=-1) @ v
+            h = self.norm(h + self.out(a.transpose(1, 2).reshape(b, s, 20)))
             return self.head(h) @ table * scale
 
     def build_model():
@@ -117,14 +118,16 @@ def test_tuned_graph_keeps_seq_dynamic(tmp_path):
             torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=0.05)
 
 
-def test_onnx_declares_seq_and_validates_at_two_lengths(tmp_path):
+def test_onnx_of_the_tuned_graph_declares_seq_and_validates_at_two_lengths(tmp_path):
     pytest.importorskip("onnxscript")
     pytest.importorskip("onnxruntime")
     from tctune.export.onnx import export_onnx
 
     mf = load_model_file(_write(tmp_path, MODEL + DYNAMIC))
-    _, gm = _eager_and_graph(mf)
-    info = export_onnx(gm, lambda b: mf.inputs(b), tmp_path / "tiny.onnx")
+    model, gm = _eager_and_graph(mf)
+    tuned, results = apply_passes(gm, resolve(None), "fp32")  # the tuned graph, as the export writes it
+    assert {r.name: r.count for r in results}["fuse_attention"] == 1
+    info = export_onnx(tuned, lambda b: mf.inputs(b), tmp_path / "tiny.onnx")
     assert info["onnx_error"] is None, info["onnx_error"]
     shapes = {v["name"]: v["shape"] for v in info["onnx_inputs"]}
     assert shapes["ids"] == ["batch", "seq"] and shapes["mask"] == [1, 1, "seq", "seq"]
@@ -140,7 +143,7 @@ def test_onnx_declares_seq_and_validates_at_two_lengths(tmp_path):
     x = _at(mf, 3, 41)
     got = sess.run(None, {n: t.numpy() for n, t in zip(("ids", "mask", "table", "scale"), x)})[0]
     with torch.no_grad():
-        np.testing.assert_allclose(got, gm(*x).numpy(), atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(got, model(*x).numpy(), atol=1e-4, rtol=1e-4)
 
 
 def test_without_dynamic_shapes_seq_is_fixed(tmp_path):
