@@ -309,3 +309,13 @@ def test_declared_dim_the_model_fixes_is_one_clear_error(model, fix):
     msg = str(err.value)
     assert "dynamic batch and dynamic seq" in msg and "fixes or bounds the dimension(s) seq" in msg
     assert f"torch.export suggests {fix}" in msg
+
+
+def test_runner_manifest_keeps_non_batched_shapes(tmp_path):
+    from tctune.export.runner import describe_inputs
+
+    mf = load_model_file(_write(tmp_path, MODEL + DYNAMIC))
+    _, gm = _eager_and_graph(mf)
+    described = describe_inputs(gm, mf.inputs, ["ids", "mask", "table", "scale"], (2, 3))
+    assert [d["shape"] for d in described] == [["batch", 12], [1, 1, 12, 12], [7, 2], []]
+    assert described[0]["range"] == [0, 50]
