@@ -214,9 +214,12 @@ def export_best(tuner: Tuner, params: dict, out: Path,
     else:
         sizes = sorted(tuner.cfg.batch_sizes)
         shapes = {i["name"]: tuple(-1 if d == "batch" else d for d in i["shape"]) for i in (artifacts.onnx_inputs or [])}
+        from .export.tensorrt import profile_ranges
+
+        ranges, _ = profile_ranges(tuner.captured.info()["dynamic"])  # the model's Dims beyond the batch
         try:
             artifacts.update(build_engine(out / "model.onnx", out / "model.engine", input_shapes=shapes,
-                                          batch_sizes=(sizes[0], bs, sizes[-1])))
+                                          batch_sizes=(sizes[0], bs, sizes[-1]), dim_ranges=ranges))
         except ExportError as exc:
             artifacts.tensorrt_skipped_reason = f"TensorRT build failed: {exc}"
     return artifacts, passes
