@@ -44,9 +44,34 @@ Frozen weights are a snapshot: after changing a model's weights in inference, ca
 (or compile again) so the padded / cast copies are rebuilt.
 
 Options. ``torch.compile(m, backend="tctune", options={"precision": "bf16"})`` works: for a backend given by
-name, torch 2.11-2.13 call it as ``backend(gm, example_inputs, options=options)`` (and ``mode=`` when a
-non-default mode is given; tctune ignores ``mode``). The callable form ``backend(precision="bf16")`` does
-the same without strings.
+name, torch 2.11-2.13 call it as ``backend(gm, example_inputs, options=options)``, or ``mode=mode`` when
+``torch.compile(..., mode=...)`` is given. torch.compile refuses ``mode`` and ``options`` together ("Either mode
+or options can be specified"), so with options write the mode among them: ``options={"precision": "bf16",
+"mode": "max-autotune"}``. The callable form ``backend(precision="bf16", mode="max-autotune")`` does the same
+without strings (a ``mode=`` given to ``torch.compile`` then overrides the callable's). The options, all
+checked before any compile (an unknown key or value raises one ``ValueError`` listing the valid ones):
+
+- ``precision``: ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"``, ``"fp8"`` or None (the hardware default).
+  ``"fp8"`` casts linears to FP8 E4M3 GEMMs (``passes.cast_fp8``) on a GPU with FP8 Tensor Cores (sm_89 or
+  newer, the inputs on it); elsewhere (the CPU, an older GPU, a training graph) it warns once and compiles at
+  bf16, with the reason in ``SubgraphReport.notes``.
+- ``fp8_keep``: at ``"fp8"``, ``fnmatch`` patterns of module paths whose linears stay bf16 (e.g.
+  ``("*.output.dense", "classifier")``); ignored at other precisions.
+- ``pad``: False turns off all three padding passes (``pad_linear_dims``, ``pad_matmul_dims``,
+  ``pad_conv_channels``).
+- ``target``, ``passes``, ``policy``: see :func:`backend`.
+- ``mode``: torch.compile's mode (``"default"``, ``"reduce-overhead"``, ``"max-autotune"``,
+  ``"max-autotune-no-cudagraphs"``; any mode ``torch._inductor.list_mode_options()`` knows): the Inductor
+  config patches torch.compile would apply for it (``max_autotune``, ``coordinate_descent_tuning``,
+  ``triton.cudagraphs``) are passed to ``compile_fx``. CUDA graphs and autotuning act on CUDA only; Inductor
+  ignores them on the CPU.
+- ``inductor``: a dict of extra Inductor config patches (``{"epilogue_fusion": False}``, keys as in
+  ``torch._inductor.config``), applied over the mode's; an unknown key raises. Other keys are not forwarded
+  to Inductor (a typo would be silently ignored): name Inductor settings inside ``inductor``.
+
+torch.compile's own ``dynamic=`` and ``fullgraph=`` act before the backend, as with any backend; the mode and
+Inductor patches also reach the plain-Inductor fallback. :func:`inductor_compile` is the one place the backend
+calls Inductor (a seam for tests and tools).
 """
 from __future__ import annotations
 
@@ -67,7 +92,7 @@ from passes.policy import pass_spec
 logger = logging.getLogger("tctune.backend")
 
 __all__ = ["backend", "tctune_backend", "BackendConfig", "SubgraphReport", "last_results", "reports", "reset",
-           "BACKEND_PIPELINE", "INDUCTOR_SKIPS"]
+           "BACKEND_PIPELINE", "INDUCTOR_SKIPS", "inductor_compile", "inductor_patches", "PAD_PASSES"]
 
 #: The pass results of the most recent subgraph tctune compiled (``[]`` after a fallback).
 last_results: list[PassResult] = []
@@ -80,7 +105,54 @@ _warned: set[str] = set()
 _CAST_PASSES = ("cast_fp8_linears", "cast_precision")
 _LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
-_OPTION_KEYS = ("precision", "pad", "target", "passes", "policy")
+_OPTION_KEYS = ("precision", "pad", "target", "passes", "policy", "mode", "inductor", "fp8_keep")
+_PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")
+#: The passes ``pad=False`` turns off.
+PAD_PASSES = ("pad_linear_dims", "pad_matmul_dims", "pad_conv_channels")
+
+
+def _modes() -> tuple[str, ...]:
+    from torch._inductor import list_mode_options
+
+    return tuple(list_mode_options(None))
+
+
+def inductor_patches(mode: str | None = None, inductor: dict | None = None) -> dict[str, Any]:
+    """The Inductor config patches for ``mode`` (what ``torch.compile(mode=...)`` applies, from
+    ``torch._inductor.list_mode_options(mode)``) with ``inductor`` applied over them.
+
+    Raises:
+        ValueError: an unknown mode, or an ``inductor`` key that ``torch._inductor.config`` does not have.
+    """
+    from torch._inductor import list_mode_options
+
+    patches: dict[str, Any] = {}
+    if mode is not None:
+        if mode not in _modes():
+            raise ValueError(f"mode must be one of {list(_modes())}, got {mode!r}")
+        patches.update(list_mode_options(mode))
+    if inductor:
+        if not isinstance(inductor, dict):
+            raise ValueError(f"inductor must be a dict of Inductor config patches, got {type(inductor).__name__}")
+        import torch._inductor.config as inductor_config
+
+        known = inductor_config.get_config_copy()
+        unknown = sorted(k for k in inductor if k not in known)
+        if unknown:
+            raise ValueError(f"unknown Inductor option(s) {unknown} in inductor=...; the keys are torch._inductor."
+                             f"config's (e.g. 'max_autotune', 'epilogue_fusion', 'triton.cudagraphs')")
+        patches.update(inductor)
+    return patches
+
+
+def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], config_patches: dict[str, Any]) -> Callable:
+    """Compile ``gm`` with Inductor's ``compile_fx`` under ``config_patches`` (:func:`inductor_patches`);
+    ``{}`` compiles with Inductor's current config. Every Inductor compile of the backend goes through here."""
+    from torch._inductor.compile_fx import compile_fx
+
+    if config_patches:
+        return compile_fx(gm, list(example_inputs), config_patches=dict(config_patches))
+    return compile_fx(gm, list(example_inputs))
 
 #: Passes the backend leaves out of its default pipeline, each with the measured reason, recorded in every
 #: :class:`SubgraphReport`'s notes. ``fuse_attention``: it turns hand-written attention into SDPA, and with a
@@ -102,15 +174,19 @@ class BackendConfig:
     """What the backend does to each subgraph.
 
     Attributes:
-        precision: ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"``, or None for the hardware default (CPU:
-            ``"fp32"``; a GPU: ``"bf16"`` where its Tensor Cores take bf16, else ``"fp16"``).
-        pad: run ``pad_linear_dims`` (Tensor Core alignment of linear N and K).
+        precision: ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"``, ``"fp8"``, or None for the hardware default
+            (CPU: ``"fp32"``; a GPU: ``"bf16"`` where its Tensor Cores take bf16, else ``"fp16"``).
+        pad: run the padding passes (:data:`PAD_PASSES`: Tensor Core alignment of linear N and K, matmul
+            dimensions and conv channels); False removes all three.
         target: ``--target``-style name (``"h100"``, ``"sm_90"``) to plan for; None: the inputs' device.
         passes: pass names in order (default :data:`BACKEND_PIPELINE`, :data:`passes.PIPELINE` without
-            :data:`INDUCTOR_SKIPS`; a pass named here runs); ``pad=False`` removes the padding pass.
+            :data:`INDUCTOR_SKIPS`; a pass named here runs); ``pad=False`` removes the padding passes.
         policy: cast policy (``passes.policy.POLICIES``): ``"autocast"`` keeps the FP32 keep-list, residual
             adds and embeddings in FP32 (autocast's accuracy); ``"pure"`` casts everything but losses, like
             ``model.half()`` (less memory traffic, ``model.half()``'s error).
+        mode: torch.compile's mode, as Inductor config patches (:func:`inductor_patches`); None: default.
+        inductor: extra Inductor config patches, over the mode's.
+        fp8_keep: at ``"fp8"``, module-path patterns whose linears stay bf16.
     """
 
     precision: str | None = None
@@ -118,10 +194,20 @@ class BackendConfig:
     target: str | None = None
     passes: tuple[str, ...] | None = None
     policy: str = "autocast"
+    mode: str | None = None
+    inductor: dict | None = None
+    fp8_keep: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.precision is not None and self.precision not in ("fp32", "tf32", "fp16", "bf16"):
-            raise ValueError(f"precision must be fp32, tf32, fp16, bf16 or None, got {self.precision!r}")
+        if self.precision is not None and self.precision not in _PRECISIONS:
+            raise ValueError(f"precision must be fp32, tf32, fp16, bf16, fp8 or None, got {self.precision!r}")
+        if isinstance(self.fp8_keep, str):
+            raise ValueError(f"fp8_keep must be a list of patterns, got the string {self.fp8_keep!r} "
+                             f"(write fp8_keep=[{self.fp8_keep!r}])")
+        if not all(isinstance(p, str) for p in (self.fp8_keep or ())):
+            raise ValueError(f"fp8_keep must be a list of fnmatch patterns (str), got {self.fp8_keep!r}")
+        object.__setattr__(self, "fp8_keep", tuple(self.fp8_keep or ()))
+        inductor_patches(self.mode, self.inductor)  # raises on an unknown mode or Inductor key
         if not isinstance(self.pad, bool):
             raise ValueError(f"pad must be True or False, got {self.pad!r}")
         if self.passes is not None:
@@ -137,7 +223,11 @@ class BackendConfig:
     def pass_names(self) -> tuple[str, ...]:
         """The passes run on each subgraph, in order."""
         names = self.passes if self.passes is not None else BACKEND_PIPELINE
-        return tuple(n for n in names if self.pad or n != "pad_linear_dims")
+        return tuple(n for n in names if self.pad or n not in PAD_PASSES)
+
+    def config_patches(self) -> dict[str, Any]:
+        """The Inductor config patches of this configuration (:func:`inductor_patches`)."""
+        return inductor_patches(self.mode, self.inductor)
 
     def left_out(self) -> dict[str, str]:
         """Passes of :data:`passes.PIPELINE` the default pipeline leaves out, with why (none when ``passes`` is
@@ -208,27 +298,39 @@ def backend(
     target: str | None = None,
     passes: Sequence[str] | None = None,
     policy: str = "autocast",
+    mode: str | None = None,
+    inductor: dict | None = None,
+    fp8_keep: Sequence[str] = (),
 ) -> Callable[[fx.GraphModule, list], Callable]:
     """A ``torch.compile`` backend with these settings: ``torch.compile(m, backend=backend(precision="bf16"))``.
 
     Args:
-        precision: compute precision (``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"``); None: hardware default.
-        pad: pad linear layers' N and K to the Tensor Core alignment (elements per dtype from the hardware).
+        precision: compute precision (``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"``, ``"fp8"``); None:
+            hardware default. ``"fp8"`` without FP8 Tensor Cores (or in training) warns and runs bf16.
+        pad: pad to the Tensor Core alignment (elements per dtype from the hardware): linear N and K, matmul
+            dimensions, conv channels (:data:`PAD_PASSES`); False: none of the three.
         target: plan for this GPU (``"h100"``, ``"sm_90"``); None: the GPU the inputs are on, or the CPU.
         passes: pass names in order (default :data:`BACKEND_PIPELINE`: :data:`passes.PIPELINE` without
             ``fuse_attention``, which runs only when named here).
         policy: ``"autocast"`` (FP32 keep-list, residual adds and embeddings in FP32) or ``"pure"`` (all low
             precision except losses, as ``model.half()``).
+        mode: torch.compile's mode (``"max-autotune"``, ``"reduce-overhead"``, ``"max-autotune-no-cudagraphs"``,
+            ``"default"``), applied as its Inductor config patches; ``torch.compile(..., mode=...)`` overrides it.
+        inductor: extra Inductor config patches (``torch._inductor.config`` keys), over the mode's.
+        fp8_keep: at ``"fp8"``, ``fnmatch`` patterns of module paths whose linears stay bf16.
 
     Returns:
         ``compiler(gm, example_inputs) -> callable``, the signature Dynamo expects of a backend.
 
     Raises:
-        ValueError: unknown precision, policy or pass name (raised here, before any compile).
+        ValueError: unknown precision, policy, mode, Inductor option or pass name (raised here, before any
+            compile).
     """
     from passes import PASSES
 
-    cfg = BackendConfig(precision=precision, pad=pad, target=target, passes=passes, policy=policy)
+    cfg = BackendConfig(precision=precision, pad=pad, target=target, passes=passes, policy=policy, mode=mode,
+                        inductor=dict(inductor) if isinstance(inductor, dict) else inductor,
+                        fp8_keep=fp8_keep if isinstance(fp8_keep, str) else tuple(fp8_keep or ()))
     unknown = [n for n in cfg.pass_names() if n not in PASSES]
     if unknown:
         raise ValueError(f"unknown pass(es) {unknown}; known passes: {sorted(PASSES)}")
@@ -241,26 +343,45 @@ def backend(
             raise ValueError(f"target {target!r}: {str(exc).splitlines()[0]}") from None
 
     def tctune(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
-        return _compile(gm, example_inputs, cfg)
+        return _compile(gm, example_inputs, _with_call_options(cfg, kwargs))
 
     return tctune
+
+
+def _with_call_options(cfg: BackendConfig, kwargs: dict) -> BackendConfig:
+    """``cfg`` updated with what ``torch.compile`` passes a callable backend: ``mode=`` or ``options={...}``."""
+    opts = dict(kwargs.get("options") or {})
+    if kwargs.get("mode") is not None:
+        opts["mode"] = kwargs["mode"]
+    if not opts:
+        return cfg
+    _check_keys(opts)
+    return dataclasses.replace(cfg, **opts)
+
+
+def _check_keys(opts: dict) -> None:
+    unknown = sorted(set(opts) - set(_OPTION_KEYS))
+    if unknown:
+        raise ValueError(f"unknown tctune backend option(s) {unknown}; known: {list(_OPTION_KEYS)} (Inductor "
+                         "settings go inside inductor={...}; torch.compile's mode as mode=...)")
 
 
 def tctune_backend(gm: fx.GraphModule, example_inputs: list, **options: Any) -> Callable:
     """The registered backend (entry point ``torch_dynamo_backends: tctune``).
 
     Accepts the settings of :func:`backend` either inside ``options={...}`` (what ``torch.compile(...,
-    options=...)`` passes to a named backend) or as keyword arguments. ``mode`` is accepted and ignored.
+    options=...)`` passes to a named backend) or as keyword arguments; ``mode=`` (what ``torch.compile(...,
+    mode=...)`` passes) is honoured, as is ``"mode"`` inside ``options``.
 
     Raises:
         ValueError: an unknown option key or value (a user error, so it is not swallowed).
     """
     opts = dict(options.pop("options", None) or {})
-    options.pop("mode", None)
+    mode = options.pop("mode", None)
     opts.update(options)
-    unknown = sorted(set(opts) - set(_OPTION_KEYS))
-    if unknown:
-        raise ValueError(f"unknown tctune backend option(s) {unknown}; known: {list(_OPTION_KEYS)}")
+    if mode is not None:
+        opts["mode"] = mode
+    _check_keys(opts)
     return backend(**opts)(gm, example_inputs)
 
 
@@ -284,8 +405,6 @@ def _default_precision(hw) -> str:
 
 def _compile(gm: fx.GraphModule, example_inputs: list, cfg: BackendConfig) -> Callable:
     _warm_compile_pool()
-    from torch._inductor.compile_fx import compile_fx
-
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
     training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     report = SubgraphReport(precision=cfg.precision or "?", training=training, policy=cfg.policy)
@@ -293,33 +412,57 @@ def _compile(gm: fx.GraphModule, example_inputs: list, cfg: BackendConfig) -> Ca
         on_gpu = any(t.is_cuda for t in tensors)
         hw = _hardware(cfg.target, on_gpu)
         report.precision = cfg.precision or _default_precision(hw)
+        if report.precision == "fp8":
+            _fp8_or_bf16(report, hw, on_gpu, training)
         if training:
             logger.info("training graph (grad enabled, inputs require grad): eval-only passes skipped, "
                         "weights stay graph inputs")
-        compiled = _compile_with_passes(gm, example_inputs, _spec_for(hw, training, cfg.policy, report.precision),
+        compiled = _compile_with_passes(gm, example_inputs,
+                                        _spec_for(hw, training, cfg.policy, report.precision, cfg.fp8_keep),
                                         cfg, report, hw)
     except Exception as exc:  # noqa: BLE001 - never break the user's compile
         reason = f"{type(exc).__name__}: {exc}"
         report.fallback = reason
         report.results = []
-        compiled = _fallback(gm, example_inputs, report)
+        compiled = _fallback(gm, example_inputs, report, cfg.config_patches())
     _record(report)
     return compiled
 
 
-def _spec_for(hw, training: bool, policy: str, precision: str):
+def _spec_for(hw, training: bool, policy: str, precision: str, fp8_keep: Sequence[str] = ()):
     """The passes' ``PassSpec`` for one subgraph (the one place the backend asks the hardware for it).
 
     ``pad_graph_outputs=False``: Inductor runs the graph, where padding the N of a returned linear measured
     slower (``passes.pad_linear``'s module docstring)."""
-    return pass_spec(hw, precision, training=training, policy=policy, pad_graph_outputs=False)
+    return pass_spec(hw, precision, training=training, policy=policy, pad_graph_outputs=False,
+                     fp8_keep=fp8_keep if precision == "fp8" else ())
 
 
-def _fallback(gm: fx.GraphModule, example_inputs: list, report: SubgraphReport) -> Callable:
+def _fp8_or_bf16(report: SubgraphReport, hw, on_gpu: bool, training: bool) -> None:
+    """Keep ``report.precision == "fp8"`` where FP8 GEMMs can run (a GPU with FP8 Tensor Cores holding the
+    inputs, inference); else switch it to bf16 with a warning (once per reason) and the reason in the notes."""
+    if training:
+        why = "fp8 is inference-only in tctune (a training graph)"
+    elif not on_gpu:
+        why = "fp8 needs FP8 Tensor Cores (sm_89 or newer) and the inputs are on the CPU"
+    elif "fp8" not in hw.tensor_core_precisions:
+        why = f"fp8 needs FP8 Tensor Cores (sm_89 or newer); {hw.name} has none"
+    else:
+        return
+    report.precision = "bf16"
+    report.notes.append(f"{why}: bf16 instead")
+    if why not in _warned:
+        _warned.add(why)
+        logger.warning("tctune backend: %s; compiling at bf16 instead", why)
+
+
+def _fallback(gm: fx.GraphModule, example_inputs: list, report: SubgraphReport,
+              patches: dict[str, Any] | None = None) -> Callable:
     """Plain Inductor for a subgraph tctune could not rewrite, at the requested precision (module docstring)."""
-    from torch._inductor.compile_fx import compile_fx
+    patches = patches or {}
+    compile_fx = functools.partial(inductor_compile, config_patches=patches)
 
-    dtype = _LOW_DTYPES.get(report.precision)
+    dtype = _LOW_DTYPES.get("bf16" if report.precision == "fp8" else report.precision)
     how = "plain Inductor"
     compiled = None
     if dtype is not None:
@@ -499,8 +642,6 @@ def _dynamic_shapes(nodes: list[fx.Node], runtime: list[int]) -> tuple | None:
 
 def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: SubgraphReport,
                          hw: Any = None) -> Callable:
-    from torch._inductor.compile_fx import compile_fx
-
     inputs = _classify(gm, example_inputs, freeze=not spec.training)
     nodes = _placeholders(gm)
     wrapper = _Frozen(gm, example_inputs, inputs)
@@ -540,7 +681,7 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
     for r in report.results:
         logger.debug("tctune pass %s: %d rewrites, %d skipped", r.name, r.count, len(r.skipped))
     _stable_cache_key(exported)
-    compiled = compile_fx(exported, list(runtime_args))
+    compiled = inductor_compile(exported, list(runtime_args), cfg.config_patches())
     report.seconds["inductor"] = round(time.perf_counter() - t2, 3)
     runtime = inputs.runtime
 

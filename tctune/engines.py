@@ -114,7 +114,7 @@ def rebuild_graphs(mf, cfg: dict, hw, device) -> tuple["TrialParams", "ExportGra
     model = mf.model().eval().to(device)
     with precision_mode("fp32"):
         try:
-            gm = capture(model, mf.inputs(2, device))
+            gm = capture(model, mf.inputs(2, device), mf.dynamic_shapes, mf.batched_mask())
         except CaptureError as exc:
             raise ExportError(f"cannot export {mf.path.name}: {exc}\n  fix: make the batch dimension dynamic in "
                               "forward (no hard-coded batch size in reshape/view/expand; use x.shape[0] or -1)") from exc

@@ -570,7 +570,7 @@ def inspect_model_file(path: str, target: str | None = None, precision: str | No
     model = mf.model().eval()
     capture_inputs = mf.inputs(max(2, min(batch_size, 8)))  # batch ≥ 2 so export keeps it symbolic
     with torch.no_grad():
-        gm = capture(model, capture_inputs)
+        gm = capture(model, capture_inputs, mf.dynamic_shapes, mf.batched_mask())
     lo, hi = batch_range(gm)
     if not lo <= batch_size <= hi:
         raise UsageError(f"--batch-size {batch_size} is outside the batch range the model allows ({lo}..{hi}: "

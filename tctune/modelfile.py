@@ -5,19 +5,34 @@ The file is *executed*, as ``python model.py`` would execute it: only run model 
 Contract:
 
 - ``build_model() -> torch.nn.Module`` (required)
-- ``example_inputs(batch_size: int) -> tuple[torch.Tensor, ...]`` (required; batch on dim 0 of every tensor;
-  fresh random data is fine, never all zeros for parity checks)
+- ``example_inputs(batch_size: int) -> tuple[torch.Tensor, ...]`` (required; batch on dim 0 of every batched
+  tensor; fresh random data is fine, never all zeros for parity checks)
 - ``example_targets(batch_size)`` and ``loss_fn(output, targets)`` (needed for ``--mode train``)
 - ``score(model) -> float`` (optional: the user's own accuracy metric, higher is better)
+- ``DYNAMIC_SHAPES`` (optional module-level value) or ``dynamic_shapes()`` (optional function returning it):
+  dimensions other than the batch that take any size in a range, in ``torch.export``'s own format: a tuple with
+  one entry per input (None, or ``{dim: torch.export.Dim(name, min=, max=)}``) or a dict keyed by
+  ``forward``'s argument names. Example: ``seq = Dim("seq", min=8, max=512)``; ``DYNAMIC_SHAPES =
+  {"input_ids": {1: seq}, "attention_mask": {1: seq}}``. Dim 0 of batched inputs is always tctune's batch.
+- ``BATCHED_INPUTS`` (optional): the inputs whose dim 0 is the batch, as forward argument names or input
+  indices (``("input_ids", "attention_mask")`` or ``(0, 1)``). Without it, tctune compares ``example_inputs``
+  at batch 2 and 3: an input whose dim 0 follows the batch size is batched, one whose dim 0 stays the same (a
+  broadcast mask ``(1, 1, S, S)``, a weight-like ``(7, 2)`` tensor) or that has no dimension (a 0-d tensor)
+  is not, and is passed as it is at every batch size.
+
+Shapes are checked once, on the first call to :meth:`ModelFile.inputs`: a dimension other than the batch whose
+size differs between calls of ``example_inputs`` must be declared in ``DYNAMIC_SHAPES``, else a
+:class:`~tctune.errors.ModelFileError` names the input, the dimension and both sizes.
 """
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -42,6 +57,10 @@ class ModelFile:
         build_model: the file's ``build_model``.
         example_inputs: the file's ``example_inputs``.
         example_targets, loss_fn, score: the optional functions, or None.
+        dynamic_shapes: the file's ``DYNAMIC_SHAPES`` (or ``dynamic_shapes()``'s value), torch.export format
+            (module docstring); None: only the batch is dynamic. The Python API sets it from its
+            ``dynamic_shapes=`` argument.
+        batched_inputs: the file's ``BATCHED_INPUTS`` (names or indices), or None: detected (module docstring).
     """
 
     path: Path
@@ -51,13 +70,140 @@ class ModelFile:
     example_targets: Callable | None = None
     loss_fn: Callable | None = None
     score: Callable | None = None
+    dynamic_shapes: Any = None
+    batched_inputs: Sequence[str | int] | None = None
+    _batched: tuple[bool, ...] | None = field(default=None, init=False, repr=False, compare=False)
+    _forward_names: list[str] | None = field(default=None, init=False, repr=False, compare=False)
 
     def inputs(self, batch_size: int, device: str | torch.device = "cpu") -> tuple[torch.Tensor, ...]:
         """Fresh example inputs for ``batch_size`` on ``device``, checked against the contract.
 
+        The first call also checks the shapes (:meth:`batched_mask`).
+
         Raises:
-            ModelFileError: not a tuple of tensors, or dim 0 of a tensor is not ``batch_size``.
+            ModelFileError: not a tuple of tensors, dim 0 of a batched tensor is not ``batch_size``, or a
+                dimension that is not declared dynamic changes between calls.
         """
+        mask = self.batched_mask()
+        raw = self._raw(batch_size)
+        if len(raw) != len(mask):
+            raise ModelFileError(f"{self.path.name}: example_inputs({batch_size}) returned {len(raw)} inputs, "
+                                 f"another call {len(mask)}\n  fix: return the same inputs at every batch size")
+        for i, t in enumerate(raw):
+            if mask[i] and (t.dim() == 0 or t.shape[0] != batch_size):
+                raise ModelFileError(
+                    f"{self.path.name}: example_inputs({batch_size}) input {i} has shape {tuple(t.shape)}; "
+                    f"dim 0 must be the batch ({batch_size}) for every batched input\n"
+                    f"  fix: build every batched tensor with batch_size as its first dimension"
+                )
+        return tuple(t.to(device) for t in raw)
+
+    def batched_mask(self) -> tuple[bool, ...]:
+        """One bool per input: True where dim 0 is the batch. Computed once (cached) from ``BATCHED_INPUTS``
+        or by calling ``example_inputs`` at batch 2, 3 and 2 again; the same calls check that every dimension
+        other than the batch either keeps its size or is declared in ``dynamic_shapes``.
+
+        Raises:
+            ModelFileError: ``example_inputs`` fails or returns something else than tensors; no input is
+                batched (dim 0 must be the batch of at least one); the calls return different numbers of inputs; ``BATCHED_INPUTS`` names an unknown input; an input's dim 0
+                changes with the batch size without being the batch; or an undeclared dimension changes size
+                (the message names the input, the dimension, the two sizes and the fix).
+        """
+        if self._batched is None:
+            self._batched = self._check_shapes()
+        return self._batched
+
+    def forward_names(self) -> list[str]:
+        """``forward``'s positional argument names of the model (builds it once if not built yet)."""
+        if self._forward_names is None:
+            self.model()
+        return list(self._forward_names or [])
+
+    def _declared(self, sample: tuple) -> list[dict[int, Any]]:
+        from .capture import normalize_dynamic_shapes
+
+        if self.dynamic_shapes is None:
+            return [{} for _ in sample]
+        names = self.forward_names() if isinstance(self.dynamic_shapes, dict) else None
+        try:
+            return normalize_dynamic_shapes(self.dynamic_shapes, sample, names)
+        except ValueError as exc:
+            raise ModelFileError(f"{self.path.name}: {exc}") from exc
+
+    def _check_shapes(self) -> tuple[bool, ...]:
+        samples = [(b, self._raw(b)) for b in (2, 3, 2)]
+        counts = {len(s) for _, s in samples}
+        if len(counts) != 1:
+            raise ModelFileError(f"{self.path.name}: example_inputs returned {sorted(counts)} inputs in different "
+                                 "calls\n  fix: return the same inputs at every batch size")
+        first = samples[0][1]
+        declared = self._declared(first)
+        given = self._given_batched(len(first))
+        names = _LazyNames(self, len(first))
+        mask = []
+        for i in range(len(first)):
+            shapes = [(b, tuple(s[i].shape)) for b, s in samples]
+            ranks = {len(sh) for _, sh in shapes}
+            if len(ranks) != 1:
+                raise ModelFileError(f"{self.path.name}: example_inputs input {i}{names[i]} has shapes "
+                                     f"{[sh for _, sh in shapes]} in different calls (its rank changes)\n"
+                                     "  fix: return tensors of the same rank at every batch size")
+            follows = all(len(sh) > 0 and sh[0] == b for b, sh in shapes)
+            batched = given[i] if given is not None else follows
+            if given is None and not follows and len(shapes[0][1]) > 0 and 0 not in declared[i] \
+                    and len({sh[0] for _, sh in shapes}) > 1:
+                sizes = ", ".join(f"{sh[0]} at batch {b}" for b, sh in shapes)
+                raise ModelFileError(f"{self.path.name}: example_inputs input {i}{names[i]} has dim 0 {sizes}: it "
+                                     "changes with the batch size but is not the batch\n  fix: make dim 0 the "
+                                     "batch size, keep it fixed, or list the batched inputs in BATCHED_INPUTS")
+            mask.append(batched)
+            for d in range(len(shapes[0][1])):
+                if (batched and d == 0) or d in declared[i]:
+                    continue
+                seen = {sh[d] for _, sh in shapes}
+                if len(seen) > 1:
+                    a, b = sorted(seen)[:2]
+                    dim = f"torch.export.Dim('d{d}', min=1, max={max(seen) * 4})"
+                    arg = names.arg(i)
+                    example = (f"{{{arg!r}: {{{d}: {dim}}}}}" if arg else
+                               "(" + ", ".join(f"{{{d}: {dim}}}" if j == i else "None" for j in range(len(first)))
+                               + ("," if len(first) == 1 else "") + ")")
+                    raise ModelFileError(
+                        f"{self.path.name}: example_inputs input {i}{names[i]} dim {d} is {a} in one call and {b} "
+                        f"in another (shapes {', '.join(str(sh) for _, sh in shapes)} at batch 2, 3, 2), but dim "
+                        f"{d} is not declared dynamic: the captured graph would only accept one size\n"
+                        f"  fix: declare it with torch.export.Dim in dynamic_shapes, e.g. DYNAMIC_SHAPES = "
+                        f"{example}, or return the same size at every call"
+                    )
+        if not any(mask):
+            shapes = ", ".join(str(tuple(t.shape)) for t in first)
+            raise ModelFileError(f"{self.path.name}: example_inputs(2) returned shapes {shapes}: no input is batched; "
+                                 "dim 0 must be the batch (2 at batch 2, 3 at batch 3) for at least one input\n"
+                                 "  fix: build at least one tensor with batch_size as its first dimension")
+        return tuple(mask)
+
+    def _given_batched(self, n: int) -> list[bool] | None:
+        if self.batched_inputs is None:
+            return None
+        spec = self.batched_inputs
+        if isinstance(spec, (str, int)):
+            spec = (spec,)
+        names = self.forward_names() if any(isinstance(x, str) for x in spec) else []
+        mask = [False] * n
+        for x in spec:
+            if isinstance(x, bool) or not isinstance(x, (int, str)):
+                raise ModelFileError(f"{self.path.name}: BATCHED_INPUTS entries must be input indices or forward "
+                                     f"argument names, got {x!r}")
+            i = x if isinstance(x, int) else (names.index(x) if x in names[:n] else -1)
+            if not 0 <= i < n:
+                raise ModelFileError(f"{self.path.name}: BATCHED_INPUTS names {x!r}, which is not one of the {n} "
+                                     f"inputs (forward's arguments: {names[:n] or 'unknown'})\n  fix: use an "
+                                     f"index 0..{n - 1} or one of forward's argument names")
+            mask[i] = True
+        return mask
+
+    def _raw(self, batch_size: int) -> tuple:
+        """``example_inputs(batch_size)`` as a tuple of tensors, or a ModelFileError."""
         try:
             raw = self.example_inputs(batch_size)
         except Exception as exc:  # the user's code
@@ -74,14 +220,7 @@ class ModelFile:
                 f"{self.path.name}: example_inputs({batch_size}) must return a tuple of tensors, got {got}\n"
                 f"  expected: {SIGNATURES['example_inputs']}"
             )
-        for i, t in enumerate(raw):
-            if t.dim() == 0 or t.shape[0] != batch_size:
-                raise ModelFileError(
-                    f"{self.path.name}: example_inputs({batch_size}) input {i} has shape {tuple(t.shape)}; "
-                    f"dim 0 must be the batch ({batch_size}) for every input\n"
-                    f"  fix: build every tensor with batch_size as its first dimension"
-                )
-        return tuple(t.to(device) for t in raw)
+        return tuple(raw)
 
     def model(self) -> torch.nn.Module:
         """Call ``build_model()`` and check it returns an ``nn.Module``.
@@ -100,6 +239,12 @@ class ModelFile:
                 f"{self.path.name}: build_model() must return a torch.nn.Module, got {type(model).__name__}\n"
                 f"  expected: {SIGNATURES['build_model']}"
             )
+        if self._forward_names is None:
+            try:
+                params = inspect.signature(model.forward).parameters.values()
+                self._forward_names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            except (TypeError, ValueError):
+                self._forward_names = []
         return model
 
     @classmethod
@@ -237,4 +382,42 @@ def load_model_file(path: str | Path) -> ModelFile:
         if not callable(obj):
             raise ModelFileError(f"{p.name}: {fn} is a {type(obj).__name__}, not a function\n  expected: {SIGNATURES[fn]}")
         found[fn] = obj
-    return ModelFile(path=p.resolve(), name=p.stem, **found)
+    dynamic = getattr(module, "DYNAMIC_SHAPES", None)
+    fn = getattr(module, "dynamic_shapes", None)
+    if fn is not None:
+        if dynamic is not None:
+            raise ModelFileError(f"{p.name} defines both DYNAMIC_SHAPES and dynamic_shapes()\n  fix: keep one")
+        if not callable(fn):
+            raise ModelFileError(f"{p.name}: dynamic_shapes is a {type(fn).__name__}, not a function\n"
+                                 "  fix: name the value DYNAMIC_SHAPES, or make dynamic_shapes() return it")
+        try:
+            dynamic = fn()
+        except Exception as exc:
+            raise ModelFileError(f"{p.name}: dynamic_shapes() raised {type(exc).__name__}: {exc}") from exc
+    if dynamic is not None and not isinstance(dynamic, (tuple, list, dict)):
+        raise ModelFileError(f"{p.name}: DYNAMIC_SHAPES must be a tuple (one entry per input) or a dict by forward "
+                             f"argument name, in torch.export's format; got {type(dynamic).__name__}")
+    batched = getattr(module, "BATCHED_INPUTS", None)
+    if batched is not None and not isinstance(batched, (tuple, list, str, int)):
+        raise ModelFileError(f"{p.name}: BATCHED_INPUTS must be a tuple of input indices or forward argument "
+                             f"names, got {type(batched).__name__}")
+    return ModelFile(path=p.resolve(), name=p.stem, dynamic_shapes=dynamic, batched_inputs=batched, **found)
+
+
+class _LazyNames:
+    """Forward argument names for error messages, looked up (building the model once) only when one is raised."""
+
+    def __init__(self, mf: ModelFile, n: int) -> None:
+        self.mf, self.n, self._names = mf, n, None
+
+    def arg(self, i: int) -> str:
+        if self._names is None:
+            try:
+                self._names = self.mf.forward_names()
+            except ModelFileError:
+                self._names = []
+        return self._names[i] if i < len(self._names) else ""
+
+    def __getitem__(self, i: int) -> str:
+        name = self.arg(i)
+        return f" ({name})" if name else ""

@@ -214,9 +214,12 @@ def export_best(tuner: Tuner, params: dict, out: Path,
     else:
         sizes = sorted(tuner.cfg.batch_sizes)
         shapes = {i["name"]: tuple(-1 if d == "batch" else d for d in i["shape"]) for i in (artifacts.onnx_inputs or [])}
+        from .export.tensorrt import profile_ranges
+
+        ranges, _ = profile_ranges(tuner.captured.info()["dynamic"])  # the model's Dims beyond the batch
         try:
             artifacts.update(build_engine(out / "model.onnx", out / "model.engine", input_shapes=shapes,
-                                          batch_sizes=(sizes[0], bs, sizes[-1])))
+                                          batch_sizes=(sizes[0], bs, sizes[-1]), dim_ranges=ranges))
         except ExportError as exc:
             artifacts.tensorrt_skipped_reason = f"TensorRT build failed: {exc}"
     return artifacts, passes
@@ -308,7 +311,7 @@ def optimize_model(mf: ModelFile, cfg: TuneConfig) -> Optimized:
         model={"name": mf.name, "path": str(mf.path), "tctune_version": __version__},
         passes=passes,
         artifacts=artifacts.to_dict(),
-        capture={"ok": tuner.captured.ok, "reason": tuner.captured.reason},
+        capture=tuner.captured.info(),
         extra={"plots": plots, "workers": worker_status, "interrupted": tuner.interrupted,
                "fp8_plans": {policy: plan.to_dict() for policy, plan in tuner.fp8_plans.items()}},
     )

@@ -222,6 +222,11 @@ def render_markdown(r: dict) -> str:
               f"- Accuracy limit: relative L2 error ≤ {r['config']['max_error']:g} against FP32 eager on fresh random inputs; "
               + (f"integer and bool outputs may differ in up to {r['config']['max_mismatch_rate']:.2%} of their elements"
                  if r["config"].get("max_mismatch_rate") else "integer and bool outputs must match exactly"), ""]
+    dynamic = r["capture"].get("dynamic") or []
+    if any(d["symbol"] != "batch" for d in dynamic):  # capture.dynamic: tctune.capture.dynamic_dims
+        lines[-1:-1] = ["- Dynamic dimensions (measured at the example sizes): " + ", ".join(
+            f"{d['name']} dim {d['dim']} = {d['symbol']} {d['min']}..{d['max'] if d['max'] is not None else '∞'}"
+            + (f" (example {d['example']})" if d["symbol"] != "batch" else "") for d in dynamic)]
     if not r["capture"]["ok"] and r["config"].get("mode") == "train":
         lines += [f"> No graph passes in `--mode train`: {r['capture']['reason']}", ""]
     elif not r["capture"]["ok"]:

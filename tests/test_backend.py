@@ -147,7 +147,7 @@ def test_backend_string_name_takes_options():
     with torch.no_grad():
         _assert_close(compiled(*x), model(*x), "bf16")
     assert tb.reports[-1].precision == "bf16"
-    left_out = ("pad_linear_dims", "fuse_attention")
+    left_out = tb.PAD_PASSES + ("fuse_attention",)  # pad=False: all three; fuse_attention: not in the default
     assert [r.name for r in tb.last_results] == [n for n in PIPELINE if n not in left_out]
 
 

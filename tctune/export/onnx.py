@@ -104,10 +104,15 @@ def export_onnx(
     batch_sizes: tuple[int, int] = (2, 3),
     opset: int | None = None,
     validate: bool = True,
+    dynamic: Sequence[dict] | None = None,
 ) -> dict[str, Any]:
     """Export ``module`` to ONNX with a symbolic batch axis, check it, and validate it with onnxruntime.
 
-    Every input gets dim 0 bound to one shared ``torch.export.Dim("batch")``. If the dynamo exporter
+    Every input gets dim 0 bound to one shared ``torch.export.Dim("batch")``; with ``dynamic`` (or a graph
+    from ``tctune.capture.capture``, which records its dynamic dimensions in ``module.meta``), only the batched
+    inputs get it, and the model's other dynamic dimensions (sequence length, image size) become symbolic ONNX
+    axes named after their ``Dim``, validated at the example size and at a second size (inputs cut or tiled
+    along that dimension, ``tctune.capture.resize_inputs``). If the dynamo exporter
     rejects ``dynamic_shapes``, the export is retried once with ``dynamic_axes`` (``onnx_dynamic`` says
     which was used). The file is written atomically: the export goes to a temporary folder beside
     ``path`` and is moved into place with ``os.replace`` (mode 0o644) only after ``onnx.checker`` with
@@ -141,20 +146,26 @@ def export_onnx(
         validate: False skips the onnxruntime runs (``onnx_validation`` stays empty, ``onnx_max_abs_error``
             and ``onnx_load`` None); the checker and the frozen-batch check still run. For callers that
             rewrite the file before validating it (``tctune.export.onnx_fp8``).
+        dynamic: the dynamic input dimensions (``tctune.capture.dynamic_dims``: ``{input, dim, symbol, min,
+            max, example}`` each); None: read them from ``module.meta`` where the capture recorded them,
+            else dim 0 of every input is the batch and nothing else is dynamic.
 
     Returns:
         A dict: ``onnx`` (str path), ``onnx_opset`` (int), ``onnx_opset_reason`` (``None``, or why the opset
         was raised, e.g. ``"opset 20 -> 22: Conv accepts tensor(bfloat16) from opset 22"``),
         ``onnx_max_abs_error`` (float, max over the batch sizes that ran, or ``None`` if none ran),
         ``onnx_validation`` (list of ``{batch_size, max_abs_error, rel_l2_error}``, plus ``error`` where
-        that batch failed), ``onnx_error`` (``None`` or a one-line reason), ``onnx_load`` (``"ok"``;
+        that batch failed; entries for another size of a dynamic dimension carry ``sizes``, e.g.
+        ``{"seq": 5}``), ``onnx_error`` (``None`` or a one-line reason), ``onnx_load`` (``"ok"``;
         ``"no_kernel"``: valid ONNX, but the provider has no kernel for an op at its dtype;
         ``"invalid"``: onnxruntime calls the graph invalid; ``"failed"``: another load error;
         ``"skipped"``: onnxruntime is not installed; ``None`` when ``validate`` is False),
         ``onnx_provider`` (the execution provider that loaded it, e.g. ``"CPUExecutionProvider"``, or
         ``None``), ``onnx_validation_skipped`` (``None`` or :data:`ORT_MISSING`, also put in ``onnx_note``),
         ``onnx_inputs`` / ``onnx_outputs`` (lists of ``{name, shape, dtype}``, dim 0 shown as ``"batch"``
-        when symbolic, an int when it froze), ``onnx_dynamic`` (``"dynamic_shapes"`` or
+        when symbolic, an int when it froze; an input's other dynamic dimensions by their symbol, e.g.
+        ``"seq"``), ``onnx_dynamic_dims`` (the ``dynamic`` entries used, ``[]`` when only the batch is
+        dynamic the default way), ``onnx_dynamic`` (``"dynamic_shapes"`` or
         ``"dynamic_axes"``), ``onnx_export_s`` (seconds) and ``onnx_warnings`` (unique warning lines from
         the exporter, at most 10).
 
@@ -186,9 +197,16 @@ def export_onnx(
         raise ExportError(f"the module fails on make_inputs({export_batch}) before export: "
                           f"{_one_line(exc)}") from exc
     output_names = _output_names(sample_output)
+    if dynamic is None and isinstance(module, torch.fx.GraphModule) and "tctune_dynamic" in module.meta:
+        from ..capture import dynamic_dims
+
+        dynamic = dynamic_dims(module)
+    dynamic = [dict(d) for d in dynamic] if dynamic is not None else None
+    specs = _dynamic_specs(dynamic, len(example))
 
     started = time.perf_counter()
-    dynamic, caught, opset_reason = _export_atomically(module, example, path, input_names, output_names, opset)
+    mode, caught, opset_reason = _export_atomically(module, example, path, input_names, output_names, opset,
+                                                    specs)
     if isinstance(module, torch.fx.GraphModule):  # torch.export fixed the mode at capture; train() is moot
         caught = [w for w in caught if "in training mode" not in w]
     export_s = time.perf_counter() - started
@@ -206,15 +224,30 @@ def export_onnx(
         "onnx_validation_skipped": None,
         "onnx_inputs": [_describe_value(v) for v in proto.graph.input],
         "onnx_outputs": [_describe_value(v) for v in proto.graph.output],
-        "onnx_dynamic": dynamic,
+        "onnx_dynamic": mode,
+        "onnx_dynamic_dims": dynamic or [],
         "onnx_export_s": round(export_s, 3),
         "onnx_warnings": caught,
     }
     del proto
 
     problems: list[str] = []
-    frozen = [f"{v['name']}={v['shape'][0]}" for v in result["onnx_inputs"]
-              if v["shape"] and isinstance(v["shape"][0], int)]
+    batched = _batched_from(dynamic, len(example))
+    frozen = [f"{v['name']}={v['shape'][0]}" for i, v in enumerate(result["onnx_inputs"])
+              if v["shape"] and isinstance(v["shape"][0], int) and (i >= len(batched) or batched[i])]
+    for i, v in enumerate(result["onnx_inputs"]):
+        if v["shape"] and i < len(batched) and not batched[i] and v["shape"][0] == "batch":
+            v["shape"][0] = "?"
+    for d in dynamic or []:
+        if d["input"] >= len(result["onnx_inputs"]) or d["symbol"] == "batch":
+            continue
+        entry = result["onnx_inputs"][d["input"]]
+        if d["dim"] < len(entry["shape"]):
+            if isinstance(entry["shape"][d["dim"]], int):
+                problems.append(f"dynamic dimension {d['symbol']} froze in the ONNX graph (dim {d['dim']} of input "
+                                f"{entry['name']} is {entry['shape'][d['dim']]})")
+            else:
+                entry["shape"][d["dim"]] = d["symbol"]
     if frozen:
         problems.append(
             "batch axis froze in the ONNX graph (dim 0 of input " + ", ".join(frozen)
@@ -234,6 +267,17 @@ def export_onnx(
                 result["onnx_validation"].append(entry)
                 if "error" in entry:
                     problems.append(entry["error"])
+            for symbol, size in _other_sizes(dynamic).items():
+                from ..capture import resize_inputs
+
+                def resized(b: int, _s: dict = {symbol: size}) -> tuple:
+                    return resize_inputs(_as_tuple(make_inputs(b)), dynamic, _s)
+
+                entry = _validate_batch(module, resized, batch_sizes[0], device, input_names, load["session"])
+                entry["sizes"] = {symbol: size}
+                result["onnx_validation"].append(entry)
+                if "error" in entry:
+                    problems.append(f"{symbol}={size}: {entry['error']}")
             errors = [e["max_abs_error"] for e in result["onnx_validation"] if e["max_abs_error"] is not None]
             result["onnx_max_abs_error"] = max(errors) if errors else None
         del load
@@ -380,9 +424,54 @@ def deployment(info: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------- export
 
 
+def _dynamic_specs(dynamic: Sequence[dict] | None, count: int) -> list[dict[int, str]] | None:
+    """One ``{dim: symbol}`` per input from ``dynamic`` entries; None: dim 0 of every input is the batch."""
+    if dynamic is None:
+        return None
+    specs: list[dict[int, str]] = [{} for _ in range(count)]
+    for d in dynamic:
+        if d["input"] < count:
+            specs[d["input"]][int(d["dim"])] = str(d["symbol"])
+    return specs
+
+
+def _batched_from(dynamic: Sequence[dict] | None, count: int) -> list[bool]:
+    if dynamic is None:
+        return [True] * count
+    return [any(d["input"] == i and d["dim"] == 0 and d["symbol"] == "batch" for d in dynamic) for i in range(count)]
+
+
+def _other_sizes(dynamic: Sequence[dict] | None) -> dict[str, int]:
+    if not dynamic:
+        return {}
+    from ..capture import validation_sizes
+
+    return validation_sizes(dynamic)
+
+
+def _torch_dims(dynamic_specs: list[dict[int, str]] | None, count: int,
+                ranges: dict[str, tuple[int, int | None]] | None = None) -> tuple:
+    """``dynamic_shapes`` for ``torch.onnx.export``: one ``torch.export.Dim`` per symbol, shared."""
+    if dynamic_specs is None:
+        batch = torch.export.Dim("batch")
+        return tuple({0: batch} for _ in range(count))
+    made: dict[str, Any] = {}
+    out = []
+    for spec in dynamic_specs:
+        entry = {}
+        for dim, sym in spec.items():
+            if sym not in made:
+                lo, hi = (ranges or {}).get(sym, (None, None))
+                kwargs = {k: v for k, v in (("min", lo), ("max", hi)) if v is not None}
+                made[sym] = torch.export.Dim(re.sub(r"\W", "_", sym), **kwargs)
+            entry[dim] = made[sym]
+        out.append(entry or None)
+    return tuple(out)
+
+
 def _export_atomically(module: torch.nn.Module, example: tuple[torch.Tensor, ...], path: Path,
                        input_names: list[str], output_names: list[str],
-                       opset: int | None) -> tuple[str, list[str], str | None]:
+                       opset: int | None, specs: list[dict[int, str]] | None = None) -> tuple[str, list[str], str | None]:
     """Export into a temporary folder beside ``path``, check the file (full check), then move it into place.
 
     Returns ``(dynamic, warnings, opset_reason)``; raises InvalidOnnxError when no opset gives a valid file.
@@ -394,7 +483,8 @@ def _export_atomically(module: torch.nn.Module, example: tuple[torch.Tensor, ...
     opset_reason = None
     try:
         tmp = tmpdir / path.name
-        dynamic, caught = _export_once(module, example, tmp, path, input_names, output_names, opset, external)
+        dynamic, caught = _export_once(module, example, tmp, path, input_names, output_names, opset, external,
+                                       specs)
         tried: list[int] = []
         while True:
             try:
@@ -416,7 +506,8 @@ def _export_atomically(module: torch.nn.Module, example: tuple[torch.Tensor, ...
                 raise InvalidOnnxError(base)
             _clear(tmpdir)
             try:
-                dynamic, more = _export_once(module, example, tmp, path, input_names, output_names, needed, external)
+                dynamic, more = _export_once(module, example, tmp, path, input_names, output_names, needed, external,
+                                             specs)
             except ExportError as exc:
                 raise InvalidOnnxError(f"{base}; {'; '.join(why)}, and torch.onnx could not write opset {needed}: "
                                        f"{exc}") from exc
@@ -430,13 +521,16 @@ def _export_atomically(module: torch.nn.Module, example: tuple[torch.Tensor, ...
 
 def _export_once(module: torch.nn.Module, example: tuple[torch.Tensor, ...], tmp: Path, path: Path,
                  input_names: list[str], output_names: list[str], opset: int | None,
-                 external: bool) -> tuple[str, list[str]]:
-    """One ``torch.onnx.export`` to ``tmp`` (``dynamic_shapes``, else ``dynamic_axes``); ExportError on failure."""
+                 external: bool, specs: list[dict[int, str]] | None = None) -> tuple[str, list[str]]:
+    """One ``torch.onnx.export`` to ``tmp`` (``dynamic_shapes``, else ``dynamic_axes``); ExportError on failure.
+    ``specs``: one ``{dim: symbol}`` per input (:func:`_dynamic_specs`); None: dim 0 of every input is the batch."""
     common = dict(input_names=input_names, output_names=output_names, opset_version=opset,
                   dynamo=True, external_data=external, verbose=False, report=False)
-    batch = torch.export.Dim("batch")
-    dynamic_shapes = tuple({0: batch} for _ in example)
-    dynamic_axes = {name: {0: "batch"} for name in input_names}
+    dynamic_shapes = _torch_dims(specs, len(example))
+    if specs is None:
+        dynamic_axes = {name: {0: "batch"} for name in input_names}
+    else:
+        dynamic_axes = {name: dict(spec) for name, spec in zip(input_names, specs) if spec}
     with _quiet() as caught:
         try:
             torch.onnx.export(module, example, str(tmp), dynamic_shapes=dynamic_shapes, **common)

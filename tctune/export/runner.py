@@ -62,15 +62,22 @@ def describe_inputs(
         batch_sizes: batches to draw examples at; integer ranges cover every value seen.
 
     Returns:
-        One dict per input: ``shape`` with ``"batch"`` for dim 0 (e.g. ``["batch", 128]``), ``dtype`` a numpy
+        One dict per input: ``shape`` with ``"batch"`` for dim 0 (e.g. ``["batch", 128]``; an input the
+        capture recorded as not batched, ``module.meta["tctune_batched"]``, keeps its own shape, e.g. ``[1, 1,
+        128, 128]``; other dynamic dimensions are given at the example's size), ``dtype`` a numpy
         name (``"float32"``, ``"int64"``), and for integer inputs ``range: [low, high)``: ``[0,
         num_embeddings)`` where the input indexes an embedding, else ``[min seen, max seen + 1)``.
     """
     samples = [_as_tuple(make_inputs(int(b))) for b in batch_sizes]
     vocab = _embedding_bounds(module) if module is not None else {}
+    batched = getattr(module, "meta", {}).get("tctune_batched") if module is not None else None
     described = []
     for i, (name, example) in enumerate(zip(names, samples[0])):
-        entry: dict[str, Any] = {"name": name, "shape": ["batch", *(int(d) for d in example.shape[1:])],
+        if batched is not None and i < len(batched) and not batched[i]:  # not batched: the same at every batch
+            shape: list[Any] = [int(d) for d in example.shape]
+        else:
+            shape = ["batch", *(int(d) for d in example.shape[1:])]
+        entry: dict[str, Any] = {"name": name, "shape": shape,
                                  "dtype": _NUMPY_DTYPES.get(example.dtype, str(example.dtype).replace("torch.", ""))}
         if not example.is_floating_point() and example.dtype != torch.bool:
             lo = min(int(s[i].min()) for s in samples)

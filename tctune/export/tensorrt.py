@@ -4,7 +4,7 @@ Why this exists: TensorRT is the fastest deployment target on NVIDIA GPUs, and T
 precision from the network itself (strongly typed networks; TRT 11 removed the FP16 builder flag). The
 graph passes already put fp16/bf16 weights and explicit casts into the ONNX, so the build here sets no
 precision flag: it parses the ONNX into a STRONGLY_TYPED network, adds one optimization profile for the
-batch axis and serializes the engine.
+batch axis (and the model's other dynamic dimensions, :func:`profile_shapes`) and serializes the engine.
 
 FP8: the FP8 ONNX (``tctune.export.onnx_fp8``) carries float8e4m3fn QuantizeLinear/DequantizeLinear pairs
 (opset 19) with bf16 scales; a strongly typed network takes the FP8 GEMMs from those Q/DQ nodes (explicit
@@ -24,7 +24,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from tctune.errors import ExportError
 
@@ -55,6 +55,7 @@ def build_engine(
     batch_sizes: tuple[int, int, int],
     timing_cache: str | os.PathLike | None = None,
     optimization_level: int = 3,
+    dim_ranges: dict[str, tuple[int, int, int]] | None = None,
 ) -> dict[str, Any]:
     """Build a strongly typed TensorRT engine from ``onnx_path`` and write it with a JSON manifest.
 
@@ -62,9 +63,12 @@ def build_engine(
         onnx_path: the ONNX file from :func:`tctune.export.export_onnx` or
             :func:`tctune.export.export_onnx_fp8` (its precision, float8 Q/DQ included, is the engine's).
         engine_path: the ``.engine`` file to write (atomically); ``<engine_path>.json`` gets the manifest.
-        input_shapes: ONNX input name -> shape with ``-1`` for the batch axis, e.g.
-            ``{"x": (-1, 3, 32, 32)}`` or ``{"input_ids": (-1, 128)}``.
+        input_shapes: ONNX input name -> shape with ``-1`` (or ``"batch"``) for the batch axis and a symbol
+            name for another dynamic dimension, e.g. ``{"x": (-1, 3, 32, 32)}`` or ``{"input_ids": (-1,
+            "seq")}`` (the ``shape`` of ``export_onnx``'s ``onnx_inputs``).
         batch_sizes: ``(min, opt, max)`` batch of the single optimization profile.
+        dim_ranges: symbol -> ``(min, opt, max)`` size for the other dynamic dimensions
+            (:func:`profile_ranges`); needed for every symbol in ``input_shapes``.
         timing_cache: a timing-cache file to load (if it exists) and to save after the build; ``None``
             builds without a persistent cache.
         optimization_level: ``builder_optimization_level`` 0-5 (TensorRT's default is 3).
@@ -76,8 +80,9 @@ def build_engine(
     Raises:
         ExportError: the ONNX parser reported errors (each listed), ``input_shapes`` does not match the
             network's inputs, or the builder returned no engine.
-        ValueError: ``batch_sizes`` is not ``min <= opt <= max`` positive ints.
+        ValueError: ``batch_sizes`` is not ``min <= opt <= max`` positive ints, or a symbol has no range.
     """
+    profile_shapes(input_shapes, batch_sizes, dim_ranges)  # argument errors before the TensorRT check
     ok, reason = tensorrt_available()
     if not ok:
         return {"tensorrt": None, "tensorrt_skipped_reason": reason}
@@ -108,9 +113,10 @@ def build_engine(
     config = builder.create_builder_config()
     config.builder_optimization_level = int(optimization_level)
     profile = builder.create_optimization_profile()
+    shapes = profile_shapes({t.name: input_shapes[t.name] for t in inputs}, (lo, opt, hi), dim_ranges)
     for tensor in inputs:
-        shape = tuple(input_shapes[tensor.name])
-        profile.set_shape(tensor.name, _with_batch(shape, lo), _with_batch(shape, opt), _with_batch(shape, hi))
+        s = shapes[tensor.name]
+        profile.set_shape(tensor.name, s["min"], s["opt"], s["max"])
     config.add_optimization_profile(profile)
 
     cache_path = Path(timing_cache) if timing_cache is not None else None
@@ -135,16 +141,89 @@ def build_engine(
         "output_dtypes": {t.name: str(t.dtype) for t in outputs},
         "inputs": [t.name for t in inputs],
         "outputs": [t.name for t in outputs],
-        "profile": {t.name: {"min": _with_batch(tuple(input_shapes[t.name]), lo),
-                             "opt": _with_batch(tuple(input_shapes[t.name]), opt),
-                             "max": _with_batch(tuple(input_shapes[t.name]), hi)} for t in inputs},
+        "profile": shapes,
         "batch_sizes": {"min": lo, "opt": opt, "max": hi},
+        "dim_ranges": {k: {"min": v[0], "opt": v[1], "max": v[2]} for k, v in (dim_ranges or {}).items()},
         "optimization_level": int(optimization_level),
         "timing_cache": str(cache_path) if cache_path is not None else None,
         "compute_capability": _compute_capability(),
     }
     _write_atomically(Path(str(engine_path) + ".json"), (json.dumps(manifest, indent=2) + "\n").encode())
     return {"tensorrt": str(engine_path), "tensorrt_skipped_reason": None}
+
+
+def profile_ranges(dynamic: Sequence[dict]) -> tuple[dict[str, tuple[int, int, int]], list[str]]:
+    """The optimization profile's ``(min, opt, max)`` of each dynamic dimension other than the batch.
+
+    Args:
+        dynamic: ``tctune.capture.dynamic_dims`` entries (``symbol``, ``min``, ``max`` from the model file's
+            ``torch.export.Dim``, ``example``: the size the search measured at).
+
+    Returns:
+        ``(ranges, notes)``: ``ranges[symbol] = (min, opt, max)`` with min the Dim's min (at least 1), opt the
+        example size (the shape the search measured) and max the Dim's max; a Dim without a max gets the
+        example size as max (a TensorRT profile needs a finite one) and a line in ``notes`` saying so.
+    """
+    ranges: dict[str, tuple[int, int, int]] = {}
+    notes: list[str] = []
+    for d in dynamic:
+        sym = d["symbol"]
+        if sym == "batch" or sym in ranges:
+            continue
+        lo = max(1, int(d["min"]))
+        opt = int(d["example"])
+        if d.get("max") is None:
+            hi = opt
+            notes.append(f"{sym} has no max in its torch.export.Dim: the TensorRT profile stops at the example size "
+                         f"{opt}; declare Dim({sym!r}, max=...) to build for longer inputs")
+        else:
+            hi = int(d["max"])
+        opt = min(max(opt, lo), hi)
+        ranges[sym] = (lo, opt, hi)
+    return ranges, notes
+
+
+def profile_shapes(input_shapes: dict[str, Sequence[int | str]], batch_sizes: tuple[int, int, int],
+                   dim_ranges: dict[str, tuple[int, int, int]] | None = None) -> dict[str, dict[str, tuple[int, ...]]]:
+    """The ``min`` / ``opt`` / ``max`` shape of each input in the optimization profile.
+
+    Args:
+        input_shapes: input name -> shape; an entry is a fixed size (int ≥ 0), ``-1`` or ``"batch"`` for the
+            batch, or a symbol name (``"seq"``) for another dynamic dimension.
+        batch_sizes: ``(min, opt, max)`` batch.
+        dim_ranges: symbol -> ``(min, opt, max)`` (:func:`profile_ranges`).
+
+    Returns:
+        ``{name: {"min": shape, "opt": shape, "max": shape}}`` with every entry an int.
+
+    Raises:
+        ValueError: ``batch_sizes`` or a range is not ``1 <= min <= opt <= max``, or a symbol has no range.
+    """
+    ranges = {"batch": tuple(int(b) for b in batch_sizes)}
+    for sym, r in (dim_ranges or {}).items():
+        ranges[sym] = tuple(int(x) for x in r)
+    for sym, r in ranges.items():
+        if len(r) != 3 or not 1 <= r[0] <= r[1] <= r[2]:
+            what = "batch_sizes" if sym == "batch" else f"the range of {sym}"
+            raise ValueError(f"{what} must be min <= opt <= max, all >= 1; got {r!r}")
+    out: dict[str, dict[str, tuple[int, ...]]] = {}
+    for name, shape in input_shapes.items():
+        per = {}
+        for k, key in enumerate(("min", "opt", "max")):
+            dims = []
+            for d in shape:
+                sym = "batch" if d == -1 else d
+                if isinstance(sym, str):
+                    if sym not in ranges:
+                        raise ValueError(f"input {name} has the dynamic dimension {sym!r}, which has no range in "
+                                         f"dim_ranges ({sorted(ranges)})\n  fix: pass dim_ranges[{sym!r}] = "
+                                         "(min, opt, max)")
+                    dims.append(ranges[sym][k])
+                else:
+                    dims.append(int(sym))
+            per[key] = tuple(dims)
+        out[name] = per
+    return out
 
 
 def _with_batch(shape: tuple[int, ...], batch: int) -> tuple[int, ...]:

@@ -103,7 +103,7 @@ class Tuner:
         else:
             cap_inputs = mf.inputs(2, self.device)
             with precision_mode("fp32"):
-                self.captured = try_capture(self.model, cap_inputs)
+                self.captured = try_capture(self.model, cap_inputs, mf.dynamic_shapes, mf.batched_mask())
         self.out_dir = Path(cfg.out_dir)
         on_gpu_infer = self.device.type == "cuda" and not training
         self.search_space = SearchSpace(
