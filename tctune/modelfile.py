@@ -8,7 +8,16 @@ Contract:
 - ``example_inputs(batch_size: int) -> tuple[torch.Tensor, ...]`` (required; batch on dim 0 of every tensor;
   fresh random data is fine, never all zeros for parity checks)
 - ``example_targets(batch_size)`` and ``loss_fn(output, targets)`` (needed for ``--mode train``)
-- ``score(model) -> float`` (optional: the user's own accuracy metric, higher is better)
+- ``score(model) -> float`` (optional: the user's own accuracy metric, higher is better). When given it gates
+  the search: it is called with the FP32 model and with each candidate's built module (tctune's graph or the
+  model as written, on the measuring device, before the runtime wrapper), so it must move its own data to the
+  device of the model's parameters and do its own batching (see ``tctune.search.evaluate.ScoreGate``).
+- ``calibration_inputs() -> Iterable[tuple[torch.Tensor, ...]]`` (optional: real input batches, each shaped
+  like ``example_inputs``' tuple with any batch size; used beside the random inputs for the FP32 comparison,
+  fp16 overflow calibration and FP8 activation scales, see :mod:`tctune.calibration`)
+
+A caller of the Python API builds a :class:`ModelFile` directly and may set ``score`` and
+``calibration_inputs`` to its own callables.
 """
 from __future__ import annotations
 
@@ -29,6 +38,7 @@ SIGNATURES = {
     "example_targets": "def example_targets(batch_size: int) -> torch.Tensor",
     "loss_fn": "def loss_fn(output, targets) -> torch.Tensor",
     "score": "def score(model: torch.nn.Module) -> float",
+    "calibration_inputs": "def calibration_inputs() -> Iterable[tuple[torch.Tensor, ...]]",
 }
 
 
@@ -41,7 +51,7 @@ class ModelFile:
         name: the model's name (file stem), used for the output folder.
         build_model: the file's ``build_model``.
         example_inputs: the file's ``example_inputs``.
-        example_targets, loss_fn, score: the optional functions, or None.
+        example_targets, loss_fn, score, calibration_inputs: the optional functions, or None.
     """
 
     path: Path
@@ -51,6 +61,7 @@ class ModelFile:
     example_targets: Callable | None = None
     loss_fn: Callable | None = None
     score: Callable | None = None
+    calibration_inputs: Callable | None = None
 
     def inputs(self, batch_size: int, device: str | torch.device = "cpu") -> tuple[torch.Tensor, ...]:
         """Fresh example inputs for ``batch_size`` on ``device``, checked against the contract.
@@ -159,7 +170,7 @@ def load_model_file(path: str | Path) -> ModelFile:
         sys.path.remove(str(p.parent.resolve()))
 
     found = {}
-    for fn in ("build_model", "example_inputs", "example_targets", "loss_fn", "score"):
+    for fn in ("build_model", "example_inputs", "example_targets", "loss_fn", "score", "calibration_inputs"):
         obj = getattr(module, fn, None)
         if obj is None:
             if fn in ("build_model", "example_inputs"):
