@@ -191,15 +191,20 @@ def load_calibration(mf, folder: str | Path | None, model: torch.nn.Module, devi
     torch.manual_seed(0)
     example = mf.inputs(2, "cpu")
     if folder is not None:
-        batches = read_folder(folder, example, input_names(model))
-        where = f"calibration file {Path(folder).expanduser() / '{}'}"
+        root = Path(folder).expanduser()
+        batches = read_folder(root, example, input_names(model))
 
         def error(msg):
             return UsageError(msg, field="calibration")
+
+        def where(source):
+            return f"calibration file {root / source}"
     else:
         batches = from_model_file(mf, example)
-        where = f"{mf.path.name}: {{}}"
         error = ModelFileError
+
+        def where(source):
+            return f"{mf.path.name}: {source}"
     from .measure import precision_mode
 
     for b in batches:
@@ -212,7 +217,7 @@ def load_calibration(mf, folder: str | Path | None, model: torch.nn.Module, devi
                     out = fn(*b.inputs)
             except Exception as exc:  # noqa: BLE001 - the user's data or model
                 shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in b.inputs)
-                raise error(f"{where.format(b.source)}: {what} raised {type(exc).__name__} on it: "
+                raise error(f"{where(b.source)}: {what} raised {type(exc).__name__} on it: "
                             f"{(str(exc).strip().splitlines() or [''])[0][:200]}\n  its inputs: {shapes}; expected "
                             f"{expected(example)} (shapes other than the batch as in example_inputs)") from None
             if fn is model:

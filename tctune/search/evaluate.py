@@ -286,10 +286,14 @@ class InferenceEvaluator:
             return err
         if key not in self._real_stats:
             stats = None
-            with precision_mode(cand.precision), torch.inference_mode():
-                for b in self.calibration:
-                    s = compare(detach_outputs(cand.module(*b.inputs)), b.reference)
-                    stats = s if stats is None else worst(stats, s)
+            for b in self.calibration:
+                try:
+                    with precision_mode(cand.precision), torch.inference_mode():
+                        out = detach_outputs(cand.module(*b.inputs))
+                except Exception as exc:  # noqa: BLE001 - this candidate fails where FP32 ran
+                    raise rejection(exc, self.device, len(b.inputs[0]), f"the real batch {b.source}") from exc
+                s = compare(out, b.reference)
+                stats = s if stats is None else worst(stats, s)
             self._real_stats[key] = stats
         return worst(err, self._real_stats[key])
 
