@@ -313,3 +313,16 @@ def test_optimize_digits_cnn_reports_score_fields(tmp_path):
     md = (out / "report.md").read_text()
     assert "accepted by the score gate" in md and "score (× FP32)" in md
     assert "accepted by the score gate" in r.stdout
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--min-score-ratio", "1.5"], "--min-score-ratio must be in (0, 1]"),
+    (["--max-mismatch-rate", "-1"], "--max-mismatch-rate must be a fraction in [0, 1]"),
+    (["--calibration", "no_such_folder"], "--calibration no_such_folder: not a folder"),
+])
+def test_cli_flags_reach_the_config_and_name_themselves_in_errors(tmp_path, args, match):
+    f = _write(tmp_path, "two", TWO_INPUTS)
+    r = subprocess.run([sys.executable, "-m", "tctune", "optimize", str(f), "--out", str(tmp_path / "out"), "--quiet",
+                        "--no-export", "--batch-sizes", "4", "--trials", "1", *args],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr, r.stderr
