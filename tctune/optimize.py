@@ -289,7 +289,8 @@ def optimize(model_path: str | Path, cfg: TuneConfig) -> dict:
         best_cfg = {"model": mf.name, "model_path": str(mf.path), "hardware": hw.to_dict(),
                     **trial.to_config(dict(bt.params)), "batch_sizes": sorted(cfg.batch_sizes),
                     "throughput": bt.user_attrs.get("throughput"), "max_rel_error": bt.user_attrs.get("max_rel_error"),
-                    "passes": [p["name"] for p in passes], "study": study.study_name, "tctune_version": __version__}
+                    "passes": [p["name"] for p in passes], "study": study.study_name, "tctune_version": __version__,
+                    "calibration_folder": str(Path(cfg.calibration).expanduser().resolve()) if cfg.calibration else None}
         write_atomic(out / "best_config.json", json.dumps(best_cfg, indent=2) + "\n")
         artifacts.best_config = str(out / "best_config.json")
     if cfg.storage is None:

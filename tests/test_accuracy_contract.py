@@ -326,3 +326,14 @@ def test_cli_flags_reach_the_config_and_name_themselves_in_errors(tmp_path, args
                         "--no-export", "--batch-sizes", "4", "--trials", "1", *args],
                        capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_export_rebuild_calibrates_fp16_on_the_same_real_batches(tmp_path):
+    from tctune.engines import rebuild_graphs
+
+    f = _write(tmp_path, "overflow", OVERFLOW + REAL)
+    cfg = {"params": {"batch_size": 4, "precision": "fp16", "graph_passes": True, "runtime": "eager"},
+           "calibration": True}
+    _, graphs = rebuild_graphs(load_model_file(f), cfg, resolve("h100"), torch.device("cpu"))
+    with torch.inference_mode():
+        assert torch.isfinite(graphs.graph(torch.full((4, 8), 1000.0))).all()
