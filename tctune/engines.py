@@ -96,7 +96,8 @@ def rebuild_graphs(mf, cfg: dict, hw, device) -> tuple["TrialParams", "ExportGra
     """The graphs of the trial a ``best_config.json`` describes (:func:`read_config`), rebuilt the way the search
     built the graph it measured: capture at batch 2, then :func:`tctune.deploy.export_graphs` with the config's
     :class:`~tctune.trial.TrialParams` (precision, policy, FP8 keep-list) and, for a calibrated fp16 trial, the
-    same seeded reference inputs at the tuned batch size (:func:`tctune.trial.reference_inputs`).
+    same seeded reference inputs at the tuned batch size (:func:`tctune.trial.reference_inputs`) followed by the
+    real batches (the config's ``calibration_folder``, else the model file's ``calibration_inputs()``).
 
     Args:
         mf: the loaded model file; hw: the hardware planned for; device: where the model and inputs live.
@@ -119,7 +120,13 @@ def rebuild_graphs(mf, cfg: dict, hw, device) -> tuple["TrialParams", "ExportGra
             raise ExportError(f"cannot export {mf.path.name}: {exc}\n  fix: make the batch dimension dynamic in "
                               "forward (no hard-coded batch size in reshape/view/expand; use x.shape[0] or -1)") from exc
     inputs = reference_inputs(mf, trial.batch_size, device) if trial.calibration else None
-    return trial, export_graphs(gm, hw, trial, calibration_for(trial, inputs))
+    calibration = calibration_for(trial, inputs)
+    if calibration and trial.precision == "fp16":  # the real batches the search calibrated with, too
+        from .calibration import load_calibration
+
+        real = load_calibration(mf, cfg.get("calibration_folder"), model, device)
+        calibration += [b.inputs for b in real]
+    return trial, export_graphs(gm, hw, trial, calibration)
 
 
 def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FORMATS,

@@ -22,8 +22,18 @@ keeps some linears in bf16 — but it picks them by measurement rather than by a
 5. FP8 FLOPs are not speed: up to ``MAX_ALTERNATIVES`` keep-lists under the aim (the distinct ones measured
    on the way, most FP8 FLOPs first) are kept as ``alternatives``, and the search times each through its
    runtime and takes the fastest (:func:`choose_fastest`).
-6. When every role had to stay bf16, FP8 cannot meet the limit on this model: the plan says so (``reason``)
+6. Single layers: a role is every layer's copy of a linear, and often one or two layers carry its error. So,
+   when the graph's layers are known (:func:`linear_layers`), each kept role with several layers is split:
+   its layers, largest FLOPs first, are tried back in FP8 one at a time (the role's pattern replaced by the
+   exact module paths of its layers still kept) and released while the error stays under the aim (one graph
+   per layer, at most ``MAX_LAYER_RELEASES`` in all).
+7. When every linear had to stay bf16, FP8 cannot meet the limit on this model: the plan says so (``reason``)
    and the search rejects its FP8 candidates with that sentence instead of measuring them.
+
+The error minimized is the relative L2 error of the outputs on the calibration inputs, or, when the user gives
+a task metric (``score(model)``, higher is better), the score shortfall ``1 - score / score_fp32``
+(:class:`tctune.search.accuracy.ScoreGate.shortfall`) against the allowed shortfall (0.01 for the default
+"99 % of FP32" rule): the same greedy, release and per-layer steps, with ``FP8Plan.metric`` saying which.
 
 The margin (default 0.9) leaves room for the candidate's own check on its batch, which the search still
 makes on fresh inputs: the plan is advice, the measured error decides.
@@ -33,6 +43,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from typing import Any, Callable, Sequence
 
 import torch
@@ -42,6 +53,11 @@ from torch import fx
 DEFAULT_MARGIN = 0.9
 #: Keep-lists under the aim that :func:`choose_fastest` times (each costs one compile + timing in the search).
 MAX_ALTERNATIVES = 3
+#: Graphs the per-layer step (6.) may measure: BERT-base with two kept roles of 12 layers each costs 22.
+MAX_LAYER_RELEASES = 32
+#: ``FP8Plan.metric`` values.
+METRIC_L2 = "relative L2"
+METRIC_SCORE = "score shortfall"
 
 _INDEX = re.compile(r"(?<![^.])\d+(?![^.])")  # a whole dotted component of digits (nn.Sequential at the root too)
 
@@ -51,9 +67,12 @@ class FP8Plan:
     """The chosen FP8 keep-list and how it was found.
 
     Attributes:
-        keep: ``fnmatch`` patterns of the linears kept in bf16 (``PassSpec.fp8_keep``); ``()``: all FP8.
-        error: relative L2 error of the FP8 graph with ``keep`` on the calibration inputs (largest over outputs).
+        keep: ``fnmatch`` patterns of the linears kept in bf16 (``PassSpec.fp8_keep``); ``()``: all FP8. Role
+            patterns (``layer.*.output.dense``) and, after the per-layer step, exact module paths of single layers.
+        error: the error of the FP8 graph with ``keep`` (``metric``): relative L2 error on the calibration inputs
+            (largest over outputs), or the score shortfall ``1 - score / score_fp32``.
         target: the error the plan aimed at (``margin * max_error``).
+        metric: :data:`METRIC_L2` or :data:`METRIC_SCORE`.
         fp8_flop_share: share of the eligible linears' FLOPs that run FP8 with ``keep`` (0 to 1).
         roles: every role (pattern) with its FLOPs in the captured graph.
         steps: the graphs measured, in order: ``{"keep": [...], "error": e}``.
@@ -73,6 +92,7 @@ class FP8Plan:
     reason: str | None = None
     alternatives: list[dict] = field(default_factory=list)
     speeds: list = field(default_factory=list)
+    metric: str = METRIC_L2
 
     @property
     def usable(self) -> bool:
@@ -83,8 +103,7 @@ class FP8Plan:
         if self.reason:
             return self.reason
         if not self.keep:
-            return (f"every FP8-eligible linear runs FP8 (error {self.error:.2e} on the calibration batch, "
-                    f"aim {self.target:.2e})")
+            return (f"every FP8-eligible linear runs FP8 ({self._what} {self.error:.2e}, aim {self.target:.2e})")
         timed = ""
         if self.speeds:
             def name(a):
@@ -93,13 +112,19 @@ class FP8Plan:
                      "items/s): " + "; ".join(f"{name(a)}: {v:,.0f}" if v else f"{name(a)}: failed"
                                              for a, v in zip(self.alternatives, self.speeds)))
         return (f"FP8 keep-list {', '.join(self.keep)} stays bf16; {self.fp8_flop_share:.0%} of the linear FLOPs run "
-                f"FP8 (error {self.error:.2e} on the calibration batch, aim {self.target:.2e}; all-FP8: "
+                f"FP8 ({self._what} {self.error:.2e}, aim {self.target:.2e}; all-FP8: "
                 f"{self.steps[0]['error']:.2e}){timed}")
+
+    @property
+    def _what(self) -> str:
+        return "error on the calibration batch" if self.metric == METRIC_L2 else "score shortfall"
+
 
     def to_dict(self) -> dict:
         return {"summary": self.summary(), "keep": list(self.keep), "error": self.error, "target": self.target,
                 "fp8_flop_share": self.fp8_flop_share, "roles": dict(self.roles), "steps": list(self.steps),
-                "reason": self.reason, "alternatives": list(self.alternatives), "speeds": list(self.speeds)}
+                "reason": self.reason, "alternatives": list(self.alternatives), "speeds": list(self.speeds),
+                "metric": self.metric}
 
 
 def role(path: str) -> str:
@@ -109,7 +134,17 @@ def role(path: str) -> str:
 
 
 def linear_roles(gm: fx.GraphModule) -> dict[str, float]:
-    """FLOPs per role of the FP8-eligible linears of ``gm`` (an ATen graph before ``cast_fp8_linears``).
+    """FLOPs per role of the FP8-eligible linears of ``gm`` (an ATen graph before ``cast_fp8_linears``): the
+    FLOPs of :func:`linear_layers` summed per :func:`role`."""
+    roles: dict[str, float] = {}
+    for path, flops in linear_layers(gm).items():
+        roles[role(path)] = roles.get(role(path), 0.0) + flops
+    return roles
+
+
+def linear_layers(gm: fx.GraphModule) -> dict[str, float]:
+    """FLOPs per source module path (``bert.encoder.layer.3.output.dense``; the node's name when it has no
+    source module) of the FP8-eligible linears of ``gm`` (an ATen graph before ``cast_fp8_linears``).
 
     Eligible by their weight as ``cast_fp8_linears`` sees it (``passes.fp8_numerics.weight_ineligible``: a 2-D
     ``get_attr`` floating weight, K and N multiples of 16). FLOPs are ``2 * rows * K * N`` with the rows of the
@@ -118,7 +153,7 @@ def linear_roles(gm: fx.GraphModule) -> dict[str, float]:
     from passes.calibrate import source_module
     from passes.fp8_numerics import gemm_nk, weight_gemm, weight_ineligible
 
-    roles: dict[str, float] = {}
+    layers: dict[str, float] = {}
     for node in gm.graph.nodes:
         gemm = weight_gemm(node)
         if gemm is None or weight_ineligible(gm, gemm) is not None:
@@ -129,9 +164,9 @@ def linear_roles(gm: fx.GraphModule) -> dict[str, float]:
         if isinstance(x, torch.Tensor):
             for s in x.shape[:-1]:
                 rows *= _hint(s)
-        key = role(source_module(node) or node.name)
-        roles[key] = roles.get(key, 0.0) + 2.0 * rows * k * n
-    return roles
+        key = source_module(node) or node.name
+        layers[key] = layers.get(key, 0.0) + 2.0 * rows * k * n
+    return layers
 
 
 def _hint(size: Any) -> int:
@@ -144,14 +179,19 @@ def _hint(size: Any) -> int:
 
 
 def plan_fp8_keep(roles: dict[str, float], error_of: Callable[[tuple[str, ...]], float], max_error: float,
-                  margin: float = DEFAULT_MARGIN) -> FP8Plan:
+                  margin: float = DEFAULT_MARGIN, *, layers: dict[str, float] | None = None,
+                  metric: str = METRIC_L2) -> FP8Plan:
     """Greedy FP8 keep-list: the fewest FLOPs kept in bf16 for an error under ``margin * max_error``.
 
     Args:
         roles: pattern -> FLOPs (:func:`linear_roles`).
-        error_of: the measured error (relative L2 against FP32) of the FP8 graph with a keep-list.
-        max_error: the FP8 error limit (``--max-error-fp8``).
+        error_of: the measured error of the FP8 graph with a keep-list (relative L2 against FP32, or the score
+            shortfall: ``metric``); NaN counts as over the aim.
+        max_error: the FP8 error limit (``--max-error-fp8``, or the allowed score shortfall).
         margin: fraction of ``max_error`` to aim at, in (0, 1].
+        layers: module path -> FLOPs of every eligible linear (:func:`linear_layers`); when given, kept roles are
+            refined layer by layer (step 6 of the module docstring) and FLOP shares count layers.
+        metric: what ``error_of`` measures (:data:`METRIC_L2` or :data:`METRIC_SCORE`), for the plan's texts.
 
     Returns:
         The plan; ``reason`` set when no role can run FP8 within the aim (every role kept), or when the
@@ -168,7 +208,12 @@ def plan_fp8_keep(roles: dict[str, float], error_of: Callable[[tuple[str, ...]],
     total = sum(roles.values())
     if not roles or total <= 0:
         return FP8Plan((), math.nan, target, 0.0, dict(roles), [],
-                       reason="no linear is FP8-eligible (2-D weight, K and N multiples of 16)")
+                       reason="no linear is FP8-eligible (2-D weight, K and N multiples of 16)", metric=metric)
+    units = dict(layers) if layers else dict(roles)
+
+    def share_of(keep) -> float:  # FP8 FLOP share, over layers when they are known
+        return _share_of(units, keep)
+
     keep: list[str] = []
     err = error_of(())
     steps = [{"keep": [], "error": err}]
@@ -191,8 +236,8 @@ def plan_fp8_keep(roles: dict[str, float], error_of: Callable[[tuple[str, ...]],
     # the aim with the most FP8 FLOPs (GPT-2 on the CPU: the greedy ended at the two attention roles in FP8, 23 % of
     # the FLOPs, while keeping everything but the LM head, measured in its last round, was under the aim with 31 %).
     best = max((s for s in steps if s["error"] <= target),
-               key=lambda s: (_share(roles, s["keep"]), -s["error"]), default=None)
-    if best is not None and _share(roles, best["keep"]) > _share(roles, keep):
+               key=lambda s: (share_of(s["keep"]), -s["error"]), default=None)
+    if best is not None and share_of(best["keep"]) > share_of(keep):
         keep, err = list(best["keep"]), best["error"]
         steps.append({"keep": list(keep), "error": err, "picked": "most FP8 FLOPs of the measured keep-lists"})
     if err <= target and len(keep) > 1:  # release what the last steps kept without need, largest FLOPs first
@@ -204,16 +249,46 @@ def plan_fp8_keep(roles: dict[str, float], error_of: Callable[[tuple[str, ...]],
             steps.append({"keep": list(trial), "error": e, "release": r})
             if e <= target:
                 keep, err = list(trial), e
-    share = _share(roles, keep)
-    alternatives = _alternatives(roles, steps, target, keep, err)
+    if layers and (err <= target or share_of(keep) == 0):
+        keep, err = _release_layers(roles, layers, keep, err, target, error_of, steps)
+    share = share_of(keep)
     reason = None
     if share == 0:
-        reason = (f"FP8 cannot meet --max-error-fp8 {max_error:g} on this model: with every linear in FP8 the error "
+        limit = (f"--max-error-fp8 {max_error:g}" if metric == METRIC_L2 else
+                 f"the score limit (shortfall {max_error:.3g} from FP32)")
+        reason = (f"FP8 cannot meet {limit} on this model: with every linear in FP8 the {metric} "
                   f"is {steps[0]['error']:.2e}, and keeping all but one linear group in bf16 still gave "
-                  f"{min(s['error'] for s in steps if len(s['keep']) == len(roles) - 1):.2e} (aim "
+                  f"{min((s['error'] for s in steps if len(s['keep']) == len(roles) - 1), default=math.nan):.2e} (aim "
                   f"{target:.2e}); FP8 candidates are rejected")
     return FP8Plan(tuple(keep), err, target, share, dict(roles), steps, reason,
-                   alternatives=alternatives if reason is None else [])
+                   alternatives=_alternatives(units, steps, target, keep, err) if reason is None else [], metric=metric)
+
+
+def _release_layers(roles: dict[str, float], layers: dict[str, float], keep: list[str], err: float, target: float,
+                    error_of: Callable[[tuple[str, ...]], float], steps: list[dict]) -> tuple[list[str], float]:
+    """Step 6: each kept role with several layers, largest FLOPs first, is replaced by the exact paths of its
+    layers, and each layer (largest FLOPs first) is tried back in FP8 and released while the error stays under
+    ``target``; at most ``MAX_LAYER_RELEASES`` graphs. Returns the new keep-list and its error."""
+    budget = MAX_LAYER_RELEASES
+    for r in sorted(keep, key=lambda r: -roles.get(r, 0.0)):
+        paths = sorted((p for p in layers if fnmatchcase(p, r)), key=lambda p: (-layers[p], p))
+        if len(paths) < 2 or r not in keep:
+            continue  # one layer: releasing it is the role-level release, already measured
+        kept = list(paths)
+        others = [k for k in keep if k != r]
+        for p in paths:
+            if budget <= 0 or len(kept) == 1:  # the last layer out is the whole role, measured before
+                break
+            budget -= 1
+            trial = others + [q for q in kept if q != p]
+            e = error_of(tuple(trial))
+            steps.append({"keep": list(trial), "error": e, "release_layer": p})
+            if e <= target:
+                kept.remove(p)
+                err = e
+        if len(kept) < len(paths):
+            keep = others + kept
+    return keep, err
 
 
 def _alternatives(roles: dict[str, float], steps: list[dict], target: float, keep: list[str], err: float) -> list[dict]:
@@ -264,13 +339,22 @@ def choose_fastest(plan: FP8Plan, throughput_of: Callable[[tuple[str, ...]], flo
 
 def _share(roles: dict[str, float], keep) -> float:
     """Fraction of the eligible linear FLOPs that run FP8 with ``keep`` in bf16."""
-    return sum(v for r, v in roles.items() if r not in keep) / sum(roles.values())
+    return _share_of(roles, keep)
+
+
+def _share_of(units: dict[str, float], keep) -> float:
+    """Fraction of the FLOPs of ``units`` (roles or layer paths -> FLOPs) that no pattern of ``keep`` matches
+    (``fnmatch``, as ``PassSpec.fp8_keep`` matches module paths; a role matches itself)."""
+    return sum(v for u, v in units.items() if not any(u == k or fnmatchcase(u, k) for k in keep)) / sum(units.values())
 
 
 def plan_graph(build: Callable[[tuple[str, ...], Sequence[str]], fx.GraphModule], inputs: tuple, ref: Any,
-               max_error: float, *, device: torch.device | None = None, margin: float = DEFAULT_MARGIN) -> FP8Plan:
-    """:func:`plan_fp8_keep` for a captured graph: roles from the graph after the passes that run before
-    ``cast_fp8_linears`` (so a fused QKV is one role), errors from FP8 graphs run on ``inputs`` against ``ref``.
+               max_error: float, *, device: torch.device | None = None, margin: float = DEFAULT_MARGIN,
+               score_of: Callable[[tuple[str, ...], fx.GraphModule], float] | None = None,
+               per_layer: bool = True) -> FP8Plan:
+    """:func:`plan_fp8_keep` for a captured graph: roles (and layers) from the graph after the passes that run
+    before ``cast_fp8_linears`` (so a fused QKV is one role), errors from FP8 graphs run on ``inputs`` against
+    ``ref``: their relative L2 error, or with ``score_of`` the score shortfall.
 
     Args:
         build: ``build(keep, names)`` -> the FP8 graph of the captured model with keep-list ``keep`` after the passes
@@ -279,7 +363,11 @@ def plan_graph(build: Callable[[tuple[str, ...], Sequence[str]], fx.GraphModule]
         inputs: the calibration inputs (on ``device``); ref: the FP32 model's outputs for them.
         max_error: the FP8 error limit; margin: see :func:`plan_fp8_keep`.
         device: where the graphs run (default: the first graph's buffers' device, else the CPU). NaN/inf outputs
-            count as an infinite error.
+            on ``inputs`` count as an infinite error (in both metrics).
+        score_of: ``score_of(keep, graph)`` -> the score shortfall of the FP8 graph (on ``device``) with ``keep``
+            (e.g. ``ScoreGate.shortfall`` of the user's score); then ``max_error`` is the allowed shortfall and the
+            plan's ``metric`` is :data:`METRIC_SCORE`. None: relative L2 error.
+        per_layer: refine kept roles layer by layer (step 6 of the module docstring).
 
     Raises:
         Whatever ``build`` raises (e.g. ``tctune.errors.PassError``); any exception of the FP8 graph's forward.
@@ -291,21 +379,25 @@ def plan_graph(build: Callable[[tuple[str, ...], Sequence[str]], fx.GraphModule]
     before = PIPELINE[:PIPELINE.index("cast_fp8_linears")]
     base = build((), before)
     device = device or next((t.device for t in base.buffers()), torch.device("cpu"))
+    layers = linear_layers(base)
     roles = linear_roles(base)
     del base
 
     def error_of(keep: tuple[str, ...]) -> float:
-        g = build(keep, PIPELINE)
+        g = build(keep, PIPELINE).to(device)
         try:
             with precision_mode("fp8"), torch.inference_mode():
-                err = compare(g.to(device)(*inputs), ref)
+                err = compare(g(*inputs), ref)
+            if err.nonfinite:
+                return math.inf
+            return err.rel_l2_error if score_of is None else score_of(tuple(keep), g)
         finally:
             g = None
             release_memory(device)
-        return math.inf if err.nonfinite else err.rel_l2_error
 
-    return plan_fp8_keep(roles, error_of, max_error, margin)
+    return plan_fp8_keep(roles, error_of, max_error, margin, layers=layers if per_layer else None,
+                         metric=METRIC_L2 if score_of is None else METRIC_SCORE)
 
 
-__all__ = ["DEFAULT_MARGIN", "FP8Plan", "MAX_ALTERNATIVES", "choose_fastest", "linear_roles", "plan_fp8_keep",
-           "plan_graph", "role"]
+__all__ = ["DEFAULT_MARGIN", "FP8Plan", "MAX_ALTERNATIVES", "MAX_LAYER_RELEASES", "METRIC_L2", "METRIC_SCORE",
+           "choose_fastest", "linear_layers", "linear_roles", "plan_fp8_keep", "plan_graph", "role"]

@@ -8,7 +8,13 @@ Contract:
 - ``example_inputs(batch_size: int) -> tuple[torch.Tensor, ...]`` (required; batch on dim 0 of every batched
   tensor; fresh random data is fine, never all zeros for parity checks)
 - ``example_targets(batch_size)`` and ``loss_fn(output, targets)`` (needed for ``--mode train``)
-- ``score(model) -> float`` (optional: the user's own accuracy metric, higher is better)
+- ``score(model) -> float`` (optional: the user's own accuracy metric, higher is better). When given it gates
+  the search: it is called with the FP32 model and with each candidate's built module (tctune's graph or the
+  model as written, on the measuring device, before the runtime wrapper), so it must move its own data to the
+  device of the model's parameters and do its own batching (see ``tctune.search.evaluate.ScoreGate``).
+- ``calibration_inputs() -> Iterable[tuple[torch.Tensor, ...]]`` (optional: real input batches, each shaped
+  like ``example_inputs``' tuple with any batch size; used beside the random inputs for the FP32 comparison,
+  fp16 overflow calibration and FP8 activation scales, see :mod:`tctune.calibration`)
 - ``DYNAMIC_SHAPES`` (optional module-level value) or ``dynamic_shapes()`` (optional function returning it):
   dimensions other than the batch that take any size in a range, in ``torch.export``'s own format: a tuple with
   one entry per input (None, or ``{dim: torch.export.Dim(name, min=, max=)}``) or a dict keyed by
@@ -23,6 +29,9 @@ Contract:
 Shapes are checked once, on the first call to :meth:`ModelFile.inputs`: a dimension other than the batch whose
 size differs between calls of ``example_inputs`` must be declared in ``DYNAMIC_SHAPES``, else a
 :class:`~tctune.errors.ModelFileError` names the input, the dimension and both sizes.
+
+A caller of the Python API builds a :class:`ModelFile` directly and may set ``score`` and
+``calibration_inputs`` to its own callables.
 """
 from __future__ import annotations
 
@@ -44,6 +53,7 @@ SIGNATURES = {
     "example_targets": "def example_targets(batch_size: int) -> torch.Tensor",
     "loss_fn": "def loss_fn(output, targets) -> torch.Tensor",
     "score": "def score(model: torch.nn.Module) -> float",
+    "calibration_inputs": "def calibration_inputs() -> Iterable[tuple[torch.Tensor, ...]]",
 }
 
 
@@ -56,7 +66,7 @@ class ModelFile:
         name: the model's name (file stem), used for the output folder.
         build_model: the file's ``build_model``.
         example_inputs: the file's ``example_inputs``.
-        example_targets, loss_fn, score: the optional functions, or None.
+        example_targets, loss_fn, score, calibration_inputs: the optional functions, or None.
         dynamic_shapes: the file's ``DYNAMIC_SHAPES`` (or ``dynamic_shapes()``'s value), torch.export format
             (module docstring); None: only the batch is dynamic. The Python API sets it from its
             ``dynamic_shapes=`` argument.
@@ -70,6 +80,7 @@ class ModelFile:
     example_targets: Callable | None = None
     loss_fn: Callable | None = None
     score: Callable | None = None
+    calibration_inputs: Callable | None = None
     dynamic_shapes: Any = None
     batched_inputs: Sequence[str | int] | None = None
     _batched: tuple[bool, ...] | None = field(default=None, init=False, repr=False, compare=False)
@@ -286,12 +297,11 @@ class ModelFile:
         else:
             raise ModelFileError(f"{label}: example_inputs must be a tuple of tensors or a function "
                                  f"batch_size -> tuple, got {type(example_inputs).__name__}")
-        mf = cls(path=Path(f"<{label}>"), name=label, build_model=lambda: model, example_inputs=make, score=score)
-        if calibration is not None:
-            mf.calibration_inputs = calibration  # type: ignore[attr-defined]
-        if dynamic_shapes is not None:
-            mf.dynamic_shapes = dynamic_shapes  # type: ignore[attr-defined]
-        return mf
+        if calibration is not None and not callable(calibration):  # batches given as a list: the contract's callable
+            batches = list(calibration)
+            calibration = lambda: batches  # noqa: E731
+        return cls(path=Path(f"<{label}>"), name=label, build_model=lambda: model, example_inputs=make, score=score,
+                   calibration_inputs=calibration, dynamic_shapes=dynamic_shapes)
 
 
 def example_batch(inputs: tuple) -> int | None:
@@ -371,7 +381,7 @@ def load_model_file(path: str | Path) -> ModelFile:
         sys.path.remove(str(p.parent.resolve()))
 
     found = {}
-    for fn in ("build_model", "example_inputs", "example_targets", "loss_fn", "score"):
+    for fn in ("build_model", "example_inputs", "example_targets", "loss_fn", "score", "calibration_inputs"):
         obj = getattr(module, fn, None)
         if obj is None:
             if fn in ("build_model", "example_inputs"):

@@ -24,7 +24,7 @@ from .errors import ExportError, UsageError
 from .hardware import HardwareSpec, resolve
 from .modelfile import ModelFile, load_model_file
 from .report import build_report, write_atomic, write_report
-from .deploy import Artifacts, calibration_for, export_graphs
+from .deploy import Artifacts, export_graphs
 from .search import TuneConfig, Tuner, best_trial
 from .search.train import check_trainable
 from .trial import build_trial_graph
@@ -132,6 +132,21 @@ def _fp8_calibration(tuner: Tuner, first: list[tuple]) -> list[tuple]:
     return inputs
 
 
+def accuracy_extra(tuner: Tuner) -> dict:
+    """``report.json``'s ``score`` (the score gate: FP32 score, rule, calls and seconds; absent without a score) and
+    ``real_batches`` / ``real_batches_source`` (absent without real batches)."""
+    ev = tuner.evaluator
+    out: dict = {}
+    gate = getattr(ev, "score_gate", None)
+    if gate is not None:
+        out["score"] = gate.to_dict()
+    real = getattr(ev, "calibration", None)
+    if real:
+        out["real_batches"] = len(real)
+        out["real_batches_source"] = tuner.cfg.calibration or "calibration_inputs()"
+    return out
+
+
 def export_best(tuner: Tuner, params: dict, out: Path,
                 fp8_keep: list[str] | None = None) -> tuple[Artifacts, list[dict]]:
     """Export the best configuration's graph (passes at its precision) to ONNX, and TensorRT if importable.
@@ -162,14 +177,14 @@ def export_best(tuner: Tuner, params: dict, out: Path,
         artifacts.tensorrt_skipped_reason = "no ONNX to build from"
         return artifacts, []
     trial = tuner.trial_params(params, fp8_keep)
-    calibration = [tuner.reference(trial.batch_size)[0]]
+    calibration = tuner.evaluator.calibration_inputs(trial.batch_size)  # reference inputs, then real batches
     _, measured = build_trial_graph(tuner.captured.graph_module, tuner.hw, trial, calibration)
     passes = [r.to_dict() for r in measured]  # what ran in the measured candidate, for the report
     if not trial.graph_passes:
         for p in passes:
             p["note"] = "the best trial ran the model as written; these are the passes its exported graph carries"
     export_precision = trial.precision
-    graphs = export_graphs(tuner.captured.graph_module, tuner.hw, trial, calibration_for(trial, calibration[0]))
+    graphs = export_graphs(tuner.captured.graph_module, tuner.hw, trial, calibration if trial.calibration else None)
     fp8, g = graphs.fp8, graphs.onnx_graph
     if not tuner.cfg.export:
         artifacts.onnx_error = "export disabled (--no-export)"
@@ -296,7 +311,8 @@ def optimize_model(mf: ModelFile, cfg: TuneConfig) -> Optimized:
         best_cfg = {"model": mf.name, "model_path": str(mf.path), "hardware": hw.to_dict(),
                     **trial.to_config(dict(bt.params)), "batch_sizes": sorted(cfg.batch_sizes),
                     "throughput": bt.user_attrs.get("throughput"), "max_rel_error": bt.user_attrs.get("max_rel_error"),
-                    "passes": [p["name"] for p in passes], "study": study.study_name, "tctune_version": __version__}
+                    "passes": [p["name"] for p in passes], "study": study.study_name, "tctune_version": __version__,
+                    "calibration_folder": str(Path(cfg.calibration).expanduser().resolve()) if cfg.calibration else None}
         write_atomic(out / "best_config.json", json.dumps(best_cfg, indent=2) + "\n")
         artifacts.best_config = str(out / "best_config.json")
     if cfg.storage is None:
@@ -313,7 +329,8 @@ def optimize_model(mf: ModelFile, cfg: TuneConfig) -> Optimized:
         artifacts=artifacts.to_dict(),
         capture=tuner.captured.info(),
         extra={"plots": plots, "workers": worker_status, "interrupted": tuner.interrupted,
-               "fp8_plans": {policy: plan.to_dict() for policy, plan in tuner.fp8_plans.items()}},
+               "fp8_plans": {policy: plan.to_dict() for policy, plan in tuner.fp8_plans.items()},
+               **accuracy_extra(tuner)},
     )
     write_report(report, out)
     return Optimized(report, tuner, bt if bt is not None and not tuner.interrupted else None)

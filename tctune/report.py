@@ -20,7 +20,8 @@ from .search import best_trial, is_feasible, pareto_front
 
 TRIAL_FIELDS = ("throughput", "latency_ms", "latency_p50_ms", "latency_p99_ms", "repeats_ms", "peak_memory_mib", "max_rel_error", "max_abs_error", "nonfinite",
                 "float_outputs", "exact_outputs", "mismatch_rate", "mismatched", "logits_outputs", "top1_agreement", "kl_divergence",
-                "unchecked_outputs", "fp64_ratio", "description", "setup_s")
+                "unchecked_outputs", "fp64_ratio", "description", "setup_s",
+                "score", "score_ratio", "score_fp32", "score_limit", "score_s", "real_batches")
 
 
 def write_atomic(path: str | Path, text: str) -> None:
@@ -133,6 +134,7 @@ def build_report(study: optuna.Study, *, hardware: dict, measured_on: str, confi
         best["confirmed_throughput"] = confirmed_throughputs(study).get(bt.number)
         best["speedup_vs_baseline"] = best["throughput"] / same["throughput"] if same else None
         best["speedup_vs_best_baseline"] = best["throughput"] / top["throughput"] if top else None
+        best["accepted_by"] = accepted_by(best, config)
         ref = same or top
         if ref:
             baseline = {"precision": "fp32", "graph_passes": False, "batch_size": ref["params"]["batch_size"],
@@ -163,6 +165,52 @@ def build_report(study: optuna.Study, *, hardware: dict, measured_on: str, confi
     if extra:
         report.update(extra)
     return _clean(report)
+
+
+def accepted_by(row: dict, config: dict) -> dict:
+    """Which accuracy gate accepted trial ``row`` and by how much (``report.json``'s ``best.accepted_by``).
+
+    ``{"gate": "score", "value", "limit", "margin", "rel_l2", "rel_l2_limit"}`` when the trial was scored (the
+    score gate decides: ``margin = score - limit``, in the score's units), else ``{"gate": "relative_l2", "value",
+    "limit", "margin"}`` (``margin = limit - relative L2``). ``rel_l2_limit`` is ``max_error`` (``max_error_fp8``
+    at precision fp8), ``None`` when the trial had no floating output."""
+    fp8 = row["params"].get("precision") == "fp8"
+    l2_limit = config.get("max_error_fp8" if fp8 else "max_error")
+    rel = None if row.get("float_outputs") == 0 else row.get("max_rel_error")
+    if row.get("score") is not None and row.get("score_limit") is not None:
+        return {"gate": "score", "value": row["score"], "limit": row["score_limit"],
+                "margin": row["score"] - row["score_limit"], "rel_l2": rel, "rel_l2_limit": l2_limit}
+    return {"gate": "relative_l2", "value": rel, "limit": l2_limit,
+            "margin": None if rel is None or l2_limit is None else l2_limit - rel}
+
+
+def gate_line(row: dict, config: dict) -> str:
+    """The report.md sentence saying which gate accepted trial ``row`` and by how much, e.g. "accepted by the
+    score gate: 0.9712 >= 0.99 x 0.9722 (margin 0.0086); relative L2 2.1e-02 (limit 1e-02, not deciding
+    because a score is given)"."""
+    a = row.get("accepted_by") or accepted_by(row, config)
+    extra = ""
+    if row.get("mismatch_rate") is not None:
+        extra = (f"; integer/bool outputs differ in {row['mismatch_rate']:.2%} of their elements (allowed "
+                 f"{config.get('max_mismatch_rate') or 0:.2%})")
+    if a["gate"] == "score":
+        rule = (f"{config['min_score']:.4g} (min_score)" if config.get("min_score") is not None else
+                f"{config.get('min_score_ratio', 0.99):g} x {row.get('score_fp32'):.4g} (FP32 score)")
+        rel = "–" if a["rel_l2"] is None else f"{a['rel_l2']:.1e}"
+        lim = "" if a["rel_l2_limit"] is None else f"limit {a['rel_l2_limit']:g}, "
+        return (f"accepted by the score gate: {a['value']:.4f} >= {rule} (margin {a['margin']:.4f}); relative L2 "
+                f"{rel} ({lim}not deciding because a score is given){extra}")
+    if a["value"] is None:
+        return f"accepted by the exact checks: no floating outputs to compare (no relative L2){extra}"
+    return (f"accepted by the relative-L2 gate: {a['value']:.2e} <= {a['limit']:g} (margin {a['margin']:.2e}), on "
+            f"fresh random inputs{' and real batches' if row.get('real_batches') else ''}{extra}")
+
+
+def _score(row: dict) -> str:
+    """The trials table's score cell: ``0.9712 (0.999)`` (score, ratio to FP32), or "–"."""
+    if row.get("score") is None:
+        return "–"
+    return f"{row['score']:.4g}" + (f" ({row['score_ratio']:.3f})" if row.get("score_ratio") is not None else "")
 
 
 def _fmt(v: Any, spec: str = ".4g") -> str:
@@ -221,12 +269,22 @@ def render_markdown(r: dict) -> str:
               f"- Study: `{r['study']['name']}`, {r['study']['n_trials']} trials ({r['study']['n_complete']} complete)",
               f"- Accuracy limit: relative L2 error ≤ {r['config']['max_error']:g} against FP32 eager on fresh random inputs; "
               + (f"integer and bool outputs may differ in up to {r['config']['max_mismatch_rate']:.2%} of their elements"
-                 if r["config"].get("max_mismatch_rate") else "integer and bool outputs must match exactly"), ""]
+                 if r["config"].get("max_mismatch_rate") else "integer and bool outputs must match exactly")]
     dynamic = r["capture"].get("dynamic") or []
     if any(d["symbol"] != "batch" for d in dynamic):  # capture.dynamic: tctune.capture.dynamic_dims
-        lines[-1:-1] = ["- Dynamic dimensions (measured at the example sizes): " + ", ".join(
+        lines += ["- Dynamic dimensions (measured at the example sizes): " + ", ".join(
             f"{d['name']} dim {d['dim']} = {d['symbol']} {d['min']}..{d['max'] if d['max'] is not None else '∞'}"
             + (f" (example {d['example']})" if d["symbol"] != "batch" else "") for d in dynamic)]
+    sc = r.get("score") or {}
+    if sc.get("fp32") is not None:
+        lines.append(f"- Score gate: the model file's score(model) decides accuracy for every precision "
+                     f"({sc.get('rule')}); the relative L2 limit is reported, not deciding. score() ran "
+                     f"{sc.get('calls')} time(s), {_fmt(sc.get('seconds'), '.1f')} s in all ({sc.get('cached_graphs')} "
+                     "graphs scored, each once)")
+    if r.get("real_batches"):
+        lines.append(f"- Real input batches: {r['real_batches']} ({r.get('real_batches_source')}), compared beside the "
+                     "random inputs and used for fp16 overflow calibration and FP8 activation scales")
+    lines.append("")
     if not r["capture"]["ok"] and r["config"].get("mode") == "train":
         lines += [f"> No graph passes in `--mode train`: {r['capture']['reason']}", ""]
     elif not r["capture"]["ok"]:
@@ -241,6 +299,7 @@ def render_markdown(r: dict) -> str:
         lines.append(f"Best: **{p['precision']}**, {kind}, runtime {p.get('runtime', 'eager')}, batch {p['batch_size']}: "
                      f"{_fmt(b['throughput'])} items/s, "
                      f"{_fmt(b['latency_ms'])} ms per batch, relative error {_rel_error(b)}.")
+        lines.append(f"- Accuracy: {gate_line(b, r['config'])}.")
         acc = accuracy_summary(b)
         if acc:
             lines.append(f"- Outputs against FP32: {acc}.")
@@ -314,14 +373,14 @@ def render_markdown(r: dict) -> str:
     else:
         lines.append("No graph passes ran for the best configuration.")
     lines += ["", "## Trials", "",
-              "| # | state | precision | graph passes | runtime | batch | items/s | ms/batch | peak MiB | rel. error | int mismatch | top-1 / KL | setup s | note |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| # | state | precision | graph passes | runtime | batch | items/s | ms/batch | peak MiB | rel. error | int mismatch | top-1 / KL | score (× FP32) | setup s | note |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in r["trials"]:
         p = t["params"]
         graph = ("yes" + (" (pure)" if p.get("policy") == "pure" else "")) if p.get("graph_passes") else "no"
         lines.append(f"| {t['number']} | {t['state'].lower()} | {p.get('precision', '–')} | {graph} | "
                      f"{p.get('runtime', 'eager')} | {p.get('batch_size', '–')} | {_fmt(t['throughput'])} | {_fmt(t['latency_ms'])} | "
-                     f"{_fmt(t['peak_memory_mib'], '.0f')} | {_rel_error(t)} | {_mismatch(t)} | {_top1(t)} | "
+                     f"{_fmt(t['peak_memory_mib'], '.0f')} | {_rel_error(t)} | {_mismatch(t)} | {_top1(t)} | {_score(t)} | "
                      f"{_fmt(t['setup_s'], '.1f')} | {t['fail_reason'] or ''} |")
     if r["study"].get("n_queued_not_run"):
         lines += ["", f"{r['study']['n_queued_not_run']} queued candidate(s) were not started (--trials or --timeout "

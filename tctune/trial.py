@@ -48,7 +48,8 @@ class TrialParams:
         memory_format: ``contiguous`` or ``channels_last``.
         fp8_keep: at precision fp8, module-path patterns whose linears stay bf16 (``()`` below fp8).
         calibration: at fp16, tctune's graph keeps the nodes that overflow fp16 on the reference inputs
-            (``INPUT_SEED + batch_size``) in FP32.
+            (``INPUT_SEED + batch_size``) and on the run's real batches (``--calibration`` or the model file's
+            ``calibration_inputs()``, :mod:`tctune.calibration`) in FP32.
     """
 
     batch_size: int

@@ -11,7 +11,9 @@ The model file is executed as `python model.py` would execute it: only optimize 
 It must define:
   build_model() -> torch.nn.Module
   example_inputs(batch_size: int) -> tuple[torch.Tensor, ...]   (batch on dim 0, fresh random data)
-and may define score(model) -> float (your own accuracy metric, higher is better).
+and may define score(model) -> float (your own accuracy metric, higher is better: when given, it decides
+which precisions are accurate enough, see --min-score-ratio) and calibration_inputs() -> iterable of input
+tuples (real data, see --calibration).
 
 What is searched: batch size x precision (those the hardware allows: fp32, tf32, fp16, bf16 on a GPU,
 plus fp8 E4M3 GEMMs on sm_89 and newer for inference; fp32 and bf16 on the CPU) x graph passes on/off
@@ -20,7 +22,9 @@ inductor-cudagraphs on a GPU; compile time is reported); on a GPU also the cast 
 (autocast: FP32 keep-list, residual adds and embeddings; pure: everything low, like model.half()) and, for
 conv nets, the memory format (contiguous or channels-last). Every candidate is timed (CUDA events on a GPU,
 perf_counter on the CPU; warm-up, median of repeats) and compared with FP32 eager on the same fresh random
-inputs; a candidate whose relative L2 error exceeds --max-error (--max-error-fp8 for fp8) is never chosen. FP32 eager at every batch size is measured first (the
+inputs (and on real batches: --calibration); a candidate whose relative L2 error exceeds --max-error
+(--max-error-fp8 for fp8) is never chosen, unless the model file gives score(model): then the score decides
+(at least --min-score-ratio x the FP32 score). FP32 eager at every batch size is measured first (the
 baseline), then tctune's graph through the fastest compiled runtime at each low precision. After the
 trials the fastest candidates within 5% are built and timed once more; the best mean wins. The study is
 kept in OUT/study.db: running the same command again adds trials to it.
@@ -62,6 +66,21 @@ def register(sub) -> str:
     o.add_argument("--max-memory-mib", type=float, metavar="MIB", help="constraint: peak CUDA memory at most this")
     o.add_argument("--max-error-fp8", type=float, default=5e-2, metavar="E",
                    help="the same limit for FP8 candidates (Ada/Hopper and newer), default %(default)g")
+    o.add_argument("--min-score-ratio", type=float, default=0.99, metavar="R",
+                   help="with score(model) in the model file: a candidate's score must be at least R x the FP32 "
+                        "score (default %(default)g, MLPerf's 99%% rule); the score then decides accuracy for every "
+                        "precision and --max-error / --max-error-fp8 are reported, not deciding (NaN/inf and "
+                        "integer mismatches still reject)")
+    o.add_argument("--min-score", type=float, metavar="S",
+                   help="with score(model): the lowest score a candidate may have (instead of --min-score-ratio)")
+    o.add_argument("--max-mismatch-rate", type=float, default=0.0, metavar="F",
+                   help="fraction (0 to 1) of the elements of integer/bool outputs (class ids, counts) that may "
+                        "differ from FP32 (default %(default)g: exact)")
+    o.add_argument("--calibration", metavar="DIR",
+                   help="folder of real input batches, one .safetensors or .npz file each (keys input_0, input_1, "
+                        "... or forward's argument names; read in sorted order, never unpickled): compared beside "
+                        "the random inputs, and used for fp16 overflow calibration and FP8 activation scales "
+                        "(default: the model file's calibration_inputs(), if any)")
     o.add_argument("--fp8-keep", default="auto", metavar="PATTERNS",
                    help="FP8 keep-list: linears kept in bf16 at precision fp8. auto (default): planned by measuring "
                         "which groups of linears (e.g. every layer's FFN down projection) cost the most error, "
@@ -97,6 +116,10 @@ def _summary(report: dict, out: Path) -> str:
         lines.append(f"best: {p['precision']}, {'tctune graph' if p.get('graph_passes') else 'model as written'}, "
                      f"{p.get('runtime', 'eager')}, batch {p['batch_size']}: "
                      f"{b['throughput']:.4g} items/s, rel. error {b['max_rel_error']:.2e}")
+        if b.get("accepted_by"):
+            from ..report import gate_line
+
+            lines.append(f"      {gate_line(b, report.get('config', {}))}")
         if report.get("config", {}).get("objective") == "latency" and b.get("latency_p99_ms") is not None:
             lines.append(f"      p99 latency {b['latency_p99_ms']:.4g} ms per batch (the objective)")
         if base and b.get("speedup_vs_baseline"):
@@ -135,7 +158,9 @@ def config_from_args(args) -> "TuneConfig":
                       objective=args.objective, mode=args.mode, effective_batch=args.effective_batch,
                       prune=not args.no_prune, devices=parse_devices(args.devices) if args.devices else None,
                       max_latency_ms=args.max_latency_ms, max_memory_mib=args.max_memory_mib,
-                      fp8_keep=parse_fp8_keep(args.fp8_keep))
+                      fp8_keep=parse_fp8_keep(args.fp8_keep), min_score_ratio=args.min_score_ratio,
+                      min_score=args.min_score, max_mismatch_rate=args.max_mismatch_rate,
+                      calibration=args.calibration)
 
 
 def run(args) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields
 
 from ..errors import UsageError
@@ -40,6 +41,16 @@ class TuneConfig:
         prune: stop clearly slower candidates early (Optuna's PercentilePruner); False measures every one fully.
         fp8_keep: FP8 keep-list (``fnmatch`` patterns of linears' module paths kept bf16 at precision fp8);
             None: planned from measured sensitivity (:mod:`tctune.fp8_plan`); ``()``: every eligible linear FP8.
+        min_score_ratio: when the model file gives ``score(model)`` (higher is better), a candidate is infeasible
+            when its score is below ``fp32 - (1 - min_score_ratio) * |fp32|`` (``min_score_ratio * fp32`` for a
+            positive FP32 score); default 0.99, MLPerf's "99 % of FP32" accuracy target. In (0, 1].
+        min_score: absolute alternative: the lowest score a candidate may have (replaces ``min_score_ratio``).
+            When a score is given, it decides feasibility for every precision; ``max_error`` /
+            ``max_error_fp8`` are reported but do not reject (NaN/inf and integer mismatches still do).
+        max_mismatch_rate: largest fraction (0 to 1) of the elements of integer/bool outputs that may differ
+            from FP32's (``tctune.measure.check_accuracy``); 0.0: they must match exactly.
+        calibration: a folder of ``.safetensors`` / ``.npz`` input batches (:mod:`tctune.calibration`) used
+            beside the seeded random inputs; None: the model file's ``calibration_inputs()`` when it has one.
     """
 
     out_dir: str
@@ -64,6 +75,10 @@ class TuneConfig:
     max_latency_ms: float | None = None
     max_memory_mib: float | None = None
     fp8_keep: tuple[str, ...] | None = None
+    min_score_ratio: float = 0.99
+    min_score: float | None = None
+    max_mismatch_rate: float = 0.0
+    calibration: str | None = None
 
     def __post_init__(self) -> None:
         """Raises UsageError naming the bad field (``err.field``, e.g. ``"trials"``) and what it must be."""
@@ -103,6 +118,14 @@ class TuneConfig:
         if self.fp8_keep is not None and (isinstance(self.fp8_keep, str)
                                           or not all(isinstance(p, str) and p.strip() for p in self.fp8_keep)):
             raise bad("fp8_keep", f"must be None (planned), () or module-path patterns, got {self.fp8_keep!r}")
+        if not (0 < self.min_score_ratio <= 1):
+            raise bad("min_score_ratio", f"must be in (0, 1] (a fraction of the FP32 score), got {self.min_score_ratio}")
+        if self.min_score is not None and not math.isfinite(self.min_score):
+            raise bad("min_score", f"must be a finite number, got {self.min_score}")
+        if not (0 <= self.max_mismatch_rate <= 1):
+            raise bad("max_mismatch_rate", f"must be a fraction in [0, 1], got {self.max_mismatch_rate}")
+        if self.calibration is not None and (not isinstance(self.calibration, str) or not self.calibration.strip()):
+            raise bad("calibration", f"must be the path of a folder of input batches, got {self.calibration!r}")
 
     def to_dict(self) -> dict:
         """Every field, JSON-ready (``report.json``'s ``config``; worker processes receive it)."""

@@ -16,12 +16,14 @@ from typing import Any, Callable, Protocol, Sequence
 import optuna
 import torch
 
+from ..calibration import load_calibration
 from ..capture import Captured
 from ..errors import CandidateRejected, PassError
-from ..fp8_plan import FP8Plan, choose_fastest, plan_graph
+from ..fp8_plan import METRIC_SCORE, FP8Plan, choose_fastest, plan_graph
 from ..measure import ErrorStats, check_accuracy, compare, is_oom, precision_mode, release_memory, time_call
 from ..runtime import Autocast, ChannelsLast, detach_outputs, wrap
 from ..trial import FailureKind, TrialParams, apply_passes, build_trial_graph, reference_inputs
+from .accuracy import ScoreGate, graph_key, worst
 from .config import TuneConfig
 from .results import first_line, rejection, trial_metrics
 
@@ -62,6 +64,15 @@ class InferenceEvaluator:
         model: the FP32 eval-mode model on ``device`` (the reference, and the model-as-written candidates).
         captured: the capture of ``model`` (``tctune.capture.try_capture``).
         fastest_runtime: the runtime FP8 keep-lists are timed through (None: eager).
+
+    Accuracy (see :mod:`tctune.search.accuracy`): each candidate is compared with the FP32 model on the seeded
+    random inputs and on every real batch (``cfg.calibration``'s folder or ``mf.calibration_inputs()``; these run
+    through the built module before the runtime wrapper, once per graph), its stats being the worst over both;
+    then, when ``mf.score`` is given, scored (once per graph). Real batches also calibrate the fp16 overflow
+    analysis of tctune's graph.
+
+    Raises:
+        UsageError, ModelFileError: bad real batches (:func:`tctune.calibration.load_calibration`), before any trial.
     """
 
     def __init__(self, cfg: TuneConfig, mf, hw, device: torch.device, model: torch.nn.Module, captured: Captured,
@@ -71,6 +82,16 @@ class InferenceEvaluator:
         self._refs: dict[int, tuple[tuple, Any]] = {}
         self.compile_over_budget: str | None = None
         self.fp8_plans: dict[str, FP8Plan] = {}  # policy -> planned FP8 keep-list (when --fp8-keep is auto)
+        self.calibration = load_calibration(mf, cfg.calibration, model, device,
+                                            captured.graph_module if captured.ok else None)
+        score = getattr(mf, "score", None)
+        self.score_gate = (ScoreGate(score, cfg.min_score_ratio, cfg.min_score, where=mf.path.name)
+                           if score is not None else None)
+        self._real_stats: dict[Any, ErrorStats] = {}  # graph key -> worst stats over the real batches
+
+    def calibration_inputs(self, batch_size: int) -> list[tuple]:
+        """The fp16 overflow calibration of a trial at ``batch_size``: its reference inputs, then every real batch."""
+        return [self.reference(batch_size)[0], *(b.inputs for b in self.calibration)]
 
     def reference(self, batch_size: int) -> tuple[tuple, Any]:
         """Fresh random inputs for ``batch_size`` (seeded, so every candidate sees the same) and FP32 outputs."""
@@ -110,8 +131,8 @@ class InferenceEvaluator:
         runtime = params.get("runtime", "eager")
         if params["graph_passes"]:
             trial = self.trial_params(params, fp8_keep)
-            inputs, _ = self.reference(trial.batch_size)
-            g, results = build_trial_graph(self.captured.graph_module, self.hw, trial, [inputs])
+            g, results = build_trial_graph(self.captured.graph_module, self.hw, trial,
+                                           self.calibration_inputs(trial.batch_size))
             keep, policy = trial.fp8_keep, trial.policy
             label = f"{precision} ({policy})" if precision in ("fp16", "bf16") else precision
             if precision == "fp8":
@@ -137,7 +158,8 @@ class InferenceEvaluator:
     def fp8_keep(self, policy: str, batch_size: int) -> tuple[str, ...]:
         """The FP8 keep-list for graph candidates with ``policy``: ``--fp8-keep``'s patterns, or the one planned
         once per policy from the error of FP8 graphs on the FP32 reference inputs at ``batch_size``
-        (:func:`tctune.fp8_plan.plan_fp8_keep`, aiming at 0.9 × ``--max-error-fp8``).
+        (:func:`tctune.fp8_plan.plan_fp8_keep`, aiming at 0.9 × ``--max-error-fp8``), or, when the model file
+        gives ``score``, from their score shortfall (aiming at 0.9 × the allowed shortfall, 0.01 by default).
 
         Raises:
             CandidateRejected: no linear can run FP8 within the limit (the plan's reason).
@@ -154,11 +176,25 @@ class InferenceEvaluator:
 
     def _plan_fp8(self, policy: str, batch_size: int) -> FP8Plan:
         inputs, ref = self.reference(batch_size)
+        limit, score_of = self.cfg.max_error_fp8, None
+        gate = self.score_gate
+        if gate is not None:
+            gate.reference(self.model)
+            limit = gate.allowed_shortfall
+            if not limit > 0:
+                return FP8Plan((), float("nan"), limit, 0.0, reason=(
+                    f"FP8 cannot meet the score limit {gate.limit:.4g}: it is not below the FP32 score "
+                    f"{gate.fp32:.4g}; FP8 candidates are rejected"), metric=METRIC_SCORE)
+
+            def score_of(keep: tuple[str, ...], graph) -> float:  # cached with the trials that build this graph
+                key = graph_key(TrialParams(batch_size=1, precision="fp8", graph_passes=True, policy=policy,
+                                            fp8_keep=keep))
+                return gate.shortfall(gate.score(key, graph, "fp8")[0])
         try:
             gm, hw = self.captured.graph_module, self.hw
             plan = plan_graph(lambda keep, names: apply_passes(gm, hw, "fp8", names, policy=policy, fp8_keep=keep)[0],
-                              inputs, ref, self.cfg.max_error_fp8, device=self.device)
-        except PassError:
+                              inputs, ref, limit, device=self.device, score_of=score_of)
+        except (PassError, CandidateRejected):
             raise
         except Exception as exc:  # noqa: BLE001 - an FP8 graph that cannot run rejects the FP8 candidates
             raise rejection(exc, self.device, batch_size, "FP8 keep-list planning") from exc
@@ -191,6 +227,8 @@ class InferenceEvaluator:
         bs = params["batch_size"]
         runtime = params.get("runtime", "eager")
         inputs, ref = self.reference(bs)
+        if self.score_gate is not None:
+            self.score_gate.reference(self.model)  # the FP32 score first: a broken score() stops the run here
         release_memory(self.device)  # what earlier candidates left (CUDA graph pools, compiled code)
         held = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         cand = self.build(params, fp8_keep)
@@ -211,13 +249,15 @@ class InferenceEvaluator:
                                             FailureKind.COMPILE_BUDGET)
                 with torch.inference_mode():
                     out = detach_outputs(fn(*inputs))
-            err: ErrorStats = compare(out, ref)
+            key = graph_key(self.trial_params(params, cand.fp8_keep))
+            err: ErrorStats = self._real_data(key, cand, compare(out, ref))
             try:
-                check_accuracy(err, cand.precision, out)
+                check_accuracy(err, cand.precision, out, max_mismatch_rate=self.cfg.max_mismatch_rate)
             except CandidateRejected as exc:
                 exc.kind = exc.kind or FailureKind.ACCURACY
                 raise
             del out
+            scored = self._score(key, cand, params)
             with precision_mode(cand.precision):
                 timing = time_call(lambda: fn(*inputs), bs, self.device, on_repeat=on_repeat,
                                    target_repeat_s=0.1 if self.device.type == "cuda" else 0.15)
@@ -232,9 +272,42 @@ class InferenceEvaluator:
         if timing.peak_memory_mib is not None:
             peak = timing.peak_memory_mib - (held - own) / 2**20
         extra = {} if cand.fp8_keep is None else {"fp8_keep": list(cand.fp8_keep)}  # export rebuilds this graph
+        extra.update(scored)
+        if self.calibration:
+            extra["real_batches"] = len(self.calibration)
         return trial_metrics(timing, err, peak_memory_mib=peak, setup_s=setup_s, description=cand.description,
                              passes=[{"name": r.name, "changed": r.count, **({"failed": r.notes["failed"]} if "failed" in r.notes else {})}
                                      for r in cand.passes], **extra)
+
+    def _real_data(self, key, cand: Candidate, err: ErrorStats) -> ErrorStats:
+        """``err`` (the random inputs' stats) merged with the candidate's worst stats over the real batches,
+        computed once per graph ``key`` by running ``cand.module`` (before the runtime wrapper) on each."""
+        if not self.calibration:
+            return err
+        if key not in self._real_stats:
+            stats = None
+            for b in self.calibration:
+                try:
+                    with precision_mode(cand.precision), torch.inference_mode():
+                        out = detach_outputs(cand.module(*b.inputs))
+                except Exception as exc:  # noqa: BLE001 - this candidate fails where FP32 ran
+                    raise rejection(exc, self.device, len(b.inputs[0]), f"the real batch {b.source}") from exc
+                s = compare(out, b.reference)
+                stats = s if stats is None else worst(stats, s)
+            self._real_stats[key] = stats
+        return worst(err, self._real_stats[key])
+
+    def _score(self, key, cand: Candidate, params: dict) -> dict:
+        """The score metrics of the candidate (:meth:`ScoreGate.metrics`), {} without a score. The FP32 model as
+        written is the reference itself: its score is the FP32 score."""
+        gate = self.score_gate
+        if gate is None:
+            return {}
+        if (params["precision"] == "fp32" and not params["graph_passes"]
+                and params.get("memory_format", "contiguous") == "contiguous"):
+            return gate.metrics(gate.reference(self.model), 0.0)
+        value, seconds = gate.score(key, cand.module, cand.precision)
+        return gate.metrics(value, seconds)
 
 
 __all__ = ["Candidate", "Evaluator", "InferenceEvaluator"]

@@ -31,7 +31,7 @@ from ..runtime import CUDA_GRAPH_RUNTIMES, RUNTIMES_CPU, RUNTIMES_GPU
 from ..trial import FailureKind, TrialParams, measuring_device
 from .config import OBJECTIVES, TuneConfig
 from .evaluate import Evaluator, InferenceEvaluator
-from .results import (best_trial, confirmed_throughputs, counts_as_measured, fail, failure_kind, first_line,
+from .results import (best_trial, confirmed_throughputs, constraint_checks, counts_as_measured, fail, failure_kind, first_line,
                       is_feasible, objective_values)
 from .space import SearchSpace
 from .storage import fail_interrupted, measured, open_study, retry_interrupted
@@ -292,19 +292,12 @@ class Tuner:
             raise CandidateRejected(reason, FailureKind.RUNTIME_ERROR) from exc
         for k, v in metrics.items():
             trial.set_user_attr(k, v)
-        fp8 = params["precision"] == "fp8"
-        limits = {"max_error": (metrics["max_rel_error"], self.cfg.max_error_fp8 if fp8 else self.cfg.max_error,
-                                "relative error", "--max-error-fp8" if fp8 else "--max-error"),
-                  "max_latency_ms": (metrics["latency_p99_ms"], self.cfg.max_latency_ms, "p99 latency ms", "--max-latency-ms"),
-                  "max_memory_mib": (metrics["peak_memory_mib"], self.cfg.max_memory_mib, "peak memory MiB", "--max-memory-mib")}
         over, kind = [], None
-        for key, (value, limit, what, flag) in limits.items():
-            if limit is None or value is None:
-                continue
-            trial.set_constraint(key, float(value - limit))
-            if value > limit:
-                over.append(f"{what} {value:.3g} > {flag} {limit:g}")
-                kind = kind or (FailureKind.ACCURACY if key == "max_error" else FailureKind.CONSTRAINT)
+        for key, value, reason, k in constraint_checks(metrics, params["precision"], self.cfg):
+            trial.set_constraint(key, value)
+            if reason:
+                over.append(reason)
+                kind = kind or k
         if over:
             fail(trial, "; ".join(over), kind)
         return objective_values(metrics, self.cfg.objective)

@@ -50,6 +50,46 @@ def trial_metrics(timing, err: ErrorStats, **extra) -> dict:
     return metrics
 
 
+def constraint_checks(metrics: dict, precision: str, cfg) -> list[tuple[str, float, str | None, FailureKind]]:
+    """The constraints of a measured trial: ``(key, value, reason, kind)`` each, ``value <= 0`` when met (Optuna's
+    ``Trial.set_constraint``), ``reason`` the report's text when not met (else None).
+
+    Accuracy: when the trial has a ``score`` (the model file's ``score(model)``, see
+    :class:`tctune.search.accuracy.ScoreGate`), the score gate decides (key ``min_score``: ``score_limit - score``),
+    and the relative L2 error is not a constraint, for every precision; otherwise the relative L2 error against
+    FP32 must be at most ``cfg.max_error`` (``cfg.max_error_fp8`` at precision fp8; key ``max_error``). Then
+    ``max_latency_ms`` (p99 ms per batch) and ``max_memory_mib`` (peak MiB) when set.
+
+    Args:
+        metrics: the trial's metrics (:func:`trial_metrics`, plus ``score``/``score_limit`` when scored).
+        precision: the trial's precision; cfg: the run's ``TuneConfig``.
+    """
+    fp8 = precision == "fp8"
+    if metrics.get("score") is not None:
+        accuracy = ("min_score", -metrics["score"], -metrics["score_limit"],
+                    lambda v, lim: f"score {-v:.4g} < {-lim:.4g} (the score limit: "
+                                   + (f"--min-score {cfg.min_score:g}" if cfg.min_score is not None else
+                                      f"--min-score-ratio {cfg.min_score_ratio:g} x FP32's {metrics.get('score_fp32'):.4g}") + ")")
+    else:
+        limit = cfg.max_error_fp8 if fp8 else cfg.max_error
+        flag = "--max-error-fp8" if fp8 else "--max-error"
+        accuracy = ("max_error", metrics["max_rel_error"], limit,
+                    lambda v, lim: f"relative error {v:.3g} > {flag} {lim:g}")
+    limits = [accuracy,
+              ("max_latency_ms", metrics.get("latency_p99_ms"), cfg.max_latency_ms,
+               lambda v, lim: f"p99 latency ms {v:.3g} > --max-latency-ms {lim:g}"),
+              ("max_memory_mib", metrics.get("peak_memory_mib"), cfg.max_memory_mib,
+               lambda v, lim: f"peak memory MiB {v:.3g} > --max-memory-mib {lim:g}")]
+    out = []
+    for key, value, limit, why in limits:
+        if limit is None or value is None:
+            continue
+        over = float(value - limit)
+        kind = FailureKind.ACCURACY if key in ("max_error", "min_score") else FailureKind.CONSTRAINT
+        out.append((key, over, why(value, limit) if over > 0 else None, kind))
+    return out
+
+
 def first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [""])[0][:300]
 

@@ -1,0 +1,229 @@
+"""Real input batches: the model file's ``calibration_inputs()`` or a folder of ``.safetensors`` / ``.npz`` files.
+
+Real batches are used beside the seeded random inputs of ``example_inputs``:
+
+- the FP32-reference comparison: each candidate is also run on every real batch and compared with the FP32
+  model's outputs on it; the trial's error statistics are the worst over the random and the real inputs;
+- the fp16 overflow calibration of tctune's graph (``passes.build_graph``'s ``calibration``): a node that
+  overflows fp16 on real data stays FP32 even when random data does not reach its range;
+- the static activation scales of the FP8 ONNX export.
+
+Folder format (one file = one batch = one tuple of input tensors, read in sorted file-name order):
+
+- ``.safetensors`` (read with ``safetensors.torch.load_file``) or ``.npz`` (``numpy.load(allow_pickle=False)``:
+  object arrays are refused, nothing is unpickled). Other files in the folder are ignored.
+- Keys ``input_0``, ``input_1``, ... (the position in ``example_inputs``' tuple), or the names of the model's
+  ``forward`` parameters (``input_ids``, ``attention_mask``, ...).
+- Each tensor has the dtype and rank of the matching ``example_inputs`` tensor; dim 0 is the batch (any size,
+  the same for every tensor of the file). Other dims must be ones the model (and tctune's captured graph,
+  which has a dynamic batch only) accepts: every batch is run once in FP32 before any trial.
+
+Any problem raises one error naming the file (or the ``calibration_inputs()`` batch) and the expected shapes
+and dtypes, before the search starts.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from .errors import ModelFileError, UsageError
+
+#: File suffixes read from a calibration folder.
+SUFFIXES = (".safetensors", ".npz")
+
+
+@dataclass
+class CalibrationBatch:
+    """One real input batch.
+
+    Attributes:
+        source: where it came from: a file name, or ``calibration_inputs() batch <i>`` (0-based).
+        inputs: the input tuple, on the measuring device (batch on dim 0).
+        reference: the FP32 model's outputs on ``inputs`` (filled by :func:`load_calibration`).
+    """
+
+    source: str
+    inputs: tuple[torch.Tensor, ...]
+    reference: Any = None
+
+
+def input_names(model: torch.nn.Module) -> list[str]:
+    """The names of ``model.forward``'s positional parameters, in order (empty when it takes ``*args``)."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def expected(example: Sequence[torch.Tensor]) -> str:
+    """``input_0: float32 (B, 1, 8, 8)``-style description of ``example`` (B: any batch size)."""
+    return ", ".join(f"input_{i}: {str(t.dtype).replace('torch.', '')} (B{''.join(', ' + str(s) for s in t.shape[1:])})"
+                     for i, t in enumerate(example))
+
+
+def _read_file(path: Path) -> dict[str, torch.Tensor]:
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return dict(load_file(str(path)))
+    import numpy as np
+
+    with np.load(path, allow_pickle=False) as data:
+        return {k: torch.from_numpy(np.ascontiguousarray(data[k])) for k in data.files}
+
+
+def read_folder(folder: str | Path, example: Sequence[torch.Tensor], names: Sequence[str] = ()) -> list[CalibrationBatch]:
+    """The batches of a calibration folder, in sorted file-name order, checked against ``example``.
+
+    Args:
+        folder: a folder of ``.safetensors`` / ``.npz`` files (see the module docstring).
+        example: one ``example_inputs`` tuple (dtypes and ranks to match; batch size irrelevant).
+        names: the model's input names (:func:`input_names`), accepted as keys besides ``input_<i>``.
+
+    Returns:
+        One :class:`CalibrationBatch` per file (on the CPU, ``reference`` None).
+
+    Raises:
+        UsageError (field ``calibration``): no such folder, no batch file in it, or a file that cannot be read,
+            has other keys, or holds a tensor of another dtype or rank than ``example`` (the message names the
+            file and the expected inputs).
+    """
+    p = Path(folder).expanduser()
+    want = expected(example)
+    if not p.is_dir():
+        raise UsageError(f"calibration {p}: not a folder\n  fix: a folder of .safetensors or .npz files, one batch "
+                         f"each, with keys input_0, input_1, ... ({want})", field="calibration")
+    files = sorted(f for f in p.iterdir() if f.suffix in SUFFIXES and f.is_file())
+    if not files:
+        raise UsageError(f"calibration {p} holds no .safetensors or .npz file\n  fix: one file per batch, with keys "
+                         f"input_0, input_1, ... ({want})", field="calibration")
+    out = []
+    for f in files:
+        try:
+            data = _read_file(f)
+        except Exception as exc:  # noqa: BLE001 - a corrupt file, pickled object arrays, ...
+            raise UsageError(f"calibration file {f}: cannot be read ({type(exc).__name__}: "
+                             f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''})\n  fix: write it with "
+                             "numpy.savez (numeric arrays only: no pickled objects) or safetensors.torch.save_file",
+                             field="calibration") from None
+        out.append(CalibrationBatch(f.name, _order(data, example, names, f)))
+    for b in out:
+        check_batch(b, example, lambda msg: UsageError(f"calibration file {p / b.source}: {msg}", field="calibration"))
+    return out
+
+
+def _order(data: dict[str, torch.Tensor], example: Sequence[torch.Tensor], names: Sequence[str], f: Path) -> tuple:
+    n = len(example)
+    positional = [f"input_{i}" for i in range(n)]
+    named = list(names[:n])
+    for keys in (positional, named):
+        if keys and set(keys) == set(data):
+            return tuple(data[k] for k in keys)
+    alt = f" or {', '.join(named)}" if len(named) == n else ""
+    raise UsageError(f"calibration file {f}: has keys {', '.join(sorted(data)) or '(none)'}; expected exactly "
+                     f"{', '.join(positional)}{alt} ({expected(example)})", field="calibration")
+
+
+def check_batch(batch: CalibrationBatch, example: Sequence[torch.Tensor], error) -> None:
+    """Raise ``error(message)`` when ``batch.inputs`` is not a tuple of tensors like ``example`` (count, dtype,
+    rank, one batch size); the message lists the expected inputs."""
+    want = expected(example)
+    x = batch.inputs
+    if not isinstance(x, tuple) or not all(isinstance(t, torch.Tensor) for t in x):
+        raise error(f"is a {type(x).__name__}, not a tuple of tensors; expected {want}")
+    if len(x) != len(example):
+        raise error(f"has {len(x)} input tensor(s), the model takes {len(example)}: {want}")
+    for i, (t, e) in enumerate(zip(x, example)):
+        if t.dtype != e.dtype:
+            raise error(f"input_{i} is {str(t.dtype).replace('torch.', '')}, expected "
+                        f"{str(e.dtype).replace('torch.', '')}; expected {want}")
+        if t.dim() != e.dim():
+            raise error(f"input_{i} has shape {tuple(t.shape)} (rank {t.dim()}), expected rank {e.dim()}; expected {want}")
+    if len({t.shape[0] for t in x}) != 1:
+        raise error(f"its inputs have different batch sizes {[t.shape[0] for t in x]} (dim 0); expected {want}")
+
+
+def from_model_file(mf, example: Sequence[torch.Tensor]) -> list[CalibrationBatch]:
+    """The batches of ``mf.calibration_inputs()`` (on the CPU, as given), checked against ``example``.
+
+    Raises:
+        ModelFileError: the function raised, did not return an iterable, or a batch is not like ``example``.
+    """
+    what = f"{mf.path.name}: calibration_inputs()"
+    try:
+        batches = [(b,) if isinstance(b, torch.Tensor) else b for b in mf.calibration_inputs()]
+    except Exception as exc:  # the user's code
+        raise ModelFileError(f"{what} raised {type(exc).__name__}: {exc}\n  expected: "
+                             "def calibration_inputs() -> Iterable[tuple[torch.Tensor, ...]]") from exc
+    out = []
+    for i, b in enumerate(batches):
+        batch = CalibrationBatch(f"calibration_inputs() batch {i}", tuple(b) if isinstance(b, list) else b)
+        check_batch(batch, example, lambda msg, i=i: ModelFileError(f"{what} batch {i} {msg}"))
+        out.append(batch)
+    return out
+
+
+def load_calibration(mf, folder: str | Path | None, model: torch.nn.Module, device: torch.device,
+                     graph: torch.nn.Module | None = None) -> list[CalibrationBatch]:
+    """The real batches of a run, on ``device``, each run once in FP32 (its ``reference``).
+
+    Args:
+        mf: the model file (``calibration_inputs`` used when ``folder`` is None).
+        folder: ``--calibration``'s folder, or None.
+        model: the FP32 eval-mode model on ``device``.
+        graph: tctune's captured graph, when there is one: each batch must run through it too (its non-batch
+            dims are those of the capture).
+
+    Returns:
+        The batches (empty when there are none).
+
+    Raises:
+        UsageError / ModelFileError: see :func:`read_folder` / :func:`from_model_file`; or a batch on which the
+            FP32 model or the captured graph raises (naming the batch and the expected inputs).
+    """
+    if folder is None and getattr(mf, "calibration_inputs", None) is None:
+        return []
+    torch.manual_seed(0)
+    example = mf.inputs(2, "cpu")
+    if folder is not None:
+        root = Path(folder).expanduser()
+        batches = read_folder(root, example, input_names(model))
+
+        def error(msg):
+            return UsageError(msg, field="calibration")
+
+        def where(source):
+            return f"calibration file {root / source}"
+    else:
+        batches = from_model_file(mf, example)
+        error = ModelFileError
+
+        def where(source):
+            return f"{mf.path.name}: {source}"
+    from .measure import precision_mode
+
+    for b in batches:
+        b.inputs = tuple(t.to(device) for t in b.inputs)
+        for what, fn in (("the FP32 model", model), ("tctune's captured graph (dynamic batch only)", graph)):
+            if fn is None:
+                continue
+            try:
+                with precision_mode("fp32"), torch.inference_mode():
+                    out = fn(*b.inputs)
+            except Exception as exc:  # noqa: BLE001 - the user's data or model
+                shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in b.inputs)
+                raise error(f"{where(b.source)}: {what} raised {type(exc).__name__} on it: "
+                            f"{(str(exc).strip().splitlines() or [''])[0][:200]}\n  its inputs: {shapes}; expected "
+                            f"{expected(example)} (shapes other than the batch as in example_inputs)") from None
+            if fn is model:
+                b.reference = out
+    return batches
+
+
+__all__ = ["CalibrationBatch", "SUFFIXES", "check_batch", "expected", "from_model_file", "input_names",
+           "load_calibration", "read_folder"]

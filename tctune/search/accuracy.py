@@ -1,0 +1,174 @@
+"""The user's accuracy contract during the search: the score gate (:class:`ScoreGate`) and the worst-case merge
+of error statistics over the random and the real inputs (:func:`worst`).
+
+When the model file (or the Python API's :class:`~tctune.modelfile.ModelFile`) gives ``score(model) -> float``
+(higher is better), the score decides whether a precision choice is accurate enough: a candidate is feasible
+when its score is at least :attr:`ScoreGate.limit`: ``min_score`` when given, else
+``fp32 - (1 - min_score_ratio) * |fp32|`` (``0.99 * fp32`` by default for a positive FP32 score: MLPerf
+Inference's "99 % of FP32" accuracy target). Relative L2 error on random inputs is then reported but does not
+reject; NaN/inf outputs and integer/bool mismatches still do (``tctune.measure.check_accuracy``).
+
+What ``score`` receives: the FP32 model once, then each candidate's *built* module on the measuring device —
+tctune's rewritten graph (a ``torch.fx.GraphModule``) or the model as written (under ``torch.autocast`` at
+fp16/bf16) — before the runtime wrapper (eager, CUDA graph or Inductor: those are shape-specialized and do
+not change what a precision choice computes), under the candidate's precision mode (TF32 on for tf32 only)
+and ``torch.inference_mode``. ``score`` does its own batching and must move its data to the device of the
+model's parameters. Calls are cached per built graph: the key is the trial's :class:`~tctune.trial.TrialParams`
+without runtime and batch size, so one graph is scored once whatever runtime or batch size it is timed at
+(at fp16 the graph of the first batch size measured is scored: its overflow calibration saw that batch).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+from typing import Any, Callable, Hashable
+
+import torch
+
+from ..errors import CandidateRejected, ModelFileError
+from ..measure import ErrorStats, precision_mode
+from ..trial import FailureKind, TrialParams
+
+
+def graph_key(trial: TrialParams) -> Hashable:
+    """The identity of a trial's built graph: its parameters without runtime and batch size."""
+    return replace(trial, runtime="eager", batch_size=1)
+
+
+class ScoreGate:
+    """Calls ``score`` (cached per graph), and says whether a score is accurate enough.
+
+    Args:
+        score: the user's ``score(model) -> float``.
+        min_score_ratio: see ``TuneConfig.min_score_ratio`` (in (0, 1]).
+        min_score: see ``TuneConfig.min_score`` (replaces the ratio when given).
+        where: the name used in error messages (the model file's name).
+
+    Attributes:
+        fp32: the FP32 model's score (None until :meth:`reference` ran).
+        calls: calls of ``score`` made (cached results are not calls); seconds: their total wall time (s).
+    """
+
+    def __init__(self, score: Callable, min_score_ratio: float = 0.99, min_score: float | None = None,
+                 where: str = "the model file"):
+        self.fn, self.min_score_ratio, self.min_score, self.where = score, min_score_ratio, min_score, where
+        self.fp32: float | None = None
+        self.cache: dict[Hashable, float] = {}
+        self.calls = 0
+        self.seconds = 0.0
+
+    def _call(self, module: Any, precision: str) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        with precision_mode(precision), torch.inference_mode():
+            value = self.fn(module)
+        dt = time.perf_counter() - t0
+        self.calls += 1
+        self.seconds += dt
+        return value, dt
+
+    def reference(self, model: torch.nn.Module) -> float:
+        """The FP32 model's score (computed once).
+
+        Raises:
+            ModelFileError: ``score`` raised, or did not return a finite number, on the FP32 model.
+        """
+        if self.fp32 is None:
+            try:
+                value, _ = self._call(model, "fp32")
+                value = float(value)
+            except Exception as exc:  # the user's code
+                raise ModelFileError(f"{self.where}: score(model) raised {type(exc).__name__} on the FP32 model: {exc}\n"
+                                     "  expected: def score(model: torch.nn.Module) -> float (higher is better; move "
+                                     "your data to the model's device)") from exc
+            if not math.isfinite(value):
+                raise ModelFileError(f"{self.where}: score(model) returned {value} for the FP32 model; it must be a "
+                                     "finite number (higher is better)")
+            self.fp32 = value
+        return self.fp32
+
+    def score(self, key: Hashable, module: Any, precision: str) -> tuple[float, float]:
+        """``(score, seconds this call took)`` of the candidate graph ``key`` (0.0 s when cached).
+
+        Raises:
+            CandidateRejected: ``score`` raised on the candidate (a runtime error of that candidate), or returned
+                NaN/inf (an accuracy failure).
+        """
+        if key in self.cache:
+            return self.cache[key], 0.0
+        try:
+            value, dt = self._call(module, precision)
+            value = float(value)
+        except Exception as exc:  # noqa: BLE001 - the candidate broke the user's metric
+            raise CandidateRejected(f"score(model) raised on the {precision} candidate: {type(exc).__name__}: "
+                                    f"{(str(exc).strip().splitlines() or [''])[0][:200]}",
+                                    FailureKind.RUNTIME_ERROR) from exc
+        if not math.isfinite(value):
+            raise CandidateRejected(f"score(model) of the {precision} candidate is {value}", FailureKind.ACCURACY)
+        self.cache[key] = value
+        return value, dt
+
+    @property
+    def limit(self) -> float:
+        """The lowest feasible score (needs :meth:`reference` first)."""
+        if self.min_score is not None:
+            return self.min_score
+        return self.fp32 - (1 - self.min_score_ratio) * abs(self.fp32)
+
+    def shortfall(self, value: float) -> float:
+        """How far ``value`` is below the FP32 score, relative to it: ``(fp32 - value) / |fp32|`` (absolute when
+        the FP32 score is 0); negative when ``value`` is better. The FP8 planner minimizes this."""
+        return (self.fp32 - value) / (abs(self.fp32) or 1.0)
+
+    @property
+    def allowed_shortfall(self) -> float:
+        """:meth:`shortfall` of :attr:`limit` (0.01 by default)."""
+        return self.shortfall(self.limit)
+
+    def ratio(self, value: float) -> float | None:
+        """``value / fp32``, or None when the FP32 score is 0."""
+        return value / self.fp32 if self.fp32 else None
+
+    def rule(self) -> str:
+        """The gate in words, e.g. ``score >= 0.99 x 0.9722 (FP32) = 0.9625``."""
+        if self.min_score is not None:
+            return f"score >= {self.min_score:.4g} (absolute)"
+        return f"score >= {self.min_score_ratio:g} x {self.fp32:.4g} (FP32) = {self.limit:.4g}"
+
+    def metrics(self, value: float, seconds: float) -> dict:
+        """The trial attributes of a scored candidate: ``score``, ``score_ratio`` (to FP32), ``score_fp32``,
+        ``score_limit`` and ``score_s`` (seconds this trial spent in ``score``; 0.0 when cached)."""
+        return {"score": value, "score_ratio": self.ratio(value), "score_fp32": self.fp32, "score_limit": self.limit,
+                "score_s": seconds}
+
+    def to_dict(self) -> dict:
+        """``report.json``'s ``score``: the FP32 score, the rule, the limit, calls and their cost."""
+        return {"fp32": self.fp32, "min_score_ratio": self.min_score_ratio, "min_score": self.min_score,
+                "limit": self.limit if self.fp32 is not None else None, "rule": self.rule() if self.fp32 is not None else None,
+                "calls": self.calls, "seconds": self.seconds, "cached_graphs": len(self.cache)}
+
+
+def worst(a: ErrorStats, b: ErrorStats) -> ErrorStats:
+    """The element-wise worst of two comparisons of one candidate (e.g. random inputs and a real batch): the
+    largest errors, mismatch rate, KL divergence and unchecked count, the lowest top-1 agreement, summed
+    NaN/inf and mismatch counts; output counts are ``a``'s (the same model)."""
+    def mx(x, y):
+        return y if x is None else x if y is None else max(x, y)
+
+    def mn(x, y):
+        return y if x is None else x if y is None else min(x, y)
+
+    out = replace(a)
+    out.max_abs_error = max(a.max_abs_error, b.max_abs_error)
+    out.rel_l2_error = max(a.rel_l2_error, b.rel_l2_error)
+    out.nonfinite = a.nonfinite + b.nonfinite
+    out.mismatched = a.mismatched + b.mismatched
+    out.mismatch_rate = mx(a.mismatch_rate, b.mismatch_rate)
+    out.top1_agreement = mn(a.top1_agreement, b.top1_agreement)
+    out.kl_divergence = mx(a.kl_divergence, b.kl_divergence)
+    out.unchecked_outputs = max(a.unchecked_outputs, b.unchecked_outputs)
+    out.fp64_ratio = mx(a.fp64_ratio, b.fp64_ratio)
+    return out
+
+
+__all__ = ["ScoreGate", "graph_key", "worst"]
