@@ -307,12 +307,20 @@ def _summary(info: dict, prefix: str) -> dict:
 
 
 def bench_artifact(artifact: str | Path, batch: int | None = None, iters: int = 50, warmup: int = 10,
-                   provider: str | None = None) -> dict:
+                   provider: str | None = None, timing: str | None = None) -> dict:
     """Time one artifact with the generated runner's code (``tctune/export/_runner_template.py``).
 
+    Args:
+        timing: ``"device-resident"`` (inputs copied to the GPU once, outputs left there, each call the engine's
+            synchronized run: onnxruntime IO binding on the CUDA provider, TensorRT ``execute_async_v3``,
+            AOTInductor on CUDA tensors; how the search times candidates), ``"host-copies"`` (numpy in and out on
+            every call) or None: device-resident where the engine runs on a GPU. On the CPU both are the same
+            measurement (``timing_note`` says so).
+
     Returns:
-        ``{artifact, format, device, batch_size, iters, warmup, latency_ms, latency_p90_ms, latency_mean_ms,
-        throughput}`` (ms per call; items/s).
+        ``{artifact, format, device, batch_size, timing, timing_note, iters, warmup, latency_ms, latency_p90_ms,
+        latency_mean_ms, throughput}`` (ms per call; items/s; ``timing``: ``"device-resident"`` or
+        ``"host-copies"``, ``timing_note``: None or one line).
 
     Raises:
         UsageError: the artifact or its manifest is missing, or a bad ``--batch``/``--iters``.
@@ -331,7 +339,7 @@ def bench_artifact(artifact: str | Path, batch: int | None = None, iters: int = 
     if iters < 1 or warmup < 0:
         raise UsageError(f"iters must be >= 1 and warmup >= 0, got {iters} and {warmup}", field="iters")
     try:
-        return rt.time_artifact(str(path), batch, iters, warmup, provider)
+        return rt.time_artifact(str(path), batch, iters, warmup, provider, timing=timing)
     except rt.RunnerError as exc:
         fix = ("\n  fix: bench it on a machine with TensorRT and a GPU, or bench the .onnx file"
                if path.suffix == ".engine" else "")
