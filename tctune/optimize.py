@@ -154,6 +154,12 @@ def export_best(tuner: Tuner, params: dict, out: Path,
     quantized and how it was validated, and ``model.fp32.onnx`` is written too when onnxruntime cannot run
     ``model.onnx`` itself.
 
+    At other precisions, ``tctune.export.onnx.export_onnx_deployable`` writes ``model.onnx`` and, for a fp16/bf16
+    graph that is not valid ONNX at any opset or that onnxruntime cannot run, ``model.fp32.onnx``: the trial's
+    graph built at fp32 (:func:`fp32_export_graph`). ``deploy`` / ``deploy_reason`` (``tctune.export.onnx.deployment``)
+    say which file to deploy on which runtime; they go into the runner manifests, and TensorRT is built from
+    ``deploy["tensorrt"]``.
+
     Args:
         fp8_keep: the FP8 keep-list the best trial was measured with (its ``fp8_keep`` user attribute), so the
             export is that graph even when this process planned none (a resumed study); None: ask the tuner.
@@ -406,7 +412,7 @@ def _optimize(tuner: Tuner, mf, hw: HardwareSpec, cfg: TuneConfig, devices: list
     stages = PostStages(out)
     if not cfg.worker:  # the finalists' re-measure runs inside tuner.run(): guard it there
         remeasure = tuner.confirm
-        tuner.confirm = lambda study: stages.run("re-measure", remeasure, study)
+        tuner.confirm = lambda *args, **kwargs: stages.run("re-measure", remeasure, *args, **kwargs)
     study = tuner.run()
     worker_status = []
     for d, proc in workers:
