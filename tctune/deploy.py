@@ -78,8 +78,21 @@ class Artifacts:
             onnx_fp8: FP8 export details (Q/DQ counts, calibration, validation).
         onnx_fp32, onnx_fp32_max_abs_error, onnx_fp32_error: the same graph in FP32 (written when onnxruntime
             cannot run the low-precision ``model.onnx``).
+        onnx_load, onnx_provider: whether onnxruntime loaded ``model.onnx`` (``"ok"``, ``"no_kernel"``,
+            ``"invalid"``, ``"failed"``, ``"skipped"``) and on which execution provider
+            (``tctune.export.onnx.export_onnx``); onnx_invalid: why the typed graph is not valid ONNX at any opset
+            (then ``onnx`` is None and the FP32 twin is the file).
+        onnx_fp32_validation, onnx_fp32_load, onnx_fp32_provider: the same for the FP32 twin.
+        deploy, deploy_reason: which file to deploy on which runtime (``{"tensorrt": "model.onnx",
+            "onnxruntime-cpu": "model.fp32.onnx"}``) and why, in one line (``tctune.export.onnx.deployment``);
+            TensorRT is built from ``deploy["tensorrt"]``.
         onnx_runner, onnx_fp32_runner: the generated ``runner.py`` beside each ONNX file.
         tensorrt: path of ``model.engine``; tensorrt_skipped_reason: why there is none.
+        exported_trial: the number of the trial whose configuration the files above are (the best trial), or
+            None when nothing was exported.
+        export_fallback: when the best trial could not be exported, ``{"best_trial", "best_error",
+            "exported_trial", "params", "throughput", "dir", "artifacts", "tried"}``: the next-best feasible trial
+            that exported (into ``dir``, with its own artifacts dict), or ``exported_trial`` None when none did.
         best_config, study_db: paths of ``best_config.json`` and the SQLite study.
         details: everything else the engine writers report (``onnx_opset``, ``onnx_validation``...), by key.
     """
@@ -93,10 +106,20 @@ class Artifacts:
     onnx_fp32: str | None = None
     onnx_fp32_max_abs_error: float | None = None
     onnx_fp32_error: str | None = None
+    onnx_load: str | None = None
+    onnx_provider: str | None = None
+    onnx_invalid: str | None = None
+    onnx_fp32_validation: list | None = None
+    onnx_fp32_load: str | None = None
+    onnx_fp32_provider: str | None = None
+    deploy: dict | None = None
+    deploy_reason: str | None = None
     onnx_runner: str | None = None
     onnx_fp32_runner: str | None = None
     tensorrt: str | None = None
     tensorrt_skipped_reason: str | None = None
+    exported_trial: int | None = None
+    export_fallback: dict | None = None
     best_config: str | None = None
     study_db: str | None = None
     details: dict = field(default_factory=dict)

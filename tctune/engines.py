@@ -202,12 +202,17 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
 
     def finish(fmt: str, key: dict, info: dict, started: float, **manifest_extra) -> None:
         path = out / ARTIFACT_NAMES[fmt]
+        if fmt == "onnx" and not info.get("onnx") and info.get("onnx_fp32"):  # typed graph not valid ONNX
+            path = Path(info["onnx_fp32"])
+            manifest_extra["precision"] = "fp32"
         manifest = {**base, "format": fmt, "artifact": path.name, **manifest_extra, "cache_key": key,
                     "result": info}
         runner = write_runner(path, manifest)
-        if fmt == "onnx" and info.get("onnx_fp32"):  # FP8: the validated FP32 twin with the same Q/DQ, CPU-runnable
+        if fmt == "onnx" and info.get("onnx_fp32") and Path(info["onnx_fp32"]) != path:
+            # the FP32 twin (FP8: with the same Q/DQ), which onnxruntime's CPU provider runs
             twin = Path(info["onnx_fp32"])
-            write_runner(twin, {**manifest, "artifact": twin.name, "precision": "fp32", "qdq": "float8e4m3fn"})
+            qdq = {"qdq": "float8e4m3fn"} if fp8 is not None else {}
+            write_runner(twin, {**manifest, "artifact": twin.name, "precision": "fp32", **qdq})
         results[fmt] = {"status": "built", "path": str(path), "manifest": str(path) + ".manifest.json",
                         "runner": str(runner), "seconds": round(time.perf_counter() - started, 2), **info}
 
@@ -215,16 +220,26 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
     if "onnx" in formats or "tensorrt" in formats:
         key = cache_key("onnx")
         if not reuse("onnx", key):
-            onnx_inputs = _build_onnx(graph, make_inputs, out / ARTIFACT_NAMES["onnx"], (1, tuned, largest), fp8=fp8)
+            fp32_graph = None
+            if fp8 is None and precision not in ("fp32", "tf32"):  # built only if onnxruntime cannot run model.onnx
+                fp32_cfg = {**cfg, "params": {**params, "precision": "fp32"}, "calibration": False}
+                fp32_graph = lambda: rebuild_graphs(mf, fp32_cfg, hw, device)[1].graph.to(device)  # noqa: E731
+            onnx_inputs = _build_onnx(graph, make_inputs, out / ARTIFACT_NAMES["onnx"], (1, tuned, largest), fp8=fp8,
+                                      fp32_module=fp32_graph)
             started = time.perf_counter() - onnx_inputs.pop("_seconds")
             onnx_names = {i["name"] for i in onnx_inputs["onnx_inputs"]}
             finish("onnx", key, _summary(onnx_inputs, "onnx"), started, device="cpu",
-                   inputs=[i for i in inputs if i["name"] in onnx_names] or inputs)
+                   inputs=[i for i in inputs if i["name"] in onnx_names] or inputs,
+                   deploy=onnx_inputs.get("deploy"), deploy_reason=onnx_inputs.get("deploy_reason"))
         if "onnx" not in formats:
             results["onnx"]["status"] += " (for tensorrt)"
 
     if "tensorrt" in formats:
-        skipped = _build_tensorrt(out, inputs, sizes, cache_key("tensorrt"), finish, reuse)
+        source = ((results.get("onnx") or {}).get("deploy") or {}).get("tensorrt")
+        skipped = (_build_tensorrt(out, inputs, sizes, cache_key("tensorrt"), finish, reuse, source=source)
+                   if source or "deploy" not in (results.get("onnx") or {}) else
+                   {"status": "skipped", "reason": "no ONNX file valid for TensorRT: "
+                    + str(results["onnx"].get("deploy_reason"))})
         if skipped is not None:
             results["tensorrt"] = skipped
 
@@ -243,13 +258,16 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
             "batch_sizes": sizes, "formats": results}
 
 
-def _build_onnx(graph, make_inputs, path: Path, check: tuple[int, int, int], fp8=None) -> dict:
-    """export_onnx at two of ``check`` and validate_onnx at the third; frozen/failed batches raise ExportError.
+def _build_onnx(graph, make_inputs, path: Path, check: tuple[int, int, int], fp8=None, fp32_module=None) -> dict:
+    """export_onnx_deployable at two of ``check`` and validate_onnx at the third; frozen/failed batches raise
+    ExportError. ``fp32_module`` (the same graph at FP32, or a callable building it) becomes ``<stem>.fp32.onnx``
+    where the typed file is not valid ONNX or onnxruntime cannot run it; the result's ``deploy`` /
+    ``deploy_reason`` say which file to deploy on which runtime (``tctune.export.onnx.deployment``).
 
     With ``fp8`` (an ``FP8Graphs``), ``export_onnx_fp8`` writes the float8 Q/DQ model and validates it at all
     three batch sizes against the PyTorch FP8 graph (relative L2 <= 5e-2, else ExportError).
     """
-    from .export.onnx import export_onnx, validate_onnx
+    from .export.onnx import deployment, export_onnx_deployable, validate_onnx
     from .export.onnx_fp8 import export_onnx_fp8
 
     started = time.perf_counter()
@@ -258,9 +276,9 @@ def _build_onnx(graph, make_inputs, path: Path, check: tuple[int, int, int], fp8
     if fp8 is not None:
         info = export_onnx_fp8(fp8, make_inputs, path, batch_sizes=tuple(dict.fromkeys((first, tuned, largest))))
     else:
-        info = export_onnx(graph, make_inputs, path, batch_sizes=pair)
+        info = export_onnx_deployable(graph, make_inputs, path, fp32_module=fp32_module, batch_sizes=pair)
     extra = [b for b in dict.fromkeys(check) if b not in pair]
-    if fp8 is None and extra and info.get("onnx_error") is None:
+    if fp8 is None and extra and info.get("onnx") and info.get("onnx_error") is None:
         entries = validate_onnx(graph, make_inputs, path, extra)
         info["onnx_validation"] += entries
         errors = [e["error"] for e in entries if "error" in e]
@@ -268,8 +286,12 @@ def _build_onnx(graph, make_inputs, path: Path, check: tuple[int, int, int], fp8
             info["onnx_error"] = "; ".join(errors)
         measured = [e["max_abs_error"] for e in info["onnx_validation"] if e["max_abs_error"] is not None]
         info["onnx_max_abs_error"] = max(measured) if measured else None
+    info.update(deployment(info))  # after the extra validation, which can fail the typed file
     err = info.get("onnx_error")
-    if err:
+    if err and not info.get("onnx") and info.get("onnx_fp32") and not info.get("onnx_fp32_error"):
+        log.warning("%s is not valid ONNX; its FP32 twin %s was written: %s", path.name,
+                    Path(info["onnx_fp32"]).name, err)
+    elif err:
         if "froze" in err or "not dynamic" in err:
             raise ExportError(f"{path.name}: {err}\n  fix: make the batch dimension dynamic in forward "
                               "(no hard-coded batch size in reshape/view/expand; use x.shape[0] or -1)")
@@ -281,8 +303,10 @@ def _build_onnx(graph, make_inputs, path: Path, check: tuple[int, int, int], fp8
     return info
 
 
-def _build_tensorrt(out: Path, inputs: list, sizes: dict, key: dict, finish, reuse) -> dict | None:
-    """Build (or reuse) model.engine from model.onnx; returns ``{"status": "skipped", "reason"}`` or None."""
+def _build_tensorrt(out: Path, inputs: list, sizes: dict, key: dict, finish, reuse,
+                    source: str | None = None) -> dict | None:
+    """Build (or reuse) model.engine from ``source`` (the ONNX file the export's ``deploy["tensorrt"]`` names, in
+    ``out``; default model.onnx); returns ``{"status": "skipped", "reason"}`` or None."""
     from .export import build_engine, tensorrt_available
 
     ok, reason = tensorrt_available()
@@ -292,7 +316,7 @@ def _build_tensorrt(out: Path, inputs: list, sizes: dict, key: dict, finish, reu
         return None
     started = time.perf_counter()
     shapes = {i["name"]: tuple(-1 if d == "batch" else int(d) for d in i["shape"]) for i in inputs}
-    info = build_engine(out / ARTIFACT_NAMES["onnx"], out / ARTIFACT_NAMES["tensorrt"], input_shapes=shapes,
+    info = build_engine(out / (source or ARTIFACT_NAMES["onnx"]), out / ARTIFACT_NAMES["tensorrt"], input_shapes=shapes,
                         batch_sizes=(sizes["min"], sizes["opt"], sizes["max"]),
                         timing_cache=out / "tensorrt.timing_cache")
     if not info.get("tensorrt"):
@@ -303,8 +327,9 @@ def _build_tensorrt(out: Path, inputs: list, sizes: dict, key: dict, finish, reu
 
 def _summary(info: dict, prefix: str) -> dict:
     """The JSON-ready subset of a build result kept in the manifest."""
-    keep = {"onnx": ("onnx_opset", "onnx_max_abs_error", "onnx_validation", "onnx_error", "onnx_dynamic",
-                     "onnx_export_s", "onnx_outputs", "onnx_note", "onnx_fp8", "onnx_fp32"),
+    keep = {"onnx": ("onnx", "onnx_opset", "onnx_max_abs_error", "onnx_validation", "onnx_error", "onnx_dynamic",
+                     "onnx_export_s", "onnx_outputs", "onnx_note", "onnx_fp8", "onnx_fp32", "onnx_fp32_max_abs_error",
+                     "onnx_fp32_error", "onnx_load", "onnx_provider", "deploy", "deploy_reason"),
             "aoti": ("aoti_device", "aoti_export_s", "aoti_compile_s", "aoti_validation", "aoti_max_abs_error",
                      "aoti_error")}[prefix]
     return {k: info.get(k) for k in keep}
@@ -314,12 +339,20 @@ def _summary(info: dict, prefix: str) -> dict:
 
 
 def bench_artifact(artifact: str | Path, batch: int | None = None, iters: int = 50, warmup: int = 10,
-                   provider: str | None = None) -> dict:
+                   provider: str | None = None, timing: str | None = None) -> dict:
     """Time one artifact with the generated runner's code (``tctune/export/_runner_template.py``).
 
+    Args:
+        timing: ``"device-resident"`` (inputs copied to the GPU once, outputs left there, each call the engine's
+            synchronized run: onnxruntime IO binding on the CUDA provider, TensorRT ``execute_async_v3``,
+            AOTInductor on CUDA tensors; how the search times candidates), ``"host-copies"`` (numpy in and out on
+            every call) or None: device-resident where the engine runs on a GPU. On the CPU both are the same
+            measurement (``timing_note`` says so).
+
     Returns:
-        ``{artifact, format, device, batch_size, iters, warmup, latency_ms, latency_p90_ms, latency_mean_ms,
-        throughput}`` (ms per call; items/s).
+        ``{artifact, format, device, batch_size, timing, timing_note, iters, warmup, latency_ms, latency_p90_ms,
+        latency_mean_ms, throughput}`` (ms per call; items/s; ``timing``: ``"device-resident"`` or
+        ``"host-copies"``, ``timing_note``: None or one line).
 
     Raises:
         UsageError: the artifact or its manifest is missing, or a bad ``--batch``/``--iters``.
@@ -338,7 +371,7 @@ def bench_artifact(artifact: str | Path, batch: int | None = None, iters: int = 
     if iters < 1 or warmup < 0:
         raise UsageError(f"iters must be >= 1 and warmup >= 0, got {iters} and {warmup}", field="iters")
     try:
-        return rt.time_artifact(str(path), batch, iters, warmup, provider)
+        return rt.time_artifact(str(path), batch, iters, warmup, provider, timing=timing)
     except rt.RunnerError as exc:
         fix = ("\n  fix: bench it on a machine with TensorRT and a GPU, or bench the .onnx file"
                if path.suffix == ".engine" else "")

@@ -25,7 +25,9 @@ from .hardware import HardwareSpec, resolve
 from .modelfile import ModelFile, load_model_file
 from .report import build_report, write_atomic, write_report
 from .deploy import Artifacts, export_graphs
-from .search import TuneConfig, Tuner, best_trial
+from .search import TuneConfig, Tuner, best_trial, is_feasible
+from .search.results import confirmed_throughputs, first_line
+from .search.storage import StudyLock
 from .search.train import check_trainable
 from .trial import build_trial_graph
 
@@ -106,6 +108,9 @@ def write_onnx_runners(tuner: Tuner, params: dict, artifacts: Artifacts, graph: 
                         "written_by": "tctune optimize"}
             if key == "onnx" and artifacts.onnx_note:
                 manifest["note"] = artifacts.onnx_note  # e.g. FP8: static activation scales, how validated
+            if artifacts.deploy is not None:  # which file to run where; the runner names it on a load failure
+                manifest["deploy"] = artifacts.deploy
+                manifest["deploy_reason"] = artifacts.deploy_reason
             if params["precision"] == "fp8" and artifacts.onnx_fp8:
                 manifest["qdq"] = "float8e4m3fn"  # the runner then avoids onnxruntime's float8 Q/DQ fusions
             setattr(artifacts, f"{key}_runner", str(write_runner(path, manifest)))
@@ -147,6 +152,12 @@ def accuracy_extra(tuner: Tuner) -> dict:
     return out
 
 
+def fp32_export_graph(tuner: Tuner, trial) -> torch.nn.Module:
+    """The FP32 graph of ``trial`` (its passes, :data:`~tctune.deploy.EXPORT_PIPELINE` at fp32) on the tuner's
+    device: the twin ONNX written where onnxruntime cannot run the typed ``model.onnx``."""
+    return export_graphs(tuner.captured.graph_module, tuner.hw, trial.but(precision="fp32"), None).graph.to(tuner.device)
+
+
 def export_best(tuner: Tuner, params: dict, out: Path,
                 fp8_keep: list[str] | None = None) -> tuple[Artifacts, list[dict]]:
     """Export the best configuration's graph (passes at its precision) to ONNX, and TensorRT if importable.
@@ -158,6 +169,12 @@ def export_best(tuner: Tuner, params: dict, out: Path,
     quantized and how it was validated, and ``model.fp32.onnx`` is written too when onnxruntime cannot run
     ``model.onnx`` itself.
 
+    At other precisions, ``tctune.export.onnx.export_onnx_deployable`` writes ``model.onnx`` and, for a fp16/bf16
+    graph that is not valid ONNX at any opset or that onnxruntime cannot run, ``model.fp32.onnx``: the trial's
+    graph built at fp32 (:func:`fp32_export_graph`). ``deploy`` / ``deploy_reason`` (``tctune.export.onnx.deployment``)
+    say which file to deploy on which runtime; they go into the runner manifests, and TensorRT is built from
+    ``deploy["tensorrt"]``.
+
     Args:
         fp8_keep: the FP8 keep-list the best trial was measured with (its ``fp8_keep`` user attribute), so the
             export is that graph even when this process planned none (a resumed study); None: ask the tuner.
@@ -167,6 +184,7 @@ def export_best(tuner: Tuner, params: dict, out: Path,
         ``artifacts``) and the pass results (as dicts) for the report.
     """
     from .export import build_engine, export_onnx, export_onnx_fp8, tensorrt_available
+    from .export.onnx import deployment, export_onnx_deployable
 
     artifacts = Artifacts()
     if tuner.cfg.mode == "train":
@@ -192,38 +210,41 @@ def export_best(tuner: Tuner, params: dict, out: Path,
         return artifacts, passes
     bs = params["batch_size"]
     check = (bs, 3 if bs != 3 else 5)
+    make_inputs = lambda b: tuner.mf.inputs(b, tuner.device)  # noqa: E731
     try:
         if fp8 is not None:  # validated at batch 1 too, as `tctune export` does
-            info = export_onnx_fp8(fp8.to(tuner.device), lambda b: tuner.mf.inputs(b, tuner.device), out / "model.onnx",
+            info = export_onnx_fp8(fp8.to(tuner.device), make_inputs, out / "model.onnx",
                                    batch_sizes=(1, *check), calibration=_fp8_calibration(tuner, calibration))
         else:
-            info = export_onnx(g.to(tuner.device), lambda b: tuner.mf.inputs(b, tuner.device), out / "model.onnx",
-                               batch_sizes=check)
+            typed = export_precision not in ("fp32", "tf32")  # tf32 is FP32 in an engine file
+            info = export_onnx_deployable(g.to(tuner.device), make_inputs, out / "model.onnx",
+                                          fp32_module=(lambda: fp32_export_graph(tuner, trial)) if typed else None,
+                                          batch_sizes=check)
         artifacts.update(info)
     except ExportError as exc:
         artifacts.onnx_error = str(exc)
-        log.warning("ONNX export failed: %s", exc)
+        log.warning("ONNX export failed: %s", first_line(exc))
     if fp8 is not None:  # the FP8 errors come from an FP32 twin when onnxruntime cannot run model.onnx itself
         ort_ran_model = (artifacts.onnx_fp8 or {}).get("validated_on") == "model"
-    else:
-        ort_ran_model = artifacts.onnx_max_abs_error is not None
-    if (artifacts.onnx and not ort_ran_model and export_precision in ("fp16", "bf16", "fp8")
-            and not artifacts.onnx_fp32):  # FP8: the validated FP32 twin with the same Q/DQ is already kept
-        # onnxruntime's CPU provider lacks many fp16/bf16 kernels: the typed model.onnx is for TensorRT or a GPU
-        # provider. Also write the same graph in FP32 so there is an engine that runs (and is validated) anywhere.
-        g32 = export_graphs(tuner.captured.graph_module, tuner.hw, trial.but(precision="fp32"), None).graph
-        try:
-            info32 = export_onnx(g32.to(tuner.device), lambda b: tuner.mf.inputs(b, tuner.device),
-                                 out / "model.fp32.onnx", batch_sizes=check)
-            artifacts.onnx_fp32 = info32["onnx"]
-            artifacts.onnx_fp32_max_abs_error = info32["onnx_max_abs_error"]
-            artifacts.onnx_fp32_error = info32.get("onnx_error")
-        except ExportError as exc:
-            artifacts.onnx_fp32_error = str(exc)
+        if artifacts.onnx and not ort_ran_model and not artifacts.onnx_fp32:
+            # onnxruntime's CPU provider lacks many low-precision kernels: the typed model.onnx is for TensorRT or a
+            # GPU provider. Also write the same graph in FP32 so there is an engine that runs (and is validated).
+            try:
+                info32 = export_onnx(fp32_export_graph(tuner, trial), make_inputs, out / "model.fp32.onnx",
+                                     batch_sizes=check)
+                artifacts.update({"onnx_fp32": info32["onnx"], "onnx_fp32_max_abs_error": info32["onnx_max_abs_error"],
+                                  "onnx_fp32_error": info32.get("onnx_error"),
+                                  "onnx_fp32_load": info32.get("onnx_load"),
+                                  "onnx_fp32_provider": info32.get("onnx_provider")})
+            except ExportError as exc:
+                artifacts.onnx_fp32_error = str(exc)
+        artifacts.update(deployment(artifacts.to_dict()))
     write_onnx_runners(tuner, params, artifacts, g)
     ok, reason = tensorrt_available()
-    if not artifacts.onnx:
-        artifacts.tensorrt_skipped_reason = "no ONNX to build from"
+    trt_source = (artifacts.deploy or {}).get("tensorrt")
+    if not trt_source:
+        artifacts.tensorrt_skipped_reason = ("no ONNX file valid for TensorRT" + (f" ({artifacts.deploy_reason})"
+                                             if artifacts.deploy_reason else ""))
     elif not ok:
         artifacts.tensorrt_skipped_reason = reason
     else:
@@ -233,18 +254,144 @@ def export_best(tuner: Tuner, params: dict, out: Path,
 
         ranges, _ = profile_ranges(tuner.captured.info()["dynamic"])  # the model's Dims beyond the batch
         try:
-            artifacts.update(build_engine(out / "model.onnx", out / "model.engine", input_shapes=shapes,
+            artifacts.update(build_engine(out / trt_source, out / "model.engine", input_shapes=shapes,
                                           batch_sizes=(sizes[0], bs, sizes[-1]), dim_ranges=ranges))
         except ExportError as exc:
-            artifacts.tensorrt_skipped_reason = f"TensorRT build failed: {exc}"
+            artifacts.tensorrt_skipped_reason = f"TensorRT build failed: {first_line(exc)}"
     return artifacts, passes
+
+
+#: The file in the output folder that holds the full text (traceback, C++ backtrace) of every error a stage
+#: after the trials raised; the console and ``report.json``'s ``post_errors`` carry one line each.
+ERROR_LOG = "tctune_errors.log"
+#: After the best configuration fails to export, at most this many next-best feasible trials are tried.
+FALLBACK_TRIES = 3
+
+
+class PostStages:
+    """Runs the stages after the trials (the finalists' re-measure, the export, the plots) so that an exception in
+    one is recorded, not fatal: the report is still written.
+
+    Each failure becomes one ``post_errors`` entry ``{"stage", "error", "log"}`` (``error``: the exception's type
+    and first line, at most 300 characters; ``log``: the path of :data:`ERROR_LOG` in the output folder, where
+    the full text is appended) and one warning line on the console. A C++ backtrace (torch's ``Exception raised
+    from ...`` frames) therefore reaches only the log file. KeyboardInterrupt and SystemExit pass through.
+    """
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.errors: list[dict] = []
+
+    @property
+    def log_path(self) -> Path:
+        return self.out / ERROR_LOG
+
+    def record(self, stage: str, exc: BaseException) -> dict:
+        """Record ``exc`` raised in ``stage``; returns its ``post_errors`` entry."""
+        import traceback
+        from datetime import datetime, timezone
+
+        entry = {"stage": stage, "error": f"{type(exc).__name__}: {first_line(exc)}", "log": str(self.log_path)}
+        try:
+            with open(self.log_path, "a", encoding="utf-8") as handle:
+                handle.write(f"=== {datetime.now(timezone.utc).isoformat(timespec='seconds')} stage {stage}\n")
+                handle.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)) + "\n")
+        except OSError as err:  # the one line still reaches the report
+            entry["log"] = None
+            log.debug("cannot write %s: %s", self.log_path, err)
+        self.errors.append(entry)
+        log.warning("%s failed: %s (full text in %s)", stage, entry["error"], entry["log"] or "no log: unwritable")
+        return entry
+
+    def run(self, stage: str, fn, *args, default=None, **kwargs):
+        """``fn(*args, **kwargs)``; on an exception, :meth:`record` it and return ``default``."""
+        try:
+            return fn(*args, **kwargs)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as exc:  # noqa: BLE001 - recorded in the report, with the full text in the log file
+            self.record(stage, exc)
+            return default
+
+
+def exported(artifacts: Artifacts) -> bool:
+    """Whether an export wrote an ONNX file (the typed ``model.onnx`` or its FP32 twin)."""
+    return bool(artifacts.onnx or artifacts.onnx_fp32)
+
+
+def ranked_feasible(study: optuna.Study, objective: str) -> list[optuna.trial.FrozenTrial]:
+    """The feasible trials, best first: by p99 latency (``objective="latency"``), else by throughput (the mean of
+    the re-measured timings where the finalists were timed again)."""
+    ok = [t for t in study.get_trials(deepcopy=False) if is_feasible(t)]
+    if objective == "latency":
+        return sorted(ok, key=lambda t: t.values[0])
+    conf = confirmed_throughputs(study)
+    return sorted(ok, key=lambda t: -conf.get(t.number, t.user_attrs["throughput"]))
+
+
+def write_best_config(path: Path, tuner: Tuner, trial_attrs, passes: list[dict], study_name: str) -> None:
+    """``best_config.json`` of a finished trial (what ``tctune export`` reads)."""
+    trial = tuner.trial_params(dict(trial_attrs.params), trial_attrs.user_attrs.get("fp8_keep"))
+    cfg = {"model": tuner.mf.name, "model_path": str(tuner.mf.path), "hardware": tuner.hw.to_dict(),
+           **trial.to_config(dict(trial_attrs.params)), "batch_sizes": sorted(tuner.cfg.batch_sizes),
+           "throughput": trial_attrs.user_attrs.get("throughput"),
+           "max_rel_error": trial_attrs.user_attrs.get("max_rel_error"),
+           "passes": [p["name"] for p in passes], "study": study_name, "tctune_version": __version__,
+           "calibration_folder": (str(Path(tuner.cfg.calibration).expanduser().resolve())
+                                  if tuner.cfg.calibration else None)}
+    write_atomic(path, json.dumps(cfg, indent=2) + "\n")
+
+
+def export_fallback(tuner: Tuner, study: optuna.Study, best, why: str, out: Path, stages: PostStages) -> dict:
+    """Export the next-best feasible trial that exports, when the best one could not be exported.
+
+    Tries at most :data:`FALLBACK_TRIES` trials in the order of :func:`ranked_feasible` (skipping the best),
+    each into ``<out>/exportable_trial_<n>/`` (ONNX, runners, its own ``best_config.json``); an attempt that
+    raises is recorded by ``stages`` (stage ``"export (fallback trial N)"``).
+
+    Returns:
+        ``report.json``'s ``artifacts.export_fallback``: ``{"best_trial": int, "best_error": str (why the best
+        was not exported), "exported_trial": int or None, "params": dict or None, "throughput": float or None,
+        "dir": str or None, "artifacts": dict or None, "tried": [trial numbers]}``.
+    """
+    result = {"best_trial": best.number, "best_error": why, "exported_trial": None, "params": None,
+              "throughput": None, "dir": None, "artifacts": None, "tried": []}
+    for t in [t for t in ranked_feasible(study, tuner.cfg.objective) if t.number != best.number][:FALLBACK_TRIES]:
+        result["tried"].append(t.number)
+        folder = out / f"exportable_trial_{t.number}"
+        folder.mkdir(parents=True, exist_ok=True)
+        got = stages.run(f"export (fallback trial {t.number})", export_best, tuner, dict(t.params), folder,
+                         fp8_keep=t.user_attrs.get("fp8_keep"))
+        if got is None or not exported(got[0]):
+            continue
+        arts, passes = got
+        stages.run(f"best_config.json (fallback trial {t.number})", write_best_config, folder / "best_config.json",
+                   tuner, t, passes, study.study_name)
+        arts.best_config = str(folder / "best_config.json")
+        result.update(exported_trial=t.number, params=dict(t.params), throughput=t.user_attrs.get("throughput"),
+                      dir=str(folder), artifacts=arts.to_dict())
+        log.warning("the best configuration (trial %d) could not be exported (%s); exported trial %d, the next best "
+                    "that exports, to %s", best.number, why, t.number, folder)
+        return result
+    log.warning("the best configuration (trial %d) could not be exported (%s), and none of the next %d feasible "
+                "trials exported either", best.number, why, len(result["tried"]))
+    return result
 
 
 def optimize(model_path: str | Path, cfg: TuneConfig) -> dict:
     """Run the pipeline; returns the report dictionary (also written to ``cfg.out_dir``).
 
+    With the default SQLite study (no ``storage``) one run per output folder runs at a time
+    (:class:`~tctune.search.storage.StudyLock`): a second one stops before it builds the model or touches the
+    study. After the trials, the finalists' re-measure, the export and the plots each run guarded
+    (:class:`PostStages`): an exception there is recorded in ``report.json``'s ``post_errors`` (full text in
+    ``<out>/tctune_errors.log``) and the report is still written. When the best configuration cannot be
+    exported, the next-best feasible trial that exports is written beside it (:func:`export_fallback`;
+    ``artifacts.export_fallback`` names both).
+
     Raises:
         ModelFileError, HardwareError, UsageError: bad input, before any trial runs.
+        StudyInUseError: another live run holds the output folder's study (a ``UsageError``).
     """
     return optimize_model(load_model_file(model_path), cfg).report
 
@@ -265,10 +412,13 @@ def optimize_model(mf: ModelFile, cfg: TuneConfig) -> Optimized:
 
     Raises:
         ModelFileError, HardwareError, UsageError: bad input, before any trial runs.
+        StudyInUseError: another live run holds the output folder's study (a ``UsageError``).
     """
+    lock = StudyLock(cfg.out_dir) if cfg.storage is None and not cfg.worker else None
+    if lock is not None:
+        lock.check()  # a refused run costs nothing: before the model is built
     hw: HardwareSpec = resolve(cfg.target)
     devices = check_devices(cfg)
-    workers: list[tuple[int, subprocess.Popen]] = []
     if len(devices) > 1:  # this process measures on the first GPU, one worker process on each other
         cfg = dataclasses.replace(cfg, trials=math.ceil(cfg.trials / len(devices)))
     device = torch.device(f"cuda:{devices[0]}") if devices else None
@@ -276,6 +426,17 @@ def optimize_model(mf: ModelFile, cfg: TuneConfig) -> Optimized:
         check_trainable(mf)  # before the model is built
     tuner = Tuner(cfg, mf, hw, device)  # its evaluator times training steps in --mode train
     out = check_out_dir(cfg.out_dir)  # after every input check: a rejected run leaves no empty folder
+    if lock is not None:
+        lock.acquire()  # before the study is opened; the --devices workers run under this lock
+    try:
+        return _optimize(tuner, mf, hw, cfg, devices, out)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _optimize(tuner: Tuner, mf, hw: HardwareSpec, cfg: TuneConfig, devices: list[int], out: Path) -> "Optimized":
+    workers: list[tuple[int, subprocess.Popen]] = []
     if len(devices) > 1:
         tuner.create_study()  # enqueue the baselines and fail interrupted trials once, before workers start
         for i, d in enumerate(devices[1:], start=1):
@@ -288,6 +449,10 @@ def optimize_model(mf: ModelFile, cfg: TuneConfig) -> Optimized:
              tuner.device, ", ".join(tuner.precisions))
     if not tuner.captured.ok:
         log.warning("graph passes disabled: %s", tuner.captured.reason)
+    stages = PostStages(out)
+    if not cfg.worker:  # the finalists' re-measure runs inside tuner.run(): guard it there
+        remeasure = tuner.confirm
+        tuner.confirm = lambda *args, **kwargs: stages.run("re-measure", remeasure, *args, **kwargs)
     study = tuner.run()
     worker_status = []
     for d, proc in workers:
@@ -306,19 +471,23 @@ def optimize_model(mf: ModelFile, cfg: TuneConfig) -> Optimized:
         artifacts = Artifacts(onnx_error="not exported: the run was interrupted (run the command again to resume)",
                               tensorrt_skipped_reason="the run was interrupted")
     if bt is not None and not tuner.interrupted:
-        artifacts, passes = export_best(tuner, dict(bt.params), out, fp8_keep=bt.user_attrs.get("fp8_keep"))
-        trial = tuner.trial_params(dict(bt.params), bt.user_attrs.get("fp8_keep"))
-        best_cfg = {"model": mf.name, "model_path": str(mf.path), "hardware": hw.to_dict(),
-                    **trial.to_config(dict(bt.params)), "batch_sizes": sorted(cfg.batch_sizes),
-                    "throughput": bt.user_attrs.get("throughput"), "max_rel_error": bt.user_attrs.get("max_rel_error"),
-                    "passes": [p["name"] for p in passes], "study": study.study_name, "tctune_version": __version__,
-                    "calibration_folder": str(Path(cfg.calibration).expanduser().resolve()) if cfg.calibration else None}
-        write_atomic(out / "best_config.json", json.dumps(best_cfg, indent=2) + "\n")
-        artifacts.best_config = str(out / "best_config.json")
+        got = stages.run("export", export_best, tuner, dict(bt.params), out, fp8_keep=bt.user_attrs.get("fp8_keep"))
+        if got is None:
+            why = stages.errors[-1]["error"]
+            artifacts = Artifacts(onnx_error=f"not exported: {why}", tensorrt_skipped_reason="no ONNX to build from")
+        else:
+            artifacts, passes = got
+            why = artifacts.onnx_error or "no ONNX file was written"
+        artifacts.exported_trial = bt.number if exported(artifacts) else None
+        if (not exported(artifacts) and cfg.export and cfg.mode != "train" and tuner.captured.ok):
+            artifacts.export_fallback = export_fallback(tuner, study, bt, why, out, stages)
+        if stages.run("best_config.json", write_best_config, out / "best_config.json", tuner, bt, passes,
+                      study.study_name, default=False) is not False:
+            artifacts.best_config = str(out / "best_config.json")
     if cfg.storage is None:
         artifacts.study_db = str(out / "study.db")
     from .plots import write_plots
-    plots = write_plots(study, out)
+    plots = stages.run("plots", write_plots, study, out, default={})
     report = build_report(
         study,
         hardware=hw.to_dict(),
@@ -330,7 +499,7 @@ def optimize_model(mf: ModelFile, cfg: TuneConfig) -> Optimized:
         capture=tuner.captured.info(),
         extra={"plots": plots, "workers": worker_status, "interrupted": tuner.interrupted,
                "fp8_plans": {policy: plan.to_dict() for policy, plan in tuner.fp8_plans.items()},
-               **accuracy_extra(tuner)},
+               "post_errors": stages.errors, **accuracy_extra(tuner)},
     )
     write_report(report, out)
     return Optimized(report, tuner, bt if bt is not None and not tuner.interrupted else None)

@@ -398,6 +398,18 @@ def render_markdown(r: dict) -> str:
     if a.get("onnx_fp32"):
         lines.append(f"- ONNX, same graph in FP32 (runs in any onnxruntime): `{a['onnx_fp32']}` "
                      f"(max abs error vs PyTorch: {_fmt(a.get('onnx_fp32_max_abs_error'), '.2e')})")
+    if a.get("deploy") is not None or a.get("deploy_reason"):
+        where = ", ".join(f"{rt}: `{f}`" for rt, f in (a.get("deploy") or {}).items()) or "no file validated"
+        lines.append(f"- Deploy: {where}" + (f" ({a['deploy_reason']})" if a.get("deploy_reason") else ""))
+    fb = a.get("export_fallback")
+    if fb:
+        if fb.get("exported_trial") is not None:
+            lines.append(f"- **The best configuration (trial {fb['best_trial']}) could not be exported** "
+                         f"({fb.get('best_error')}); trial {fb['exported_trial']}, the next best that exports "
+                         f"({_fmt(fb.get('throughput'))} items/s), was exported to `{fb.get('dir')}`")
+        else:
+            lines.append(f"- **The best configuration (trial {fb['best_trial']}) could not be exported** "
+                         f"({fb.get('best_error')}), nor trials {', '.join(map(str, fb.get('tried') or [])) or '-'}")
     if a.get("tensorrt"):
         lines.append(f"- TensorRT engine: `{a['tensorrt']}`")
     elif a.get("tensorrt_skipped_reason"):
@@ -405,6 +417,11 @@ def render_markdown(r: dict) -> str:
     for k in ("best_config", "study_db"):
         if a.get(k):
             lines.append(f"- {k.replace('_', ' ')}: `{a[k]}`")
+    if r.get("post_errors"):
+        lines += ["", "## Errors after the trials", "",
+                  "These stages failed; the trials above are kept and this report is complete otherwise.", ""]
+        for e in r["post_errors"]:
+            lines.append(f"- {e['stage']}: {e['error']}" + (f" (full text: `{e['log']}`)" if e.get("log") else ""))
     return "\n".join(lines) + "\n"
 
 

@@ -131,6 +131,8 @@ def test_bench_onnx_prints_table_and_json(seed_export, capsys):
     assert main(["bench", str(out / "model.onnx"), "--iters", "3", "--warmup", "1", "--json"]) == 0
     row = json.loads(capsys.readouterr().out)
     assert row["batch_size"] == 8 and row["format"] == "onnx" and row["latency_ms"] > 0 and row["throughput"] > 0
+    if row["device"] == "CPUExecutionProvider":  # one measurement on the CPU, labelled so
+        assert row["timing"] == "device-resident" and "same measurement" in row["timing_note"]
 
 
 def test_bench_engine_without_tensorrt_is_a_clear_error(seed_export, tmp_path, capsys):

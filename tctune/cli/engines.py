@@ -50,6 +50,10 @@ def register(subparsers) -> tuple[str, str]:
     b.add_argument("--iters", type=int, default=50, metavar="N", help="timed calls (default %(default)s)")
     b.add_argument("--warmup", type=int, default=10, metavar="N", help="untimed calls first (default %(default)s)")
     b.add_argument("--provider", metavar="NAME", help="onnxruntime execution provider (default: CUDA if present, else CPU)")
+    b.add_argument("--timing", choices=("device-resident", "host-copies"),
+                   help="device-resident: inputs copied to the GPU once, outputs left there, each call the engine's "
+                        "synchronized run (IO binding for onnxruntime), as the search times candidates (default on a "
+                        "GPU); host-copies: numpy in and out on every call. The same on the CPU")
     b.add_argument("--json", action="store_true", help="print the rows as JSON")
     b.add_argument("--debug", action="store_true", help="show tracebacks")
     return ("export", "bench")
@@ -114,6 +118,8 @@ def _bench_in_child(artifact: str, args) -> list[dict]:
         cmd += ["--batch", args.batch]
     if args.provider:
         cmd += ["--provider", args.provider]
+    if args.timing:
+        cmd += ["--timing", args.timing]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode:
         msg = r.stderr.strip().removeprefix("tctune: error: ") or f"exit status {r.returncode}"
@@ -133,17 +139,20 @@ def _cmd_bench(args) -> int:
         # one would otherwise slow the next one down (seen: a .pt2 timed 300x slower after an .onnx).
         rows = [row for a in args.artifact for row in _bench_in_child(a, args)]
     else:
-        rows = [bench_artifact(args.artifact[0], b, args.iters, args.warmup, args.provider) for b in batches]
+        rows = [bench_artifact(args.artifact[0], b, args.iters, args.warmup, args.provider, timing=args.timing)
+                for b in batches]
     if args.json:
         print(json.dumps(rows if len(rows) > 1 else rows[0], indent=2))
         return 0
-    header = ("artifact", "format", "device", "batch", "median ms", "p90 ms", "items/s")
-    table = [header] + [(r["artifact"], r["format"], r["device"], str(r["batch_size"]), f"{r['latency_ms']:.3f}",
-                         f"{r['latency_p90_ms']:.3f}", f"{r['throughput']:.1f}") for r in rows]
+    header = ("artifact", "format", "device", "timing", "batch", "median ms", "p90 ms", "items/s")
+    table = [header] + [(r["artifact"], r["format"], r["device"], r.get("timing", "?"), str(r["batch_size"]),
+                         f"{r['latency_ms']:.3f}", f"{r['latency_p90_ms']:.3f}", f"{r['throughput']:.1f}") for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for n, row in enumerate(table):
-        print("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        print("  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
         if n == 0:
             print("  ".join("-" * w for w in widths))
     print(f"({rows[0]['iters']} timed calls after {rows[0]['warmup']} warm-up; wall clock per synchronized call)")
+    for note in dict.fromkeys(f"{r.get('timing')}: {r['timing_note']}" for r in rows if r.get("timing_note")):
+        print(f"({note})")
     return 0

@@ -4,22 +4,42 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
+import threading
 import time
+import uuid
 import warnings
+from datetime import datetime, timezone
+from pathlib import Path
 
 import optuna
 
+from ..errors import UsageError
 from ..trial import FailureKind
 from .results import counts_as_measured
 
 log = logging.getLogger("tctune")
 
 
+#: Share of the trials measured so far whose throughput a running candidate must reach to go on: one below
+#: this percentile (the slowest quarter) stops early.
+PRUNE_BELOW_PERCENTILE = 25.0
+
+
 def make_pruner(directions: list[str], enabled: bool = True) -> optuna.pruners.BasePruner:
-    """A candidate whose throughput after its first repeats is below the slowest quarter of the trials
-    measured so far stops early (throughput studies; Optuna does not prune multi-objective studies)."""
+    """A candidate whose throughput after its first repeats is below the 25th percentile of the trials
+    measured so far (:data:`PRUNE_BELOW_PERCENTILE`: the slowest quarter) stops early; throughput studies
+    only (Optuna does not prune multi-objective studies).
+
+    Optuna's ``PercentilePruner(p)`` on a maximized objective compares with the ``100 - p``-th percentile
+    (``optuna/pruners/_percentile.py``: ``if direction == MAXIMIZE: percentile = 100 - percentile``) and
+    prunes a trial whose best intermediate value is below it, so the slowest quarter is ``p = 75``;
+    ``p = 25`` would stop everything below the 75th percentile (all but the fastest quarter).
+    Pruning starts after 6 finished trials and from the second repeat (step 1).
+    """
     if enabled and directions == ["maximize"]:
-        return optuna.pruners.PercentilePruner(25.0, n_startup_trials=6, n_warmup_steps=1)
+        return optuna.pruners.PercentilePruner(100.0 - PRUNE_BELOW_PERCENTILE, n_startup_trials=6, n_warmup_steps=1)
     return optuna.pruners.NopPruner()
 
 
@@ -49,6 +69,173 @@ def open_study(url: str, name: str, directions: list[str], sampler, attempts: in
                 raise
             time.sleep(0.3 * attempt)
     raise AssertionError("unreachable")
+
+
+#: The lock file in the output folder while a ``tctune optimize`` runs its default SQLite study there.
+LOCK_NAME = "tctune.lock"
+#: Seconds between rewrites of the lock's ``heartbeat`` (a daemon thread of the holder).
+HEARTBEAT_S = 30.0
+#: A lock whose heartbeat is older than this is stale even where its process cannot be checked (another host
+#: sharing the folder): ten missed heartbeats.
+STALE_AFTER_S = 10 * HEARTBEAT_S
+
+
+class StudyInUseError(UsageError):
+    """Another live ``tctune optimize`` holds the output folder's study lock (:class:`StudyLock`).
+
+    Attributes:
+        holder: the lock file's record: ``pid`` (int), ``host`` (str), ``started`` (ISO 8601, UTC),
+            ``heartbeat`` (Unix seconds of its last sign of life).
+    """
+
+    def __init__(self, message: str, holder: dict):
+        super().__init__(message, field="out_dir")
+        self.holder = holder
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (``kill(pid, 0)``; a process of another user counts)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+class StudyLock:
+    """One ``tctune optimize`` per output folder at a time: a lock file ``<out>/tctune.lock``.
+
+    Two runs on the same default SQLite study break each other (the second marks the first's running trial
+    failed as interrupted, and the first then dies telling Optuna about it), and they write the same
+    ``report.json`` and engines. The lock file holds ``{"pid", "host", "started", "heartbeat", "token"}``
+    (``started`` ISO 8601 UTC, ``heartbeat`` Unix seconds, rewritten every :data:`HEARTBEAT_S` by a daemon
+    thread). It is created with ``O_CREAT | O_EXCL``, so of two processes starting at once exactly one gets
+    it. A lock is stale, and is taken over with a warning, when its process no longer exists on this host or
+    its heartbeat is older than :data:`STALE_AFTER_S` (a process on another host, or a stopped one).
+
+    Not used with a shared storage URL (several workers on one study are the design there) nor in the worker
+    processes of ``devices``, which run under their parent's lock.
+
+    Args:
+        out_dir: the output folder (created by the caller).
+    """
+
+    def __init__(self, out_dir: str | os.PathLike):
+        self.path = Path(out_dir) / LOCK_NAME
+        self.token = uuid.uuid4().hex
+        self.record: dict | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def holder(self) -> dict | None:
+        """The lock file's record, or None when there is none (an unreadable file reads as ``{}``)."""
+        try:
+            return json.loads(self.path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {}
+
+    def stale_reason(self, holder: dict, now: float | None = None) -> str | None:
+        """Why ``holder`` no longer holds the lock (its process is gone, or its heartbeat is too old), else None."""
+        now = time.time() if now is None else now
+        pid, host = holder.get("pid"), holder.get("host")
+        if not isinstance(pid, int) or not host:
+            return "the lock file is unreadable"
+        if host == socket.gethostname() and not _pid_alive(pid):
+            return f"process {pid} on {host} no longer exists"
+        beat = holder.get("heartbeat")
+        if not isinstance(beat, (int, float)) or now - beat > STALE_AFTER_S:
+            age = f"{now - beat:.0f} s" if isinstance(beat, (int, float)) else "unknown"
+            return f"its last heartbeat is {age} old (more than {STALE_AFTER_S:.0f} s)"
+        return None
+
+    def describe(self, holder: dict) -> str:
+        return (f"process {holder.get('pid', '?')} on {holder.get('host', '?')}, started "
+                f"{holder.get('started', '?')}")
+
+    def check(self) -> None:
+        """Raise :class:`StudyInUseError` when a live holder has the lock; touches nothing.
+
+        Raises:
+            StudyInUseError: naming the holder (process id, host, start time) and the fix.
+        """
+        holder = self.holder()
+        if holder is not None and holder.get("token") != self.token and self.stale_reason(holder) is None:
+            raise StudyInUseError(
+                f"out_dir {self.path.parent} is in use by another tctune optimize ({self.describe(holder)}); "
+                f"two runs on one study break each other\n  fix: wait for it to finish, stop it (kill "
+                f"{holder.get('pid')}), or give another out_dir", holder)
+
+    def acquire(self) -> "StudyLock":
+        """Take the lock (a stale one with a warning) and start the heartbeat; returns self.
+
+        Raises:
+            StudyInUseError: a live process holds it.
+        """
+        for _ in range(5):
+            self.check()
+            holder = self.holder()
+            if holder is not None:
+                reason = self.stale_reason(holder)
+                if (self.holder() or {}).get("token") != holder.get("token"):
+                    continue  # another process took it over first: check the new holder
+                log.warning("taking over the stale study lock %s of %s: %s", self.path, self.describe(holder), reason)
+                try:
+                    self.path.unlink()
+                except FileNotFoundError:
+                    pass
+            now = time.time()
+            self.record = {"pid": os.getpid(), "host": socket.gethostname(),
+                           "started": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"),
+                           "heartbeat": now, "token": self.token}
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:  # another process got it between our check and now: check it again
+                continue
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                json.dump(self.record, handle)
+            self._thread = threading.Thread(target=self._beat, name="tctune-study-lock", daemon=True)
+            self._thread.start()
+            return self
+        self.check()
+        raise AssertionError("unreachable: the lock changed hands five times")
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            if (self.holder() or {}).get("token") != self.token:
+                return  # taken over (we were thought dead): do not write over the new holder
+            self.record["heartbeat"] = time.time()
+            tmp = self.path.with_name(f".{LOCK_NAME}.{self.token}")
+            try:
+                tmp.write_text(json.dumps(self.record), encoding="utf-8")
+                os.replace(tmp, self.path)
+            except OSError as exc:
+                log.debug("study lock heartbeat not written: %s", exc)
+
+    def release(self) -> None:
+        """Stop the heartbeat and remove the lock file if it is still this process's."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self.record is not None and (self.holder() or {}).get("token") == self.token:
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
+        self.record = None
+
+    def __enter__(self) -> "StudyLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 def fail_interrupted(study: optuna.Study, storage) -> int:
