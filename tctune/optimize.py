@@ -269,10 +269,13 @@ def optimize(model_path: str | Path, cfg: TuneConfig) -> dict:
         artifacts = Artifacts(onnx_error="not exported: the run was interrupted (run the command again to resume)",
                               tensorrt_skipped_reason="the run was interrupted")
     if bt is not None and not tuner.interrupted:
-        artifacts, passes = export_best(tuner, dict(bt.params), out, fp8_keep=bt.user_attrs.get("fp8_keep"))
-        trial = tuner.trial_params(dict(bt.params), bt.user_attrs.get("fp8_keep"))
+        params = dict(bt.params)
+        if bt.user_attrs.get("model_cast") and "policy" in tuner.space():
+            params["policy"] = "pure"  # the model cast as a whole won: its graph is the everything-low one
+        artifacts, passes = export_best(tuner, params, out, fp8_keep=bt.user_attrs.get("fp8_keep"))
+        trial = tuner.trial_params(params, bt.user_attrs.get("fp8_keep"))
         best_cfg = {"model": mf.name, "model_path": str(mf.path), "hardware": hw.to_dict(),
-                    **trial.to_config(dict(bt.params)), "batch_sizes": sorted(cfg.batch_sizes),
+                    **trial.to_config(params), "batch_sizes": sorted(cfg.batch_sizes),
                     "throughput": bt.user_attrs.get("throughput"), "max_rel_error": bt.user_attrs.get("max_rel_error"),
                     "passes": [p["name"] for p in passes], "study": study.study_name, "tctune_version": __version__}
         write_atomic(out / "best_config.json", json.dumps(best_cfg, indent=2) + "\n")
