@@ -343,10 +343,10 @@ def render_markdown(r: dict) -> str:
                   "| baseline | trial | batch | precision | runtime | items/s | side-by-side items/s | p99 ms | peak MiB | rel. error | feasible |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in r["baselines"]:
-            lines.append(f"| {row['name']} | {row['trial']} | {row['batch_size']} | {row['precision']} | {row['runtime']} | "
-                         f"{_fmt(row['throughput'])} | {_fmt(row.get('side_by_side_throughput'))} | "
+            lines.append(f"| {row.get('name')} | {row.get('trial')} | {row.get('batch_size')} | {row.get('precision')} | {row.get('runtime')} | "
+                         f"{_fmt(row.get('throughput'))} | {_fmt(row.get('side_by_side_throughput'))} | "
                          f"{_fmt(row.get('latency_p99_ms'))} | {_fmt(row.get('peak_memory_mib'), '.0f')} | "
-                         f"{_fmt(row.get('max_rel_error'), '.2e')} | {'yes' if row['feasible'] else 'no: ' + (row.get('fail_reason') or '')} |")
+                         f"{_fmt(row.get('max_rel_error'), '.2e')} | {'yes' if row.get('feasible') else 'no: ' + (row.get('fail_reason') or '')} |")
     sbs = r.get("side_by_side")
     if sbs and sbs.get("entries"):
         clk = sbs.get("clocks") or {}

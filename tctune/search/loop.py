@@ -425,10 +425,13 @@ class Tuner:
                 f"{state}; best {best.user_attrs['throughput']:.4g}/s" if best else f"#{tr.number} {state}")
             bar.update(1)
 
-        def optimize(n: int) -> None:
-            if n > 0 and not stop_requested:
-                study.optimize(self.objective, n_trials=n, timeout=self.cfg.timeout_s,
-                               catch=(CandidateRejected,), callbacks=[callback])
+        deadline = None if self.cfg.timeout_s is None else time.monotonic() + self.cfg.timeout_s
+
+        def optimize(n: int) -> None:  # --timeout bounds the baselines and the searched trials together
+            left = None if deadline is None else deadline - time.monotonic()
+            if n > 0 and not stop_requested and (left is None or left > 0):
+                study.optimize(self.objective, n_trials=n, timeout=left, catch=(CandidateRejected,),
+                               callbacks=[callback])
 
         previous = None
         if threading.current_thread() is threading.main_thread():
