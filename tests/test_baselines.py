@@ -236,3 +236,24 @@ def test_resumed_study_re_times_its_baselines_in_the_current_run(tiny, tmp_path)
     keys = [json.dumps(candidate_params(t.params, t.user_attrs), sort_keys=True) for t in study.trials
             if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(keys) == len(set(keys))  # no candidate measured twice
+
+
+def test_compile_baseline_is_torch_compile_of_the_fastest_feasible_eager_baseline(tiny, tmp_path):
+    import dataclasses
+
+    cfg = TuneConfig(out_dir=str(tmp_path / "out"), batch_sizes=(4, 16), quiet=True, export=False)
+    t = Tuner(cfg, load_model_file(tiny), resolve(None), device=torch.device("cpu"))
+    t.search_space = dataclasses.replace(t.search_space, runtimes=("eager", "inductor"))
+    study = optuna.create_study(direction="maximize")
+    for b, thr, err in ((0, 100.0, 0.0), (1, 300.0, 2e-2), (2, 200.0, 1e-3), (3, 50.0, 0.0), (4, 60.0, 1e-3), (5, 70.0, 1e-3)):
+        base = t.plain_baselines()[b]
+        study.add_trial(optuna.trial.create_trial(
+            params=base.params, distributions={k: optuna.distributions.CategoricalDistribution([v])
+                                               for k, v in base.params.items()},
+            value=thr, user_attrs={"throughput": thr, "max_rel_error": err, **base.user_attrs()},
+            constraints={"max_error": err - 1e-2}))  # autocast at batch 4 is the fastest but over --max-error
+    assert t.compile_baselines(study) == []  # on the CPU: none
+    t.device = torch.device("cuda")  # (nothing runs: the choice only)
+    got = t.compile_baselines(study)
+    assert [(b.name, b.params["batch_size"], b.params["runtime"], b.model_cast) for b in got] == [
+        ("compile_cast_bf16", 4, "inductor", True), ("compile_cast_bf16", 16, "inductor", True)]

@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -549,7 +550,6 @@ class Tuner:
         finally:
             fns = contexts = None
             release_memory(self.device)
-        import statistics
         for number, ms in timed.items():
             row = rows[number]
             row["rounds_ms"] = ms
