@@ -152,12 +152,16 @@ def test_compiled_graph_candidates_are_measured_right_after_the_fp32_baselines(t
     t.search_space = dataclasses.replace(t.search_space, policy=True)
     study = t.create_study()
 
-    queued = [tr.system_attrs["fixed_params"]
-              for tr in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))]
-    assert [q["precision"] for q in queued[:2]] == ["fp32", "fp32"]  # one baseline per batch size, first
+    waiting = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
+    queued = [tr.system_attrs["fixed_params"] for tr in waiting]
+    # the plain baselines first (FP32 eager, autocast and the cast model at each batch size), then the compiled graphs
+    nb = len(t.plain_baselines())
+    assert [tr.user_attrs.get("baseline") for tr in waiting[:nb]] == [b.name for b in t.plain_baselines()]
+    assert [q["precision"] for q in queued[:nb] if q["precision"] == "fp32"] == ["fp32", "fp32"]  # one per batch size
+    assert queued[0]["precision"] == "fp32"
     low = [p for p in t.precisions if p in ("fp16", "bf16", "fp8")]
     assert low  # the CPU searches bf16
-    assert queued[2:2 + len(low)] == [{"batch_size": 16, "precision": p, "graph_passes": True, "runtime": "inductor",
+    assert queued[nb:nb + len(low)] == [{"batch_size": 16, "precision": p, "graph_passes": True, "runtime": "inductor",
                                        "policy": "pure"} for p in low]
     t.search_space = dataclasses.replace(t.search_space, memory_format=True,
                                          precisions=("fp32", "fp16", "fp8"))  # as on an H200
