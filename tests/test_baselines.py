@@ -257,3 +257,19 @@ def test_compile_baseline_is_torch_compile_of_the_fastest_feasible_eager_baselin
     got = t.compile_baselines(study)
     assert [(b.name, b.params["batch_size"], b.params["runtime"], b.model_cast) for b in got] == [
         ("compile_cast_bf16", 4, "inductor", True), ("compile_cast_bf16", 16, "inductor", True)]
+
+
+def test_every_side_by_side_entry_that_can_win_has_its_batch_sizes_baselines(tiny, tmp_path):
+    """A baseline at batch 8 is the fastest by its first timing, the fastest searched trial is at batch 32:
+    batch 32's baselines are timed too, so whichever wins has a same-batch baseline to compare with."""
+    cfg = TuneConfig(out_dir=str(tmp_path / "out"), batch_sizes=(8, 32), quiet=True, export=False)
+    t = Tuner(cfg, load_model_file(tiny), resolve(None), device=torch.device("cpu"))
+    study = optuna.create_study(direction="maximize")
+    p = {"batch_size": 8, "precision": "bf16", "graph_passes": False, "runtime": "eager"}
+    cast8 = _add(study, p, 900.0, baseline="cast_bf16", model_cast=True)
+    fp32_8 = _add(study, dict(p, precision="fp32"), 300.0, baseline="fp32_eager")
+    fp32_32 = _add(study, dict(p, precision="fp32", batch_size=32), 400.0, baseline="fp32_eager")
+    amp32 = _add(study, dict(p, batch_size=32), 500.0, baseline="autocast_bf16")
+    graph32 = _add(study, dict(p, batch_size=32, graph_passes=True), 600.0)
+    got = [tr.number for tr in t.side_by_side_entries(study)]
+    assert got[0] == cast8 and set(got) == {cast8, fp32_8, fp32_32, amp32, graph32}

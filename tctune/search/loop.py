@@ -475,9 +475,10 @@ class Tuner:
     def side_by_side_entries(self, study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
         """The trials :meth:`side_by_side` times: the finalists (throughput: the feasible trials within
         ``CONFIRM_BAND`` of the fastest, at most ``CONFIRM_TOP``, baselines included; other objectives: the
-        best trial), then at each finalist's batch size the two fastest feasible baselines and FP32 eager, then
-        the fastest feasible baseline at any batch size and the fastest feasible searched (not baseline) trial;
-        each once, by the trials' own timings."""
+        best trial) and the fastest feasible searched (not baseline) trial, then at each of their batch sizes
+        the two fastest feasible baselines and FP32 eager, then the fastest feasible baseline at any batch size;
+        each once, chosen by the trials' own timings. Every entry that can win has its batch size's baselines
+        beside it."""
         ok = sorted((t for t in study.get_trials(deepcopy=False) if is_feasible(t)),
                     key=lambda t: -t.user_attrs["throughput"])
         if not ok:
@@ -489,14 +490,14 @@ class Tuner:
             finalists = [best_trial(study)]
         base = [t for t in ok if t.user_attrs.get("baseline")]
         entries = list(finalists)
-        for bs in dict.fromkeys(t.params["batch_size"] for t in finalists):
+        entries += [t for t in ok if not t.user_attrs.get("baseline")][:1]  # the fastest searched candidate
+        for bs in dict.fromkeys(t.params["batch_size"] for t in entries):  # any of them can win: its baselines
             entries += [t for t in base if t.params["batch_size"] == bs][:2]
             fp32 = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
                     if t.user_attrs.get("baseline") == "fp32_eager" and t.params["batch_size"] == bs
                     and "throughput" in t.user_attrs]
             entries += fp32[-1:]
         entries += base[:1]
-        entries += [t for t in ok if not t.user_attrs.get("baseline")][:1]  # the fastest searched candidate
         seen, out = set(), []
         for t in entries:
             if t.number not in seen:
