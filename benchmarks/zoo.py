@@ -69,8 +69,8 @@ timeout_s=--optimize-budget-s, export=False))`` on a generated model file (``bui
 ``example_inputs`` of this zoo entry), then ``report.json`` is read. ``optimize_speedup_vs_best_baseline`` =
 the best trial's throughput / the fastest feasible *model-as-written* trial (``graph_passes`` false: FP32 eager
 and the plain low-precision runtimes the search enqueues) at the same batch size, both from that report;
-``optimize_speedup_vs_fp32_eager`` is the report's ``best.speedup_vs_best_baseline`` (its baseline is FP32
-eager), or, when the report lacks it, computed from the report's ``baselines`` at the same batch size (the row
+``optimize_speedup_vs_fp32_eager`` is the report's ``best.speedup_vs_fp32_eager`` (older reports:
+``best.speedup_vs_best_baseline``, whose baseline was FP32 eager), or, when the report lacks both, computed from the report's ``baselines`` at the same batch size (the row
 then says so in ``optimize_speedup_source``).
 
 Output: every model writes ``OUT/rows/NAME.json`` (and ``NAME.optimize.json``) after each variant, so a killed
@@ -1076,11 +1076,15 @@ def optimize_fields(report: dict) -> dict:
         top = max(plain, key=lambda t: t["throughput"])
         out["best_plain"] = {"params": top["params"], "throughput": top["throughput"], "trial": top.get("number")}
         out["speedup_vs_best_baseline"] = best["throughput"] / top["throughput"]
-    if best.get("speedup_vs_best_baseline") is not None:
+    if best.get("speedup_vs_fp32_eager") is not None:  # reports with plain baselines: this run's side-by-side
+        out["speedup_vs_fp32_eager"] = best["speedup_vs_fp32_eager"]
+        out["optimize_speedup_source"] = "report best.speedup_vs_fp32_eager"
+    elif best.get("speedup_vs_best_baseline") is not None:  # older reports: their only baseline was FP32 eager
         out["speedup_vs_fp32_eager"] = best["speedup_vs_best_baseline"]
         out["optimize_speedup_source"] = "report best.speedup_vs_best_baseline (against FP32 eager)"
     else:
-        same = [b for b in report.get("baselines", []) if b.get("batch_size") == bs and b.get("throughput")]
+        same = [b for b in report.get("baselines", []) if b.get("batch_size") == bs and b.get("throughput")
+                and b.get("name", "fp32_eager") == "fp32_eager"]
         if same:
             out["speedup_vs_fp32_eager"] = best["throughput"] / same[0]["throughput"]
             out["optimize_speedup_source"] = ("computed here: report lacks best.speedup_vs_best_baseline; best "

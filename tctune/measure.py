@@ -576,3 +576,79 @@ def check_accuracy(err: ErrorStats, precision: str, out: Any, *, max_mismatch_ra
         raise CandidateRejected(
             f"{precision} error against FP64 is {err.fp64_ratio:.3g}x the baseline's (FP64 rule limit "
             f"{fp64_multiplier(precision):g}x)")
+
+
+def time_interleaved(fns: Mapping[Any, Callable[[], Any]], device: torch.device, *, rounds: int = 15,
+                     target_block_s: float = 0.05, max_iterations: int = 200, warmup: int = 3,
+                     contexts: Mapping[Any, Callable[[], Any]] | None = None,
+                     on_round: Callable[[int], None] | None = None) -> dict[Any, list[float]]:
+    """Time several callables side by side: every round times each once, in the given order (A B C A B C …),
+    so a change of clock or load during the comparison affects them alike (PyTorch's benchmark harness
+    interleaves its runs for the same reason).
+
+    Each callable is warmed up (``warmup`` calls), then given a fixed number of calls per block so that one
+    block lasts about ``target_block_s`` (at most ``max_iterations``); a block is timed with CUDA events on a
+    GPU and ``time.perf_counter`` on the CPU, under ``torch.inference_mode``.
+
+    Args:
+        fns: key -> callable running one call (one batch) on pre-built inputs.
+        device: where they run.
+        rounds: rounds (values per key).
+        contexts: key -> a context manager factory entered around that key's warm-up and each of its blocks
+            (e.g. ``lambda: precision_mode("tf32")``); None: none.
+        on_round: called after each round with its index (e.g. to sample GPU clocks).
+
+    Returns:
+        key -> ms per call, one value per round.
+
+    Raises:
+        CandidateRejected: out of memory (memory is released first).
+    """
+    cuda = device.type == "cuda"
+    iters: dict[Any, int] = {}
+
+    def ctx(k):
+        return contexts[k]() if contexts and k in contexts else contextlib.nullcontext()
+
+    out: dict[Any, list[float]] = {k: [] for k in fns}
+    try:
+        with torch.inference_mode():
+            for k, fn in fns.items():
+                with ctx(k):
+                    for _ in range(max(1, warmup)):
+                        fn()
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    fn()
+                    _sync(device)
+                one = max(time.perf_counter() - t0, 1e-6)
+                iters[k] = int(min(max_iterations, max(1, target_block_s / one)))
+            for r in range(rounds):
+                for k, fn in fns.items():
+                    n = iters[k]
+                    with ctx(k):
+                        out[k].append(_block_ms(fn, n, cuda))
+                if on_round is not None:
+                    on_round(r)
+    except Exception as exc:
+        if is_oom(exc):
+            release_memory(device)
+            raise CandidateRejected(f"out of memory in the side-by-side timing: {str(exc).splitlines()[0][:200]}") from exc
+        raise
+    return out
+
+
+def _block_ms(fn: Callable[[], Any], n: int, cuda: bool) -> float:
+    """Mean ms per call of ``n`` calls of ``fn`` timed as one block."""
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / n
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / n

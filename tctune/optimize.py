@@ -329,11 +329,14 @@ def ranked_feasible(study: optuna.Study, objective: str) -> list[optuna.trial.Fr
     return sorted(ok, key=lambda t: -conf.get(t.number, t.user_attrs["throughput"]))
 
 
-def write_best_config(path: Path, tuner: Tuner, trial_attrs, passes: list[dict], study_name: str) -> None:
-    """``best_config.json`` of a finished trial (what ``tctune export`` reads)."""
-    trial = tuner.trial_params(dict(trial_attrs.params), trial_attrs.user_attrs.get("fp8_keep"))
+def write_best_config(path: Path, tuner: Tuner, trial_attrs, passes: list[dict], study_name: str,
+                      params: dict | None = None) -> None:
+    """``best_config.json`` of a finished trial (what ``tctune export`` reads); ``params``: the parameters the
+    export built (default: the trial's own)."""
+    params = dict(trial_attrs.params) if params is None else params
+    trial = tuner.trial_params(params, trial_attrs.user_attrs.get("fp8_keep"))
     cfg = {"model": tuner.mf.name, "model_path": str(tuner.mf.path), "hardware": tuner.hw.to_dict(),
-           **trial.to_config(dict(trial_attrs.params)), "batch_sizes": sorted(tuner.cfg.batch_sizes),
+           **trial.to_config(params), "batch_sizes": sorted(tuner.cfg.batch_sizes),
            "throughput": trial_attrs.user_attrs.get("throughput"),
            "max_rel_error": trial_attrs.user_attrs.get("max_rel_error"),
            "passes": [p["name"] for p in passes], "study": study_name, "tctune_version": __version__,
@@ -471,7 +474,10 @@ def _optimize(tuner: Tuner, mf, hw: HardwareSpec, cfg: TuneConfig, devices: list
         artifacts = Artifacts(onnx_error="not exported: the run was interrupted (run the command again to resume)",
                               tensorrt_skipped_reason="the run was interrupted")
     if bt is not None and not tuner.interrupted:
-        got = stages.run("export", export_best, tuner, dict(bt.params), out, fp8_keep=bt.user_attrs.get("fp8_keep"))
+        params = dict(bt.params)
+        if bt.user_attrs.get("model_cast") and "policy" in tuner.space():
+            params["policy"] = "pure"  # the model cast as a whole won: its graph is the everything-low one
+        got = stages.run("export", export_best, tuner, params, out, fp8_keep=bt.user_attrs.get("fp8_keep"))
         if got is None:
             why = stages.errors[-1]["error"]
             artifacts = Artifacts(onnx_error=f"not exported: {why}", tensorrt_skipped_reason="no ONNX to build from")
@@ -482,7 +488,7 @@ def _optimize(tuner: Tuner, mf, hw: HardwareSpec, cfg: TuneConfig, devices: list
         if (not exported(artifacts) and cfg.export and cfg.mode != "train" and tuner.captured.ok):
             artifacts.export_fallback = export_fallback(tuner, study, bt, why, out, stages)
         if stages.run("best_config.json", write_best_config, out / "best_config.json", tuner, bt, passes,
-                      study.study_name, default=False) is not False:
+                      study.study_name, default=False, params=params) is not False:
             artifacts.best_config = str(out / "best_config.json")
     if cfg.storage is None:
         artifacts.study_db = str(out / "study.db")

@@ -17,6 +17,7 @@ from typing import Any
 import optuna
 
 from .search import best_trial, is_feasible, pareto_front
+from .search.results import headline
 
 TRIAL_FIELDS = ("throughput", "latency_ms", "latency_p50_ms", "latency_p99_ms", "repeats_ms", "peak_memory_mib", "max_rel_error", "max_abs_error", "nonfinite",
                 "float_outputs", "exact_outputs", "mismatch_rate", "mismatched", "logits_outputs", "top1_agreement", "kl_divergence",
@@ -56,14 +57,41 @@ def trial_record(t: optuna.trial.FrozenTrial) -> dict:
     for k in TRIAL_FIELDS:
         row[k] = t.user_attrs.get(k)
     row["feasible"] = is_feasible(t)
+    row["baseline"] = t.user_attrs.get("baseline")  # a plain baseline's name (tctune.search.baselines), else None
+    row["model_cast"] = bool(t.user_attrs.get("model_cast"))
+    row["run_id"] = t.user_attrs.get("run_id")
+    row["score"] = t.user_attrs.get("score")
     row["passes"] = t.user_attrs.get("passes", [])
     if t.state == optuna.trial.TrialState.FAIL and row["fail_reason"] is None:
         row["fail_reason"] = "trial failed or was interrupted (see the log)"
     return row
 
 
+def baseline_rows(trials: list[dict], side_by_side: dict | None = None) -> list[dict]:
+    """``report.json``'s ``baselines``: one row per plain baseline trial that was measured or rejected (not
+    skipped or cut off), by batch size then name: ``{"name", "trial", "precision", "runtime", "batch_size",
+    "model_cast", "throughput", "latency_ms", "latency_p99_ms", "peak_memory_mib", "max_rel_error", "score",
+    "feasible", "fail_reason", "run_id", "side_by_side_throughput"}``; ``throughput`` is the trial's own timing
+    (possibly of an earlier run: ``run_id``), ``side_by_side_throughput`` the median of this run's side-by-side
+    timing when it was in it (``side_by_side``: the current run's, or None)."""
+    sbs = {e["trial"]: e.get("throughput") for e in (side_by_side or {}).get("entries") or []}
+    out = []
+    for r in trials:
+        if not r.get("baseline") or (r["state"] != "COMPLETE" and not r.get("fail_reason")) or r["state"] == "PRUNED":
+            continue
+        p = r["params"]
+        out.append({"name": r["baseline"], "trial": r["number"], "precision": p.get("precision"),
+                    "runtime": p.get("runtime", "eager"), "batch_size": p.get("batch_size"),
+                    "model_cast": r.get("model_cast", False), "throughput": r["throughput"],
+                    "latency_ms": r["latency_ms"], "latency_p99_ms": r["latency_p99_ms"],
+                    "peak_memory_mib": r["peak_memory_mib"], "max_rel_error": r["max_rel_error"],
+                    "score": r.get("score"), "feasible": r["feasible"], "fail_reason": r["fail_reason"],
+                    "run_id": r.get("run_id"), "side_by_side_throughput": sbs.get(r["number"])})
+    return sorted(out, key=lambda b: (b["batch_size"] or 0, b["trial"]))
+
+
 def baselines(trials: list[dict]) -> dict[int, dict]:
-    """FP32 eager trials (the baseline) by batch size, the fastest if measured twice."""
+    """FP32 eager trials by batch size, the fastest if measured twice."""
     out: dict[int, dict] = {}
     for r in trials:
         p = r["params"]
@@ -120,25 +148,30 @@ def build_report(study: optuna.Study, *, hardware: dict, measured_on: str, confi
     every = study.get_trials(deepcopy=False)
     trials = [trial_record(t) for t in every if t.state != optuna.trial.TrialState.WAITING]
     not_started = sum(t.state == optuna.trial.TrialState.WAITING for t in every)
-    base = baselines(trials)
     bt = best_trial(study)
     best = None
     baseline = None
+    head = headline(study, bt) if bt is not None else None
+    sbs = study.user_attrs.get("side_by_side")
+    current_sbs = sbs if sbs and sbs.get("run_id") == study.user_attrs.get("run_id") else None
     if bt is not None:
-        best = next(r for r in trials if r["number"] == bt.number)
-        bs = best["params"]["batch_size"]
-        same = base.get(bs)
-        top = max(base.values(), key=lambda r: r["throughput"]) if base else None
-        best = dict(best)
+        best = dict(next(r for r in trials if r["number"] == bt.number))
         from .search import confirmed_throughputs
         best["confirmed_throughput"] = confirmed_throughputs(study).get(bt.number)
-        best["speedup_vs_baseline"] = best["throughput"] / same["throughput"] if same else None
-        best["speedup_vs_best_baseline"] = best["throughput"] / top["throughput"] if top else None
+        for k in ("chosen_throughput", "chosen_on", "timing", "run_id", "baseline_wins", "best_baseline",
+                  "best_baseline_any_batch", "speedup_vs_best_baseline", "speedup_vs_fp32_eager",
+                  "speedup_vs_best_baseline_any_batch", "speedup_ci95", "speedup_p_value", "speedup_rounds",
+                  "best_searched"):
+            best[k] = head[k]
+        best["speedup_note"] = head["note"]
+        best["speedup_vs_baseline"] = head["speedup_vs_fp32_eager"]  # the FP32 eager one (older key)
+        f32 = head["fp32_eager"]
+        if f32:
+            row = next(r for r in trials if r["number"] == f32["trial"])
+            baseline = {"precision": "fp32", "graph_passes": False, "batch_size": f32["batch_size"],
+                        "throughput": f32["throughput"], "first_throughput": row["throughput"],
+                        "latency_ms": row["latency_ms"], "trial": f32["trial"], "timing": head["timing"]}
         best["accepted_by"] = accepted_by(best, config)
-        ref = same or top
-        if ref:
-            baseline = {"precision": "fp32", "graph_passes": False, "batch_size": ref["params"]["batch_size"],
-                        "throughput": ref["throughput"], "latency_ms": ref["latency_ms"], "trial": ref["number"]}
     report = {
         "tctune_version": model.get("tctune_version"),
         "model": model,
@@ -150,8 +183,9 @@ def build_report(study: optuna.Study, *, hardware: dict, measured_on: str, confi
                   "n_queued_not_run": not_started},
         "capture": capture,
         "baseline": baseline,
-        "baselines": [{"batch_size": bs, "throughput": r["throughput"], "latency_ms": r["latency_ms"], "trial": r["number"]}
-                      for bs, r in sorted(base.items())],
+        "baselines": baseline_rows(trials, current_sbs),
+        "best_baseline_any_batch": head["best_baseline_any_batch"] if head else None,
+        "side_by_side": dict(sbs, current_run=sbs is current_sbs) if sbs else None,
         "best": best,
         "pareto_front": [{"trial": t.number, "params": dict(t.params), "throughput": t.user_attrs.get("throughput"),
                           "latency_p99_ms": t.user_attrs.get("latency_p99_ms"),
@@ -296,31 +330,57 @@ def render_markdown(r: dict) -> str:
         kind = "the model as written"
         if p.get("graph_passes"):
             kind = "tctune graph passes" + (", pure policy (like model.half())" if p.get("policy") == "pure" else "")
+        if b.get("baseline"):
+            kind = f"plain baseline {b['baseline']}" + (" (the model cast as a whole)" if b.get("model_cast") else "")
+        chosen = b.get("chosen_throughput") or b["throughput"]
         lines.append(f"Best: **{p['precision']}**, {kind}, runtime {p.get('runtime', 'eager')}, batch {p['batch_size']}: "
-                     f"{_fmt(b['throughput'])} items/s, "
+                     f"{_fmt(chosen)} items/s" + (f" ({b['chosen_on']})" if b.get("chosen_on") else "") + ", "
                      f"{_fmt(b['latency_ms'])} ms per batch, relative error {_rel_error(b)}.")
         lines.append(f"- Accuracy: {gate_line(b, r['config'])}.")
+        if b.get("baseline_wins"):
+            srch = b.get("best_searched")
+            lines.append(f"- **A plain baseline wins**: {b['baseline']} was the fastest feasible configuration"
+                         + (f" (the fastest searched candidate, trial {srch['trial']}, {srch.get('description') or ''}, "
+                            f"ran {_fmt(srch['throughput'])} items/s in the same timing)" if srch else "")
+                         + ". **Use it**: nothing tctune searched beat it on this machine.")
         acc = accuracy_summary(b)
         if acc:
             lines.append(f"- Outputs against FP32: {acc}.")
         if r["config"].get("objective") == "latency":
             lines.append(f"- p99 latency (the objective): {_fmt(b.get('latency_p99_ms'))} ms per batch.")
+        lines.append("")
+        bb = b.get("best_baseline")
+        if bb and b.get("speedup_vs_best_baseline") is not None:
+            ci, pv = b.get("speedup_ci95"), b.get("speedup_p_value")
+            stats = ""
+            if ci:
+                stats = (f" (95% CI {ci[0]:.2f}–{ci[1]:.2f}× over {b.get('speedup_rounds')} interleaved rounds"
+                         + (f", sign-test p = {pv:.2g}" if pv is not None else "") + ")")
+            lines.append(f"- Against the fastest plain baseline at the same batch ({bb['name']}, trial {bb['trial']}, "
+                         f"{_fmt(bb['throughput'])} items/s): **{_fmt(b['speedup_vs_best_baseline'], '.2f')}×**{stats}.")
         if base:
-            lines.append("")
             lines.append(f"- Against FP32 eager at the same batch ({base['batch_size']}): "
-                         f"**{_fmt(b['speedup_vs_baseline'], '.2f')}×** ({_fmt(base['throughput'])} items/s).")
-        if b.get("speedup_vs_best_baseline") is not None:
-            lines.append(f"- Against the fastest FP32 eager baseline at any searched batch size: {_fmt(b['speedup_vs_best_baseline'], '.2f')}×.")
+                         f"{_fmt(b['speedup_vs_baseline'], '.2f')}× ({_fmt(base['throughput'])} items/s).")
+        anyb = b.get("best_baseline_any_batch")
+        if anyb and b.get("speedup_vs_best_baseline_any_batch") is not None:
+            lines.append(f"- The fastest plain baseline at any searched batch size: {anyb['name']} at batch "
+                         f"{anyb['batch_size']}, {_fmt(anyb['throughput'])} items/s (the best is "
+                         f"{_fmt(b['speedup_vs_best_baseline_any_batch'], '.2f')}× it).")
+        if b.get("timing"):
+            lines.append(f"- Timings compared: {b['timing']}" + (f" (run {b['run_id']})" if b.get("run_id") else "") + ".")
+        if b.get("speedup_note"):
+            lines.append(f"- {b['speedup_note']}.")
         conf = (r.get("confirmation") or {}).get("runs") or {}
         if str(b.get("number")) in conf:
             def _timings(v):
                 return " → ".join(_fmt(x) if x else "failed" for x in v)
             lines.append(f"- Chosen by re-measuring (trial {b['number']}: mean {_fmt(b.get('confirmed_throughput'))} "
-                         f"items/s; the throughput above is its first timing): the candidates within "
+                         f"items/s; first timing {_fmt(b['throughput'])} items/s): the candidates within "
                          f"{r['confirmation']['band']:.0%} of the fastest were built and timed again after the search, "
                          "and the best mean of all their timings wins: "
                          + "; ".join(f"trial {n}: {_timings(v)}" for n, v in conf.items()) + " items/s.")
-        if p["precision"] == "fp32" and not p.get("graph_passes") and p.get("runtime", "eager") == "eager":
+        if (p["precision"] == "fp32" and not p.get("graph_passes") and p.get("runtime", "eager") == "eager"
+                and not b.get("baseline_wins")):
             lines.append("- Nothing beat plain FP32 eager here: **keep FP32**.")
         base_row = base_trial(r)
         noise = measurement_noise(b, base_row)
@@ -339,6 +399,33 @@ def render_markdown(r: dict) -> str:
                          "is the runtime or measurement noise.")
     else:
         lines.append(f"No trial met the limits: {failure_summary(r.get('trials', []))}. The trials table has each reason.")
+    if r.get("baselines"):
+        lines += ["", "## Plain baselines (measured in every study)", "",
+                  "What you would try by hand: FP32 eager (the accuracy reference), autocast and the model cast as a "
+                  "whole at each low precision, and on a GPU torch.compile of the fastest of those. Side-by-side: "
+                  "the median of this run's interleaved timing.", "",
+                  "| baseline | trial | batch | precision | runtime | items/s | side-by-side items/s | p99 ms | peak MiB | rel. error | feasible |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for row in r["baselines"]:
+            lines.append(f"| {row.get('name')} | {row.get('trial')} | {row.get('batch_size')} | {row.get('precision')} | {row.get('runtime')} | "
+                         f"{_fmt(row.get('throughput'))} | {_fmt(row.get('side_by_side_throughput'))} | "
+                         f"{_fmt(row.get('latency_p99_ms'))} | {_fmt(row.get('peak_memory_mib'), '.0f')} | "
+                         f"{_fmt(row.get('max_rel_error'), '.2e')} | {'yes' if row.get('feasible') else 'no: ' + (row.get('fail_reason') or '')} |")
+    sbs = r.get("side_by_side")
+    if sbs and sbs.get("entries"):
+        clk = sbs.get("clocks") or {}
+        clocks = (f"SM clock {clk['sm_clock_mhz']['min']}–{clk['sm_clock_mhz']['max']} MHz (max {clk.get('sm_clock_max_mhz')}), "
+                  f"throttle reasons: {', '.join(clk.get('throttle_reasons') or []) or 'none'}"
+                  if clk.get("available") else f"GPU clocks: {clk.get('reason', 'not recorded')}")
+        lines += ["", "## Side-by-side timing", "",
+                  f"{sbs['rounds']} rounds, each timing every entry once in turn (A B C A B C …), about "
+                  f"{sbs['block_s'] * 1e3:.0f} ms of calls per block; median of the rounds. Run {sbs.get('run_id')}"
+                  + ("" if sbs.get("current_run", True) else " (an earlier run: not used for the headline)")
+                  + f". {clocks}.", "",
+                  "| trial | baseline | batch | median ms | items/s | note |", "|---|---|---|---|---|---|"]
+        for e in sbs["entries"]:
+            lines.append(f"| {e['trial']} | {e.get('baseline') or '–'} | {e['batch_size']} | {_fmt(e.get('median_ms'))} | "
+                         f"{_fmt(e.get('throughput'))} | {e.get('error') or ''} |")
     if r.get("pareto_front"):
         lines += ["", "## Pareto front (throughput ↑, p99 latency ↓, peak memory ↓)", "",
                   "| trial | precision | graph passes | runtime | batch | items/s | p99 ms | peak MiB | rel. error |",

@@ -36,10 +36,14 @@ def tuner(tiny, tmp_path, **kw):
 
 
 def test_small_space_is_enumerated_without_repeats(tiny, tmp_path):
+    from tctune.search.baselines import candidate_params
+
     t = tuner(tiny, tmp_path, trials=20)
     study = t.run()
-    params = [json.dumps(tr.params, sort_keys=True) for tr in study.trials]
-    assert len(params) == len(set(params)) == t.space_size() == 8
+    # the model cast as a whole (a plain baseline) has its autocast twin's searched params: the candidate differs
+    keys = [json.dumps(candidate_params(tr.params, tr.user_attrs), sort_keys=True) for tr in study.trials]
+    assert len(keys) == len(set(keys))
+    assert len({json.dumps(tr.params, sort_keys=True) for tr in study.trials}) == t.space_size() == 8
 
 
 def test_pareto_report_has_front_and_plots(tiny, tmp_path):
@@ -148,12 +152,16 @@ def test_compiled_graph_candidates_are_measured_right_after_the_fp32_baselines(t
     t.search_space = dataclasses.replace(t.search_space, policy=True)
     study = t.create_study()
 
-    queued = [tr.system_attrs["fixed_params"]
-              for tr in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))]
-    assert [q["precision"] for q in queued[:2]] == ["fp32", "fp32"]  # one baseline per batch size, first
+    waiting = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
+    queued = [tr.system_attrs["fixed_params"] for tr in waiting]
+    # the plain baselines first (FP32 eager, autocast and the cast model at each batch size), then the compiled graphs
+    nb = len(t.plain_baselines())
+    assert [tr.user_attrs.get("baseline") for tr in waiting[:nb]] == [b.name for b in t.plain_baselines()]
+    assert [q["precision"] for q in queued[:nb] if q["precision"] == "fp32"] == ["fp32", "fp32"]  # one per batch size
+    assert queued[0]["precision"] == "fp32"
     low = [p for p in t.precisions if p in ("fp16", "bf16", "fp8")]
     assert low  # the CPU searches bf16
-    assert queued[2:2 + len(low)] == [{"batch_size": 16, "precision": p, "graph_passes": True, "runtime": "inductor",
+    assert queued[nb:nb + len(low)] == [{"batch_size": 16, "precision": p, "graph_passes": True, "runtime": "inductor",
                                        "policy": "pure"} for p in low]
     t.search_space = dataclasses.replace(t.search_space, memory_format=True,
                                          precisions=("fp32", "fp16", "fp8"))  # as on an H200
@@ -248,8 +256,12 @@ def test_run_confirms_and_the_report_says_so(tiny, tmp_path, monkeypatch):
     conf = report["confirmation"]
     assert conf and len(conf["runs"]) == 3 and all(v[1] and v[1] > 0 for v in conf["runs"].values())
     md = (tmp_path / "out" / "report.md").read_text()
-    assert "Chosen by re-measuring" in md and str(report["best"]["number"]) in conf["runs"]
-    assert report["best"]["confirmed_throughput"] > 0
+    # the choice is then made side by side among the finalists and the best plain baselines
+    assert report["best"]["chosen_on"] == "side-by-side median"
+    if str(report["best"]["number"]) in conf["runs"]:
+        assert "Chosen by re-measuring" in md and report["best"]["confirmed_throughput"] > 0
+    else:
+        assert report["best"]["baseline"] and "A plain baseline wins" in md
 
 
 def test_pruner_stops_a_clearly_slower_candidate():
@@ -401,17 +413,23 @@ def test_latency_objective_reports_p99():
 
 
 def test_enumerated_space_says_how_many_trials_run_then_that_all_are_measured(tiny, tmp_path, caplog):
+    import re
+
     t = tuner(tiny, tmp_path, trials=50)
     n = t.space_size()
     with caplog.at_level("INFO", logger="tctune"):
-        t.run()
-    assert f"this search space has {n} candidates, {n} not measured yet: at most {n} trials run, not --trials 50" \
+        study = t.run()
+    # the plain baselines ran first (not counted in --trials): they measured some of the candidates
+    left = n - len({json.dumps(tr.params, sort_keys=True) for tr in study.trials if tr.user_attrs.get("baseline")})
+    assert 0 < left < n
+    assert f"this search space has {n} candidates, {left} not measured yet: at most {left} trials run, not --trials 50" \
         in caplog.text
+    before = len(study.trials)
     caplog.clear()
     with caplog.at_level("INFO", logger="tctune"):
         study = tuner(tiny, tmp_path, trials=50).run()
     assert f"all {n} candidates of this search space are already measured" in caplog.text
-    assert len(study.trials) == n  # nothing added
+    assert len(study.trials) == before  # nothing added
 
 
 def test_noise_line_names_its_two_trials_and_is_not_said_when_the_best_is_the_baseline():
@@ -446,4 +464,7 @@ def test_finalists_are_re_measured_in_both_modes(tmp_path, monkeypatch, mode):
     conf = report["confirmation"]
     assert conf and len(conf["runs"]) == 3
     assert all(len(v) == 2 and v[1] is not None and v[1] > 0 for v in conf["runs"].values()), conf
-    assert report["best"]["confirmed_throughput"] > 0
+    if mode == "train" or str(report["best"]["number"]) in conf["runs"]:
+        assert report["best"]["confirmed_throughput"] > 0
+    else:  # inference: chosen side by side, where a plain baseline beside the finalists can win
+        assert report["best"]["baseline"] and report["best"]["chosen_on"] == "side-by-side median"

@@ -24,9 +24,13 @@ conv nets, the memory format (contiguous or channels-last). Every candidate is t
 perf_counter on the CPU; warm-up, median of repeats) and compared with FP32 eager on the same fresh random
 inputs (and on real batches: --calibration); a candidate whose relative L2 error exceeds --max-error
 (--max-error-fp8 for fp8) is never chosen, unless the model file gives score(model): then the score decides
-(at least --min-score-ratio x the FP32 score). FP32 eager at every batch size is measured first (the
-baseline), then tctune's graph through the fastest compiled runtime at each low precision. After the
-trials the fastest candidates within 5% are built and timed once more; the best mean wins. The study is
+(at least --min-score-ratio x the FP32 score). Plain baselines are measured first at
+every batch size, in addition to --trials: FP32 eager, autocast and the model cast as a whole (model.half(),
+.to(bfloat16)) at each low precision, and on a GPU torch.compile of the fastest of those; then tctune's graph
+through the fastest compiled runtime at each low precision. After the trials the fastest candidates within
+5% are timed once more, then the finalists and the best baselines are timed side by side (interleaved
+rounds) and the fastest median wins; the speedup is against the fastest plain baseline at the same batch
+size, with a 95% confidence interval. The study is
 kept in OUT/study.db: running the same command again adds trials to it.
 
 Outputs in OUT (default tctune_out/<model name>/): report.json, report.md, study.db,
@@ -50,7 +54,7 @@ def register(sub) -> str:
     o.add_argument("--out", metavar="DIR", help="output folder (default: tctune_out/<model name>)")
     o.add_argument("--batch-sizes", default="8,32,128", metavar="LIST",
                    help="batch sizes to search: 8,32,128 or a range 16-256 (doubling from 16, 256 included); default %(default)s")
-    o.add_argument("--trials", type=int, default=16, metavar="N", help="trials to add to the study in this run (default %(default)s)")
+    o.add_argument("--trials", type=int, default=16, metavar="N", help="searched trials to add to the study in this run, besides the plain baselines (default %(default)s)")
     o.add_argument("--timeout", type=float, metavar="SECONDS", help="stop starting new trials after this long (default: no time limit; --trials bounds the run)")
     o.add_argument("--max-error", type=float, default=1e-2, metavar="E",
                    help="largest relative L2 error against FP32 eager a result may have (default %(default)g)")
@@ -113,15 +117,29 @@ def _summary(report: dict, out: Path) -> str:
     lines = []
     if b:
         p = b["params"]
-        lines.append(f"best: {p['precision']}, {'tctune graph' if p.get('graph_passes') else 'model as written'}, "
-                     f"{p.get('runtime', 'eager')}, batch {p['batch_size']}: "
-                     f"{b['throughput']:.4g} items/s, rel. error {b['max_rel_error']:.2e}")
+        what = 'tctune graph' if p.get('graph_passes') else 'model as written'
+        if b.get("baseline"):
+            what = f"plain baseline {b['baseline']}"
+        chosen = b.get("chosen_throughput") or b["throughput"]  # the number the choice was made on
+        lines.append(f"best: {p['precision']}, {what}, {p.get('runtime', 'eager')}, batch {p['batch_size']}: "
+                     f"{chosen:.4g} items/s" + (f" ({b['chosen_on']})" if b.get("chosen_on") else "")
+                     + f", rel. error {b['max_rel_error']:.2e}")
         if b.get("accepted_by"):
             from ..report import gate_line
 
             lines.append(f"      {gate_line(b, report.get('config', {}))}")
         if report.get("config", {}).get("objective") == "latency" and b.get("latency_p99_ms") is not None:
             lines.append(f"      p99 latency {b['latency_p99_ms']:.4g} ms per batch (the objective)")
+        if b.get("baseline_wins"):
+            lines.append(f"      a plain baseline wins: use {b['baseline']} (nothing tctune searched beat it here)")
+        bb = b.get("best_baseline")
+        if bb and b.get("speedup_vs_best_baseline") is not None and not b.get("baseline_wins"):
+            ci = b.get("speedup_ci95")
+            lines.append(f"      {b['speedup_vs_best_baseline']:.2f}x the fastest plain baseline at the same batch "
+                         f"({bb['name']}, {bb['throughput']:.4g} items/s"
+                         + (f"; 95% CI {ci[0]:.2f}-{ci[1]:.2f}x" if ci else "") + ")")
+        elif b.get("speedup_note"):
+            lines.append(f"      {b['speedup_note']}")
         if base and b.get("speedup_vs_baseline"):
             lines.append(f"      {b['speedup_vs_baseline']:.2f}x FP32 eager at the same batch ({base['throughput']:.4g} items/s)")
             from ..report import base_trial, unstable_timing

@@ -24,6 +24,7 @@ from ..measure import ErrorStats, check_accuracy, compare, is_oom, precision_mod
 from ..runtime import Autocast, ChannelsLast, detach_outputs, wrap
 from ..trial import FailureKind, TrialParams, apply_passes, build_trial_graph, reference_inputs
 from .accuracy import ScoreGate, graph_key, worst
+from .baselines import CastModel
 from .config import TuneConfig
 from .results import first_line, rejection, trial_metrics
 
@@ -141,6 +142,9 @@ class InferenceEvaluator:
                              fp8_keep=keep if precision == "fp8" else None)
         if precision in ("fp16", "bf16"):
             dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+            if params.get("model_cast"):  # a plain baseline: the model cast as a whole (model.half() / .to(bf16))
+                return Candidate(CastModel(self.model, dtype), precision, [],
+                                 f"model cast {precision} (whole model), {runtime}")
             return Candidate(Autocast(self.model, dtype, self.device.type), precision, [],
                              f"model autocast {precision}, {runtime}")
         return Candidate(self.model, precision, [], f"model {precision}, {runtime}")
@@ -218,6 +222,28 @@ class InferenceEvaluator:
             fn = g = None
             release_memory(self.device)
 
+    def runnable(self, params: dict, fp8_keep: Sequence[str] | None = None) -> tuple[Callable[[], Any], int, str]:
+        """Trial ``params`` built and wrapped for its runtime, ready to time: ``(call, batch_size, precision)``
+        where ``call()`` runs one batch on the reference inputs, to be called under
+        ``tctune.measure.precision_mode(precision)`` (the side-by-side comparison). ``params`` may hold
+        ``model_cast`` (:func:`tctune.search.baselines.candidate_params`). The caller drops ``call`` to free it.
+
+        Raises:
+            CandidateRejected: out of memory, or the build or compile failed.
+        """
+        bs = params["batch_size"]
+        runtime = params.get("runtime", "eager")
+        inputs, _ = self.reference(bs)
+        try:
+            cand = self.build(params, fp8_keep)
+            with precision_mode(cand.precision):
+                fn, _ = wrap(cand.module, runtime, inputs)
+            return (lambda: fn(*inputs)), bs, cand.precision
+        except CandidateRejected:
+            raise
+        except Exception as exc:
+            raise rejection(exc, self.device, bs, f"{runtime} rebuild") from exc
+
     def evaluate(self, params: dict, on_repeat=None, fp8_keep: Sequence[str] | None = None) -> dict:
         """Build, check and time one candidate; returns the trial's metrics (``fp8_keep``: see :meth:`build`).
 
@@ -236,7 +262,7 @@ class InferenceEvaluator:
         # (references for other batch sizes, the FP32 model), plus the inputs and, for the model as written,
         # its weights, which the candidate uses but which were allocated before it.
         own = sum(t.numel() * t.element_size() for t in inputs)
-        if not params["graph_passes"]:
+        if not params["graph_passes"] and not params.get("model_cast"):  # a cast model's copy is its own
             own += sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
         setup_s = 0.0
         fn = None

@@ -1,8 +1,12 @@
 """The search loop: one Optuna study per (model, hardware, mode, search space), every candidate measured.
 
 The study is stored by default in ``<out>/study.db`` (SQLite), so running the same command again resumes it:
-finished trials are kept and new ones are added. The FP32 eager baseline at every searched batch size is
-enqueued first, so the report's speedups are like-for-like (measured in the same study, on the same inputs).
+finished trials are kept and new ones are added. The plain baselines (:mod:`tctune.search.baselines`: FP32
+eager, autocast and the model cast as a whole at each low precision, and on a GPU ``torch.compile`` of the
+fastest of those) are measured first at every searched batch size, in addition to ``--trials``; after the
+trials the finalists and the best baselines are timed side by side in this process (:meth:`Tuner.side_by_side`),
+and the report's speedups use only those timings, so a resumed study never divides a timing of this run by
+one of an earlier run.
 The :class:`Tuner` composes the parts: the :class:`~tctune.search.space.SearchSpace`, an evaluator
 (:mod:`tctune.search.evaluate`: inference or training, one interface), the study storage
 (:mod:`tctune.search.storage`) and the reading of results (:mod:`tctune.search.results`).
@@ -13,8 +17,11 @@ import hashlib
 import json
 import logging
 import signal
+import statistics
 import sys
 import threading
+import time
+import uuid
 import warnings
 from pathlib import Path
 from typing import Sequence
@@ -25,11 +32,13 @@ import torch
 from ..capture import Captured, batch_range, try_capture
 from ..errors import CandidateRejected, ModelFileError, PassError, UsageError
 from ..hardware import HardwareSpec
-from ..measure import precision_mode
+from ..measure import precision_mode, release_memory, time_interleaved
 from ..modelfile import ModelFile
 from ..runtime import CUDA_GRAPH_RUNTIMES, RUNTIMES_CPU, RUNTIMES_GPU
 from ..trial import FailureKind, TrialParams, measuring_device
 from .config import OBJECTIVES, TuneConfig
+from .baselines import (SIDE_BY_SIDE_BLOCK_S, SIDE_BY_SIDE_ROUNDS, Baseline, ClockMonitor, candidate_params,
+                        compile_baseline, plain_baselines)
 from .evaluate import Evaluator, InferenceEvaluator
 from .results import (best_trial, confirmed_throughputs, constraint_checks, counts_as_measured, fail, failure_kind, first_line,
                       is_feasible, objective_values)
@@ -117,6 +126,8 @@ class Tuner:
                                self.search_space.fastest_compiled_runtime))
         self._opened = False
         self.interrupted = False
+        #: Tags every trial this process measures (user attribute ``run_id``) and its side-by-side timing.
+        self.run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
 
     # -- the parts, by job ------------------------------------------------------------------------------
     @property
@@ -207,10 +218,12 @@ class Tuner:
             self.fail_interrupted(study, storage)
         if not self._opened:
             self.retry_interrupted(study)
+            if not self.cfg.worker:
+                study.set_user_attr("run_id", self.run_id)  # the run whose side-by-side timing the report uses
         self._opened = True
-        if not study.trials:
-            for bs in self.cfg.batch_sizes:  # FP32 eager baselines, one per batch size
-                study.enqueue_trial(self.candidate(batch_size=bs, precision="fp32", graph_passes=False, runtime="eager"))
+        fresh = not study.trials
+        self.enqueue_baselines(study, self.plain_baselines())
+        if fresh:
             for params in self.compiled_first():
                 study.enqueue_trial(params)
             if self.captured.ok:  # then tctune's graph at each low precision, largest batch
@@ -225,22 +238,78 @@ class Tuner:
                                                                graph_passes=True, runtime="eager", policy="pure"))
         return study
 
-    def skip_reason(self, study: optuna.Study, params: dict, number: int = 1 << 62) -> str | None:
+    # -- plain baselines ---------------------------------------------------------------------------------
+    def plain_baselines(self) -> list[Baseline]:
+        """The eager plain baselines of this study (:func:`tctune.search.baselines.plain_baselines`)."""
+        return plain_baselines(self.search_space, self.cfg.mode)
+
+    @staticmethod
+    def baseline_trials(study: optuna.Study, states=None) -> dict[tuple[str, int], list]:
+        """(baseline name, batch size) -> the study's trials of that baseline (any state unless ``states``)."""
+        out: dict[tuple[str, int], list] = {}
+        for t in study.get_trials(deepcopy=False, states=states):
+            name = t.user_attrs.get("baseline")
+            if name:
+                bs = t.params.get("batch_size", (t.system_attrs.get("fixed_params") or {}).get("batch_size"))
+                out.setdefault((name, bs), []).append(t)
+        return out
+
+    def enqueue_baselines(self, study: optuna.Study, baselines: list[Baseline]) -> int:
+        """Enqueue each baseline the study has no trial of yet that stands (waiting, running, finished; a trial
+        cut off by an interruption does not stand); returns how many were enqueued."""
+        have = {k for k, ts in self.baseline_trials(study).items()
+                if any(t.state in (optuna.trial.TrialState.WAITING, optuna.trial.TrialState.RUNNING)
+                       or (t.state.is_finished() and counts_as_measured(t)) for t in ts)}
+        n = 0
+        for b in baselines:
+            if (b.name, b.params["batch_size"]) not in have:
+                study.enqueue_trial(b.params, user_attrs=b.user_attrs())
+                n += 1
+        return n
+
+    def compile_baselines(self, study: optuna.Study) -> list[Baseline]:
+        """On a GPU, with ``inductor`` searched: ``torch.compile`` (mode default) of the fastest feasible eager
+        baseline at each batch size (by its timing in the study)."""
+        if self.device.type != "cuda" or "inductor" not in self.runtimes:
+            return []
+        eager = {(b.name, b.params["batch_size"]): b for b in self.plain_baselines()}
+        best: dict[int, tuple[float, Baseline]] = {}
+        for (name, bs), ts in self.baseline_trials(study).items():
+            if (name, bs) not in eager:
+                continue
+            for t in ts:
+                if is_feasible(t) and t.user_attrs["throughput"] > best.get(bs, (0.0, None))[0]:
+                    best[bs] = (t.user_attrs["throughput"], eager[(name, bs)])
+        return [compile_baseline(b) for _, (_, b) in sorted(best.items())]
+
+    def pending_baselines(self, study: optuna.Study) -> int:
+        """Baseline trials waiting to run."""
+        return sum(len(ts) for ts in self.baseline_trials(study, (optuna.trial.TrialState.WAITING,)).values())
+
+    def skip_reason(self, study: optuna.Study, params: dict, number: int = 1 << 62,
+                    baseline: str | None = None) -> str | None:
         """Why ``params`` need not be measured: already measured, a smaller batch with the same settings
-        ran out of memory, or compiles are over budget. None when it should be measured."""
+        ran out of memory, or compiles are over budget. None when it should be measured. ``params`` may hold
+        ``model_cast`` (:func:`~tctune.search.baselines.candidate_params`). A plain ``baseline`` is measured
+        even when a searched trial of the same candidate was (an older study's), since it is a fixed part of
+        every study."""
         same_settings = {k: v for k, v in params.items() if k != "batch_size"}
         done = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
         for prev in study.get_trials(deepcopy=False, states=done + (optuna.trial.TrialState.RUNNING,)):
             if prev.number == number or not counts_as_measured(prev):
                 continue
-            if prev.params == params:
+            prev_params = candidate_params(prev.params, prev.user_attrs)
+            if baseline and prev.user_attrs.get("baseline") != baseline:
+                prev_params = None  # only the same baseline is a duplicate of a baseline
+            if prev_params == params:
                 if prev.state == optuna.trial.TrialState.RUNNING:
                     if prev.number < number:  # another worker took it first
                         return f"duplicate of trial {prev.number} (being measured by another worker)"
                     continue
                 what = "measured" if prev.state == optuna.trial.TrialState.COMPLETE else "failed"
                 return f"duplicate of trial {prev.number} ({what}; not run again)"
-            if (prev.user_attrs.get("fail_kind") == FailureKind.OUT_OF_MEMORY.value and {k: v for k, v in prev.params.items() if k != "batch_size"} == same_settings
+            prev_params = candidate_params(prev.params, prev.user_attrs)
+            if (prev.user_attrs.get("fail_kind") == FailureKind.OUT_OF_MEMORY.value and {k: v for k, v in prev_params.items() if k != "batch_size"} == same_settings
                     and prev.params.get("batch_size", 0) <= params["batch_size"]):
                 return f"batch {prev.params['batch_size']} already ran out of memory with these settings (trial {prev.number})"
         if params.get("policy") == "pure" and (not params.get("graph_passes")
@@ -261,13 +330,15 @@ class Tuner:
 
     def objective(self, trial: optuna.Trial) -> float:
         space = self.space()
-        params = {k: trial.suggest_categorical(k, v) for k, v in space.items()}
-        skip = self.skip_reason(trial.study, params, trial.number)
+        baseline = trial.user_attrs.get("baseline")
+        params = candidate_params({k: trial.suggest_categorical(k, v) for k, v in space.items()}, trial.user_attrs)
+        trial.set_user_attr("run_id", self.run_id)
+        skip = self.skip_reason(trial.study, params, trial.number, baseline=baseline)
         if skip:
             fail(trial, skip, FailureKind.SKIPPED)
             raise optuna.TrialPruned(skip)
         def on_repeat(step: int, throughput: float) -> None:
-            if self.cfg.objective != "throughput":
+            if self.cfg.objective != "throughput" or baseline:  # a plain baseline is never stopped early
                 return
             trial.report(throughput, step)
             if trial.should_prune():
@@ -303,7 +374,12 @@ class Tuner:
         return objective_values(metrics, self.cfg.objective)
 
     def run(self) -> optuna.Study:
-        """Add ``cfg.trials`` trials to the study (resuming it), with a progress bar unless quiet.
+        """Measure the plain baselines not measured yet, then add ``cfg.trials`` searched trials to the study
+        (resuming it), with a progress bar unless quiet; then (inference, not a worker, not interrupted) time
+        the finalists and the best baselines side by side (:meth:`side_by_side`; training: :meth:`confirm`).
+
+        The baselines (:mod:`tctune.search.baselines`) do not count in ``cfg.trials``: a fresh study runs
+        ``cfg.trials`` plus one trial per baseline and batch size.
 
         Ctrl-C (SIGINT) once: the running trial finishes, then the study stops and the report is written.
         Twice: the running trial is abandoned (marked failed). Finished trials are always kept.
@@ -311,21 +387,12 @@ class Tuner:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         optuna.logging.set_verbosity(optuna.logging.ERROR)  # tctune reports failed trials itself
         study = self.create_study()
-        total = self.cfg.trials
-        if self.space_size() <= BRUTE_FORCE_MAX:  # an enumerated space ends when every candidate is measured
-            left = self.space_size() - len(self.measured(study))
-            if left <= 0:
-                log.info("all %d candidates of this search space are already measured; nothing to add "
-                         "(widen --batch-sizes or --runtimes to search more)", self.space_size())
-                return study
-            if left < total:
-                log.info("this search space has %d candidates, %d not measured yet: at most %d trials run, not "
-                         "--trials %d", self.space_size(), left, left, total)
-                total = left
+        pending = self.pending_baselines(study)
         bar = None
         if not self.cfg.quiet:
             from tqdm.auto import tqdm
-            bar = tqdm(total=total, desc="trials", unit="trial", file=sys.stderr, dynamic_ncols=True)
+            bar = tqdm(total=self.cfg.trials + pending, desc="trials", unit="trial", file=sys.stderr,
+                       dynamic_ncols=True)
 
         stop_requested = []
 
@@ -346,17 +413,41 @@ class Tuner:
             best = best_trial(st)
             p = tr.params
             state = tr.state.name.lower()
+            what = tr.user_attrs.get("baseline") or ("graph" if p.get("graph_passes") else "eager")
             bar.set_postfix_str(
-                f"#{tr.number} {p.get('precision')} b{p.get('batch_size')} {'graph' if p.get('graph_passes') else 'eager'}: "
+                f"#{tr.number} {p.get('precision')} b{p.get('batch_size')} {what}: "
                 f"{state}; best {best.user_attrs['throughput']:.4g}/s" if best else f"#{tr.number} {state}")
             bar.update(1)
+
+        deadline = None if self.cfg.timeout_s is None else time.monotonic() + self.cfg.timeout_s
+
+        def optimize(n: int) -> None:  # --timeout bounds the baselines and the searched trials together
+            left = None if deadline is None else deadline - time.monotonic()
+            if n > 0 and not stop_requested and (left is None or left > 0):
+                study.optimize(self.objective, n_trials=n, timeout=left, catch=(CandidateRejected,),
+                               callbacks=[callback])
 
         previous = None
         if threading.current_thread() is threading.main_thread():
             previous = signal.signal(signal.SIGINT, on_sigint)
         try:
-            study.optimize(self.objective, n_trials=self.cfg.trials, timeout=self.cfg.timeout_s,
-                           catch=(CandidateRejected,), callbacks=[callback])
+            optimize(pending)  # the plain baselines, enqueued first
+            if not self.cfg.worker:
+                extra = self.enqueue_baselines(study, self.compile_baselines(study))
+                if extra and bar is not None:
+                    bar.total += extra
+                optimize(self.pending_baselines(study))
+            total = self.cfg.trials
+            if self.space_size() <= BRUTE_FORCE_MAX:  # an enumerated space ends when every candidate is measured
+                left = self.space_size() - len(self.measured(study))
+                if left <= 0:
+                    log.info("all %d candidates of this search space are already measured; nothing to add "
+                             "(widen --batch-sizes or --runtimes to search more)", self.space_size())
+                    total = 0
+                elif left < total:
+                    log.info("this search space has %d candidates, %d not measured yet: at most %d trials run, "
+                             "not --trials %d", self.space_size(), left, left, total)
+            optimize(total)
         except KeyboardInterrupt:
             self.interrupted = True
             log.warning("interrupted: finished trials are kept in %s; writing the report", self.storage_url())
@@ -367,9 +458,105 @@ class Tuner:
                 bar.close()
         if self.space_size() <= BRUTE_FORCE_MAX and len(self.measured(study)) >= self.space_size():
             log.info("every one of the %d candidates of this search space is measured", self.space_size())
-        if not self.interrupted and not self.cfg.worker and self.cfg.objective == "throughput":
-            self.confirm(study)
+        if not self.interrupted and not self.cfg.worker:
+            if self.cfg.objective == "throughput":
+                self.confirm(study)
+            if hasattr(self.evaluator, "runnable"):  # inference; training steps keep the confirmation only
+                self.side_by_side(study)
         return study
+
+    def side_by_side_entries(self, study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+        """The trials :meth:`side_by_side` times: the finalists (throughput: the feasible trials within
+        ``CONFIRM_BAND`` of the fastest, at most ``CONFIRM_TOP``, baselines included; other objectives: the
+        best trial) and the fastest feasible searched (not baseline) trial, then at each of their batch sizes
+        the two fastest feasible baselines and FP32 eager, then the fastest feasible baseline at any batch size;
+        each once, chosen by the trials' own timings. Every entry that can win has its batch size's baselines
+        beside it."""
+        ok = sorted((t for t in study.get_trials(deepcopy=False) if is_feasible(t)),
+                    key=lambda t: -t.user_attrs["throughput"])
+        if not ok:
+            return []
+        if self.cfg.objective == "throughput":
+            fastest = ok[0].user_attrs["throughput"]
+            finalists = [t for t in ok[:CONFIRM_TOP] if t.user_attrs["throughput"] >= fastest * (1 - CONFIRM_BAND)]
+        else:
+            finalists = [best_trial(study)]
+        base = [t for t in ok if t.user_attrs.get("baseline")]
+        entries = list(finalists)
+        entries += [t for t in ok if not t.user_attrs.get("baseline")][:1]  # the fastest searched candidate
+        for bs in dict.fromkeys(t.params["batch_size"] for t in entries):  # any of them can win: its baselines
+            entries += [t for t in base if t.params["batch_size"] == bs][:2]
+            fp32 = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+                    if t.user_attrs.get("baseline") == "fp32_eager" and t.params["batch_size"] == bs
+                    and "throughput" in t.user_attrs]
+            entries += fp32[-1:]
+        entries += base[:1]
+        seen, out = set(), []
+        for t in entries:
+            if t.number not in seen:
+                seen.add(t.number)
+                out.append(t)
+        return out
+
+    def side_by_side(self, study: optuna.Study, rounds: int = SIDE_BY_SIDE_ROUNDS,
+                     block_s: float = SIDE_BY_SIDE_BLOCK_S) -> dict | None:
+        """Time the finalists and the best baselines side by side in this process (:meth:`side_by_side_entries`),
+        each rebuilt (a trial's recorded FP8 keep-list as measured), ``rounds`` rounds of one block of about
+        ``block_s`` s each, interleaved (:func:`tctune.measure.time_interleaved`), with the GPU's SM clock and
+        throttle reasons sampled after every round (:class:`~tctune.search.baselines.ClockMonitor`).
+
+        Stored as the study user attribute ``"side_by_side"`` and returned: ``{"run_id": this run's id,
+        "after_trial": the last trial number when it ran, "rounds", "block_s", "device", "clocks": the
+        ClockMonitor summary, "entries": [{"trial", "baseline": name or None, "batch_size", "throughput": batch
+        size / median (items/s), "median_ms", "rounds_ms": ms per call per round, "error": why it could not be
+        rebuilt or None}]}``. The report's headline uses these numbers only when ``run_id`` is the current
+        run's. None when no trial is feasible. A candidate that fails to rebuild is logged and left out.
+        """
+        entries = self.side_by_side_entries(study)
+        if not entries:
+            return None
+        log.info("timing %d candidates side by side (%d interleaved rounds): %s", len(entries), rounds,
+                 ", ".join(f"trial {t.number}" + (f" ({t.user_attrs['baseline']})" if t.user_attrs.get("baseline") else "")
+                           for t in entries))
+        fns, contexts, rows = {}, {}, {}
+        for t in entries:
+            row = {"trial": t.number, "baseline": t.user_attrs.get("baseline"), "batch_size": t.params["batch_size"],
+                   "throughput": None, "median_ms": None, "rounds_ms": [], "error": None}
+            rows[t.number] = row
+            try:
+                fn, bs, precision = self.evaluator.runnable(candidate_params(t.params, t.user_attrs),
+                                                            fp8_keep=t.user_attrs.get("fp8_keep"))
+                fns[t.number] = fn
+                contexts[t.number] = (lambda p=precision: precision_mode(p))
+            except CandidateRejected as exc:
+                row["error"] = first_line(exc)
+                log.info("trial %d could not be rebuilt for the side-by-side timing: %s", t.number, row["error"])
+        clocks = ClockMonitor(self.device)
+        clocks.sample()
+        try:
+            timed = time_interleaved(fns, self.device, rounds=rounds, target_block_s=block_s, contexts=contexts,
+                                     on_round=lambda r: clocks.sample()) if fns else {}
+        except CandidateRejected as exc:
+            log.warning("side-by-side timing failed: %s", first_line(exc))
+            timed = {}
+            for row in rows.values():
+                row["error"] = row["error"] or first_line(exc)
+        finally:
+            fns = contexts = None
+            release_memory(self.device)
+        for number, ms in timed.items():
+            row = rows[number]
+            row["rounds_ms"] = ms
+            row["median_ms"] = statistics.median(ms)
+            row["throughput"] = row["batch_size"] / (row["median_ms"] / 1e3)
+        result = {"run_id": self.run_id, "after_trial": max(t.number for t in study.get_trials(deepcopy=False)),
+                  "rounds": rounds, "block_s": block_s, "device": str(self.device), "clocks": clocks.summary(),
+                  "entries": list(rows.values())}
+        study.set_user_attr("side_by_side", result)
+        log.info("side by side: %s", "; ".join(
+            f"trial {r['trial']}{' (' + r['baseline'] + ')' if r['baseline'] else ''}: {r['throughput']:.4g}/s"
+            for r in rows.values() if r["throughput"]) or "none timed")
+        return result
 
     def confirm(self, study: optuna.Study) -> dict | None:
         """Time the fastest feasible candidates within ``CONFIRM_BAND`` of the fastest once more (at most

@@ -272,8 +272,8 @@ def retry_interrupted(study: optuna.Study, space: dict) -> int:
     n = 0
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,)):
         key = json.dumps(t.params, sort_keys=True)
-        if counts_as_measured(t) or key in done or key in waiting:
-            continue
+        if counts_as_measured(t) or key in done or key in waiting or t.user_attrs.get("baseline"):
+            continue  # (a plain baseline is enqueued again as one by tctune.search.loop.Tuner.enqueue_baselines)
         if any(t.params.get(k) not in v for k, v in space.items()):
             continue
         study.enqueue_trial(dict(t.params))

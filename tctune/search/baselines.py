@@ -1,0 +1,226 @@
+"""The plain baselines every study measures, and the side-by-side comparison that decides the headline.
+
+Plain baselines are what a user would try by hand, at each searched batch size:
+
+- ``fp32_eager``: the model as written in FP32 (the accuracy reference);
+- ``autocast_<p>``: the model under ``torch.autocast`` at each low precision the hardware offers (fp16, bf16);
+- ``cast_<p>``: the model cast as a whole (``model.half()`` / ``model.to(torch.bfloat16)``, :class:`CastModel`);
+- on a GPU, ``compile_<name>``: ``torch.compile`` (mode ``default``, runtime ``inductor``) of the fastest of
+  those at that batch size, as the PyTorch team's own benchmark compares against.
+
+They are trials of the study marked with the user attribute ``baseline=<name>`` (and ``model_cast=True`` for
+the cast ones, whose searched parameters equal their autocast twin's): enqueued before any searched trial, not
+counted in ``--trials``, never stopped early, and re-timed after the search beside the finalists.
+
+The side-by-side comparison (:func:`interleaved_speedup` on timings from
+:func:`tctune.measure.time_interleaved`) times the finalists and the baselines in the same process, one block
+of calls each per round (A B C A B C …, the order of PyTorch's ``benchmarks/dynamo/common.py``, which
+interleaves "to handle frequency scaling and load changes"), and reports per-entry medians and, for a
+speedup, a bootstrap 95 % confidence interval over rounds and a two-sided sign-test p-value.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import random
+import statistics
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch.utils._pytree import tree_map
+
+LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+#: Rounds of the side-by-side comparison; each round times every entry once (a block of about
+#: ``SIDE_BY_SIDE_BLOCK_S`` seconds of calls). 15 rounds give a sign test that can reach p < 0.001.
+SIDE_BY_SIDE_ROUNDS = 15
+SIDE_BY_SIDE_BLOCK_S = 0.05
+#: Bootstrap resamples of the rounds for the speedup's confidence interval (seeded: the report is reproducible
+#: from its timings).
+BOOTSTRAP_SAMPLES = 2000
+
+
+class CastModel(torch.nn.Module):
+    """The model cast as a whole to ``dtype`` (``model.half()`` / ``model.to(torch.bfloat16)``).
+
+    A deep copy of ``model`` with every floating parameter and buffer cast to ``dtype`` (the caller's model is
+    untouched); floating tensor inputs are cast to ``dtype`` on the way in and floating outputs of ``dtype``
+    back to ``out_dtype`` (FP32: the reference's dtype) on the way out, so its outputs compare with the FP32
+    reference like any candidate's. Integer and bool inputs and outputs pass unchanged.
+
+    Args:
+        model: the FP32 model (copied).
+        dtype: ``torch.float16`` or ``torch.bfloat16``.
+        out_dtype: the dtype floating outputs are returned in.
+    """
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, out_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.model = copy.deepcopy(model).to(dtype)
+        self.dtype, self.out_dtype = dtype, out_dtype
+
+    def forward(self, *args, **kwargs):
+        def down(x):
+            return x.to(self.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+        def up(x):
+            return x.to(self.out_dtype) if isinstance(x, torch.Tensor) and x.dtype == self.dtype else x
+
+        out = self.model(*tree_map(down, args), **tree_map(down, kwargs))
+        return tree_map(up, out)
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """One plain baseline at one batch size: ``name`` (e.g. ``autocast_bf16``), the trial ``params`` it is
+    measured as (searched keys only) and whether it is the model cast as a whole."""
+
+    name: str
+    params: dict
+    model_cast: bool = False
+
+    def user_attrs(self) -> dict:
+        """The user attributes its trial is enqueued with (``baseline``; ``model_cast`` when cast)."""
+        return {"baseline": self.name, **({"model_cast": True} if self.model_cast else {})}
+
+
+def plain_baselines(space, mode: str = "infer") -> list[Baseline]:
+    """The eager plain baselines of search space ``space`` (a :class:`~tctune.search.space.SearchSpace`), batch
+    size by batch size: FP32 eager, then autocast at each of fp16/bf16 in ``space.precisions``, then (inference
+    only: pure low-precision training is not a plain recipe) the model cast as a whole at the same precisions."""
+    out = []
+    low = [p for p in ("fp16", "bf16") if p in space.precisions]
+    for bs in space.batch_sizes:
+        out.append(Baseline("fp32_eager", space.candidate(batch_size=bs, precision="fp32", graph_passes=False,
+                                                           runtime="eager")))
+        for p in low:
+            out.append(Baseline(f"autocast_{p}", space.candidate(batch_size=bs, precision=p, graph_passes=False,
+                                                                  runtime="eager")))
+        if mode == "infer":
+            for p in low:
+                out.append(Baseline(f"cast_{p}", space.candidate(batch_size=bs, precision=p, graph_passes=False,
+                                                                  runtime="eager"), model_cast=True))
+    return out
+
+
+def compile_baseline(fastest: Baseline) -> Baseline:
+    """``torch.compile`` (mode ``default``: runtime ``inductor``) of eager baseline ``fastest``."""
+    return Baseline(f"compile_{fastest.name}", dict(fastest.params, runtime="inductor"), fastest.model_cast)
+
+
+def candidate_params(params: dict, user_attrs: dict) -> dict:
+    """The parameters that identify a trial's candidate: its searched ``params`` plus ``model_cast: True`` for
+    the model cast as a whole (whose searched parameters equal its autocast twin's)."""
+    return {**params, "model_cast": True} if user_attrs.get("model_cast") else dict(params)
+
+
+def _median_ratio(a: Sequence[float], b: Sequence[float]) -> float:
+    return statistics.median(a) / statistics.median(b)
+
+
+def interleaved_speedup(base_ms: Sequence[float], best_ms: Sequence[float], seed: int = 0,
+                        samples: int = BOOTSTRAP_SAMPLES) -> dict:
+    """The speedup of a candidate over a baseline from paired per-round timings of the same batch size.
+
+    Args:
+        base_ms, best_ms: ms per call of the baseline and of the candidate, one value per round (same length,
+            round ``i`` of each timed back to back).
+        seed: bootstrap seed.
+        samples: bootstrap resamples.
+
+    Returns:
+        ``{"speedup": median(base) / median(best), "ci95": [lo, hi]`` (percentile bootstrap over rounds,
+        resampled in pairs), ``"p_value"`` (two-sided exact sign test on the rounds where one was faster; None
+        with fewer than 2 such rounds), ``"rounds"``, ``"rounds_faster"`` (rounds where the candidate was
+        faster)}.
+
+    Raises:
+        ValueError: the lists differ in length or are empty.
+    """
+    if len(base_ms) != len(best_ms) or not base_ms:
+        raise ValueError(f"paired timings needed: {len(base_ms)} baseline rounds, {len(best_ms)} candidate rounds")
+    n = len(base_ms)
+    rng = random.Random(seed)
+    boots = []
+    for _ in range(samples):
+        idx = [rng.randrange(n) for _ in range(n)]
+        boots.append(_median_ratio([base_ms[i] for i in idx], [best_ms[i] for i in idx]))
+    boots.sort()
+    lo, hi = boots[int(0.025 * (samples - 1))], boots[int(math.ceil(0.975 * (samples - 1)))]
+    faster = sum(b < a for a, b in zip(base_ms, best_ms))
+    slower = sum(b > a for a, b in zip(base_ms, best_ms))
+    m = faster + slower
+    p = None
+    if m >= 2:
+        k = min(faster, slower)
+        p = min(1.0, 2 * sum(math.comb(m, i) for i in range(k + 1)) / 2 ** m)
+    return {"speedup": _median_ratio(base_ms, best_ms), "ci95": [lo, hi], "p_value": p, "rounds": n,
+            "rounds_faster": faster}
+
+
+# -- GPU clocks during timing (NVML) ------------------------------------------------------------------------
+_THROTTLE_NAMES = {
+    0x1: "gpu_idle", 0x2: "applications_clocks_setting", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
+    0x10: "sync_boost", 0x20: "sw_thermal_slowdown", 0x40: "hw_thermal_slowdown", 0x80: "hw_power_brake_slowdown",
+    0x100: "display_clock_setting",
+}
+
+
+class ClockMonitor:
+    """Samples the GPU's SM clock (MHz) and clock throttle reasons through NVML (the ``nvidia-ml-py`` package,
+    imported as ``pynvml``) while timing runs; every NVML call is guarded, so a machine without it records why.
+
+    :meth:`sample` is called between rounds; :meth:`summary` returns ``{"available": True, "sm_clock_mhz":
+    {"min", "max", "samples"}, "sm_clock_max_mhz", "throttle_reasons": [names seen, "gpu_idle" excluded]}`` or
+    ``{"available": False, "reason": ...}`` (on the CPU: ``"not available (measured on the CPU)"``).
+    """
+
+    def __init__(self, device: torch.device):
+        self.handle, self.nvml, self.reason = None, None, None
+        self.clocks: list[int] = []
+        self.reasons: set[str] = set()
+        self.max_clock = None
+        if device.type != "cuda":
+            self.reason = "not available (measured on the CPU)"
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.nvml = pynvml
+            props = torch.cuda.get_device_properties(device)
+            uuid = getattr(props, "uuid", None)
+            try:
+                self.handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}") if uuid else None
+            except Exception:  # noqa: BLE001 - fall back to the index
+                self.handle = None
+            if self.handle is None:
+                self.handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+            self.max_clock = int(pynvml.nvmlDeviceGetMaxClockInfo(self.handle, pynvml.NVML_CLOCK_SM))
+        except Exception as exc:  # noqa: BLE001 - no NVML: recorded, never raised
+            self.handle = None
+            self.reason = f"not available (NVML: {type(exc).__name__}: {str(exc)[:120]})"
+
+    def sample(self) -> None:
+        if self.handle is None:
+            return
+        try:
+            nv = self.nvml
+            self.clocks.append(int(nv.nvmlDeviceGetClockInfo(self.handle, nv.NVML_CLOCK_SM)))
+            get = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+            mask = int(get(self.handle))
+            self.reasons |= {name for bit, name in _THROTTLE_NAMES.items() if mask & bit and name != "gpu_idle"}
+        except Exception as exc:  # noqa: BLE001
+            self.reason = f"NVML sampling failed: {type(exc).__name__}: {str(exc)[:120]}"
+
+    def summary(self) -> dict[str, Any]:
+        if self.handle is None or not self.clocks:
+            return {"available": False, "reason": self.reason or "no samples"}
+        return {"available": True, "sm_clock_mhz": {"min": min(self.clocks), "max": max(self.clocks),
+                                                     "samples": len(self.clocks)},
+                "sm_clock_max_mhz": self.max_clock, "throttle_reasons": sorted(self.reasons)}
+
+
+__all__ = ["BOOTSTRAP_SAMPLES", "Baseline", "CastModel", "ClockMonitor", "SIDE_BY_SIDE_BLOCK_S",
+           "SIDE_BY_SIDE_ROUNDS", "candidate_params", "compile_baseline", "interleaved_speedup", "plain_baselines"]
