@@ -68,8 +68,9 @@ def _pick_graph_bf16(monkeypatch):
               and t.params.get("precision") == "bf16"]
         return ok[0] if ok else results.best_trial(study, *a, **k)
 
-    # the pipeline module (``tctune.optimize`` the attribute is the function)
+    # the pipeline module (``tctune.optimize`` the attribute is the function) and the report, which agree on it
     monkeypatch.setattr(sys.modules["tctune.optimize"], "best_trial", best)
+    monkeypatch.setattr(sys.modules["tctune.report"], "best_trial", best)
 
 
 @pytest.fixture(scope="module")
