@@ -12,6 +12,8 @@ The keyword options are the ``tctune optimize`` flags with ``_`` for ``-`` (:dat
 """
 from __future__ import annotations
 
+import dataclasses
+
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -27,7 +29,8 @@ OPTIONS = {"out": "out_dir", "batch_sizes": "batch_sizes", "trials": "trials", "
            "effective_batch": "effective_batch", "objective": "objective", "max_latency_ms": "max_latency_ms",
            "max_memory_mib": "max_memory_mib", "fp8_keep": "fp8_keep", "target": "target", "storage": "storage",
            "devices": "devices", "seed": "seed", "runtimes": "runtimes", "compile_budget": "compile_budget_s",
-           "no_prune": "prune", "no_export": "export", "quiet": "quiet"}
+           "no_prune": "prune", "no_export": "export", "quiet": "quiet",
+           "min_score_ratio": "min_score_ratio", "min_score": "min_score", "max_mismatch_rate": "max_mismatch_rate"}
 #: Keyword options of :func:`optimize` that are not flags: the live module's contract and the tuned module.
 API_OPTIONS = ("score", "calibration", "dynamic_shapes", "name", "keep_low_precision_outputs")
 
@@ -104,7 +107,9 @@ def optimize(model, example_inputs=None, /, **options):
             ``max_latency_ms``, ``max_memory_mib``, ``fp8_keep`` (``"auto"``, ``"none"``, patterns), ``target``,
             ``storage``, ``devices`` (one GPU for a live module), ``seed``, ``runtimes`` (names or a comma
             list), ``compile_budget`` (s), ``no_prune``, ``no_export``, ``quiet``, ``mode``; and
-            ``score`` (``score(model) -> float``, higher is better), ``calibration`` (calibration inputs) and
+            ``min_score_ratio``, ``min_score``, ``max_mismatch_rate``; ``score`` (``score(model) -> float``,
+            higher is better), ``calibration`` (real input batches: an iterable of input tuples, a callable
+            returning one, or a folder of ``.safetensors`` / ``.npz`` files like ``--calibration``) and
             ``dynamic_shapes`` as in the model-file contract, ``name`` (the report's model name; default the
             class name), ``keep_low_precision_outputs`` (True: outputs in the tuned precision, not FP32).
 
@@ -153,6 +158,9 @@ def _optimize_module(model: torch.nn.Module, example_inputs: tuple | Callable | 
         raise UsageError("tctune.optimize(model, example_inputs): example inputs are needed to run the model\n"
                          "  fix: pass a tuple of tensors, or a function batch_size -> tuple of tensors")
     contract = {k: options.pop(k) for k in ("score", "calibration", "dynamic_shapes", "name") if k in options}
+    folder = None
+    if isinstance(contract.get("calibration"), (str, Path)):  # a folder of batches, like --calibration PATH
+        folder = str(contract.pop("calibration"))
     mf = ModelFile.from_module(model, example_inputs, **contract)
     batch = None
     if not callable(example_inputs) or isinstance(example_inputs, torch.Tensor):
@@ -160,6 +168,8 @@ def _optimize_module(model: torch.nn.Module, example_inputs: tuple | Callable | 
         batch = (b,) if b else None
     out = options.get("out") or tempfile.mkdtemp(prefix=f"tctune_{mf.name}_")
     cfg = tune_config(options, out_dir=out, batch_sizes=batch)
+    if folder is not None:
+        cfg = dataclasses.replace(cfg, calibration=folder)
     if cfg.mode != "infer":
         raise UsageError("mode train needs example_targets and loss_fn: tune a model file for training\n"
                          "  fix: leave mode out (inference), or write a model file", field="mode")

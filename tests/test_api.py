@@ -361,3 +361,23 @@ def test_a_cuda_graph_runtime_runs_without_it_on_cpu_inputs_and_warns(tuned_bf16
     with pytest.warns(RuntimeWarning, match="not on a CUDA GPU"):
         out = graphed(*x)
     assert torch.equal(out["logits"], tuned(*x)["logits"])
+
+
+def test_every_optimize_flag_has_an_api_keyword():
+    """The API's keywords are the CLI's long flags with ``_`` (the issue's contract): a flag added to
+    ``tctune optimize`` without its keyword fails here."""
+    from tctune.api import API_OPTIONS, OPTIONS
+    from tctune.cli import parser
+
+    sub = next(a for a in parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    flags = {o[2:].replace("-", "_") for a in sub.choices["optimize"]._actions for o in a.option_strings
+             if o.startswith("--")}
+    not_for_a_module = {"help", "debug", "worker_config"}  # console and worker-process plumbing
+    assert flags - not_for_a_module <= set(OPTIONS) | set(API_OPTIONS)
+
+
+def test_api_accuracy_options_reach_the_config():
+    from tctune.api import tune_config
+
+    cfg = tune_config({"min_score_ratio": 0.98, "max_mismatch_rate": 0.01, "min_score": 0.5}, out_dir="unused")
+    assert (cfg.min_score_ratio, cfg.max_mismatch_rate, cfg.min_score) == (0.98, 0.01, 0.5)
