@@ -273,3 +273,24 @@ def test_every_side_by_side_entry_that_can_win_has_its_batch_sizes_baselines(tin
     graph32 = _add(study, dict(p, batch_size=32, graph_passes=True), 600.0)
     got = [tr.number for tr in t.side_by_side_entries(study)]
     assert got[0] == cast8 and set(got) == {cast8, fp32_8, fp32_32, amp32, graph32}
+
+
+def test_timeout_never_leaves_a_baseline_unmeasured(tmp_path):
+    """--timeout bounds the searched trials only: a headline needs every plain baseline, so even a timeout that
+    has passed before the first trial leaves none of them unmeasured (a short budget on the H200 left out the
+    compiled baseline and the headline compared against eager baselines only)."""
+    from tctune.hardware import resolve
+    from tctune.modelfile import load_model_file
+    from tctune.search import TuneConfig, Tuner
+
+    f = tmp_path / "m.py"
+    f.write_text("import torch\n"
+                 "def build_model():\n    torch.manual_seed(0)\n    return torch.nn.Sequential(torch.nn.Linear(8, 8))\n"
+                 "def example_inputs(b):\n    return (torch.randn(b, 8),)\n")
+    cfg = TuneConfig(out_dir=str(tmp_path / "out"), batch_sizes=(4,), trials=3, timeout_s=1e-9, quiet=True,
+                     export=False)
+    tuner = Tuner(cfg, load_model_file(f), resolve(None), device=torch.device("cpu"))
+    study = tuner.run()
+    done = {t.user_attrs.get("baseline") for t in study.trials if t.state.name in ("COMPLETE", "FAIL", "PRUNED")}
+    assert {b.name for b in tuner.plain_baselines()} <= done
+    assert not any(t.user_attrs.get("baseline") is None and t.state.name == "COMPLETE" for t in study.trials)

@@ -55,7 +55,7 @@ def register(sub) -> str:
     o.add_argument("--batch-sizes", default="8,32,128", metavar="LIST",
                    help="batch sizes to search: 8,32,128 or a range 16-256 (doubling from 16, 256 included); default %(default)s")
     o.add_argument("--trials", type=int, default=16, metavar="N", help="searched trials to add to the study in this run, besides the plain baselines (default %(default)s)")
-    o.add_argument("--timeout", type=float, metavar="SECONDS", help="stop starting new trials after this long (default: no time limit; --trials bounds the run)")
+    o.add_argument("--timeout", type=float, metavar="SECONDS", help="stop starting new searched trials after this long (the plain baselines always run; default: no time limit; --trials bounds the run)")
     o.add_argument("--max-error", type=float, default=1e-2, metavar="E",
                    help="largest relative L2 error against FP32 eager a result may have (default %(default)g)")
     o.add_argument("--mode", choices=("infer", "train"), default="infer",

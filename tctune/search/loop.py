@@ -421,8 +421,10 @@ class Tuner:
 
         deadline = None if self.cfg.timeout_s is None else time.monotonic() + self.cfg.timeout_s
 
-        def optimize(n: int) -> None:  # --timeout bounds the baselines and the searched trials together
-            left = None if deadline is None else deadline - time.monotonic()
+        def optimize(n: int, bounded: bool = True) -> None:
+            """``n`` trials; ``bounded``: stop starting new ones at --timeout's deadline (the plain baselines are
+            not bounded: every headline needs them, so a short --timeout never leaves one unmeasured)."""
+            left = None if deadline is None or not bounded else deadline - time.monotonic()
             if n > 0 and not stop_requested and (left is None or left > 0):
                 study.optimize(self.objective, n_trials=n, timeout=left, catch=(CandidateRejected,),
                                callbacks=[callback])
@@ -431,12 +433,12 @@ class Tuner:
         if threading.current_thread() is threading.main_thread():
             previous = signal.signal(signal.SIGINT, on_sigint)
         try:
-            optimize(pending)  # the plain baselines, enqueued first
+            optimize(pending, bounded=False)  # the plain baselines, enqueued first
             if not self.cfg.worker:
                 extra = self.enqueue_baselines(study, self.compile_baselines(study))
                 if extra and bar is not None:
                     bar.total += extra
-                optimize(self.pending_baselines(study))
+                optimize(self.pending_baselines(study), bounded=False)
             total = self.cfg.trials
             if self.space_size() <= BRUTE_FORCE_MAX:  # an enumerated space ends when every candidate is measured
                 left = self.space_size() - len(self.measured(study))
