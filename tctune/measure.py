@@ -155,6 +155,20 @@ def release_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+
+def _iterations_for(fn: Callable[[], Any], device: torch.device, warmup: int, target_s: float,
+                    max_iterations: int) -> int:
+    """Warm ``fn`` up (``warmup`` calls, at least one), time one more call, and return how many calls last
+    about ``target_s`` seconds (1 to ``max_iterations``)."""
+    for _ in range(max(1, warmup)):
+        fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    one = max(time.perf_counter() - t0, 1e-6)
+    return int(min(max_iterations, max(1, target_s / one)))
+
 def time_call(
     fn: Callable[[], Any],
     batch_size: int,
@@ -191,14 +205,7 @@ def time_call(
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         with contextlib.nullcontext() if grad else torch.inference_mode():
-            for _ in range(max(1, warmup)):
-                fn()
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            one = max(time.perf_counter() - t0, 1e-6)
-            iters = int(min(max_iterations, max(1, target_repeat_s / one)))
+            iters = _iterations_for(fn, device, warmup, target_repeat_s, max_iterations)
             samples = []
             for rep in range(repeats):
                 if rep and on_repeat is not None:
@@ -615,14 +622,7 @@ def time_interleaved(fns: Mapping[Any, Callable[[], Any]], device: torch.device,
         with torch.inference_mode():
             for k, fn in fns.items():
                 with ctx(k):
-                    for _ in range(max(1, warmup)):
-                        fn()
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    fn()
-                    _sync(device)
-                one = max(time.perf_counter() - t0, 1e-6)
-                iters[k] = int(min(max_iterations, max(1, target_block_s / one)))
+                    iters[k] = _iterations_for(fn, device, warmup, target_block_s, max_iterations)
             for r in range(rounds):
                 for k, fn in fns.items():
                     n = iters[k]
