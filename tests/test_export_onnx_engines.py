@@ -189,6 +189,34 @@ def test_dict_outputs_keep_their_names_and_read_back_by_name(tmp_path):
         assert np.abs(got - expected.numpy()).max() < FP32_TOL, name
 
 
+class IdsOut(nn.Module):
+    """An output named like an input (``ids`` in, ``{"logits", "ids"}`` out): ONNX names each value once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, ids: torch.Tensor) -> dict:
+        logits = self.head(self.emb(ids).mean(1))
+        return {"logits": logits, "ids": logits.argmax(-1)}
+
+
+def test_an_output_named_like_an_input_is_renamed_and_exports(tmp_path):
+    torch.manual_seed(0)
+    make = lambda b: (torch.randint(0, 50, (b, 7)),)  # noqa: E731
+    model = IdsOut().eval()
+    path = tmp_path / "ids.onnx"
+    info = export_onnx(model, make, path, batch_sizes=(2, 3))
+    assert info["onnx_error"] is None
+    assert [o["name"] for o in info["onnx_outputs"]] == ["logits", "ids_out"]
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    x = torch.randint(0, 50, (4, 7))
+    (got,) = session.run(["ids_out"], {"ids": x.numpy()})
+    with torch.no_grad():
+        assert (got == model(x)["ids"].numpy()).all()
+
+
 def test_output_names_of_tuples_and_nested_sequences():
     t = torch.zeros(1)
     assert tonnx._output_names(t) == ["output"]

@@ -196,7 +196,7 @@ def export_onnx(
     except Exception as exc:  # noqa: BLE001 - nothing to export if the module cannot run its own inputs
         raise ExportError(f"the module fails on make_inputs({export_batch}) before export: "
                           f"{_one_line(exc)}") from exc
-    output_names = _output_names(sample_output)
+    output_names = _output_names(sample_output, taken=input_names)
     if dynamic is None and isinstance(module, torch.fx.GraphModule) and "tctune_dynamic" in module.meta:
         from ..capture import dynamic_dims
 
@@ -860,8 +860,11 @@ def _input_names(module: torch.nn.Module, count: int) -> list[str]:
     return _unique([_sanitize(n) for n in names])
 
 
-def _output_names(output: Any) -> list[str]:
+def _output_names(output: Any, taken: Sequence[str] = ()) -> list[str]:
     """ONNX output names in the pytree's flattened order (the order the exporter writes the outputs in).
+
+    A name that is already ``taken`` (an input's: ONNX values are named once, so an output ``ids`` beside an input
+    ``ids`` would make the graph invalid) gets the suffix ``_out`` (``ids_out``).
 
     One tensor: ``output``. Otherwise each leaf's key path joined with ``.``: dict keys (and attribute names
     of registered dataclass-like outputs) as written, sequence positions as ``output_<i>`` at the top level
@@ -877,7 +880,8 @@ def _output_names(output: Any) -> list[str]:
         if key_path and isinstance(key_path[0], pytree.SequenceKey):
             parts[0] = f"output_{parts[0]}"
         names.append(".".join(parts) or "output")
-    return _unique([_sanitize(n) for n in names])
+    names = [_sanitize(n) for n in names]
+    return _unique([f"{n}_out" if n in taken else n for n in names], taken)
 
 
 def _key_name(key: Any) -> str:
@@ -892,11 +896,11 @@ def _sanitize(name: str) -> str:
     return name or "_"
 
 
-def _unique(names: list[str]) -> list[str]:
+def _unique(names: list[str], taken: Sequence[str] = ()) -> list[str]:
     out: list[str] = []
     for name in names:
         candidate, k = name, 1
-        while candidate in out:
+        while candidate in out or candidate in taken:
             candidate, k = f"{name}_{k}", k + 1
         out.append(candidate)
     return out
