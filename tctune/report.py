@@ -335,7 +335,8 @@ def render_markdown(r: dict) -> str:
         chosen = b.get("chosen_throughput") or b["throughput"]
         lines.append(f"Best: **{p['precision']}**, {kind}, runtime {p.get('runtime', 'eager')}, batch {p['batch_size']}: "
                      f"{_fmt(chosen)} items/s" + (f" ({b['chosen_on']})" if b.get("chosen_on") else "") + ", "
-                     f"{_fmt(b['latency_ms'])} ms per batch, relative error {_rel_error(b)}.")
+                     f"{_fmt(p['batch_size'] / chosen * 1e3 if chosen else b['latency_ms'])} ms per batch"
+                     " (from the same timing), relative error " f"{_rel_error(b)}.")
         lines.append(f"- Accuracy: {gate_line(b, r['config'])}.")
         if b.get("baseline_wins"):
             srch = b.get("best_searched")

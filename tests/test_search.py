@@ -468,3 +468,15 @@ def test_finalists_are_re_measured_in_both_modes(tmp_path, monkeypatch, mode):
         assert report["best"]["confirmed_throughput"] > 0
     else:  # inference: chosen side by side, where a plain baseline beside the finalists can win
         assert report["best"]["baseline"] and report["best"]["chosen_on"] == "side-by-side median"
+
+
+def test_best_line_gives_the_latency_of_the_timing_it_was_chosen_on():
+    """The "Best:" line's ms per batch comes from the same timing as its items/s (the side-by-side median), not
+    from the trial's first timing (fresh-user finding: 6265 items/s beside 160 ms per batch at batch 8)."""
+    from tctune.report import render_markdown
+
+    best = {"params": {"precision": "fp32", "batch_size": 8, "graph_passes": False}, "throughput": 50.0,
+            "chosen_throughput": 6400.0, "chosen_on": "side-by-side median", "latency_ms": 160.0,
+            "max_rel_error": 0.0}
+    md = render_markdown(_report(config={"max_error": 0.01, "mode": "infer"}, best=best))
+    assert "6400 items/s (side-by-side median), 1.25 ms per batch" in md
