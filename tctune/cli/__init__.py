@@ -13,7 +13,7 @@ import sys
 
 from .. import __version__
 from .. import inspect as inspect_cmd
-from ..errors import TctuneError, UsageError
+from ..errors import ModelFileError, TctuneError, UsageError
 from . import detect, engines, optimize
 from .common import StderrHandler, flag_message, parse_batch_sizes, parse_devices, parse_fp8_keep, parse_runtimes
 
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         text = flag_message(exc) if isinstance(exc, UsageError) else str(exc)
         print(f"tctune: error: {text}", file=sys.stderr)
-        return 2 if isinstance(exc, UsageError) else 1
+        return 2 if isinstance(exc, (UsageError, ModelFileError)) else 1  # 2: bad input; 1: nothing qualified or failed
     except KeyboardInterrupt:
         print("tctune: interrupted", file=sys.stderr)
         return 130
