@@ -541,6 +541,8 @@ def test_optimize_export_best_fp8_writes_qdq_onnx(tmp_path):
     tuner = SimpleNamespace(cfg=SimpleNamespace(mode="infer", export=True, batch_sizes=[4, 64]),
                             captured=SimpleNamespace(ok=True, graph_module=gm, reason=None), hw=resolve("9.0"),
                             device=device, mf=mf, reference=reference, fp8_keep=_no_planning)
+    tuner.evaluator = SimpleNamespace(calibration=[],  # no real batches: the reference inputs calibrate
+                                      calibration_inputs=lambda batch: [reference(batch)[0]])
     from tctune.search import InferenceEvaluator
     tuner.keep_for = lambda p, recorded=None: InferenceEvaluator.keep_for(tuner, p, recorded)  # the real resolver
     tuner.trial_params = lambda p, recorded=None: InferenceEvaluator.trial_params(tuner, p, recorded)  # on this fake
