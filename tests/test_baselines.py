@@ -13,21 +13,7 @@ from tctune.search import TuneConfig, Tuner, best_trial
 from tctune.search.baselines import CastModel, candidate_params, interleaved_speedup, plain_baselines
 from tctune.search.results import headline
 
-TINY = '''
-import torch
-def build_model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 12))
-def example_inputs(batch_size):
-    return (torch.randn(batch_size, 24),)
-'''
-
-
-@pytest.fixture()
-def tiny(tmp_path):
-    f = tmp_path / "tiny.py"
-    f.write_text(TINY)
-    return f
+from zoo import TINY_MODEL_FILE as TINY  # noqa: E402 - the model of the `tiny` fixture (conftest.py)
 
 
 class AlwaysPrune(optuna.pruners.BasePruner):

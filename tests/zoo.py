@@ -536,3 +536,15 @@ ZOO.update(
         )
     }
 )
+
+
+#: A two-linear model file (input (batch, 24) float32, output (batch, 12)): the ``tiny`` fixture of
+#: ``conftest.py`` writes it, and tests that need the text itself (e.g. to extend it) import it.
+TINY_MODEL_FILE = '''
+import torch
+def build_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 12))
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 24),)
+'''

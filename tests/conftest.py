@@ -1,0 +1,12 @@
+"""Fixtures shared by several test files."""
+import pytest
+
+from zoo import TINY_MODEL_FILE
+
+
+@pytest.fixture()
+def tiny(tmp_path):
+    """``tmp_path/tiny.py``: :data:`zoo.TINY_MODEL_FILE`, a model file for end-to-end runs."""
+    f = tmp_path / "tiny.py"
+    f.write_text(TINY_MODEL_FILE)
+    return f
