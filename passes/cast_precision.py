@@ -34,8 +34,16 @@ of placeholders and ``get_attr`` nodes (``meta`` is not updated by FX, so the pa
 * Embedding tables read only by ``aten.embedding`` stay FP32 and the lookup runs in the table's dtype, as
   under autocast (a lookup is a gather: no Tensor Core work to gain). Rounding BERT's tables to bf16 put a
   2e-3 relative error into the whole residual stream (measured on tests/zoo.py's small BERT on the CPU);
-  an FP32 lookup is an FP32 anchor. A table tied to an LM head is stored low, like every linear weight,
-  and its lookups are low.
+  an FP32 lookup is an FP32 anchor.
+* Tied weights stay one tensor. A table tied to an LM head (``lm_head.weight is wte.weight``: ``torch.export``
+  reads it through one ``get_attr``, used by the lookup and the GEMM, while the module binds it under both
+  names) is stored low *once*, under every name bound to it, as one object: ``model.to(dt)``'s storage. Its
+  lookups gather low rows, exactly ``model.to(dt)``'s rows; under ``PassSpec.residual_fp32`` (the autocast
+  policy) the gathered rows are cast up to FP32 at once (an FP32 anchor: the residual stream starts FP32, as
+  under autocast; exact, and it touches ``(batch, seq, D)`` rows, not the ``V x D`` table). The alternatives
+  cost more: an FP32 table beside a low head copy is 1.5x the FP32 bytes (GPT-2 small's 50257 x 768 table:
+  154 MB FP32 + 77 MB bf16), and one FP32 table cast at every call re-reads 154 MB and writes 77 MB per
+  forward pass. ``notes["weights_tied"]`` lists each group stored as one.
 * Overflow (``spec.fp32_nodes``, from ``passes.calibrate``): a node whose calibrated max |x| exceeds the
   low dtype's range / margin runs in FP32 (inputs cast up, FP32 weights), and so does every op reading it
   (casting its value down would overflow there). The reason quotes the value and the source module from
@@ -72,10 +80,12 @@ from typing import Any
 import torch
 from torch import fx
 
-from passes._graph import copy_meta, fake_from_tensor, finish, get_attr_value, op_name, set_attr_tensor
+from passes._graph import (alias_targets, copy_meta, fake_from_tensor, finish, get_attr_value, op_name,
+                           set_attr_tensor)
 from passes.base import PassResult, PassSpec, Skip
 from passes.calibrate import (FINITE_MAX, MAX_ABS_META, NONFINITE_META, CalibrationRanges, ignored_reasons,
                               source_module)
+from passes.padding import replace_tensor
 
 NAME = "cast_precision"
 
@@ -131,8 +141,9 @@ def cast_precision(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         dtype (``changed`` their names); ``skipped`` lists the ops kept FP32 with the rule that kept them
         (``"keep-list: softmax stays FP32"``, ``"explicit FP32: pow reads only values the model cast to
         FP32"``, ``"residual: ..."``, ``"overflow: ..."``), or one ``"<graph>"`` entry when the precision is
-        not fp16/bf16; ``notes`` has ``dtype``, ``casts_inserted``, ``weights_low``, ``weights_fp32``,
-        ``constants_saturated`` (one line per saturated constant or clamped cast, e.g. ``"masked_fill:
+        not fp16/bf16; ``notes`` has ``dtype``, ``casts_inserted``, ``weights_low`` / ``weights_fp32``
+        (attribute names, every alias of a tied weight included), ``weights_tied`` (``{first name: [every
+        name]}`` for each tied weight stored low as one tensor), ``constants_saturated`` (one line per saturated constant or clamped cast, e.g. ``"masked_fill:
         -1e+09 -> -6.55e+04 (float16 range)"``) and ``calibration_ignored`` (``{node: reason}`` for infinite
         or NaN calibration statistics, worded by ``passes.calibrate.ignored_reasons``).
     """
@@ -151,8 +162,9 @@ def cast_precision(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
     saturated: list[str] = []
     rewriter = _Caster(gm, new, big, saturated)
     overflow = _overflow_reasons(nodes, spec)
+    tied: dict[str, list[str]] = {}
     weights_low, weights_fp32 = _cast_weights(gm, nodes, keep, low, new, frozenset(overflow), spec.residual_fp32,
-                                              big, saturated)
+                                              big, saturated, tied)
     anchors: set[fx.Node] = set()  # FP32 values from keep-list ops / the residual stream (module docstring)
     explicit32: set[fx.Node] = set()  # FP32 values the model converted to FP32 itself, and ops on them only
 
@@ -171,6 +183,7 @@ def cast_precision(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         "casts_inserted": rewriter.inserted,
         "weights_low": weights_low,
         "weights_fp32": weights_fp32,
+        "weights_tied": tied,
         "constants_saturated": saturated,
         "calibration_ignored": _calibration_ignored(nodes),
     }
@@ -244,6 +257,10 @@ def _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors
         elif _lowered(orig[node], new[node]):
             result.changed.append(node.name)
             result.count += 1
+            if spec.residual_fp32 and orig[node] == torch.float32:
+                # A low table tied to an LM head: the gathered rows go up to FP32 at once (an FP32 anchor), so
+                # the residual stream starts FP32 as under autocast; exact, and cheap (rows, not the table).
+                anchors.add(rewriter.cast_after(node, torch.float32))
         return
     if node.name in overflow:
         # Calibration saw values the low dtype cannot hold here (or this op reads such a value): FP32.
@@ -421,6 +438,20 @@ class _Caster:
             self.inserted += 1
         return self.cache[key]
 
+    def cast_after(self, src: fx.Node, dtype: torch.dtype) -> fx.Node:
+        """Cast ``src`` to ``dtype`` right after it and route every reader of ``src`` through the cast (a
+        reader that wants ``src``'s own dtype back gets ``src`` itself from :meth:`cast`)."""
+        with self.gm.graph.inserting_after(src):
+            cast = self.gm.graph.call_function(_CAST, (src,), {"dtype": dtype})
+        src.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
+        copy_meta(src, cast, _retype(src.meta.get("val"), dtype))
+        cast.meta[_OWN_CAST] = True
+        self.cache[(src, dtype)] = cast
+        self.made.add(cast)
+        self.new[cast] = dtype
+        self.inserted += 1
+        return cast
+
 
 def _uncast(cast: fx.Node) -> fx.Node:
     """The value a cast this pass made reads (through its saturating ``clamp``, if any)."""
@@ -472,8 +503,12 @@ def _cast_weights(
     fp32_lookups: bool = True,
     big: set | None = None,
     saturated: list | None = None,
+    tied: dict | None = None,
 ) -> tuple[list[str], list[str]]:
     """Store floating weights read only by non-keep-list ops in ``low``; returns (low names, FP32 names).
+
+    A tensor bound to several names (tied weights) gets one low copy bound to all of them as one object,
+    including names no ``get_attr`` node reads; ``tied`` (when given) maps the first name to them all.
 
     ``fp32_ops``: names of further ops that compute in FP32 (overflow), whose weights stay FP32 too.
     ``fp32_lookups``: embedding tables read only by lookups stay FP32 (``PassSpec.residual_fp32``).
@@ -510,11 +545,16 @@ def _cast_weights(
             if saturated is not None:
                 saturated.append(f"{attr_nodes[0].target}: values beyond +-{limit:.4g} saturated "
                                  f"({str(low).replace('torch.', '')} range)")
-        low_tensor = value.to(low)
-        for target in sorted({n.target for n in attr_nodes}):
-            set_attr_tensor(gm, target, low_tensor)
-            weights_low.append(target)
-        stored = get_attr_value(gm, attr_nodes[0].target)
+        # Every name bound to this tensor gets the one low copy (tied weights stay one object, also under the
+        # names no get_attr node reads: an LM head's table read through the head's name only).
+        targets = sorted({n.target for n in attr_nodes} | set(alias_targets(gm, tensors[key])))
+        stored = replace_tensor(gm, tensors[key], attr_nodes[0].target, value.to(low))
+        for target in targets:
+            if get_attr_value(gm, target) is not stored:  # a plain tensor attribute read under several names
+                set_attr_tensor(gm, target, stored)
+        weights_low.extend(targets)
+        if len(targets) > 1 and tied is not None:
+            tied[targets[0]] = targets
         for n in attr_nodes:
             fake = fake_from_tensor(n.meta.get("val"), stored)
             if fake is not None:
