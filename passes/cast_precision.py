@@ -534,7 +534,7 @@ def _cast_weights(
             or any(_reads_fp32(u, keep) or u.name in fp32_ops for u in users)
             or (fp32_lookups and all(_is_lookup(u, attr_nodes) for u in users))
         ):
-            weights_fp32.extend(sorted({n.target for n in attr_nodes}))
+            weights_fp32.extend(sorted({n.target for n in attr_nodes} | set(alias_targets(gm, tensors[key]))))
             if big is not None and _has_out_of_range(tensors[key], low):
                 big.update(attr_nodes)
             continue
