@@ -120,9 +120,11 @@ def test_state_dict_keeps_keys_non_persistent_buffers_and_tied_weights(tuned_bf1
     assert keys == set(model.state_dict())  # same names; the non-persistent 'scale' is not among them
     assert "scale" not in keys and "scale" in dict(tuned.graph.named_buffers())
     emb, head = tuned.graph.emb.weight, tuned.graph.head.weight
-    # bf16 graph, autocast policy: the embedding stays FP32 and the projection runs bf16, so the graph holds the
-    # bf16 copy it was measured with; a tie at one dtype stays one tensor (next test)
-    assert head is emb or (head.dtype == torch.bfloat16 and torch.equal(head, emb.to(head.dtype)))
+    # bf16 graph, autocast policy: the table the projection reads is stored bf16 once, for both names
+    assert head is emb and head.dtype == torch.bfloat16
+    assert torch.equal(head, model.emb.weight.detach().to(torch.bfloat16))
+    tensors = [*tuned.graph.parameters(), *tuned.graph.buffers()]
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == len([*model.parameters(), *model.buffers()])
     tuned.load_state_dict(model.state_dict(), strict=True)  # the original keys load strictly
 
 
@@ -206,6 +208,8 @@ def test_save_load_in_process_and_capability_warning(tuned_bf16, tmp_path, monke
     loaded = tctune.load(path)
     for a, b in zip(torch.utils._pytree.tree_leaves(loaded(*x)), torch.utils._pytree.tree_leaves(tuned(*x))):
         assert a.dtype == b.dtype and torch.equal(a, b)
+    # the tied bf16 table is saved and loaded once, shared by both names
+    assert loaded.graph.emb.weight is loaded.graph.head.weight and loaded.graph.emb.weight.dtype == torch.bfloat16
     assert loaded.config == tuned.config and loaded.report["best"] == tuned.report["best"]
     _rewrite_manifest(path, compute_capability="9.0", hardware="NVIDIA H200", arch="hopper")
     monkeypatch.setattr("tctune.tuned._current_capability", lambda device: "8.6")

@@ -1,10 +1,14 @@
-"""Tied weights stay tied through padding: an embedding table shared with the LM head is one tensor before and
-after ``pad_linear_dims`` (and the padding passes of the pipeline), padded once for both of its users.
+"""Tied weights stay tied through padding and casting: an embedding table shared with the LM head is one tensor
+before and after ``pad_linear_dims`` (and the padding passes of the pipeline), padded once for both of its users,
+and after ``cast_precision`` (pure and autocast policies, bf16 and fp16) one low-dtype tensor bound to both names;
+the ``torch.compile`` backend's frozen graph holds it once too.
 
 State size is measured as the distinct storages (and their bytes) behind the graph's parameters and buffers:
-padding may grow the tied table by its padded rows, never by a second copy.
+padding may grow the tied table by its padded rows, casting may halve it, never add a second copy.
 """
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -127,3 +131,123 @@ def test_pipeline_padding_passes_keep_gpt2_tie(precision):
     count, size = _state(gm)
     assert count == storages and size - nbytes < table.numel() * table.element_size() // 100
     zoo.assert_matches_eager(model, gm, entry.example_inputs(2), "fp32")
+
+
+# ------------------------------------------------------------------------------------- casting: one copy
+
+_PAD_PASSES = ("pad_linear_dims", "pad_matmul_dims", "pad_conv_channels")
+_LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_CAST = torch.ops.aten._to_copy.default
+
+
+def _distinct_storages(model: nn.Module) -> int:
+    """How many storages the eager model's parameters and buffers use (a tied weight counts once)."""
+    return len({t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]})
+
+
+def _model_to_error(model: nn.Module, inputs: tuple, precision: str) -> float:
+    """Relative L2 error of ``model.to(dt)`` against the FP32 model on ``inputs``: the reference numerics."""
+    low = copy.deepcopy(model).to(_LOW[precision])
+    with torch.no_grad():
+        return zoo.rel_l2(low(*inputs).float(), model(*inputs))
+
+
+def _cast_pipeline(gm: torch.fx.GraphModule, precision: str, policy: str, pad: bool) -> dict:
+    names = [n for n in PIPELINE if n != "cast_fp8_linears" and (pad or n not in _PAD_PASSES)]
+    spec = pass_spec(hardware.resolve("sm_90"), precision, policy=policy)
+    return {r.name: r for r in run_pipeline(gm, spec, names)}
+
+
+@pytest.mark.parametrize("pad", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("policy", ["pure", "autocast"])
+def test_cast_stores_tied_table_once(policy, precision, pad):
+    """V = 1001 (not a multiple of 8: the head's N and the table's rows are padded when ``pad``)."""
+    model, gm, entry = zoo.build("tied_lm_odd")
+    untied = _distinct_storages(model)
+    assert _state(gm)[0] == untied == 3  # table, LayerNorm weight and bias
+
+    results = _cast_pipeline(gm, precision, policy, pad)
+
+    cast = results["cast_precision"]
+    assert cast.notes["weights_tied"] == {"head.weight": ["head.weight", "wte.weight"]}  # the rule fired
+    table = gm.wte.weight
+    v = 1001
+    if pad:
+        v_old, v = results["pad_linear_dims"].notes["padded"]["embedding"]["V"]
+        assert v_old == 1001 and v > v_old and v % 8 == 0
+    assert gm.head.weight is table and table.dtype == _LOW[precision] and table.shape == (v, 61)
+    assert all(w is table for w in _weights_read(gm, LINEAR) + _weights_read(gm, EMBEDDING))
+    count, nbytes = _state(gm)
+    # One copy of the table, in the low dtype with its padded rows, beside the LayerNorm's 2 x 61 (FP32 at most).
+    assert count == untied and nbytes <= v * 61 * 2 + 2 * 61 * 4
+    # The lookup gathers low rows; the autocast policy casts them up to FP32 at once, the pure policy does not.
+    (lookup,) = [n for n in gm.graph.nodes if n.target == EMBEDDING]
+    ups = [u for u in lookup.users if u.target == _CAST and u.kwargs.get("dtype") == torch.float32]
+    assert len(ups) == (1 if policy == "autocast" else 0)
+    torch.manual_seed(11)  # fresh ids, not the capture's
+    inputs = entry.example_inputs(4)
+    zoo.assert_matches_eager(model, gm, inputs, precision)
+    with torch.no_grad():
+        err = zoo.rel_l2(gm(*inputs), model(*inputs))
+    assert 0 < err <= 1.05 * _model_to_error(model, inputs, precision)  # low for real, and model.to(dt)'s accuracy
+
+
+@pytest.mark.parametrize("policy", ["pure", "autocast"])
+def test_gpt2_parameters_one_copy_after_cast_and_padding(policy):
+    """transformers' GPT-2 (``lm_head.weight is transformer.wte.weight``, V = 50257 padded): bf16
+    parameters are half the FP32 bytes plus the padded rows, never the FP32 table beside a bf16 head."""
+    model, gm, entry = zoo.build("gpt2")
+    untied = _distinct_storages(model)
+    count0, fp32_bytes = _state(gm)
+    assert count0 == untied
+
+    results = _cast_pipeline(gm, "bf16", policy, pad=True)
+
+    table = gm.gpt2.transformer.wte.weight
+    v_old, v = results["pad_linear_dims"].notes["padded"]["embedding"]["V"]
+    assert v_old == 50257 and v > v_old and v % 8 == 0
+    assert results["cast_precision"].notes["weights_tied"] == {
+        "gpt2.lm_head.weight": ["gpt2.lm_head.weight", "gpt2.transformer.wte.weight"]}
+    assert gm.gpt2.lm_head.weight is table and table.dtype == torch.bfloat16 and table.shape == (v, 64)
+    count, nbytes = _state(gm)
+    kept = results["cast_precision"].notes["weights_fp32"]  # LayerNorms, position table (autocast policy)
+    fp32_extra = sum(get_attr_value(gm, name).numel() * 2 for name in kept)  # their FP32 half beyond bf16
+    assert count == untied and nbytes <= fp32_bytes // 2 + (v - v_old) * 64 * 2 + fp32_extra
+    torch.manual_seed(12)
+    inputs = entry.example_inputs(2)
+    zoo.assert_matches_eager(model, gm, inputs, "bf16")
+    with torch.no_grad():
+        err = zoo.rel_l2(gm(*inputs), model(*inputs))
+    assert err <= 1.05 * _model_to_error(model, inputs, "bf16")
+
+
+@pytest.mark.parametrize("policy", ["pure", "autocast"])
+def test_backend_compiles_tied_table_once(monkeypatch, policy):
+    """``torch.compile(backend=tctune)``: Dynamo lifts the tied parameter as one input; the frozen graph Inductor
+    gets holds one bf16 table read by the lookup and the head."""
+    import tctune.backend as tb
+
+    graphs = []
+
+    def record(gm, example_inputs, patches):  # Inductor replaced by the graph it would compile
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(tb, "inductor_compile", record)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = zoo.TiedLM(vocab=1001, d=61).eval()
+    compiled = torch.compile(model, backend=tb.backend(precision="bf16", policy=policy, target="sm_90"))
+    ids = torch.randint(0, 1001, (3, 5))
+    with torch.no_grad():
+        out, ref = compiled(ids), model(ids)
+    torch._dynamo.reset()
+
+    (gm,) = graphs
+    tensors = [*gm.parameters(), *gm.buffers()]
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == _distinct_storages(model)
+    (table,) = [t for t in tensors if t.dim() == 2]
+    assert table.dtype == torch.bfloat16 and table.shape == (1001, 61)  # head output unpadded (graph output)
+    assert _weights_read(gm, LINEAR)[0] is table and _weights_read(gm, EMBEDDING)[0] is table
+    assert 0 < zoo.rel_l2(out, ref) <= zoo.TOLERANCES["bf16"]["rel_l2"]
