@@ -599,15 +599,20 @@ def _find_size(sym: Any, nodes: list[fx.Node], runtime: list[int]) -> tuple[int,
 
 
 class _Frozen(torch.nn.Module):
-    """Dynamo's graph called with weights stored as buffers and sizes read from the runtime tensors."""
+    """Dynamo's graph called with weights stored as buffers and sizes read from the runtime tensors.
+
+    One weight handed in as several inputs (a tied embedding / LM head, where Dynamo does not merge them) is
+    one buffer object under each name: ``torch.export`` then reads it through one ``get_attr`` and the passes
+    pad and cast it once (``passes.cast_precision``: tied weights stay one tensor)."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: list, inputs: _Inputs) -> None:
         super().__init__()
         self.gm = gm
         self.n = len(example_inputs)
         self.inputs = inputs
+        frozen: dict[int, torch.Tensor] = {}
         for i, name in inputs.weights.items():
-            self.register_buffer(name, example_inputs[i].detach())
+            self.register_buffer(name, frozen.setdefault(id(example_inputs[i]), example_inputs[i].detach()))
 
     def forward(self, *runtime: torch.Tensor):
         args: list[Any] = [None] * self.n

@@ -251,3 +251,34 @@ def test_backend_compiles_tied_table_once(monkeypatch, policy):
     assert table.dtype == torch.bfloat16 and table.shape == (1001, 61)  # head output unpadded (graph output)
     assert _weights_read(gm, LINEAR)[0] is table and _weights_read(gm, EMBEDDING)[0] is table
     assert 0 < zoo.rel_l2(out, ref) <= zoo.TOLERANCES["bf16"]["rel_l2"]
+
+
+class _TwoInputsTied(nn.Module):
+    """What Dynamo would hand the backend if it passed a tied table twice: ``(table, ids, head_weight)`` ->
+    ``linear(embedding(ids), head_weight)``, logits ``(batch, 5, V)``."""
+
+    def forward(self, table: torch.Tensor, ids: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.embedding(ids, table), head_weight)
+
+
+def test_backend_freezes_one_weight_passed_twice_as_one_tensor(monkeypatch):
+    import tctune.backend as tb
+
+    graphs = []
+    monkeypatch.setattr(tb, "inductor_compile", lambda gm, ex, patches: graphs.append(gm) or gm.forward)
+    torch.manual_seed(0)
+    table = nn.Parameter(torch.randn(1001, 64), requires_grad=False)
+    ids = torch.randint(0, 1001, (3, 5))
+    graph = torch.fx.symbolic_trace(_TwoInputsTied())
+
+    run = tb.tctune_backend(graph, [table, ids, table], precision="bf16", policy="pure", target="sm_90")
+
+    assert not run._tctune_report.fallback and len(run._tctune_report.frozen) == 2
+    (gm,) = graphs
+    tensors = [*gm.parameters(), *gm.buffers()]
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1 and tensors[0].dtype == torch.bfloat16
+    torch.manual_seed(13)
+    fresh = torch.randint(0, 1001, (4, 5))
+    with torch.no_grad():
+        err = zoo.rel_l2(run(table, fresh, table), F.linear(F.embedding(fresh, table), table))
+    assert 0 < err <= zoo.TOLERANCES["bf16"]["rel_l2"]
