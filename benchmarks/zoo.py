@@ -41,7 +41,9 @@ Variants (``--variants``), on the same seeded inputs, each in ``torch.no_grad``:
 ``eager_cg``       that, captured as one CUDA graph
 ``inductor``       ``torch.compile(model.to(dt))`` (Inductor, mode default)
 ``inductor_cg``    that compiled callable captured as one CUDA graph
-``tctune``         ``torch.compile(fp32 model, backend="tctune", options={"precision": dt, "policy": "pure"})``
+``tctune``         ``torch.compile(fp32 model, backend="tctune", options={"precision": dt, "policy": "pure",
+                   "output_dtype": "compute"})``: outputs left in dt, the contract of ``torch.compile(model.to(dt))``
+                   it is compared with (:data:`TCTUNE_OUTPUT_DTYPE`; recorded as each row's ``output_dtype``)
 ``tctune_cg``      that compiled callable captured as one CUDA graph
 =================  ======================================================================================
 
@@ -77,7 +79,7 @@ Output: every model writes ``OUT/rows/NAME.json`` (and ``NAME.optimize.json``) a
 model keeps what it finished. ``--merge DIR...`` reads every row under the folders (the newest ``ok`` row wins
 for a model measured twice), writes ``--merge-out`` (default ``benchmarks/results/zoo/latest.json``)::
 
-    {"device", "date", "torch", "dtype", "models": {NAME: {"suite", "batch_size", "dtype", "status",
+    {"device", "date", "torch", "dtype", "models": {NAME: {"suite", "batch_size", "dtype", "output_dtype", "status",
      "tctune_ok", "fallbacks", "speedup_vs_inductor", "speedup_vs_inductor_cg", "accuracy_consistent",
      "rel_err", "eager_rel_err", "inductor_rel_err", "compile_s", "inductor_compile_s",
      "optimize_speedup_vs_best_baseline", ...}}}
@@ -238,6 +240,10 @@ _CONFIG_PREFIX = {"DebertaV2": "DebertaV2", "BlenderbotSmall": "BlenderbotSmall"
 OPTIMIZE_DEFAULT = ("BertForMaskedLM", "GPT2ForSequenceClassification", "T5Small", "resnet50", "vit_b_16")
 
 VARIANTS = ("fp32_eager", "eager", "eager_cg", "inductor", "inductor_cg", "tctune", "tctune_cg")
+#: The tctune variant's output contract (the backend's ``output_dtype``): its baseline ``torch.compile(model.to(dt))``
+#: returns dt outputs, so tctune's are left in dt too ("compute") instead of the backend's default FP32 up-cast.
+#: Rows written before this key (no ``output_dtype`` in ``row["tctune"]["options"]``) ran the default, "fp32".
+TCTUNE_OUTPUT_DTYPE = "compute"
 DTYPES = ("bf16", "fp16")
 #: Relative slack of the accuracy rule: tctune's error <= ACC_FACTOR x eager dt error + ACC_ABS.
 ACC_FACTOR, ACC_ABS = 2.0, 1e-3
@@ -882,8 +888,8 @@ def measure_model(entry: Entry, args: argparse.Namespace) -> dict:
     batch = scaled_batch(entry.batch_size, args.scale)
     path = row_path(Path(args.out), entry.name)
     row: dict = {"name": entry.name, "suite": entry.suite, "batch_size": batch, "default_batch_size":
-                 entry.batch_size, "dtype": args.dtype, "tiny": bool(args.tiny), "device": args.device,
-                 "status": "running", "current": "build", "variants": {}, "started": _dt.datetime.now().isoformat(
+                 entry.batch_size, "dtype": args.dtype, "output_dtype": TCTUNE_OUTPUT_DTYPE, "tiny": bool(args.tiny),
+                 "device": args.device, "status": "running", "current": "build", "variants": {}, "started": _dt.datetime.now().isoformat(
                      timespec="seconds"), "env": _env()}
     lock_path = os.environ.get("ZOO_GPU_LOCK") or None
     procs = int(os.environ.get("ZOO_PROCS_PER_GPU", "1"))
@@ -997,7 +1003,7 @@ def measure_model(entry: Entry, args: argparse.Namespace) -> dict:
 
             tb.reset()
             backend = "tctune" if "tctune" in torch._dynamo.list_backends() else tb.tctune_backend
-            options = {"precision": args.dtype, "policy": "pure"}
+            options = {"precision": args.dtype, "policy": "pure", "output_dtype": TCTUNE_OUTPUT_DTYPE}
             record("tctune", lambda: torch.compile(model, backend=backend, options=options), inputs)
             reports = list(tb.reports)
             row["tctune"] = {"backend": backend if isinstance(backend, str) else "tctune.backend.tctune_backend",
@@ -1152,10 +1158,13 @@ def summarize(row: dict, opt: dict | None = None) -> dict:
     v = row.get("variants", {})
     get = lambda name, key: (v.get(name) or {}).get(key) if (v.get(name) or {}).get("ok") else None  # noqa: E731
     fallbacks = (row.get("tctune") or {}).get("fallbacks", [])
+    options = (row.get("tctune") or {}).get("options") or {}
     rel = get("tctune", "rel_err")
     eager_rel = get("eager", "rel_err")
     s = {
         "suite": row.get("suite"), "batch_size": row.get("batch_size"), "dtype": row.get("dtype"),
+        # the tctune variant's output contract (TCTUNE_OUTPUT_DTYPE); a row from before the option ran "fp32"
+        "output_dtype": options.get("output_dtype", "fp32") if options else row.get("output_dtype"),
         "status": row.get("status"), "reason": row.get("reason"),
         "tctune_ok": bool(get("tctune", "compile_s") is not None and not fallbacks),
         "tctune_error": (v.get("tctune") or {}).get("error"),

@@ -127,6 +127,13 @@ class PassSpec:
             (its logits copy, ``triton_poi_fused__to_copy__unsafe_view_clone_slice``, took 4.8 ms beside the
             9.3 ms LM-head GEMM), AllenaiLongformerBase 0.83 -> 0.88, TrOCRForCausalLM 0.92 -> 0.93
             (benchmarks/results/zoo/2026-12-01-h200-ablate/, one JSON file per model).
+        restore_output_dtypes: the precision pass casts every graph output back to its original dtype (True,
+            the default: callers get the FP32 model's dtypes). False leaves each floating output in the dtype
+            the rewritten graph computed it in (the low dtype, or FP32 where a keep-list / residual rule kept
+            the producing op FP32), as ``model.half()`` and ``torch.autocast`` return them: no up-cast copy at
+            the graph's end (an MT5 logits tensor of 250k classes took 6.8 ms to up-cast on the H200, bf16,
+            ``tctune.backend`` against ``torch.compile(model.to(torch.bfloat16))``, benchmarks/NOTES.md).
+            Outputs the original graph returned in a low or non-FP32 dtype are restored either way.
     """
 
     precision: str = "fp32"
@@ -140,6 +147,7 @@ class PassSpec:
     residual_fp32: bool = True
     fp8_keep: tuple = ()
     pad_graph_outputs: bool = True
+    restore_output_dtypes: bool = True
 
     def __post_init__(self) -> None:
         if self.precision not in _DTYPES:
@@ -151,6 +159,8 @@ class PassSpec:
         object.__setattr__(self, "fp8_keep", tuple(self.fp8_keep))
         if not isinstance(self.pad_graph_outputs, bool):
             raise ValueError(f"pad_graph_outputs must be True or False, got {self.pad_graph_outputs!r}")
+        if not isinstance(self.restore_output_dtypes, bool):
+            raise ValueError(f"restore_output_dtypes must be True or False, got {self.restore_output_dtypes!r}")
 
     @property
     def dtype(self) -> torch.dtype:

@@ -65,7 +65,11 @@ of placeholders and ``get_attr`` nodes (``meta`` is not updated by FX, so the pa
   not touched: a deliberate ``-inf`` mask stays ``-inf`` (fp16 and bf16 hold it), except in a value that also
   carries such a constant, whose cast down saturates it too. ``notes["constants_saturated"]`` lists each.
 * Integer and bool tensors are never cast; symbolic-size queries, guards and asserts are left alone.
-* Graph outputs are cast back to their original dtypes, so the caller sees eager's dtypes and shapes.
+* Graph outputs are cast back to their original dtypes, so the caller sees eager's dtypes and shapes. With
+  ``spec.restore_output_dtypes`` False, an output the original graph returned in FP32 is returned in the dtype
+  the rewritten graph computed it in (low, or FP32 where a rule above kept its op FP32), as ``model.half()`` /
+  ``torch.autocast`` return it: no cast node between the last op and the output. Outputs of any other original
+  dtype (integer, bool, a low or float64 value the model returned itself) are still restored.
 
 Casts are ``aten._to_copy.default(x, dtype=...)`` nodes; there is at most one per (value, dtype), inserted
 before its first reader, and a cast back to a value's source dtype reuses the source instead of stacking a
@@ -128,7 +132,8 @@ def cast_precision(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
 
     Shapes never change. Graph inputs keep their dtype at the call boundary (an FP32 input is cast to the low
     dtype *inside* the graph) and every output is cast back to its original dtype, so callers pass and get
-    the same dtypes as eager. Floating weights read only by low-precision ops are replaced on the module by
+    the same dtypes as eager (with ``spec.restore_output_dtypes`` False, FP32 outputs stay in their computed
+    dtype: the module docstring). Floating weights read only by low-precision ops are replaced on the module by
     low-dtype copies (same ``state_dict`` keys, dtype changed).
 
     Args:
@@ -198,7 +203,7 @@ def _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors
         new.setdefault(node, orig[node])
         return
     if node.op == "output":
-        _cast_outputs(node, orig, rewriter)
+        _cast_outputs(node, orig, new, rewriter, spec.restore_output_dtypes)
         return
     if node.op != "call_function":
         # call_module (_guards_fn) / call_method: left alone.
@@ -590,9 +595,16 @@ def _is_lookup(user: fx.Node, attr_nodes: list[fx.Node]) -> bool:
     )
 
 
-def _cast_outputs(node: fx.Node, orig: dict, rewriter: _Caster) -> None:
-    """Cast each graph output back to its original dtype."""
-    rewriter.map_inputs(node, lambda arg: orig.get(arg))
+def _cast_outputs(node: fx.Node, orig: dict, new: dict, rewriter: _Caster, restore: bool = True) -> None:
+    """Cast each graph output back to its original dtype; with ``restore`` False, an output that was FP32 keeps
+    the dtype it is computed in (``new``), so no cast is inserted for it."""
+    def want(arg: fx.Node):
+        before = orig.get(arg)
+        if not restore and before == torch.float32 and isinstance(new.get(arg), torch.dtype):
+            return new[arg]
+        return before
+
+    rewriter.map_inputs(node, want)
 
 
 def _dtypes(val: Any) -> Any:

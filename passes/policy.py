@@ -20,7 +20,8 @@ PURE_KEEP_LIST = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_nd", "ms
 
 
 def pass_spec(hw, precision: str, *, training: bool = False, policy: str = "autocast",
-              fp8_keep: Iterable[str] = (), pad_graph_outputs: bool = True) -> PassSpec:
+              fp8_keep: Iterable[str] = (), pad_graph_outputs: bool = True,
+              restore_output_dtypes: bool = True) -> PassSpec:
     """The plain facts the graph passes need for one candidate.
 
     Args:
@@ -33,6 +34,9 @@ def pass_spec(hw, precision: str, *, training: bool = False, policy: str = "auto
         pad_graph_outputs: ``PassSpec.pad_graph_outputs``: False when Inductor compiles the graph without a
             measurement to choose (``tctune.backend``), so ``pad_linear_dims`` leaves the N of a linear the graph
             returns unpadded.
+        restore_output_dtypes: ``PassSpec.restore_output_dtypes``: False leaves the graph's floating outputs in
+            the dtype they were computed in (the ``"compute"`` output contract) instead of casting them back to
+            the FP32 model's dtypes.
 
     Raises:
         ValueError: ``policy`` is not in :data:`POLICIES`, or ``precision`` is not one PassSpec accepts.
@@ -43,7 +47,8 @@ def pass_spec(hw, precision: str, *, training: bool = False, policy: str = "auto
     scaling = "tensor" if hw.arch == "Blackwell" else "row"
     extra = {"keep_list": PURE_KEEP_LIST, "residual_fp32": False} if policy == "pure" else {}
     spec = PassSpec(precision=precision, alignment=dict(hw.alignment), arch=hw.arch, training=training,
-                    fp8_scaling=scaling, pad_graph_outputs=pad_graph_outputs, **extra)
+                    fp8_scaling=scaling, pad_graph_outputs=pad_graph_outputs,
+                    restore_output_dtypes=restore_output_dtypes, **extra)
     keep = tuple(fp8_keep)
     return dataclasses.replace(spec, fp8_keep=keep) if keep else spec
 

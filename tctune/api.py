@@ -30,7 +30,8 @@ OPTIONS = {"out": "out_dir", "batch_sizes": "batch_sizes", "trials": "trials", "
            "max_memory_mib": "max_memory_mib", "fp8_keep": "fp8_keep", "target": "target", "storage": "storage",
            "devices": "devices", "seed": "seed", "runtimes": "runtimes", "compile_budget": "compile_budget_s",
            "no_prune": "prune", "no_export": "export", "quiet": "quiet",
-           "min_score_ratio": "min_score_ratio", "min_score": "min_score", "max_mismatch_rate": "max_mismatch_rate"}
+           "min_score_ratio": "min_score_ratio", "min_score": "min_score", "max_mismatch_rate": "max_mismatch_rate",
+           "output_dtype": "output_dtype"}
 #: Keyword options of :func:`optimize` that are not flags: the live module's contract and the tuned module.
 API_OPTIONS = ("score", "calibration", "dynamic_shapes", "name", "keep_low_precision_outputs")
 
@@ -107,11 +108,15 @@ def optimize(model, example_inputs=None, /, **options):
             ``max_latency_ms``, ``max_memory_mib``, ``fp8_keep`` (``"auto"``, ``"none"``, patterns), ``target``,
             ``storage``, ``devices`` (one GPU for a live module), ``seed``, ``runtimes`` (names or a comma
             list), ``compile_budget`` (s), ``no_prune``, ``no_export``, ``quiet``, ``mode``; and
-            ``min_score_ratio``, ``min_score``, ``max_mismatch_rate``; ``score`` (``score(model) -> float``,
+            ``min_score_ratio``, ``min_score``, ``max_mismatch_rate``, ``output_dtype`` (``"compute"``, the
+            default: floating outputs in the winner's compute precision, as ``model.half()`` returns them, for
+            the timed candidates, the plain baselines and the returned module alike; ``"fp32"``: the FP32
+            model's dtypes); ``score`` (``score(model) -> float``,
             higher is better), ``calibration`` (real input batches: an iterable of input tuples, a callable
             returning one, or a folder of ``.safetensors`` / ``.npz`` files like ``--calibration``) and
             ``dynamic_shapes`` as in the model-file contract, ``name`` (the report's model name; default the
-            class name), ``keep_low_precision_outputs`` (True: outputs in the tuned precision, not FP32).
+            class name), ``keep_low_precision_outputs`` (the older spelling of ``output_dtype``: True is
+            ``"compute"``, False ``"fp32"``; giving both with different meanings raises ``UsageError``).
 
     Returns:
         A :class:`tctune.tuned.TunedModule` running the winning configuration, with ``.report`` (the
@@ -128,7 +133,15 @@ def optimize(model, example_inputs=None, /, **options):
     from .search import TuneConfig
     from .tuned import from_search
 
-    keep_low = bool(options.pop("keep_low_precision_outputs", False))
+    keep_low = options.pop("keep_low_precision_outputs", None)
+    if keep_low is not None:
+        wanted = "compute" if keep_low else "fp32"
+        if options.get("output_dtype", wanted) != wanted:
+            raise UsageError(f"keep_low_precision_outputs={keep_low!r} asks for output_dtype {wanted!r}, but "
+                             f"output_dtype={options['output_dtype']!r} is given\n  fix: give output_dtype only",
+                             field="output_dtype")
+        options["output_dtype"] = wanted
+        keep_low = None  # the TunedModule follows the search's output_dtype
     if isinstance(model, (str, Path)):
         if isinstance(example_inputs, TuneConfig):
             if options:

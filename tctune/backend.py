@@ -59,6 +59,12 @@ checked before any compile (an unknown key or value raises one ``ValueError`` li
   ``("*.output.dense", "classifier")``); ignored at other precisions.
 - ``pad``: False turns off all three padding passes (``pad_linear_dims``, ``pad_matmul_dims``,
   ``pad_conv_channels``).
+- ``output_dtype``: ``"fp32"`` (default: a ``torch.compile`` backend keeps the module's contract, so floating
+  outputs come back in the FP32 model's dtypes, the up-cast compiled into the graph) or ``"compute"`` (floating
+  outputs stay in the dtype they are computed in, as ``torch.compile(model.to(dt))`` returns them: no up-cast
+  copy at the graph's end, which on MT5's 250k-class logits was 6.8 ms of a 7.5 ms gap to Inductor at bf16 on
+  the H200, benchmarks/NOTES.md). Under ``"compute"`` a graph break hands the Python code between subgraphs
+  low-precision tensors, as ``model.to(dt)`` would; the plain-Inductor fallback follows the same contract.
 - ``target``, ``passes``, ``policy``: see :func:`backend`.
 - ``mode``: torch.compile's mode (``"default"``, ``"reduce-overhead"``, ``"max-autotune"``,
   ``"max-autotune-no-cudagraphs"``; any mode ``torch._inductor.list_mode_options()`` knows): the Inductor
@@ -105,7 +111,9 @@ _warned: set[str] = set()
 _CAST_PASSES = ("cast_fp8_linears", "cast_precision")
 _LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
-_OPTION_KEYS = ("precision", "pad", "target", "passes", "policy", "mode", "inductor", "fp8_keep")
+_OPTION_KEYS = ("precision", "pad", "target", "passes", "policy", "mode", "inductor", "fp8_keep", "output_dtype")
+#: Output-dtype contracts (``tctune.trial.OUTPUT_DTYPES``; not imported: this module imports ``passes`` only).
+_OUTPUT_DTYPES = ("compute", "fp32")
 _PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")
 #: The passes ``pad=False`` turns off.
 PAD_PASSES = ("pad_linear_dims", "pad_matmul_dims", "pad_conv_channels")
@@ -187,6 +195,8 @@ class BackendConfig:
         mode: torch.compile's mode, as Inductor config patches (:func:`inductor_patches`); None: default.
         inductor: extra Inductor config patches, over the mode's.
         fp8_keep: at ``"fp8"``, module-path patterns whose linears stay bf16.
+        output_dtype: ``"fp32"`` (floating outputs in the FP32 model's dtypes) or ``"compute"`` (left in the
+            dtype they are computed in, as ``torch.compile(model.to(dt))`` returns them).
     """
 
     precision: str | None = None
@@ -197,10 +207,14 @@ class BackendConfig:
     mode: str | None = None
     inductor: dict | None = None
     fp8_keep: tuple[str, ...] = ()
+    output_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.precision is not None and self.precision not in _PRECISIONS:
             raise ValueError(f"precision must be fp32, tf32, fp16, bf16, fp8 or None, got {self.precision!r}")
+        if self.output_dtype not in _OUTPUT_DTYPES:
+            raise ValueError(f"output_dtype must be 'fp32' (the model's output dtypes) or 'compute' (outputs left "
+                             f"in the compute precision), got {self.output_dtype!r}")
         if isinstance(self.fp8_keep, str):
             raise ValueError(f"fp8_keep must be a list of patterns, got the string {self.fp8_keep!r} "
                              f"(write fp8_keep=[{self.fp8_keep!r}])")
@@ -301,6 +315,7 @@ def backend(
     mode: str | None = None,
     inductor: dict | None = None,
     fp8_keep: Sequence[str] = (),
+    output_dtype: str = "fp32",
 ) -> Callable[[fx.GraphModule, list], Callable]:
     """A ``torch.compile`` backend with these settings: ``torch.compile(m, backend=backend(precision="bf16"))``.
 
@@ -318,6 +333,8 @@ def backend(
             ``"default"``), applied as its Inductor config patches; ``torch.compile(..., mode=...)`` overrides it.
         inductor: extra Inductor config patches (``torch._inductor.config`` keys), over the mode's.
         fp8_keep: at ``"fp8"``, ``fnmatch`` patterns of module paths whose linears stay bf16.
+        output_dtype: ``"fp32"`` (default: floating outputs in the FP32 model's dtypes) or ``"compute"``
+            (outputs left in the compute precision, the contract of ``torch.compile(model.to(dt))``).
 
     Returns:
         ``compiler(gm, example_inputs) -> callable``, the signature Dynamo expects of a backend.
@@ -330,7 +347,8 @@ def backend(
 
     cfg = BackendConfig(precision=precision, pad=pad, target=target, passes=passes, policy=policy, mode=mode,
                         inductor=dict(inductor) if isinstance(inductor, dict) else inductor,
-                        fp8_keep=fp8_keep if isinstance(fp8_keep, str) else tuple(fp8_keep or ()))
+                        fp8_keep=fp8_keep if isinstance(fp8_keep, str) else tuple(fp8_keep or ()),
+                        output_dtype=output_dtype)
     unknown = [n for n in cfg.pass_names() if n not in PASSES]
     if unknown:
         raise ValueError(f"unknown pass(es) {unknown}; known passes: {sorted(PASSES)}")
@@ -418,24 +436,27 @@ def _compile(gm: fx.GraphModule, example_inputs: list, cfg: BackendConfig) -> Ca
             logger.info("training graph (grad enabled, inputs require grad): eval-only passes skipped, "
                         "weights stay graph inputs")
         compiled = _compile_with_passes(gm, example_inputs,
-                                        _spec_for(hw, training, cfg.policy, report.precision, cfg.fp8_keep),
+                                        _spec_for(hw, training, cfg.policy, report.precision, cfg.fp8_keep,
+                                                  cfg.output_dtype),
                                         cfg, report, hw)
     except Exception as exc:  # noqa: BLE001 - never break the user's compile
         reason = f"{type(exc).__name__}: {exc}"
         report.fallback = reason
         report.results = []
-        compiled = _fallback(gm, example_inputs, report, cfg.config_patches())
+        compiled = _fallback(gm, example_inputs, report, cfg.config_patches(), cfg.output_dtype)
     _record(report)
     return compiled
 
 
-def _spec_for(hw, training: bool, policy: str, precision: str, fp8_keep: Sequence[str] = ()):
+def _spec_for(hw, training: bool, policy: str, precision: str, fp8_keep: Sequence[str] = (),
+              output_dtype: str = "fp32"):
     """The passes' ``PassSpec`` for one subgraph (the one place the backend asks the hardware for it).
 
     ``pad_graph_outputs=False``: Inductor runs the graph, where padding the N of a returned linear measured
-    slower (``passes.pad_linear``'s module docstring)."""
+    slower (``passes.pad_linear``'s module docstring). ``restore_output_dtypes`` follows ``output_dtype``."""
     return pass_spec(hw, precision, training=training, policy=policy, pad_graph_outputs=False,
-                     fp8_keep=fp8_keep if precision == "fp8" else ())
+                     fp8_keep=fp8_keep if precision == "fp8" else (),
+                     restore_output_dtypes=output_dtype == "fp32")
 
 
 def _fp8_or_bf16(report: SubgraphReport, hw, on_gpu: bool, training: bool) -> None:
@@ -457,8 +478,9 @@ def _fp8_or_bf16(report: SubgraphReport, hw, on_gpu: bool, training: bool) -> No
 
 
 def _fallback(gm: fx.GraphModule, example_inputs: list, report: SubgraphReport,
-              patches: dict[str, Any] | None = None) -> Callable:
-    """Plain Inductor for a subgraph tctune could not rewrite, at the requested precision (module docstring)."""
+              patches: dict[str, Any] | None = None, output_dtype: str = "fp32") -> Callable:
+    """Plain Inductor for a subgraph tctune could not rewrite, at the requested precision (module docstring),
+    its outputs under ``output_dtype``'s contract."""
     patches = patches or {}
     compile_fx = functools.partial(inductor_compile, config_patches=patches)
 
@@ -467,7 +489,7 @@ def _fallback(gm: fx.GraphModule, example_inputs: list, report: SubgraphReport,
     compiled = None
     if dtype is not None:
         try:
-            cast = _cast_like_model_to(gm, example_inputs, dtype)
+            cast = _cast_like_model_to(gm, example_inputs, dtype, restore_outputs=output_dtype == "fp32")
             compiled = compile_fx(cast, example_inputs)
             how = f"plain Inductor at {report.precision} (inputs, weights cast like model.to(dt))"
             report.notes.append(f"fallback compiled at {report.precision}, cast like model.to(dt)")
@@ -487,10 +509,12 @@ def _fallback(gm: fx.GraphModule, example_inputs: list, report: SubgraphReport,
     return compiled
 
 
-def _cast_like_model_to(gm: fx.GraphModule, example_inputs: list, dtype: torch.dtype) -> fx.GraphModule:
+def _cast_like_model_to(gm: fx.GraphModule, example_inputs: list, dtype: torch.dtype,
+                        restore_outputs: bool = True) -> fx.GraphModule:
     """A copy of Dynamo's graph ``gm`` computing as ``model.to(dtype)`` would: every floating tensor input
     (user inputs, lifted parameters and buffers) cast to ``dtype`` on entry, every floating tensor output cast
-    back to its original dtype. Constants the model creates with an explicit dtype keep it, as they would."""
+    back to its original dtype (``restore_outputs``; False returns them as computed, as ``model.to(dtype)``
+    does). Constants the model creates with an explicit dtype keep it, as they would."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -500,7 +524,8 @@ def _cast_like_model_to(gm: fx.GraphModule, example_inputs: list, dtype: torch.d
             def back(arg: fx.Node) -> fx.Node:
                 val = arg.meta.get("example_value")
                 new = env[arg]
-                if isinstance(val, torch.Tensor) and val.is_floating_point() and val.dtype != dtype:
+                if (restore_outputs and isinstance(val, torch.Tensor) and val.is_floating_point()
+                        and val.dtype != dtype):
                     return graph.call_method("to", (new, val.dtype))
                 return new
 
@@ -717,7 +742,8 @@ def _calibrate_fp16(exported: fx.GraphModule, runtime_args: tuple, spec, report:
                        "(fp16's range is 65504, bf16's that of fp32)")
         report.precision = "bf16"
         report.notes.append("fp16 refused (no real inputs to calibrate overflow on): bf16 instead")
-        return _spec_for(hw, spec.training, policy, "bf16")
+        return _spec_for(hw, spec.training, policy, "bf16",
+                         output_dtype="fp32" if spec.restore_output_dtypes else "compute")
     logger.warning("tctune backend: fp16 without overflow calibration (no real inputs) and no bf16 on this "
                    "device: activations beyond 65504 become inf")
     report.notes.append("fp16 uncalibrated: no real inputs, no bf16 on this device")

@@ -293,6 +293,16 @@ def accuracy_summary(row: dict) -> str | None:
     return "; ".join(parts) if parts else None
 
 
+def output_contract_line(output_dtype: str) -> str:
+    """``report.md``'s one line on the output-dtype contract (``TuneConfig.output_dtype``) of every timed call."""
+    if output_dtype == "fp32":
+        return ("Output dtypes: fp32 — every timed call, tctune's and the plain baselines', returns the FP32 "
+                "model's output dtypes (low-precision outputs cast up inside the call)")
+    return ("Output dtypes: compute — every timed call, tctune's and the plain baselines', returns floating "
+            "outputs in its compute precision, as model.half() / autocast return them (no up-cast copy; errors "
+            "are computed in float64 after timing)")
+
+
 def render_markdown(r: dict) -> str:
     """``report.md``: the same facts as ``report.json``, for people."""
     hw = r["hardware"]
@@ -304,6 +314,8 @@ def render_markdown(r: dict) -> str:
               f"- Accuracy limit: relative L2 error ≤ {r['config']['max_error']:g} against FP32 eager on fresh random inputs; "
               + (f"integer and bool outputs may differ in up to {r['config']['max_mismatch_rate']:.2%} of their elements"
                  if r["config"].get("max_mismatch_rate") else "integer and bool outputs must match exactly")]
+    if r["config"].get("output_dtype"):  # a report written before the option has no contract to state
+        lines.append("- " + output_contract_line(r["config"]["output_dtype"]))
     dynamic = r["capture"].get("dynamic") or []
     if any(d["symbol"] != "batch" for d in dynamic):  # capture.dynamic: tctune.capture.dynamic_dims
         lines += ["- Dynamic dimensions (measured at the example sizes): " + ", ".join(

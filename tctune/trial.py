@@ -20,6 +20,10 @@ from .errors import PassError, UsageError
 INPUT_SEED = 1234
 
 MEMORY_FORMATS = ("contiguous", "channels_last")
+#: Output-dtype contracts (``TuneConfig.output_dtype``, the backend's ``output_dtype`` option): ``"compute"``:
+#: floating outputs stay in the dtype the candidate computes them in, as ``model.half()`` / ``torch.autocast``
+#: return them; ``"fp32"``: the FP32 model's output dtypes (low outputs cast up inside the call).
+OUTPUT_DTYPES = ("compute", "fp32")
 
 
 class FailureKind(str, enum.Enum):
@@ -124,13 +128,21 @@ def reference_inputs(mf, batch_size: int, device) -> tuple:
 
 def apply_passes(gm: torch.fx.GraphModule, hw, precision: str, names: Sequence[str] = PIPELINE,
                  calibration: Sequence[tuple] | None = None, policy: str = "autocast",
-                 fp8_keep: Iterable[str] = (), training: bool = False) -> tuple[torch.fx.GraphModule, list]:
+                 fp8_keep: Iterable[str] = (), training: bool = False,
+                 output_dtype: str = "fp32") -> tuple[torch.fx.GraphModule, list]:
     """``passes.build_graph`` for a hardware target (``hw``: a ``tctune.hardware.HardwareSpec``); ``gm`` untouched.
+    ``output_dtype`` (:data:`OUTPUT_DTYPES`): ``"fp32"`` casts the graph's outputs back to the FP32 model's
+    dtypes; ``"compute"`` leaves floating outputs in their computed dtype (``PassSpec.restore_output_dtypes``).
 
     Raises:
         PassError: a cast pass failed (the message names it and the passes before it).
+        UsageError: ``output_dtype`` is not one of :data:`OUTPUT_DTYPES`.
     """
-    spec = pass_spec(hw, precision, training=training, policy=policy, fp8_keep=fp8_keep)
+    if output_dtype not in OUTPUT_DTYPES:
+        raise UsageError(f"output_dtype must be one of {', '.join(OUTPUT_DTYPES)}, got {output_dtype!r}",
+                         field="output_dtype")
+    spec = pass_spec(hw, precision, training=training, policy=policy, fp8_keep=fp8_keep,
+                     restore_output_dtypes=output_dtype == "fp32")
     try:
         return build_graph(gm, spec, names, calibration)
     except PassFailure as exc:
@@ -138,17 +150,20 @@ def apply_passes(gm: torch.fx.GraphModule, hw, precision: str, names: Sequence[s
 
 
 def build_trial_graph(gm: torch.fx.GraphModule, hw, trial: TrialParams, calibration: Sequence[tuple] | None,
-                      names: Sequence[str] = PIPELINE) -> tuple[torch.fx.GraphModule, list]:
+                      names: Sequence[str] = PIPELINE, output_dtype: str = "fp32") -> tuple[torch.fx.GraphModule, list]:
     """The graph trial ``trial`` measures (its precision, policy, FP8 keep-list; at fp16 the overflow
     calibration on ``calibration`` when ``trial.calibration``). ``names``: the passes (the engines drop
-    ``fuse_epilogue``, which has no ONNX translation and fires on CUDA graphs only).
+    ``fuse_epilogue``, which has no ONNX translation and fires on CUDA graphs only). ``output_dtype``: the
+    output contract (:data:`OUTPUT_DTYPES`; the search passes ``TuneConfig.output_dtype``; the engines keep
+    ``"fp32"``, the dtypes their runners hand to numpy, which has no bfloat16).
 
     Raises:
         PassError: a cast pass failed.
+        UsageError: an unknown ``output_dtype``.
     """
     return apply_passes(gm, hw, trial.precision, names, calibration if trial.calibration else None,
-                        trial.policy, trial.fp8_keep)
+                        trial.policy, trial.fp8_keep, output_dtype=output_dtype)
 
 
-__all__ = ["FailureKind", "INPUT_SEED", "MEMORY_FORMATS", "TrialParams", "apply_passes", "build_trial_graph",
+__all__ = ["FailureKind", "INPUT_SEED", "MEMORY_FORMATS", "OUTPUT_DTYPES", "TrialParams", "apply_passes", "build_trial_graph",
            "measuring_device", "reference_inputs"]

@@ -4,7 +4,10 @@ A :class:`TunedModule` runs the winning configuration of a search: the graph the
 rewritten graph, built by :func:`tctune.trial.build_trial_graph`, or the model as written under
 ``torch.autocast``), at its precision (``tctune.measure.precision_mode``), memory format and runtime (eager,
 Inductor, or a CUDA graph replayed per input shape, :func:`tctune.runtime.wrap`). Its outputs have the FP32
-reference's structure and dtypes.
+reference's structure; their dtypes follow the search's output contract (``TuneConfig.output_dtype``, recorded
+as the manifest's ``output_dtype``): ``"compute"`` (the default), floating outputs in the dtype the winner
+computed them in (bf16 logits from a bf16 winner, as the search timed them); ``"fp32"``, the FP32 reference's
+dtypes.
 
 :func:`save` writes one ``torch.export`` archive (``.pt2``): the rewritten graph re-exported with a dynamic batch
 (the weights in their tuned dtypes), plus ``tctune_manifest.json`` (runtime, trial, output structure, inputs,
@@ -130,9 +133,12 @@ class TunedModule(torch.nn.Module):
     """A tuned model: the winning configuration of a search, callable like the original model.
 
     ``tuned(*inputs)`` takes the original model's positional inputs (batch on dim 0; any batch the captured
-    graph accepts) and returns its output structure (dict, tuple, ``ModelOutput``-like object) with the FP32
-    reference's dtypes: a floating output the reference returned in FP32 comes back FP32 unless
-    ``keep_low_precision_outputs``. Runs under ``torch.inference_mode()``.
+    graph accepts) and returns its output structure (dict, tuple, ``ModelOutput``-like object). Output dtypes:
+    with ``keep_low_precision_outputs`` (the ``"compute"`` output contract, what :func:`from_search` sets
+    under ``TuneConfig.output_dtype="compute"``, the default) floating outputs come back in the dtype the
+    winning graph computed them in (e.g. bf16, or FP32 where the cast policy kept the producing op FP32);
+    without it (``"fp32"``) a floating output the FP32 reference returned in FP32 comes back FP32. Integer and
+    bool outputs keep their dtype either way. Runs under ``torch.inference_mode()``.
 
     Attributes:
         graph: the module that holds the state (tctune's rewritten graph, or the model as written);
@@ -254,11 +260,16 @@ class TunedModule(torch.nn.Module):
         return f"{what}, {c.precision}, {self.runtime}, tuned batch {c.batch_size}"
 
 
-def from_search(optimized, keep_low_precision_outputs: bool = False) -> TunedModule:
+def from_search(optimized, keep_low_precision_outputs: bool | None = None) -> TunedModule:
     """The :class:`TunedModule` of a finished search (``tctune.optimize.optimize_model``'s result).
 
     The graph is built as the search built the winning trial's (same builder, calibration inputs, FP8
-    keep-list); the output structure and dtypes are those of the FP32 reference at the tuned batch.
+    keep-list, output contract ``TuneConfig.output_dtype``); the output structure is that of the FP32 reference
+    at the tuned batch, and so are the output dtypes under ``output_dtype="fp32"``; under ``"compute"`` the
+    floating outputs stay in the winner's computed dtype. ``keep_low_precision_outputs``: None follows the
+    search's ``output_dtype``; True / False force ``"compute"`` / ``"fp32"`` outputs (the graph keeps the
+    search's contract; ``"fp32"`` is then an up-cast after the graph, ``"compute"`` returns what it returns).
+    The manifest records the contract as ``output_dtype``.
 
     Raises:
         UsageError: no configuration qualified (the report's failure summary says why).
@@ -276,9 +287,13 @@ def from_search(optimized, keep_low_precision_outputs: bool = False) -> TunedMod
     params = dict(bt.params)
     trial = tuner.trial_params(params, bt.user_attrs.get("fp8_keep"))
     inputs, ref = tuner.reference(trial.batch_size)
+    output_dtype = getattr(tuner.cfg, "output_dtype", "fp32")
+    if keep_low_precision_outputs is None:
+        keep_low_precision_outputs = output_dtype == "compute"
     layout = state_layout(tuner.model)
     if trial.graph_passes:
-        graph, _ = build_trial_graph(tuner.captured.graph_module, tuner.hw, trial, [inputs])
+        graph, _ = build_trial_graph(tuner.captured.graph_module, tuner.hw, trial, [inputs],
+                                     output_dtype=output_dtype)
         graph = graph.to(tuner.device)
         restore_layout(graph, layout)
         save_graph, autocast = graph, None
@@ -296,11 +311,12 @@ def from_search(optimized, keep_low_precision_outputs: bool = False) -> TunedMod
                 "runtime": trial.runtime, "precision": trial.precision, "autocast": autocast,
                 "out_spec": _spec_dumps(spec), "out_spec_plain": _spec_dumps(pytree.tree_flatten(_plain(ref))[1]),
                 "out_dtypes": dtypes, "keep_low_precision_outputs": keep_low_precision_outputs,
+                "output_dtype": "compute" if keep_low_precision_outputs else "fp32",
                 "layout": layout, "compute_capability": hw.compute_capability or None, "hardware": hw.name,
                 "arch": hw.arch, "device": tuner.device.type, "torch_version": torch.__version__,
                 "tctune_version": _version()}
     return TunedModule(graph, trial, trial.runtime, autocast=autocast, out_spec=spec, out_dtypes=dtypes,
-                       keep_low_precision_outputs=keep_low_precision_outputs, report=optimized.report,
+                       keep_low_precision_outputs=bool(keep_low_precision_outputs), report=optimized.report,
                        manifest=manifest, save_graph=save_graph, example_inputs=example)
 
 
@@ -462,8 +478,16 @@ def load(path: str | Path, device: str | torch.device | None = None) -> TunedMod
     spec = _spec_loads(manifest.get("out_spec")) or _spec_loads(manifest.get("out_spec_plain"))
     return TunedModule(graph, trial, manifest["runtime"], autocast=manifest.get("autocast"), out_spec=spec,
                        out_dtypes=manifest.get("out_dtypes") or (),
-                       keep_low_precision_outputs=bool(manifest.get("keep_low_precision_outputs")), report=report,
+                       keep_low_precision_outputs=_keeps_low(manifest), report=report,
                        manifest=manifest, exported=ep)
+
+
+def _keeps_low(manifest: dict) -> bool:
+    """Whether a saved module returns outputs in their computed dtype: its manifest's ``output_dtype``
+    (``"compute"``), or for a file written before that key, its ``keep_low_precision_outputs`` flag."""
+    if manifest.get("output_dtype") is not None:
+        return manifest["output_dtype"] == "compute"
+    return bool(manifest.get("keep_low_precision_outputs"))
 
 
 def _check_capability(manifest: dict, device: torch.device) -> None:

@@ -81,8 +81,9 @@ def tuned_bf16(tmp_path_factory):
         _pick_graph_bf16(mp)
         torch.manual_seed(0)
         model = TwoHeads()
+        # output_dtype "fp32": the FP32 model's output dtypes (tests/test_output_dtype.py covers "compute")
         tuned = tctune.optimize(model, _inputs(4), trials=2, runtimes="eager", no_export=True, quiet=True,
-                                out=tmp_path_factory.mktemp("api") / "out")
+                                output_dtype="fp32", out=tmp_path_factory.mktemp("api") / "out")
     return model, tuned
 
 
@@ -329,13 +330,16 @@ def test_model_as_written_autocast_winner_and_a_namedtuple_output_survive_save_a
         ref = model(x)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             amp = model(x)
-    assert type(out) is Pair and out.y.dtype == torch.float32 and out.extra["norm"].dtype == torch.float32
-    assert torch.equal(out.y, amp.y.float()) and _rel(out.y, ref.y) <= 1e-2  # autocast, as the search measured
+    # output_dtype "compute" (the default): the outputs autocast returns, as the search timed them
+    assert type(out) is Pair and out.y.dtype == amp.y.dtype == torch.bfloat16
+    assert out.extra["norm"].dtype == amp.extra["norm"].dtype
+    assert torch.equal(out.y, amp.y) and _rel(out.y, ref.y) <= 1e-2  # autocast, as the search measured
     loaded = tctune.load(tctune.save(tuned, tmp_path / "m.pt2"))
     assert loaded.manifest["autocast"] == "bf16"
     back = loaded(x)
     # the namedtuple class has no serialized name: the loaded module returns the plain containers
-    assert type(back) is tuple and list(back[1]) == ["norm"] and back[0].dtype == torch.float32
+    assert type(back) is tuple and list(back[1]) == ["norm"] and back[0].dtype == torch.bfloat16
+    assert loaded.manifest["output_dtype"] == "compute" and back[1]["norm"].dtype == out.extra["norm"].dtype
     assert _rel(back[0], out.y) <= 1e-2 and _rel(back[1]["norm"], out.extra["norm"]) <= 1e-2
 
 

@@ -80,6 +80,11 @@ def register(sub) -> str:
     o.add_argument("--max-mismatch-rate", type=float, default=0.0, metavar="F",
                    help="fraction (0 to 1) of the elements of integer/bool outputs (class ids, counts) that may "
                         "differ from FP32 (default %(default)g: exact)")
+    o.add_argument("--output-dtype", choices=("compute", "fp32"), default="compute",
+                   help="the dtype of floating outputs in every timed call, the same for tctune's candidates and "
+                        "the plain baselines: compute (default): the candidate's compute precision, as "
+                        "model.half() / autocast return them (no up-cast copy); fp32: the FP32 model's dtypes, the "
+                        "up-cast timed inside each call. Accuracy is compared in float64 either way")
     o.add_argument("--calibration", metavar="DIR",
                    help="folder of real input batches, one .safetensors or .npz file each (keys input_0, input_1, "
                         "... or forward's argument names; read in sorted order, never unpickled): compared beside "
@@ -178,7 +183,7 @@ def config_from_args(args) -> "TuneConfig":
                       max_latency_ms=args.max_latency_ms, max_memory_mib=args.max_memory_mib,
                       fp8_keep=parse_fp8_keep(args.fp8_keep), min_score_ratio=args.min_score_ratio,
                       min_score=args.min_score, max_mismatch_rate=args.max_mismatch_rate,
-                      calibration=args.calibration)
+                      calibration=args.calibration, output_dtype=args.output_dtype)
 
 
 def run(args) -> int:

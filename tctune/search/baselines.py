@@ -5,6 +5,8 @@ Plain baselines are what a user would try by hand, at each searched batch size:
 - ``fp32_eager``: the model as written in FP32 (the accuracy reference);
 - ``autocast_<p>``: the model under ``torch.autocast`` at each low precision the hardware offers (fp16, bf16);
 - ``cast_<p>``: the model cast as a whole (``model.half()`` / ``model.to(torch.bfloat16)``, :class:`CastModel`);
+  its outputs, like every candidate's, follow ``TuneConfig.output_dtype`` (``"compute"``, the default: returned
+  in the cast dtype as ``model.half()`` returns them; ``"fp32"``: cast to FP32 inside the timed call);
 - on a GPU, ``compile_<name>``: ``torch.compile`` (mode ``default``, runtime ``inductor``) of the fastest of
   those at that batch size, as the PyTorch team's own benchmark compares against.
 
@@ -41,21 +43,30 @@ SIDE_BY_SIDE_BLOCK_S = 0.05
 BOOTSTRAP_SAMPLES = 2000
 
 
+def _outputs_to(out: Any, dtype: torch.dtype, out_dtype: torch.dtype | None) -> Any:
+    """``out`` with every tensor leaf of ``dtype`` cast to ``out_dtype`` (None: ``out`` unchanged)."""
+    if out_dtype is None or out_dtype == dtype:
+        return out
+    return tree_map(lambda x: x.to(out_dtype) if isinstance(x, torch.Tensor) and x.dtype == dtype else x, out)
+
+
 class CastModel(torch.nn.Module):
     """The model cast as a whole to ``dtype`` (``model.half()`` / ``model.to(torch.bfloat16)``).
 
     A deep copy of ``model`` with every floating parameter and buffer cast to ``dtype`` (the caller's model is
-    untouched); floating tensor inputs are cast to ``dtype`` on the way in and floating outputs of ``dtype``
-    back to ``out_dtype`` (FP32: the reference's dtype) on the way out, so its outputs compare with the FP32
-    reference like any candidate's. Integer and bool inputs and outputs pass unchanged.
+    untouched); floating tensor inputs are cast to ``dtype`` on the way in. Floating outputs of ``dtype`` are
+    returned as the cast model returns them when ``out_dtype`` is None (the ``"compute"`` output contract of
+    ``TuneConfig.output_dtype``: what a user running ``model.half()`` gets, no copy), or cast to ``out_dtype``
+    inside the call (``torch.float32``: the ``"fp32"`` contract, the reference's dtype). Integer and bool inputs
+    and outputs pass unchanged.
 
     Args:
         model: the FP32 model (copied).
         dtype: ``torch.float16`` or ``torch.bfloat16``.
-        out_dtype: the dtype floating outputs are returned in.
+        out_dtype: the dtype floating outputs of ``dtype`` are returned in; None: left in ``dtype``.
     """
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, out_dtype: torch.dtype = torch.float32):
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, out_dtype: torch.dtype | None = torch.float32):
         super().__init__()
         self.model = copy.deepcopy(model).to(dtype)
         self.dtype, self.out_dtype = dtype, out_dtype
@@ -64,11 +75,21 @@ class CastModel(torch.nn.Module):
         def down(x):
             return x.to(self.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
-        def up(x):
-            return x.to(self.out_dtype) if isinstance(x, torch.Tensor) and x.dtype == self.dtype else x
-
         out = self.model(*tree_map(down, args), **tree_map(down, kwargs))
-        return tree_map(up, out)
+        return _outputs_to(out, self.dtype, self.out_dtype)
+
+
+class OutputsTo(torch.nn.Module):
+    """``module`` whose tensor outputs of ``dtype`` are cast to ``out_dtype`` inside the call: the autocast
+    baseline under the ``"fp32"`` output contract (``TuneConfig.output_dtype``), where every candidate returns
+    the FP32 model's dtypes and pays for the up-cast in its timing."""
+
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype, out_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.module, self.dtype, self.out_dtype = module, dtype, out_dtype
+
+    def forward(self, *args, **kwargs):
+        return _outputs_to(self.module(*args, **kwargs), self.dtype, self.out_dtype)
 
 
 @dataclass(frozen=True)
@@ -222,5 +243,5 @@ class ClockMonitor:
                 "sm_clock_max_mhz": self.max_clock, "throttle_reasons": sorted(self.reasons)}
 
 
-__all__ = ["BOOTSTRAP_SAMPLES", "Baseline", "CastModel", "ClockMonitor", "SIDE_BY_SIDE_BLOCK_S",
+__all__ = ["BOOTSTRAP_SAMPLES", "Baseline", "CastModel", "ClockMonitor", "OutputsTo", "SIDE_BY_SIDE_BLOCK_S",
            "SIDE_BY_SIDE_ROUNDS", "candidate_params", "compile_baseline", "interleaved_speedup", "plain_baselines"]

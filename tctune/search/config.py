@@ -51,6 +51,16 @@ class TuneConfig:
             from FP32's (``tctune.measure.check_accuracy``); 0.0: they must match exactly.
         calibration: a folder of ``.safetensors`` / ``.npz`` input batches (:mod:`tctune.calibration`) used
             beside the seeded random inputs; None: the model file's ``calibration_inputs()`` when it has one.
+        output_dtype: the output-dtype contract of every timed inference call, the same for tctune's candidates
+            and the plain baselines (``tctune.trial.OUTPUT_DTYPES``). ``"compute"`` (default): floating outputs
+            stay in the dtype the candidate computes them in, as a user running ``model.half()`` or
+            ``torch.autocast`` gets them (tctune's graph inserts no up-cast at its outputs; the whole-model cast
+            baseline returns its low-precision outputs). ``"fp32"``: every candidate returns the FP32 model's
+            output dtypes, the up-cast copy timed inside the call (tctune's graph casts its outputs back; the
+            autocast and whole-model cast baselines cast their fp16/bf16 outputs to FP32). Either way the error
+            against the FP32 reference is computed in float64 after the timed calls. The tuned module
+            (``tctune.optimize``) returns outputs under the same contract; exported engines keep FP32 outputs.
+            Training steps (``mode="train"``) return no outputs to the caller and ignore it.
     """
 
     out_dir: str
@@ -79,6 +89,7 @@ class TuneConfig:
     min_score: float | None = None
     max_mismatch_rate: float = 0.0
     calibration: str | None = None
+    output_dtype: str = "compute"
 
     def __post_init__(self) -> None:
         """Raises UsageError naming the bad field (``err.field``, e.g. ``"trials"``) and what it must be."""
@@ -124,6 +135,11 @@ class TuneConfig:
             raise bad("min_score", f"must be a finite number, got {self.min_score}")
         if not (0 <= self.max_mismatch_rate <= 1):
             raise bad("max_mismatch_rate", f"must be a fraction in [0, 1], got {self.max_mismatch_rate}")
+        from ..trial import OUTPUT_DTYPES
+
+        if self.output_dtype not in OUTPUT_DTYPES:
+            raise bad("output_dtype", f"must be one of {', '.join(OUTPUT_DTYPES)} (compute: outputs in the candidate's "
+                                      f"compute precision; fp32: the FP32 model's dtypes), got {self.output_dtype!r}")
         if self.calibration is not None and (not isinstance(self.calibration, str) or not self.calibration.strip()):
             raise bad("calibration", f"must be the path of a folder of input batches, got {self.calibration!r}")
 

@@ -24,7 +24,7 @@ from ..measure import ErrorStats, check_accuracy, compare, is_oom, precision_mod
 from ..runtime import Autocast, ChannelsLast, detach_outputs, wrap
 from ..trial import FailureKind, TrialParams, apply_passes, build_trial_graph, reference_inputs
 from .accuracy import ScoreGate, graph_key, worst
-from .baselines import CastModel
+from .baselines import CastModel, OutputsTo
 from .config import TuneConfig
 from .results import first_line, rejection, trial_metrics
 
@@ -133,7 +133,8 @@ class InferenceEvaluator:
         if params["graph_passes"]:
             trial = self.trial_params(params, fp8_keep)
             g, results = build_trial_graph(self.captured.graph_module, self.hw, trial,
-                                           self.calibration_inputs(trial.batch_size))
+                                           self.calibration_inputs(trial.batch_size),
+                                           output_dtype=self.cfg.output_dtype)
             keep, policy = trial.fp8_keep, trial.policy
             label = f"{precision} ({policy})" if precision in ("fp16", "bf16") else precision
             if precision == "fp8":
@@ -142,10 +143,14 @@ class InferenceEvaluator:
                              fp8_keep=keep if precision == "fp8" else None)
         if precision in ("fp16", "bf16"):
             dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+            # Outputs follow the run's contract (TuneConfig.output_dtype): "compute" returns them as the plain
+            # recipe does; "fp32" casts the low ones up inside the timed call, as tctune's graph does then.
+            up = torch.float32 if self.cfg.output_dtype == "fp32" else None
             if params.get("model_cast"):  # a plain baseline: the model cast as a whole (model.half() / .to(bf16))
-                return Candidate(CastModel(self.model, dtype), precision, [],
+                return Candidate(CastModel(self.model, dtype, out_dtype=up), precision, [],
                                  f"model cast {precision} (whole model), {runtime}")
-            return Candidate(Autocast(self.model, dtype, self.device.type), precision, [],
+            module = Autocast(self.model, dtype, self.device.type)
+            return Candidate(module if up is None else OutputsTo(module, dtype, up), precision, [],
                              f"model autocast {precision}, {runtime}")
         return Candidate(self.model, precision, [], f"model {precision}, {runtime}")
 
@@ -196,7 +201,9 @@ class InferenceEvaluator:
                 return gate.shortfall(gate.score(key, graph, "fp8")[0])
         try:
             gm, hw = self.captured.graph_module, self.hw
-            plan = plan_graph(lambda keep, names: apply_passes(gm, hw, "fp8", names, policy=policy, fp8_keep=keep)[0],
+            out = self.cfg.output_dtype
+            plan = plan_graph(lambda keep, names: apply_passes(gm, hw, "fp8", names, policy=policy, fp8_keep=keep,
+                                                               output_dtype=out)[0],
                               inputs, ref, limit, device=self.device, score_of=score_of)
         except (PassError, CandidateRejected):
             raise
@@ -210,7 +217,8 @@ class InferenceEvaluator:
         runtime = self.fastest_compiled_runtime or "eager"
         fn = None
         try:
-            g, _ = apply_passes(self.captured.graph_module, self.hw, "fp8", policy=policy, fp8_keep=keep)
+            g, _ = apply_passes(self.captured.graph_module, self.hw, "fp8", policy=policy, fp8_keep=keep,
+                                output_dtype=self.cfg.output_dtype)
             with precision_mode("fp8"):
                 fn, _ = wrap(g.to(self.device), runtime, inputs)
                 timing = time_call(lambda: fn(*inputs), len(inputs[0]), self.device)

@@ -185,6 +185,9 @@ class Tuner:
         digest = hashlib.sha1(key.encode()).hexdigest()[:8]
         cc = self.hw.compute_capability or "cpu"
         obj = "" if self.cfg.objective == "throughput" else f"-{self.cfg.objective}"
+        # The output contract changes what every trial times; studies from before the option timed "fp32".
+        if self.cfg.mode == "infer" and self.cfg.output_dtype != "fp32":
+            obj += f"-out{self.cfg.output_dtype}"
         return f"{self.mf.name}-{self.hw.arch}-{cc}-{self.device.type}-{self.cfg.mode}{obj}-{digest}"
 
     def storage_url(self) -> str:
