@@ -57,7 +57,7 @@ of placeholders and ``get_attr`` nodes (``meta`` is not updated by FX, so the pa
   not touched: a deliberate ``-inf`` mask stays ``-inf`` (fp16 and bf16 hold it), except in a value that also
   carries such a constant, whose cast down saturates it too. ``notes["constants_saturated"]`` lists each.
 * Ops with no fp16 / bf16 kernel (:func:`no_low_precision_kernel`: the FFT family, LAPACK-style linear-algebra
-  solvers) run in FP32 whatever the policy or keep-list: their floating inputs are cast up, their FP32 (or
+  solvers, pairwise distances, quantiles, complex constructors) run in FP32 whatever the policy or keep-list: their floating inputs are cast up, their FP32 (or
   complex) outputs are cast down by the low-precision ops that read them. Casting them down made the whole
   graph fail ("Unsupported dtype BFloat16" from ``fft_fftn`` in Hugging Face's FNet on the H200), so the
   backend fell back to plain Inductor. The reason is in ``skipped`` and ``notes["no_low_precision_kernel"]``.
@@ -142,6 +142,17 @@ _SOLVER_OPS = frozenset(
     }
 )
 _SOLVER_REASON = "linear-algebra solver: its LAPACK / cuSOLVER / MAGMA kernels take float32 and float64 only"
+#: Other ops whose kernels take float32 / float64 only, each raising on a bf16 and an fp16 input on the CPU (torch
+#: 2.13): pairwise distances ("cdist" / "pdist" not implemented for 'BFloat16'), quantiles ("input tensor must be
+#: either float or double dtype", a dtype check shared by every device), and complex-number constructors (there
+#: is no complex bf16 dtype, and PyTorch calls complex32 experimental).
+_OTHER_OPS: dict[str, str] = {
+    **dict.fromkeys(("cdist", "_cdist_forward", "pdist", "_pdist_forward"),
+                    "pairwise distance: its kernels take float32 and float64 only"),
+    **dict.fromkeys(("quantile", "nanquantile"), "quantile: its kernels take float32 and float64 only"),
+    **dict.fromkeys(("view_as_complex", "complex", "polar"),
+                    "complex result: there is no complex bf16 dtype (complex32 is experimental)"),
+}
 
 
 def no_low_precision_kernel(name: str) -> str | None:
@@ -149,13 +160,14 @@ def no_low_precision_kernel(name: str) -> str | None:
 
     The rule does not depend on the device the graph is rewritten on: an op listed here fails (or, for the
     solvers that accept low precision on one device, loses most digits) in fp16 / bf16 on a device tctune
-    targets. Ops missing from the lists are assumed to have low-precision kernels.
+    targets. Ops missing from the lists (``_FFT_PREFIXES``, ``_FFT_OPS``, ``_SOLVER_OPS``, ``_OTHER_OPS``) are
+    assumed to have low-precision kernels.
     """
     if name.startswith(_FFT_PREFIXES) or name in _FFT_OPS:
         return _FFT_REASON
     if name in _SOLVER_OPS:
         return _SOLVER_REASON
-    return None
+    return _OTHER_OPS.get(name)
 
 
 def cast_precision(gm: fx.GraphModule, spec: PassSpec) -> PassResult:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from passes import PassSpec, cast_precision
-from passes.cast_precision import _FFT_OPS, _SOLVER_OPS, no_low_precision_kernel
+from passes.cast_precision import _FFT_OPS, _OTHER_OPS, _SOLVER_OPS, no_low_precision_kernel
 from passes.policy import PURE_KEEP_LIST
 from tctune.capture import capture
 from zoo import TOLERANCES
@@ -109,10 +109,39 @@ def test_graph_without_such_ops_has_no_entries():
 
 
 def test_rule_names_real_aten_ops_and_leaves_others():
-    for name in sorted(_SOLVER_OPS | _FFT_OPS):
+    for name in sorted(_SOLVER_OPS | _FFT_OPS | set(_OTHER_OPS)):
         assert hasattr(torch.ops.aten, name), f"{name} is not an ATen op: a typo in the list"
     for name in ("fft_fftn", "fft_rfft", "fft_irfft2", "_fft_r2c", "_fft_c2c", "_fft_c2r", "stft"):
         assert "FFT" in no_low_precision_kernel(name)
     assert "solver" in no_low_precision_kernel("linalg_inv_ex")
+    assert "distance" in no_low_precision_kernel("_cdist_forward")
     for name in ("linear", "cumsum", "linalg_vector_norm", "matmul", "softmax", "roll"):
         assert no_low_precision_kernel(name) is None
+
+
+class DistanceLike(nn.Module):
+    """Pairwise distances between projected points (a prototype / retrieval head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, x, protos):
+        return self.out(torch.cdist(self.proj(x), protos))
+
+
+def test_cdist_stays_fp32_and_matches_eager():
+    torch.manual_seed(0)
+    model = DistanceLike().eval()
+    gm = capture(model, (torch.randn(2, 6, 8), torch.randn(2, 5, 8)))
+
+    result = cast_precision(gm, _spec("bf16", "pure"))
+
+    (reason,) = result.notes["no_low_precision_kernel"].values()
+    assert reason.startswith("pairwise distance")
+    torch.manual_seed(13)
+    x, protos = torch.randn(3, 6, 8), torch.randn(3, 5, 8)
+    with torch.no_grad():
+        got, ref = gm(x, protos), model(x, protos)
+    assert _rel(got, ref) <= TOLERANCES["bf16"]["rel_l2"]
