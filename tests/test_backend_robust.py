@@ -142,3 +142,55 @@ def test_frozen_batchnorm_is_folded_through_the_backend(precision):
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
     else:
         assert _rel(got, ref) <= TOLERANCES["bf16"]["rel_l2"]
+
+
+# ------------------------------------------------------------------------------------------------ zoo sweep
+
+
+def _bench_zoo():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "zoo.py"
+    name = "tctune_bench_zoo"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+#: Architectures of the Hugging Face suite that differ in what the passes meet: FFT mixing (FNet), einsum
+#: relative attention (XLNet), disentangled attention (DeBERTa-v2), convolutions (ConvBERT, Whisper), logit
+#: soft-capping (Gemma 2), a mixture of experts (gpt-oss), T5's relative buckets and RMSNorm.
+SWEEP = ("GoogleFnet", "XLNetLMHeadModel", "DebertaV2ForMaskedLM", "YituTechConvBert", "openai/whisper-tiny",
+         "google/gemma-2-2b", "openai/gpt-oss-20b", "T5Small")
+
+
+@pytest.mark.slow  # about 10 s a model on two shared cores
+@pytest.mark.parametrize("name", SWEEP)
+def test_tiny_zoo_models_run_tctunes_graph_without_fallback(name, monkeypatch):
+    """Capture and every pass of the backend's pipeline on the zoo's tiny configs at bf16 ("pure"), no fallback,
+    error consistent with ``model.to(bf16)`` (the zoo's rule) or within the bf16 tolerance where that cannot
+    run. Inductor's code generation is replaced by running the rewritten graph (its C++ compile of each model
+    would take minutes here; test_backend.py covers Inductor compiling tctune's graphs)."""
+    pytest.importorskip("transformers")
+    zoo_bench = _bench_zoo()
+    monkeypatch.setattr(tb, "inductor_compile", lambda gm, example_inputs, config_patches: gm.forward)
+    built = zoo_bench.build(zoo_bench.all_entries()[name], tiny=True)
+    inputs = built.make_inputs(2, "cpu", 3)
+    with torch.no_grad():
+        ref = built.model(*inputs)
+        got = torch.compile(built.model, backend="tctune", options={"precision": "bf16", "policy": "pure"})(*inputs)
+    assert tb.reports and all(not rep.fallback for rep in tb.reports), [rep.fallback for rep in tb.reports]
+    assert sum(r.count for r in _results("cast_precision")) > 0
+    assert got.dtype == ref.dtype and torch.isfinite(got).all()
+    try:
+        with torch.no_grad():
+            low = built.model.to(torch.bfloat16)(*[x.to(torch.bfloat16) if x.is_floating_point() else x
+                                                   for x in inputs])
+        limit = zoo_bench.ACC_FACTOR * _rel(low, ref) + zoo_bench.ACC_ABS
+    except RuntimeError:  # model.to(bf16) cannot run (FNet's FFT has no bf16 kernel)
+        limit = TOLERANCES["bf16"]["rel_l2"]
+    assert _rel(got, ref) <= limit
