@@ -371,6 +371,41 @@ def _wrapper_class():
     return HFFirstOutput
 
 
+def place(model, device):
+    """Move every tensor ``model`` holds onto ``device``, in place; returns ``model``.
+
+    ``with torch.device(device):`` at construction does not reach every tensor: legacy constructors
+    (``torch.FloatTensor(...)``, which XLNet's attention uses for its ``q``/``k``/``v``/``o``/``r`` weights) always
+    allocate on the CPU, and a plain tensor attribute of a submodule (not a parameter or buffer) is skipped by
+    ``Module.to``. So: ``Module.to(device)`` for parameters and buffers, then every tensor stored directly as a
+    submodule attribute. ``device`` may be ``"meta"`` (no memory: the size estimates).
+    """
+    import torch
+
+    model.to(device)
+    for mod in model.modules():
+        for key, value in list(vars(mod).items()):
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                moved = value.to(device)
+                if moved is not value:
+                    object.__setattr__(mod, key, moved)
+    return model
+
+
+def tensor_devices(model) -> dict[str, str]:
+    """``{qualified name: device}`` of every tensor ``model`` holds: parameters, buffers and plain tensor
+    attributes of its submodules (what :func:`place` moves)."""
+    import torch
+
+    out = {n: str(t.device) for n, t in model.named_parameters(remove_duplicate=False)}
+    out.update({n: str(t.device) for n, t in model.named_buffers(remove_duplicate=False)})
+    for prefix, mod in model.named_modules(remove_duplicate=False):
+        for key, value in vars(mod).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                out[f"{prefix}.{key}" if prefix else key] = str(value.device)
+    return out
+
+
 #: ``--tiny`` sizes, applied to whichever of these attributes a config has.
 TINY: dict[str, Any] = {
     "hidden_size": 64, "d_model": 64, "n_embd": 64,
@@ -436,7 +471,7 @@ def build_hf(name: str, tiny: bool = False, seq: int = 512, device: str = "cpu")
         name: a key of :data:`HF_MODELS`.
         tiny: :func:`tiny_kwargs` sizes and sequence :data:`TINY_SEQ`.
         seq: the sequence-length cap (tokens).
-        device: where the weights are created.
+        device: where every tensor of the model is placed (:func:`place`).
 
     Raises:
         NotBuildable: ``transformers`` missing, or lacks the config/model class.
@@ -464,7 +499,7 @@ def build_hf(name: str, tiny: bool = False, seq: int = 512, device: str = "cpu")
     config = cfg_cls(**kwargs)
     with torch.device(device):
         hf = model_cls(config)
-    hf.eval()
+    place(hf, device).eval()
     cfg = hf.config
     limit = _seq_limit(cfg)
     enc_dec = bool(getattr(cfg, "is_encoder_decoder", False))
@@ -529,7 +564,7 @@ def build(entry: Entry, tiny: bool = False, seq: int = 512, device: str = "cpu")
         except ImportError as exc:
             raise NotBuildable(f"timm is not installed ({exc})") from None
         with torch.device(device):
-            model = timm.create_model(entry.name, pretrained=False)
+            model = place(timm.create_model(entry.name, pretrained=False), device)
         size = tuple(getattr(model, "pretrained_cfg", {}).get("input_size") or (3, 224, 224))
         return _vision(model, size, f"timm {timm.__version__} create_model({entry.name!r}, pretrained=False)")
     if entry.suite == "torchvision":
@@ -538,7 +573,7 @@ def build(entry: Entry, tiny: bool = False, seq: int = 512, device: str = "cpu")
         except ImportError as exc:
             raise NotBuildable(f"torchvision is not installed ({exc})") from None
         with torch.device(device):
-            model = torchvision.models.get_model(entry.name, weights=None)
+            model = place(torchvision.models.get_model(entry.name, weights=None), device)
         return _vision(model, (3, 224, 224), f"torchvision {torchvision.__version__} get_model({entry.name!r})")
     if entry.name == "zoo_test_sleep":
         time.sleep(float(os.environ.get("ZOO_TEST_SLEEP_S", "600")))

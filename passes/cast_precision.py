@@ -64,6 +64,11 @@ of placeholders and ``get_attr`` nodes (``meta`` is not updated by FX, so the pa
   ``full(..., dtype=torch.float32)`` mask) when it is cast down (a ``clamp`` before the cast). Infinities are
   not touched: a deliberate ``-inf`` mask stays ``-inf`` (fp16 and bf16 hold it), except in a value that also
   carries such a constant, whose cast down saturates it too. ``notes["constants_saturated"]`` lists each.
+* Ops with no fp16 / bf16 kernel (:func:`no_low_precision_kernel`: the FFT family, LAPACK-style linear-algebra
+  solvers, pairwise distances, quantiles, complex constructors) run in FP32 whatever the policy or keep-list: their floating inputs are cast up, their FP32 (or
+  complex) outputs are cast down by the low-precision ops that read them. Casting them down made the whole
+  graph fail ("Unsupported dtype BFloat16" from ``fft_fftn`` in Hugging Face's FNet on the H200), so the
+  backend fell back to plain Inductor. The reason is in ``skipped`` and ``notes["no_low_precision_kernel"]``.
 * Integer and bool tensors are never cast; symbolic-size queries, guards and asserts are left alone.
 * Graph outputs are cast back to their original dtypes, so the caller sees eager's dtypes and shapes. With
   ``spec.restore_output_dtypes`` False, an output the original graph returned in FP32 is returned in the dtype
@@ -126,6 +131,58 @@ _VALUE_OPS = frozenset(
 #: ``node.meta`` flag on the casts this pass inserts (never taken for the model's own conversions).
 _OWN_CAST = "tctune_cast"
 
+#: FFT ops: ``fft_*`` as ``torch.export`` keeps them, ``_fft_r2c`` / ``_fft_c2c`` / ``_fft_c2r`` after decomposition.
+_FFT_PREFIXES = ("fft_", "_fft_")
+_FFT_OPS = frozenset({"stft", "istft"})
+_FFT_REASON = ("FFT has no bf16 kernel on any device, and fp16 only on CUDA for power-of-two sizes "
+               "(torch._refs.fft._promote_type_fft accepts float32, float64 and, on CUDA, float16)")
+#: Linear-algebra solvers and factorizations: the LAPACK (CPU), cuSOLVER / MAGMA (CUDA) kernels behind them are
+#: float32 / float64 only. Evidence: on the CPU (torch 2.13) bf16 and fp16 inputs raise for inv ("Low precision
+#: dtypes not supported", the check torch._meta_registrations.checkFloatingOrComplex also makes for inv_ex and
+#: slogdet), svd, qr, eigh, det, solve and lstsq ("not implemented for 'BFloat16'"). The few that accept low
+#: precision somewhere (Cholesky, triangular solve on the CPU) lose most of their digits in it, so every solver
+#: stays FP32.
+_SOLVER_OPS = frozenset(
+    {
+        "linalg_inv", "linalg_inv_ex", "inverse", "linalg_det", "_linalg_det", "det", "linalg_slogdet",
+        "_linalg_slogdet", "slogdet", "logdet", "linalg_svd", "_linalg_svd", "linalg_svdvals", "svd",
+        "linalg_eigh", "_linalg_eigh", "linalg_eigvalsh", "linalg_eig", "linalg_eigvals", "_linalg_eigvals",
+        "linalg_qr", "qr", "geqrf", "orgqr", "ormqr", "linalg_householder_product", "linalg_solve",
+        "linalg_solve_ex", "_linalg_solve_ex", "linalg_lstsq", "linalg_lu", "linalg_lu_factor",
+        "linalg_lu_factor_ex", "linalg_lu_solve", "lu_solve", "linalg_cholesky", "linalg_cholesky_ex", "cholesky",
+        "cholesky_solve", "cholesky_inverse", "linalg_pinv", "pinverse", "linalg_matrix_rank", "linalg_cond",
+        "linalg_ldl_factor", "linalg_ldl_factor_ex", "linalg_ldl_solve", "linalg_solve_triangular",
+        "triangular_solve", "linalg_tensorinv", "linalg_tensorsolve",
+    }
+)
+_SOLVER_REASON = "linear-algebra solver: its LAPACK / cuSOLVER / MAGMA kernels take float32 and float64 only"
+#: Other ops whose kernels take float32 / float64 only, each raising on a bf16 and an fp16 input on the CPU (torch
+#: 2.13): pairwise distances ("cdist" / "pdist" not implemented for 'BFloat16'), quantiles ("input tensor must be
+#: either float or double dtype", a dtype check shared by every device), and complex-number constructors (there
+#: is no complex bf16 dtype, and PyTorch calls complex32 experimental).
+_OTHER_OPS: dict[str, str] = {
+    **dict.fromkeys(("cdist", "_cdist_forward", "pdist", "_pdist_forward"),
+                    "pairwise distance: its kernels take float32 and float64 only"),
+    **dict.fromkeys(("quantile", "nanquantile"), "quantile: its kernels take float32 and float64 only"),
+    **dict.fromkeys(("view_as_complex", "complex", "polar"),
+                    "complex result: there is no complex bf16 dtype (complex32 is experimental)"),
+}
+
+
+def no_low_precision_kernel(name: str) -> str | None:
+    """Why the ATen op ``name`` (an overload packet, e.g. ``"fft_fftn"``) must compute in FP32, or None.
+
+    The rule does not depend on the device the graph is rewritten on: an op listed here fails (or, for the
+    solvers that accept low precision on one device, loses most digits) in fp16 / bf16 on a device tctune
+    targets. Ops missing from the lists (``_FFT_PREFIXES``, ``_FFT_OPS``, ``_SOLVER_OPS``, ``_OTHER_OPS``) are
+    assumed to have low-precision kernels.
+    """
+    if name.startswith(_FFT_PREFIXES) or name in _FFT_OPS:
+        return _FFT_REASON
+    if name in _SOLVER_OPS:
+        return _SOLVER_REASON
+    return _OTHER_OPS.get(name)
+
 
 def cast_precision(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
     """Make ``gm`` compute in ``spec.dtype`` (fp16 or bf16) with keep-list ops in FP32, in place.
@@ -144,13 +201,15 @@ def cast_precision(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
     Returns:
         A ``PassResult`` named ``"cast_precision"``: ``count`` is the number of ops now computing in the low
         dtype (``changed`` their names); ``skipped`` lists the ops kept FP32 with the rule that kept them
-        (``"keep-list: softmax stays FP32"``, ``"explicit FP32: pow reads only values the model cast to
-        FP32"``, ``"residual: ..."``, ``"overflow: ..."``), or one ``"<graph>"`` entry when the precision is
-        not fp16/bf16; ``notes`` has ``dtype``, ``casts_inserted``, ``weights_low`` / ``weights_fp32``
-        (attribute names, every alias of a tied weight included), ``weights_tied`` (``{first name: [every
-        name]}`` for each tied weight stored low as one tensor), ``constants_saturated`` (one line per saturated constant or clamped cast, e.g. ``"masked_fill:
-        -1e+09 -> -6.55e+04 (float16 range)"``) and ``calibration_ignored`` (``{node: reason}`` for infinite
-        or NaN calibration statistics, worded by ``passes.calibrate.ignored_reasons``).
+        (``"keep-list: softmax stays FP32"``, ``"no low-precision kernel: fft_fftn stays FP32 (...)"``,
+        ``"explicit FP32: pow reads only values the model cast to FP32"``, ``"residual: ..."``,
+        ``"overflow: ..."``), or one ``"<graph>"`` entry when the precision is not fp16/bf16; ``notes`` has
+        ``dtype``, ``casts_inserted``, ``weights_low`` / ``weights_fp32`` (attribute names, every alias of a tied
+        weight included), ``weights_tied`` (``{first name: [every name]}`` for each tied weight stored low as
+        one tensor), ``constants_saturated`` (one line per saturated constant or clamped cast, e.g.
+        ``"masked_fill: -1e+09 -> -6.55e+04 (float16 range)"``), ``calibration_ignored`` (``{node: reason}`` for
+        infinite or NaN calibration statistics, worded by ``passes.calibrate.ignored_reasons``) and
+        ``no_low_precision_kernel`` (``{node: reason}`` for the ops :func:`no_low_precision_kernel` kept FP32).
     """
     result = PassResult(name=NAME, graph_module=gm)
     if spec.precision not in ("fp16", "bf16"):
@@ -168,13 +227,15 @@ def cast_precision(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
     rewriter = _Caster(gm, new, big, saturated)
     overflow = _overflow_reasons(nodes, spec)
     tied: dict[str, list[str]] = {}
-    weights_low, weights_fp32 = _cast_weights(gm, nodes, keep, low, new, frozenset(overflow), spec.residual_fp32,
-                                              big, saturated, tied)
+    no_kernel = _no_kernel_reasons(nodes)
+    weights_low, weights_fp32 = _cast_weights(gm, nodes, keep, low, new, frozenset(overflow) | frozenset(no_kernel),
+                                              spec.residual_fp32, big, saturated, tied)
     anchors: set[fx.Node] = set()  # FP32 values from keep-list ops / the residual stream (module docstring)
     explicit32: set[fx.Node] = set()  # FP32 values the model converted to FP32 itself, and ops on them only
 
     for node in nodes:
-        _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors, explicit32, big, saturated)
+        _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors, explicit32, big, saturated,
+               no_kernel)
         out = new.get(node)
         if node.op == "call_function" and _has_fp32(out):
             ins = node.all_input_nodes
@@ -191,13 +252,15 @@ def cast_precision(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         "weights_tied": tied,
         "constants_saturated": saturated,
         "calibration_ignored": _calibration_ignored(nodes),
+        "no_low_precision_kernel": no_kernel,
     }
     if result.count or rewriter.inserted or weights_low or saturated:
         finish(gm)
     return result
 
 
-def _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors, explicit32, big, saturated) -> None:
+def _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors, explicit32, big, saturated,
+           no_kernel) -> None:
     """Type one node (the rules of the module docstring, in order), recording into the shared maps and sets."""
     if node.op in ("placeholder", "get_attr"):
         new.setdefault(node, orig[node])
@@ -242,6 +305,14 @@ def _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors
                 explicit32.add(node)  # an up-cast the model wrote (x.float(), positions.float())
             if _big_scalars(node, low):
                 big.add(node)  # e.g. full(..., finfo(float32).min, dtype=float32): saturated when cast down
+        return
+    if node.name in no_kernel:
+        # No fp16 / bf16 kernel (FFT, solvers): floating inputs back to their original dtype, output as it was.
+        rewriter.map_inputs(node, lambda arg: orig.get(arg))
+        new[node] = orig[node]
+        if _has_fp32(orig[node]):
+            anchors.add(node)
+        result.skipped.append(Skip(node.name, f"no low-precision kernel: {name} stays FP32 ({no_kernel[node.name]})"))
         return
     if name in keep:
         # Keep-list op: floating inputs back to the dtype the original graph had (FP32).
@@ -311,6 +382,17 @@ def _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors
             saturated.extend(_saturate_scalars(node, low))
     elif _has_fp32(new[node]) and _big_scalars(node, low):
         big.add(node)
+
+
+def _no_kernel_reasons(nodes: list[fx.Node]) -> dict[str, str]:
+    """``{node: reason}`` for the ATen ops of ``nodes`` that :func:`no_low_precision_kernel` keeps in FP32."""
+    out: dict[str, str] = {}
+    for node in nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            reason = no_low_precision_kernel(op_name(node))
+            if reason is not None:
+                out[node.name] = reason
+    return out
 
 
 def _is_tensor_val(node: fx.Node) -> bool:

@@ -100,6 +100,31 @@ def test_tiny_hf_models_build_and_run_forward(name):
     assert isinstance(out, torch.Tensor) and out.shape[0] == 3 and torch.isfinite(out).all()
 
 
+def test_every_tensor_of_a_built_model_and_its_inputs_is_on_the_requested_device():
+    # XLNet creates its attention weights with torch.FloatTensor(...), a legacy constructor that allocates on the
+    # CPU even inside `with torch.device(...)`: the H200 run's fp32 eager failed with "mat2 is on cpu".
+    pytest.importorskip("transformers")
+    built = zoo.build(zoo.all_entries()["XLNetLMHeadModel"], tiny=True, device="meta")
+    where = zoo.tensor_devices(built.model)
+    assert any(name.endswith(".q") for name in where)  # the legacy-constructed weights are counted
+    assert set(where.values()) == {"meta"}, {n: d for n, d in where.items() if d != "meta"}
+    assert all(x.device.type == "meta" for x in built.make_inputs(2, "meta", 0))
+
+
+def test_place_moves_parameters_buffers_and_plain_tensor_attributes():
+    class Holder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+            self.register_buffer("buf", torch.ones(3))
+            self.plain = torch.randn(3)  # neither parameter nor buffer: Module.to leaves it behind
+
+    m = torch.nn.Sequential(Holder())
+    assert zoo.tensor_devices(m.to("meta"))["0.plain"] == "cpu"
+    assert set(zoo.tensor_devices(zoo.place(m, "meta")).values()) == {"meta"}
+    assert isinstance(m[0].lin.weight, torch.nn.Parameter)
+
+
 def test_sequence_length_follows_the_position_table():
     pytest.importorskip("transformers")
     every = zoo.all_entries()
