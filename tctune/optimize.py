@@ -332,10 +332,14 @@ def ranked_feasible(study: optuna.Study, objective: str) -> list[optuna.trial.Fr
 def write_best_config(path: Path, tuner: Tuner, trial_attrs, passes: list[dict], study_name: str,
                       params: dict | None = None) -> None:
     """``best_config.json`` of a finished trial (what ``tctune export`` reads); ``params``: the parameters the
-    export built (default: the trial's own)."""
+    export built (default: the trial's own). ``recommended`` says what the trial is: ``{"kind": "baseline" |
+    "tctune", "name": the plain baseline's name or None, "trial": its number}`` (the same as ``report.json``'s
+    ``best.kind`` / ``best.name`` when it is the recommended trial)."""
     params = dict(trial_attrs.params) if params is None else params
     trial = tuner.trial_params(params, trial_attrs.user_attrs.get("fp8_keep"))
+    name = trial_attrs.user_attrs.get("baseline")
     cfg = {"model": tuner.mf.name, "model_path": str(tuner.mf.path), "hardware": tuner.hw.to_dict(),
+           "recommended": {"kind": "baseline" if name else "tctune", "name": name, "trial": trial_attrs.number},
            **trial.to_config(params), "batch_sizes": sorted(tuner.cfg.batch_sizes),
            "throughput": trial_attrs.user_attrs.get("throughput"),
            "max_rel_error": trial_attrs.user_attrs.get("max_rel_error"),

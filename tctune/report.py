@@ -137,7 +137,7 @@ def unstable_timing(*rows: dict | None) -> str | None:
         a, b = (row or {}).get("latency_ms"), (row or {}).get("latency_p50_ms")
         # (a small absolute gap is a synchronized single call's fixed overhead on a tiny GPU workload, not noise)
         if a and b and max(a, b) / min(a, b) > UNSTABLE_RATIO and abs(a - b) > 0.05:
-            return (f"trial {row.get('number')}: median of repeats {a:.3g} ms vs single calls {b:.3g} ms "
+            return (f"trial {row.get('number', row.get('trial'))}: median of repeats {a:.3g} ms vs single calls {b:.3g} ms "
                     f"({max(a, b) / min(a, b):.1f}x apart)")
     return None
 
@@ -156,12 +156,13 @@ def build_report(study: optuna.Study, *, hardware: dict, measured_on: str, confi
     current_sbs = sbs if sbs and sbs.get("run_id") == study.user_attrs.get("run_id") else None
     if bt is not None:
         best = dict(next(r for r in trials if r["number"] == bt.number))
+        best = {"trial": best.pop("number"), **best}  # like every other trial reference in the report
         from .search import confirmed_throughputs
         best["confirmed_throughput"] = confirmed_throughputs(study).get(bt.number)
         for k in ("chosen_throughput", "chosen_on", "timing", "run_id", "baseline_wins", "best_baseline",
                   "best_baseline_any_batch", "speedup_vs_best_baseline", "speedup_vs_fp32_eager",
                   "speedup_vs_best_baseline_any_batch", "speedup_ci95", "speedup_p_value", "speedup_rounds",
-                  "best_searched"):
+                  "best_searched", "kind", "name", "verdict"):
             best[k] = head[k]
         best["speedup_note"] = head["note"]
         best["speedup_vs_baseline"] = head["speedup_vs_fp32_eager"]  # the FP32 eager one (older key)
@@ -338,12 +339,16 @@ def render_markdown(r: dict) -> str:
                      f"{_fmt(p['batch_size'] / chosen * 1e3 if chosen else b['latency_ms'])} ms per batch"
                      " (from the same timing), relative error " f"{_rel_error(b)}.")
         lines.append(f"- Accuracy: {gate_line(b, r['config'])}.")
-        if b.get("baseline_wins"):
+        why = (b.get("verdict") or {}).get("reason")
+        if b.get("kind") == "baseline" or b.get("baseline_wins"):
             srch = b.get("best_searched")
-            lines.append(f"- **A plain baseline wins**: {b['baseline']} was the fastest feasible configuration"
+            lines.append(f"- **A plain baseline wins**: {why or b['baseline'] + ' was the fastest feasible configuration'}"
                          + (f" (the fastest searched candidate, trial {srch['trial']}, {srch.get('description') or ''}, "
                             f"ran {_fmt(srch['throughput'])} items/s in the same timing)" if srch else "")
-                         + ". **Use it**: nothing tctune searched beat it on this machine.")
+                         + ". **Use it**: nothing tctune searched beat it on this machine"
+                         + (" by the rule: " + b["verdict"]["rule"] if (b.get("verdict") or {}).get("rule") else "") + ".")
+        elif why:
+            lines.append(f"- **tctune wins**: {why}.")
         acc = accuracy_summary(b)
         if acc:
             lines.append(f"- Outputs against FP32: {acc}.")
@@ -372,10 +377,10 @@ def render_markdown(r: dict) -> str:
         if b.get("speedup_note"):
             lines.append(f"- {b['speedup_note']}.")
         conf = (r.get("confirmation") or {}).get("runs") or {}
-        if str(b.get("number")) in conf:
+        if str(b.get("trial")) in conf:
             def _timings(v):
                 return " → ".join(_fmt(x) if x else "failed" for x in v)
-            lines.append(f"- Chosen by re-measuring (trial {b['number']}: mean {_fmt(b.get('confirmed_throughput'))} "
+            lines.append(f"- Chosen by re-measuring (trial {b['trial']}: mean {_fmt(b.get('confirmed_throughput'))} "
                          f"items/s; first timing {_fmt(b['throughput'])} items/s): the candidates within "
                          f"{r['confirmation']['band']:.0%} of the fastest were built and timed again after the search, "
                          "and the best mean of all their timings wins: "
@@ -385,9 +390,9 @@ def render_markdown(r: dict) -> str:
             lines.append("- Nothing beat plain FP32 eager here: **keep FP32**.")
         base_row = base_trial(r)
         noise = measurement_noise(b, base_row)
-        if ((base_row or {}).get("number") != b.get("number") and noise is not None  # not when best = baseline
+        if ((base_row or {}).get("number") != b.get("trial") and noise is not None  # not when best = baseline
                 and b.get("speedup_vs_baseline") and abs(b["speedup_vs_baseline"] - 1) <= noise):
-            lines.append(f"- **Within measurement noise**: the repeats of the best (trial {b.get('number')}) and of its FP32 "
+            lines.append(f"- **Within measurement noise**: the repeats of the best (trial {b.get('trial')}) and of its FP32 "
                          f"eager baseline (trial {(base_row or {}).get('number')}) spread by up to {noise:.0%}, more than the "
                          "difference between them. Measure on a quiet machine (or more repeats) before relying on "
                          "this speedup.")

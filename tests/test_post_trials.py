@@ -71,7 +71,7 @@ def test_failures_after_the_trials_are_recorded_and_the_report_is_written(model,
     assert report["artifacts"]["onnx_error"].startswith("not exported: RuntimeError: Cannot call numel()")
     # the next-best trials were tried and failed the same way: recorded, the report names the best trial
     fb = report["artifacts"]["export_fallback"]
-    assert fb["best_trial"] == report["best"]["number"] and fb["exported_trial"] is None and fb["tried"]
+    assert fb["best_trial"] == report["best"]["trial"] and fb["exported_trial"] is None and fb["tried"]
     assert all(f"export (fallback trial {n})" in stages for n in fb["tried"])
     md = (out / "report.md").read_text()
     assert "## Errors after the trials" in md and "re-measure exploded" in md and "could not be exported" in md
@@ -95,7 +95,7 @@ def test_best_that_cannot_be_exported_gets_the_next_best_exportable_beside_it(mo
     a = report["artifacts"]
     fb = a["export_fallback"]
     assert a["onnx"] is None and "Guard failed" in a["onnx_error"] and a["exported_trial"] is None
-    assert fb["best_trial"] == report["best"]["number"] and "Guard failed" in fb["best_error"]
+    assert fb["best_trial"] == report["best"]["trial"] and "Guard failed" in fb["best_error"]
     assert fb["exported_trial"] is not None and fb["exported_trial"] != fb["best_trial"]
     by_number = {t["number"]: t for t in report["trials"]}
     assert by_number[fb["exported_trial"]]["state"] == "COMPLETE" and fb["params"] == by_number[fb["exported_trial"]]["params"]
@@ -121,7 +121,7 @@ def test_deploy_facts_reach_report_manifest_and_markdown(model, tmp_path):
     report = json.loads((out / "report.json").read_text())
     a = report["artifacts"]
     assert isinstance(a["deploy"], dict) and a["deploy_reason"]
-    assert a["exported_trial"] == report["best"]["number"] and "export_fallback" not in a
+    assert a["exported_trial"] == report["best"]["trial"] and "export_fallback" not in a
     assert a["deploy"].get("tensorrt") == "model.onnx"
     assert any(k.startswith("onnxruntime") for k in a["deploy"])
     manifest = json.loads((out / "model.onnx.manifest.json").read_text())

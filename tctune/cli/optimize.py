@@ -130,8 +130,10 @@ def _summary(report: dict, out: Path) -> str:
             lines.append(f"      {gate_line(b, report.get('config', {}))}")
         if report.get("config", {}).get("objective") == "latency" and b.get("latency_p99_ms") is not None:
             lines.append(f"      p99 latency {b['latency_p99_ms']:.4g} ms per batch (the objective)")
-        if b.get("baseline_wins"):
-            lines.append(f"      a plain baseline wins: use {b['baseline']} (nothing tctune searched beat it here)")
+        why = (b.get("verdict") or {}).get("reason")
+        if b.get("kind") == "baseline" or b.get("baseline_wins"):
+            lines.append(f"      a plain baseline wins ({b['baseline']}): "
+                         + (why or f"use {b['baseline']} (nothing tctune searched beat it here)"))
         bb = b.get("best_baseline")
         if bb and b.get("speedup_vs_best_baseline") is not None and not b.get("baseline_wins"):
             ci = b.get("speedup_ci95")

@@ -109,6 +109,19 @@ def compile_baseline(fastest: Baseline) -> Baseline:
     return Baseline(f"compile_{fastest.name}", dict(fastest.params, runtime="inductor"), fastest.model_cast)
 
 
+_LABELS = {"fp32_eager": "FP32 eager", "autocast_fp16": "autocast fp16 eager", "autocast_bf16": "autocast bf16 eager",
+           "cast_fp16": "model.half() eager", "cast_bf16": "model.to(torch.bfloat16) eager"}
+
+
+def baseline_label(name: str) -> str:
+    """What a user calls baseline ``name``: ``"model.half() eager"`` for ``cast_fp16``, ``"torch.compile(autocast
+    bf16)"`` for ``compile_autocast_bf16``; an unknown name is returned as is."""
+    if name.startswith("compile_"):
+        inner = _LABELS.get(name[len("compile_"):], name[len("compile_"):])
+        return f"torch.compile({inner.removesuffix(' eager')})"
+    return _LABELS.get(name, name)
+
+
 def candidate_params(params: dict, user_attrs: dict) -> dict:
     """The parameters that identify a trial's candidate: its searched ``params`` plus ``model_cast: True`` for
     the model cast as a whole (whose searched parameters equal its autocast twin's)."""
@@ -222,5 +235,5 @@ class ClockMonitor:
                 "sm_clock_max_mhz": self.max_clock, "throttle_reasons": sorted(self.reasons)}
 
 
-__all__ = ["BOOTSTRAP_SAMPLES", "Baseline", "CastModel", "ClockMonitor", "SIDE_BY_SIDE_BLOCK_S",
+__all__ = ["BOOTSTRAP_SAMPLES", "Baseline", "baseline_label", "CastModel", "ClockMonitor", "SIDE_BY_SIDE_BLOCK_S",
            "SIDE_BY_SIDE_ROUNDS", "candidate_params", "compile_baseline", "interleaved_speedup", "plain_baselines"]
