@@ -475,17 +475,23 @@ def render_markdown(r: dict) -> str:
                      f"{p.get('runtime', 'eager')} | {p.get('batch_size', '–')} | {_fmt(t['throughput'])} | {_fmt(t['latency_ms'])} | "
                      f"{_fmt(t['peak_memory_mib'], '.0f')} | {_rel_error(t)} | {_mismatch(t)} | {_top1(t)} | {_score(t)} | "
                      f"{_fmt(t['setup_s'], '.1f')} | {t['fail_reason'] or ''} |")
-    if r["study"].get("n_queued_not_run"):
+    if r.get("interrupted"):  # said once, here: the queued trials and the missing export are its consequences
+        lines += ["", "**The run was interrupted** (Ctrl-C or a signal): finished trials are kept, "
+                      + (f"{r['study']['n_queued_not_run']} queued candidate(s) were not started, "
+                         if r["study"].get("n_queued_not_run") else "")
+                      + "nothing was exported; running the same command again resumes."]
+    elif r["study"].get("n_queued_not_run"):
         lines += ["", f"{r['study']['n_queued_not_run']} queued candidate(s) were not started (--trials or --timeout "
                       "reached); running the command again measures them."]
-    if r.get("interrupted"):
-        lines += ["", "**The run was interrupted**: finished trials are kept; running the same command again resumes."]
     a = r["artifacts"]
     lines += ["", "## Artifacts", ""]
     if a.get("onnx"):
         lines.append(f"- ONNX: `{a['onnx']}` (max abs error in onnxruntime vs PyTorch: {_fmt(a.get('onnx_max_abs_error'), '.2e')})")
-    if a.get("onnx_error"):
-        lines.append(f"- ONNX note: {a['onnx_error']}")
+    fb = a.get("export_fallback")
+    stopped = r.get("interrupted")  # the artifacts' "interrupted" notes repeat the line above
+    if (a.get("onnx_error") and not stopped
+            and not (fb and fb.get("best_error") and fb["best_error"] in a["onnx_error"])):
+        lines.append(f"- ONNX note: {a['onnx_error']}")  # (the fallback line below says it otherwise)
     if a.get("onnx_note"):
         lines.append(f"- ONNX note: {a['onnx_note']}")
     if a.get("onnx_fp32"):
@@ -501,11 +507,13 @@ def render_markdown(r: dict) -> str:
                          f"({fb.get('best_error')}); trial {fb['exported_trial']}, the next best that exports "
                          f"({_fmt(fb.get('throughput'))} items/s), was exported to `{fb.get('dir')}`")
         else:
+            others = list(dict.fromkeys(fb.get("errors") or []))
             lines.append(f"- **The best configuration (trial {fb['best_trial']}) could not be exported** "
-                         f"({fb.get('best_error')}), nor trials {', '.join(map(str, fb.get('tried') or [])) or '-'}")
+                         f"({fb.get('best_error')}), nor trials {', '.join(map(str, fb.get('tried') or [])) or '-'}"
+                         + ("" if not others or others == [fb.get("best_error")] else f" ({'; '.join(others)})"))
     if a.get("tensorrt"):
         lines.append(f"- TensorRT engine: `{a['tensorrt']}`")
-    elif a.get("tensorrt_skipped_reason"):
+    elif a.get("tensorrt_skipped_reason") and not stopped:
         lines.append(f"- TensorRT: skipped: {a['tensorrt_skipped_reason']}")
     for k in ("best_config", "study_db"):
         if a.get(k):
@@ -513,8 +521,12 @@ def render_markdown(r: dict) -> str:
     if r.get("post_errors"):
         lines += ["", "## Errors after the trials", "",
                   "These stages failed; the trials above are kept and this report is complete otherwise.", ""]
-        for e in r["post_errors"]:
-            lines.append(f"- {e['stage']}: {e['error']}" + (f" (full text: `{e['log']}`)" if e.get("log") else ""))
+        groups: dict[str, list[dict]] = {}
+        for e in r["post_errors"]:  # one line per distinct error, naming every stage that raised it
+            groups.setdefault(e["error"], []).append(e)
+        for error, es in groups.items():
+            lines.append(f"- {', '.join(e['stage'] for e in es)}: {error}"
+                         + (f" (full text: `{es[0]['log']}`)" if es[0].get("log") else ""))
     return "\n".join(lines) + "\n"
 
 

@@ -131,3 +131,35 @@ def test_baseline_labels():
     assert baseline_label("cast_bf16") == "model.to(torch.bfloat16) eager"
     assert baseline_label("compile_autocast_bf16") == "torch.compile(autocast bf16)"
     assert baseline_label("fp32_eager") == "FP32 eager" and baseline_label("something") == "something"
+
+
+@pytest.mark.parametrize("order", [("cast_fp16", "autocast_fp16", "compile_cast_fp16"),
+                                   ("compile_cast_fp16", "cast_fp16", "autocast_fp16")])
+def test_equally_fast_baselines_resolve_to_the_simpler_one_whatever_their_trial_order(order):
+    """Exact ties: autocast before the model cast before torch.compile (BASELINE_PREFERENCE), not trial order."""
+    study = optuna.create_study(direction="maximize")
+    p = {"batch_size": 16, "precision": "fp16", "graph_passes": False, "runtime": "eager"}
+    numbers = {}
+    for name in order:
+        numbers[name] = _add(study, dict(p, runtime="inductor" if name.startswith("compile") else "eager"), 500.0,
+                             baseline=name, **({"model_cast": True} if "cast_" in name else {}))
+    cand = _add(study, dict(p, graph_passes=True), 500.0)
+    assert verdict(study)["trial"].number == numbers["autocast_fp16"]  # first timings tie too
+    study.set_user_attr("run_id", "r")
+    study.set_user_attr("side_by_side", {"run_id": "r", "after_trial": cand, "entries": [
+        {"trial": n, "baseline": None, "batch_size": 16, "throughput": 500.0, "rounds_ms": [32.0] * 5}
+        for n in [*numbers.values(), cand]]})
+    v = verdict(study)
+    assert v["kind"] == "baseline" and v["trial"].number == numbers["autocast_fp16"]
+    h = headline(study)
+    assert h["speedup_vs_best_baseline"] == 1.0 and h["best_baseline_any_batch"]["name"] == "autocast_fp16"
+
+
+def test_preference_order():
+    from tctune.search.baselines import preference
+
+    names = ["compile_autocast_bf16", None, "cast_bf16", "autocast_bf16", "fp32_eager"]
+    ranked = sorted(names, key=lambda n: preference(100.0, n, 8, 0))
+    assert ranked == ["fp32_eager", "autocast_bf16", "cast_bf16", "compile_autocast_bf16", None]
+    assert preference(101.0, None, 8, 0) < preference(100.0, "fp32_eager", 8, 0)  # faster first
+    assert preference(100.0, "fp32_eager", 8, 5) < preference(100.0, "fp32_eager", 32, 1)  # then the smaller batch

@@ -154,7 +154,9 @@ def _summary(report: dict, out: Path) -> str:
 
         lines.append(f"no configuration qualified: {failure_summary(report.get('trials', []))}")
     a = report.get("artifacts", {})
-    if a.get("tensorrt_skipped_reason"):
+    if report.get("interrupted"):
+        lines.append("interrupted: finished trials are kept, nothing was exported; run the same command again to resume")
+    elif a.get("tensorrt_skipped_reason"):
         lines.append(f"TensorRT: {a['tensorrt_skipped_reason']}")
     lines.append(f"report: {out / 'report.md'}  ({report['study']['n_complete']} of {report['study']['n_trials']} trials complete in the study)")
     return "\n".join(lines)

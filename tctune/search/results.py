@@ -152,7 +152,8 @@ def verdict(study: optuna.Study) -> dict | None:
 
     Throughput and Pareto studies with a side-by-side timing taken after the fastest feasible trial was measured
     (:meth:`tctune.search.loop.Tuner.side_by_side`): the feasible entries timed there are taken fastest median
-    first; the first plain baseline reached is the answer, and a searched candidate reached before it wins only
+    first (ties: :func:`tctune.search.baselines.preference`, a plain baseline before a searched candidate, FP32
+    eager < autocast < model cast < torch.compile); the first plain baseline reached is the answer, and a searched candidate reached before it wins only
     when :data:`VERDICT_RULE` holds against the fastest feasible baseline timed at its batch size (per-round ms,
     :func:`tctune.search.baselines.interleaved_speedup`; where no feasible baseline was timed at its batch size,
     against the fastest timed at any, per item). Without such a timing: the best re-measured mean
@@ -182,24 +183,24 @@ def verdict(study: optuna.Study) -> dict | None:
         return result(t, "latency: the lowest p99 latency among the feasible trials, plain baselines included",
                       f"lowest p99 latency: {_label(t.user_attrs.get('baseline')) if t.user_attrs.get('baseline') else 'tctune'}"
                       f" at batch {t.params['batch_size']}")
-    fastest = max(ok, key=lambda t: t.user_attrs["throughput"])
+    fastest = min(ok, key=lambda t: _pref(t, t.user_attrs["throughput"]))
     sbs = study.user_attrs.get("side_by_side") or {}
     rows = {e["trial"]: e for e in sbs.get("entries") or [] if e.get("throughput") and e.get("rounds_ms")}
-    timed = sorted((t for t in ok if t.number in rows), key=lambda t: -rows[t.number]["throughput"])
+    timed = sorted((t for t in ok if t.number in rows), key=lambda t: _pref(t, rows[t.number]["throughput"]))
     if timed and fastest.number <= sbs.get("after_trial", -1):
         return _side_by_side_verdict(timed, rows, result)
     conf = confirmed_throughputs(study)
     chosen = {t.number: conf.get(t.number, t.user_attrs["throughput"]) for t in ok}
     if conf and fastest.number <= study.user_attrs["confirmation"]["after_trial"] and any(t.number in conf for t in ok):
-        best = max((t for t in ok if t.number in conf), key=lambda t: conf[t.number])
+        best = min((t for t in ok if t.number in conf), key=lambda t: _pref(t, conf[t.number]))
     else:
         best = fastest
     if best.user_attrs.get("baseline"):
         return result(best, VERDICT_RULE_NO_CI, f"{_label(best.user_attrs['baseline'])} was the fastest: use it")
     bs = best.params["batch_size"]
-    same = max((t for t in ok if t.user_attrs.get("baseline") and t.params["batch_size"] == bs
+    same = min((t for t in ok if t.user_attrs.get("baseline") and t.params["batch_size"] == bs
                 and t.user_attrs.get("run_id") == best.user_attrs.get("run_id")),
-               key=lambda t: chosen[t.number], default=None)
+               key=lambda t: _pref(t, chosen[t.number]), default=None)
     if same is not None and chosen[same.number] >= chosen[best.number]:
         ratio = chosen[best.number] / chosen[same.number]
         return result(same, VERDICT_RULE_NO_CI,
@@ -211,6 +212,13 @@ def verdict(study: optuna.Study) -> dict | None:
                        "ci95": None, "p_value": None, "rounds": None})
     return result(best, VERDICT_RULE_NO_CI, "faster than every plain baseline of the same run at its batch size"
                   if same is not None else "no plain baseline of the same run at its batch size to compare with")
+
+
+def _pref(t: optuna.trial.FrozenTrial, throughput: float) -> tuple:
+    """:func:`tctune.search.baselines.preference` of trial ``t`` at ``throughput``: best first, ties deterministic."""
+    from .baselines import preference
+
+    return preference(throughput, t.user_attrs.get("baseline"), t.params["batch_size"], t.number)
 
 
 def _side_by_side_verdict(timed: list, rows: dict, result) -> dict:
@@ -346,10 +354,10 @@ def _headline_numbers(study: optuna.Study, best: optuna.trial.FrozenTrial) -> di
         thr = {n: rows[n]["throughput"] for n in rows}
         out["chosen_throughput"], out["chosen_on"], out["timing"] = thr[best.number], "side-by-side median", "side by side, this run"
         timed = [t for t in base if t.number in thr]
-        same = max((t for t in timed if t.params["batch_size"] == bs), key=lambda t: thr[t.number], default=None)
+        same = min((t for t in timed if t.params["batch_size"] == bs), key=lambda t: _pref(t, thr[t.number]), default=None)
         fp32 = next((trials[n] for n in rows if trials[n].user_attrs.get("baseline") == "fp32_eager"
                      and trials[n].params["batch_size"] == bs), None)
-        anyb = max(timed, key=lambda t: thr[t.number], default=None)
+        anyb = min(timed, key=lambda t: _pref(t, thr[t.number]), default=None)
         for key, t in (("best_baseline", same), ("fp32_eager", fp32), ("best_baseline_any_batch", anyb)):
             out[key] = ref(t, thr[t.number] if t else None)
             out[f"speedup_vs_{key}"] = thr[best.number] / thr[t.number] if t else None
@@ -372,10 +380,11 @@ def _headline_numbers(study: optuna.Study, best: optuna.trial.FrozenTrial) -> di
     out["timing"] = "first timings, same run"
     same_run = [t for t in base if t.user_attrs.get("run_id") == best.user_attrs.get("run_id")]
     others = len(base) - len(same_run)
-    same = max((t for t in same_run if t.params["batch_size"] == bs), key=lambda t: t.user_attrs["throughput"], default=None)
+    same = min((t for t in same_run if t.params["batch_size"] == bs), key=lambda t: _pref(t, t.user_attrs["throughput"]),
+               default=None)
     fp32 = max((t for t in same_run if t.params["batch_size"] == bs and t.user_attrs["baseline"] == "fp32_eager"),
                key=lambda t: t.user_attrs["throughput"], default=None)
-    anyb = max(same_run, key=lambda t: t.user_attrs["throughput"], default=None)
+    anyb = min(same_run, key=lambda t: _pref(t, t.user_attrs["throughput"]), default=None)
     for key, t in (("best_baseline", same), ("fp32_eager", fp32), ("best_baseline_any_batch", anyb)):
         out[key] = ref(t, t.user_attrs["throughput"] if t else None)
         out[f"speedup_vs_{key}"] = first / t.user_attrs["throughput"] if t else None
