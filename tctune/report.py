@@ -340,15 +340,19 @@ def render_markdown(r: dict) -> str:
                      " (from the same timing), relative error " f"{_rel_error(b)}.")
         lines.append(f"- Accuracy: {gate_line(b, r['config'])}.")
         why = (b.get("verdict") or {}).get("reason")
+        rule = (b.get("verdict") or {}).get("rule")
         if b.get("kind") == "baseline" or b.get("baseline_wins"):
             srch = b.get("best_searched")
-            lines.append(f"- **A plain baseline wins**: {why or b['baseline'] + ' was the fastest feasible configuration'}"
-                         + (f" (the fastest searched candidate, trial {srch['trial']}, {srch.get('description') or ''}, "
-                            f"ran {_fmt(srch['throughput'])} items/s in the same timing)" if srch else "")
-                         + ". **Use it**: nothing tctune searched beat it on this machine"
-                         + (" by the rule: " + b["verdict"]["rule"] if (b.get("verdict") or {}).get("rule") else "") + ".")
+            lines.append(f"- **A plain baseline wins. Use it**: "
+                         + (why or f"{b['baseline']} was the fastest feasible configuration; nothing tctune searched "
+                                   "beat it on this machine") + ".")
+            if srch:
+                lines.append(f"- The fastest tctune candidate: trial {srch['trial']} ({srch.get('description') or ''}), "
+                             f"{_fmt(srch['throughput'])} items/s in the same timing.")
         elif why:
             lines.append(f"- **tctune wins**: {why}.")
+        if rule:
+            lines.append(f"- The rule: {rule}.")
         acc = accuracy_summary(b)
         if acc:
             lines.append(f"- Outputs against FP32: {acc}.")
@@ -359,7 +363,9 @@ def render_markdown(r: dict) -> str:
         if bb and b.get("speedup_vs_best_baseline") is not None:
             ci, pv = b.get("speedup_ci95"), b.get("speedup_p_value")
             stats = ""
-            if ci:
+            if b.get("kind") == "baseline" and bb.get("trial") == b.get("trial"):
+                stats = " (the answer is this baseline: 1.0 by definition)"
+            elif ci:
                 stats = (f" (95% CI {ci[0]:.2f}–{ci[1]:.2f}× over {b.get('speedup_rounds')} interleaved rounds"
                          + (f", sign-test p = {pv:.2g}" if pv is not None else "") + ")")
             lines.append(f"- Against the fastest plain baseline at the same batch ({bb['name']}, trial {bb['trial']}, "
