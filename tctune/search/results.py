@@ -153,17 +153,18 @@ def verdict(study: optuna.Study) -> dict | None:
     Throughput and Pareto studies with a side-by-side timing taken after the fastest feasible trial was measured
     (:meth:`tctune.search.loop.Tuner.side_by_side`): the feasible entries timed there are taken fastest median
     first (ties: :func:`tctune.search.baselines.preference`, a plain baseline before a searched candidate, FP32
-    eager < autocast < model cast < torch.compile); the first plain baseline reached is the answer, and a searched candidate reached before it wins only
-    when :data:`VERDICT_RULE` holds against the fastest feasible baseline timed at its batch size (per-round ms,
-    :func:`tctune.search.baselines.interleaved_speedup`; where no feasible baseline was timed at its batch size,
-    against the fastest timed at any, per item). Without such a timing: the best re-measured mean
+    eager < autocast < model cast < torch.compile); the first plain baseline reached is the answer, and a
+    searched candidate reached before it wins only when :data:`VERDICT_RULE` holds against the fastest feasible
+    baseline timed at its batch size (per-round ms, :func:`tctune.search.baselines.interleaved_speedup`; where no
+    feasible baseline was timed at its batch size, against the fastest timed at any, per item). Without such a timing: the best re-measured mean
     (:meth:`~tctune.search.loop.Tuner.confirm`), else the highest first timing, with :data:`VERDICT_RULE_NO_CI`.
     Latency studies: the lowest p99 latency (every baseline is a candidate of the same objective; no speedup test).
 
     Returns:
         None when no trial is feasible; else ``{"trial": FrozenTrial, "kind": "tctune" | "baseline", "name":
-        the baseline's name (e.g. ``cast_fp16``), else the candidate's description, "rule": the rule applied, "reason": one line saying why (e.g. "no tctune
-        candidate beat model.half() eager at batch 64 (1.01×, 95 % CI 0.98–1.04): use it"), "challenger":
+        the baseline's name (e.g. ``cast_fp16``), else the candidate's description, "rule": the rule applied,
+        "reason": one line saying why (e.g. "no tctune candidate beat model.half() eager at batch 64 (1.01×,
+        95 % CI 0.98–1.04): use it"), "challenger":
         the fastest searched candidate the rule turned down, ``{"trial", "batch_size", "description",
         "against", "against_name", "against_batch_size", "speedup", "ci95", "p_value", "rounds"}`` (for a tctune
         winner: its own comparison), or None}``.
@@ -181,8 +182,8 @@ def verdict(study: optuna.Study) -> dict | None:
     if list(study.directions) == [optuna.study.StudyDirection.MINIMIZE]:
         t = min(ok, key=lambda t: t.values[0])
         return result(t, "latency: the lowest p99 latency among the feasible trials, plain baselines included",
-                      f"lowest p99 latency: {_label(t.user_attrs.get('baseline')) if t.user_attrs.get('baseline') else 'tctune'}"
-                      f" at batch {t.params['batch_size']}")
+                      f"the lowest p99 latency: {_label(t.user_attrs.get('baseline') or 'tctune')} at batch "
+                      f"{t.params['batch_size']}")
     fastest = min(ok, key=lambda t: _pref(t, t.user_attrs["throughput"]))
     sbs = study.user_attrs.get("side_by_side") or {}
     rows = {e["trial"]: e for e in sbs.get("entries") or [] if e.get("throughput") and e.get("rounds_ms")}
