@@ -135,7 +135,7 @@ def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
 VERDICT_RULE = ("a tctune candidate wins only when its side-by-side median is faster than the fastest feasible plain "
                 "baseline at the same batch size and the bootstrap 95 % confidence interval of that speedup lies "
                 "above 1.0; otherwise the fastest plain baseline is the answer")
-VERDICT_RULE_NO_CI = ("no side-by-side timing (training, or an interrupted run): a tctune candidate wins only when "
+VERDICT_RULE_NO_CI = ("no side-by-side timing (training, or a run stopped before it): a tctune candidate wins only when "
                       "its throughput is above that of every plain baseline measured in the same run at its batch "
                       "size (a point estimate, no confidence interval); otherwise that baseline is the answer")
 
@@ -198,7 +198,7 @@ def verdict(study: optuna.Study) -> dict | None:
         best = fastest
     if best.user_attrs.get("baseline"):
         return result(best, VERDICT_RULE_NO_CI, f"{_label(best.user_attrs['baseline'])} was the fastest: use it")
-    bs = best.params["batch_size"]
+    bs = best.params.get("batch_size")
     same = min((t for t in ok if t.user_attrs.get("baseline") and t.params["batch_size"] == bs
                 and t.user_attrs.get("run_id") == best.user_attrs.get("run_id")),
                key=lambda t: _pref(t, chosen[t.number]), default=None)
@@ -219,7 +219,7 @@ def _pref(t: optuna.trial.FrozenTrial, throughput: float) -> tuple:
     """:func:`tctune.search.baselines.preference` of trial ``t`` at ``throughput``: best first, ties deterministic."""
     from .baselines import preference
 
-    return preference(throughput, t.user_attrs.get("baseline"), t.params["batch_size"], t.number)
+    return preference(throughput, t.user_attrs.get("baseline"), t.params.get("batch_size", 0), t.number)
 
 
 def _side_by_side_verdict(timed: list, rows: dict, result) -> dict:
