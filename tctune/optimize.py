@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -159,7 +160,7 @@ def fp32_export_graph(tuner: Tuner, trial) -> torch.nn.Module:
 
 
 def export_best(tuner: Tuner, params: dict, out: Path,
-                fp8_keep: list[str] | None = None) -> tuple[Artifacts, list[dict]]:
+                fp8_keep: list[str] | None = None, warn: bool = True) -> tuple[Artifacts, list[dict]]:
     """Export the best configuration's graph (passes at its precision) to ONNX, and TensorRT if importable.
 
     At precision fp8, ``model.onnx`` is the bf16 graph with each FP8 linear as float8e4m3fn
@@ -178,6 +179,8 @@ def export_best(tuner: Tuner, params: dict, out: Path,
     Args:
         fp8_keep: the FP8 keep-list the best trial was measured with (its ``fp8_keep`` user attribute), so the
             export is that graph even when this process planned none (a resumed study); None: ask the tuner.
+        warn: log an ONNX export failure as a warning (False: at debug level, for a caller that reports it
+            itself, as :func:`export_fallback` does).
 
     Returns:
         ``(artifacts, passes)``: the artifact paths/errors (``Artifacts.to_dict()`` is report.json's
@@ -223,7 +226,7 @@ def export_best(tuner: Tuner, params: dict, out: Path,
         artifacts.update(info)
     except ExportError as exc:
         artifacts.onnx_error = str(exc)
-        log.warning("ONNX export failed: %s", first_line(exc))
+        (log.warning if warn else log.debug)("ONNX export failed: %s", first_line(exc))
     if fp8 is not None:  # the FP8 errors come from an FP32 twin when onnxruntime cannot run model.onnx itself
         ort_ran_model = (artifacts.onnx_fp8 or {}).get("validated_on") == "model"
         if artifacts.onnx and not ort_ran_model and not artifacts.onnx_fp32:
@@ -274,7 +277,8 @@ class PostStages:
 
     Each failure becomes one ``post_errors`` entry ``{"stage", "error", "log"}`` (``error``: the exception's type
     and first line, at most 300 characters; ``log``: the path of :data:`ERROR_LOG` in the output folder, where
-    the full text is appended) and one warning line on the console. A C++ backtrace (torch's ``Exception raised
+    the full text is appended; ``same_as``: the first stage that failed with the same ``error``, when one did)
+    and one warning line on the console (none for a repeat of an earlier stage's error). A C++ backtrace (torch's ``Exception raised
     from ...`` frames) therefore reaches only the log file. KeyboardInterrupt and SystemExit pass through.
     """
 
@@ -292,6 +296,9 @@ class PostStages:
         from datetime import datetime, timezone
 
         entry = {"stage": stage, "error": f"{type(exc).__name__}: {first_line(exc)}", "log": str(self.log_path)}
+        first = next((e for e in self.errors if e["error"] == entry["error"]), None)
+        if first is not None:  # the same text again (e.g. every fallback export): said once on the console
+            entry["same_as"] = first["stage"]
         try:
             with open(self.log_path, "a", encoding="utf-8") as handle:
                 handle.write(f"=== {datetime.now(timezone.utc).isoformat(timespec='seconds')} stage {stage}\n")
@@ -300,7 +307,10 @@ class PostStages:
             entry["log"] = None
             log.debug("cannot write %s: %s", self.log_path, err)
         self.errors.append(entry)
-        log.warning("%s failed: %s (full text in %s)", stage, entry["error"], entry["log"] or "no log: unwritable")
+        if first is not None:
+            log.debug("%s failed: the same error as %s", stage, first["stage"])
+        else:
+            log.warning("%s failed: %s (full text in %s)", stage, entry["error"], entry["log"] or "no log: unwritable")
         return entry
 
     def run(self, stage: str, fn, *args, default=None, **kwargs):
@@ -332,10 +342,14 @@ def ranked_feasible(study: optuna.Study, objective: str) -> list[optuna.trial.Fr
 def write_best_config(path: Path, tuner: Tuner, trial_attrs, passes: list[dict], study_name: str,
                       params: dict | None = None) -> None:
     """``best_config.json`` of a finished trial (what ``tctune export`` reads); ``params``: the parameters the
-    export built (default: the trial's own)."""
+    export built (default: the trial's own). ``recommended`` says what the trial is: ``{"kind": "baseline" |
+    "tctune", "name": the plain baseline's name or None, "trial": its number}`` (the same as ``report.json``'s
+    ``best.kind`` / ``best.name`` when it is the recommended trial)."""
     params = dict(trial_attrs.params) if params is None else params
     trial = tuner.trial_params(params, trial_attrs.user_attrs.get("fp8_keep"))
+    name = trial_attrs.user_attrs.get("baseline")
     cfg = {"model": tuner.mf.name, "model_path": str(tuner.mf.path), "hardware": tuner.hw.to_dict(),
+           "recommended": {"kind": "baseline" if name else "tctune", "name": name, "trial": trial_attrs.number},
            **trial.to_config(params), "batch_sizes": sorted(tuner.cfg.batch_sizes),
            "throughput": trial_attrs.user_attrs.get("throughput"),
            "max_rel_error": trial_attrs.user_attrs.get("max_rel_error"),
@@ -355,17 +369,24 @@ def export_fallback(tuner: Tuner, study: optuna.Study, best, why: str, out: Path
     Returns:
         ``report.json``'s ``artifacts.export_fallback``: ``{"best_trial": int, "best_error": str (why the best
         was not exported), "exported_trial": int or None, "params": dict or None, "throughput": float or None,
-        "dir": str or None, "artifacts": dict or None, "tried": [trial numbers]}``.
+        "dir": str or None, "artifacts": dict or None, "tried": [trial numbers], "errors": [why each tried
+        trial did not export] (only when none did)}``. A trial folder that did not export is removed (when this
+        call created it).
     """
     result = {"best_trial": best.number, "best_error": why, "exported_trial": None, "params": None,
               "throughput": None, "dir": None, "artifacts": None, "tried": []}
+    errors = []
     for t in [t for t in ranked_feasible(study, tuner.cfg.objective) if t.number != best.number][:FALLBACK_TRIES]:
         result["tried"].append(t.number)
         folder = out / f"exportable_trial_{t.number}"
+        created = not folder.exists()
         folder.mkdir(parents=True, exist_ok=True)
         got = stages.run(f"export (fallback trial {t.number})", export_best, tuner, dict(t.params), folder,
-                         fp8_keep=t.user_attrs.get("fp8_keep"))
+                         fp8_keep=t.user_attrs.get("fp8_keep"), warn=False)
         if got is None or not exported(got[0]):
+            errors.append(stages.errors[-1]["error"] if got is None else (got[0].onnx_error or "no ONNX file written"))
+            if created:  # nothing usable in it: no empty or half-written folder is left behind
+                shutil.rmtree(folder, ignore_errors=True)
             continue
         arts, passes = got
         stages.run(f"best_config.json (fallback trial {t.number})", write_best_config, folder / "best_config.json",
@@ -376,8 +397,14 @@ def export_fallback(tuner: Tuner, study: optuna.Study, best, why: str, out: Path
         log.warning("the best configuration (trial %d) could not be exported (%s); exported trial %d, the next best "
                     "that exports, to %s", best.number, why, t.number, folder)
         return result
+    same = all(first_line(Exception(e)) == first_line(Exception(why)) for e in errors)
+    said = any(e["error"] == why for e in stages.errors)  # already on the console as a failed stage
     log.warning("the best configuration (trial %d) could not be exported (%s), and none of the next %d feasible "
-                "trials exported either", best.number, why, len(result["tried"]))
+                "trials exported either%s", best.number, "the error above" if said else first_line(Exception(why)),
+                len(result["tried"]),
+                " (the same error)" if same and errors else (": " + "; ".join(dict.fromkeys(first_line(Exception(e))
+                                                                                     for e in errors)) if errors else ""))
+    result["errors"] = errors
     return result
 
 
@@ -477,7 +504,8 @@ def _optimize(tuner: Tuner, mf, hw: HardwareSpec, cfg: TuneConfig, devices: list
         params = dict(bt.params)
         if bt.user_attrs.get("model_cast") and "policy" in tuner.space():
             params["policy"] = "pure"  # the model cast as a whole won: its graph is the everything-low one
-        got = stages.run("export", export_best, tuner, params, out, fp8_keep=bt.user_attrs.get("fp8_keep"))
+        got = stages.run("export", export_best, tuner, params, out, fp8_keep=bt.user_attrs.get("fp8_keep"),
+                         warn=False)  # a failure is said once, by export_fallback
         if got is None:
             why = stages.errors[-1]["error"]
             artifacts = Artifacts(onnx_error=f"not exported: {why}", tensorrt_skipped_reason="no ONNX to build from")

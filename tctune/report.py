@@ -137,7 +137,7 @@ def unstable_timing(*rows: dict | None) -> str | None:
         a, b = (row or {}).get("latency_ms"), (row or {}).get("latency_p50_ms")
         # (a small absolute gap is a synchronized single call's fixed overhead on a tiny GPU workload, not noise)
         if a and b and max(a, b) / min(a, b) > UNSTABLE_RATIO and abs(a - b) > 0.05:
-            return (f"trial {row.get('number')}: median of repeats {a:.3g} ms vs single calls {b:.3g} ms "
+            return (f"trial {row.get('number', row.get('trial'))}: median of repeats {a:.3g} ms vs single calls {b:.3g} ms "
                     f"({max(a, b) / min(a, b):.1f}x apart)")
     return None
 
@@ -156,12 +156,13 @@ def build_report(study: optuna.Study, *, hardware: dict, measured_on: str, confi
     current_sbs = sbs if sbs and sbs.get("run_id") == study.user_attrs.get("run_id") else None
     if bt is not None:
         best = dict(next(r for r in trials if r["number"] == bt.number))
+        best = {"trial": best.pop("number"), **best}  # like every other trial reference in the report
         from .search import confirmed_throughputs
         best["confirmed_throughput"] = confirmed_throughputs(study).get(bt.number)
         for k in ("chosen_throughput", "chosen_on", "timing", "run_id", "baseline_wins", "best_baseline",
                   "best_baseline_any_batch", "speedup_vs_best_baseline", "speedup_vs_fp32_eager",
                   "speedup_vs_best_baseline_any_batch", "speedup_ci95", "speedup_p_value", "speedup_rounds",
-                  "best_searched"):
+                  "best_searched", "kind", "name", "verdict"):
             best[k] = head[k]
         best["speedup_note"] = head["note"]
         best["speedup_vs_baseline"] = head["speedup_vs_fp32_eager"]  # the FP32 eager one (older key)
@@ -350,12 +351,20 @@ def render_markdown(r: dict) -> str:
                      f"{_fmt(p['batch_size'] / chosen * 1e3 if chosen else b['latency_ms'])} ms per batch"
                      " (from the same timing), relative error " f"{_rel_error(b)}.")
         lines.append(f"- Accuracy: {gate_line(b, r['config'])}.")
-        if b.get("baseline_wins"):
+        why = (b.get("verdict") or {}).get("reason")
+        rule = (b.get("verdict") or {}).get("rule")
+        if b.get("kind") == "baseline" or b.get("baseline_wins"):
             srch = b.get("best_searched")
-            lines.append(f"- **A plain baseline wins**: {b['baseline']} was the fastest feasible configuration"
-                         + (f" (the fastest searched candidate, trial {srch['trial']}, {srch.get('description') or ''}, "
-                            f"ran {_fmt(srch['throughput'])} items/s in the same timing)" if srch else "")
-                         + ". **Use it**: nothing tctune searched beat it on this machine.")
+            lines.append(f"- **A plain baseline wins. Use it**: "
+                         + (why or f"{b['baseline']} was the fastest feasible configuration; nothing tctune searched "
+                                   "beat it on this machine") + ".")
+            if srch:
+                lines.append(f"- The fastest tctune candidate: trial {srch['trial']} ({srch.get('description') or ''}), "
+                             f"{_fmt(srch['throughput'])} items/s in the same timing.")
+        elif why:
+            lines.append(f"- **tctune wins**: {why}.")
+        if rule:
+            lines.append(f"- The rule: {rule}.")
         acc = accuracy_summary(b)
         if acc:
             lines.append(f"- Outputs against FP32: {acc}.")
@@ -366,7 +375,9 @@ def render_markdown(r: dict) -> str:
         if bb and b.get("speedup_vs_best_baseline") is not None:
             ci, pv = b.get("speedup_ci95"), b.get("speedup_p_value")
             stats = ""
-            if ci:
+            if b.get("kind") == "baseline" and bb.get("trial") == b.get("trial"):
+                stats = " (the answer is this baseline: 1.0 by definition)"
+            elif ci:
                 stats = (f" (95% CI {ci[0]:.2f}–{ci[1]:.2f}× over {b.get('speedup_rounds')} interleaved rounds"
                          + (f", sign-test p = {pv:.2g}" if pv is not None else "") + ")")
             lines.append(f"- Against the fastest plain baseline at the same batch ({bb['name']}, trial {bb['trial']}, "
@@ -384,10 +395,10 @@ def render_markdown(r: dict) -> str:
         if b.get("speedup_note"):
             lines.append(f"- {b['speedup_note']}.")
         conf = (r.get("confirmation") or {}).get("runs") or {}
-        if str(b.get("number")) in conf:
+        if str(b.get("trial")) in conf:
             def _timings(v):
                 return " → ".join(_fmt(x) if x else "failed" for x in v)
-            lines.append(f"- Chosen by re-measuring (trial {b['number']}: mean {_fmt(b.get('confirmed_throughput'))} "
+            lines.append(f"- Chosen by re-measuring (trial {b['trial']}: mean {_fmt(b.get('confirmed_throughput'))} "
                          f"items/s; first timing {_fmt(b['throughput'])} items/s): the candidates within "
                          f"{r['confirmation']['band']:.0%} of the fastest were built and timed again after the search, "
                          "and the best mean of all their timings wins: "
@@ -397,9 +408,9 @@ def render_markdown(r: dict) -> str:
             lines.append("- Nothing beat plain FP32 eager here: **keep FP32**.")
         base_row = base_trial(r)
         noise = measurement_noise(b, base_row)
-        if ((base_row or {}).get("number") != b.get("number") and noise is not None  # not when best = baseline
+        if ((base_row or {}).get("number") != b.get("trial") and noise is not None  # not when best = baseline
                 and b.get("speedup_vs_baseline") and abs(b["speedup_vs_baseline"] - 1) <= noise):
-            lines.append(f"- **Within measurement noise**: the repeats of the best (trial {b.get('number')}) and of its FP32 "
+            lines.append(f"- **Within measurement noise**: the repeats of the best (trial {b.get('trial')}) and of its FP32 "
                          f"eager baseline (trial {(base_row or {}).get('number')}) spread by up to {noise:.0%}, more than the "
                          "difference between them. Measure on a quiet machine (or more repeats) before relying on "
                          "this speedup.")
@@ -482,17 +493,23 @@ def render_markdown(r: dict) -> str:
                      f"{p.get('runtime', 'eager')} | {p.get('batch_size', '–')} | {_fmt(t['throughput'])} | {_fmt(t['latency_ms'])} | "
                      f"{_fmt(t['peak_memory_mib'], '.0f')} | {_rel_error(t)} | {_mismatch(t)} | {_top1(t)} | {_score(t)} | "
                      f"{_fmt(t['setup_s'], '.1f')} | {t['fail_reason'] or ''} |")
-    if r["study"].get("n_queued_not_run"):
+    if r.get("interrupted"):  # said once, here: the queued trials and the missing export are its consequences
+        lines += ["", "**The run was interrupted** (Ctrl-C or a signal): finished trials are kept, "
+                      + (f"{r['study']['n_queued_not_run']} queued candidate(s) were not started, "
+                         if r["study"].get("n_queued_not_run") else "")
+                      + "nothing was exported; running the same command again resumes."]
+    elif r["study"].get("n_queued_not_run"):
         lines += ["", f"{r['study']['n_queued_not_run']} queued candidate(s) were not started (--trials or --timeout "
                       "reached); running the command again measures them."]
-    if r.get("interrupted"):
-        lines += ["", "**The run was interrupted**: finished trials are kept; running the same command again resumes."]
     a = r["artifacts"]
     lines += ["", "## Artifacts", ""]
     if a.get("onnx"):
         lines.append(f"- ONNX: `{a['onnx']}` (max abs error in onnxruntime vs PyTorch: {_fmt(a.get('onnx_max_abs_error'), '.2e')})")
-    if a.get("onnx_error"):
-        lines.append(f"- ONNX note: {a['onnx_error']}")
+    fb = a.get("export_fallback")
+    stopped = r.get("interrupted")  # the artifacts' "interrupted" notes repeat the line above
+    if (a.get("onnx_error") and not stopped
+            and not (fb and fb.get("best_error") and fb["best_error"] in a["onnx_error"])):
+        lines.append(f"- ONNX note: {a['onnx_error']}")  # (the fallback line below says it otherwise)
     if a.get("onnx_note"):
         lines.append(f"- ONNX note: {a['onnx_note']}")
     if a.get("onnx_fp32"):
@@ -508,11 +525,13 @@ def render_markdown(r: dict) -> str:
                          f"({fb.get('best_error')}); trial {fb['exported_trial']}, the next best that exports "
                          f"({_fmt(fb.get('throughput'))} items/s), was exported to `{fb.get('dir')}`")
         else:
+            others = list(dict.fromkeys(fb.get("errors") or []))
             lines.append(f"- **The best configuration (trial {fb['best_trial']}) could not be exported** "
-                         f"({fb.get('best_error')}), nor trials {', '.join(map(str, fb.get('tried') or [])) or '-'}")
+                         f"({fb.get('best_error')}), nor trials {', '.join(map(str, fb.get('tried') or [])) or '-'}"
+                         + ("" if not others or others == [fb.get("best_error")] else f" ({'; '.join(others)})"))
     if a.get("tensorrt"):
         lines.append(f"- TensorRT engine: `{a['tensorrt']}`")
-    elif a.get("tensorrt_skipped_reason"):
+    elif a.get("tensorrt_skipped_reason") and not stopped:
         lines.append(f"- TensorRT: skipped: {a['tensorrt_skipped_reason']}")
     for k in ("best_config", "study_db"):
         if a.get(k):
@@ -520,8 +539,12 @@ def render_markdown(r: dict) -> str:
     if r.get("post_errors"):
         lines += ["", "## Errors after the trials", "",
                   "These stages failed; the trials above are kept and this report is complete otherwise.", ""]
-        for e in r["post_errors"]:
-            lines.append(f"- {e['stage']}: {e['error']}" + (f" (full text: `{e['log']}`)" if e.get("log") else ""))
+        groups: dict[str, list[dict]] = {}
+        for e in r["post_errors"]:  # one line per distinct error, naming every stage that raised it
+            groups.setdefault(e["error"], []).append(e)
+        for error, es in groups.items():
+            lines.append(f"- {', '.join(e['stage'] for e in es)}: {error}"
+                         + (f" (full text: `{es[0]['log']}`)" if es[0].get("log") else ""))
     return "\n".join(lines) + "\n"
 
 

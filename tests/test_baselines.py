@@ -110,8 +110,8 @@ def test_side_by_side_entries_structure_and_headline_fields(pruned_run):
     assert sbs["entries"] and all(len(e["rounds_ms"]) == sbs["rounds"] and e["median_ms"] > 0 for e in sbs["entries"])
     best = report["best"]
     by_trial = {e["trial"]: e for e in sbs["entries"]}
-    assert best["number"] in by_trial and best["chosen_on"] == "side-by-side median"
-    assert best["chosen_throughput"] == by_trial[best["number"]]["throughput"]
+    assert best["trial"] in by_trial and best["chosen_on"] == "side-by-side median"
+    assert best["chosen_throughput"] == by_trial[best["trial"]]["throughput"]
     assert best["chosen_throughput"] == max(e["throughput"] for e in sbs["entries"])
     assert best["timing"] == "side by side, this run"
     assert best["speedup_vs_fp32_eager"] == best["speedup_vs_baseline"]
@@ -195,7 +195,7 @@ def test_a_plain_baseline_winning_is_the_best_and_said_so(tmp_path):
     md = render_markdown(report)
     assert "A plain baseline wins" in md and "Use it" in md and "keep FP32" not in md
     text = _summary(report, tmp_path)
-    assert "a plain baseline wins: use fp32_eager" in text
+    assert "a plain baseline wins (fp32_eager): no tctune candidate beat FP32 eager at batch 8 (0.90×, 95 % CI 0.90–0.90): use it" in text
     assert "1000 items/s (side-by-side median)" in text  # the number the choice was made on
 
 

@@ -174,3 +174,21 @@ def test_inspect_batch_outside_the_models_range(tmp_path):
     r = run_cli("inspect", f, "--batch-size", "32")
     assert r.returncode == 2 and "outside the batch range the model allows (1..16" in r.stderr
     assert "fix: --batch-size 8" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_tctune_folder_in_the_current_folder_that_shadows_the_installed_one_is_named(tmp_path):
+    """`python -m tctune` imports ./tctune first: when another tctune is importable, one line names both."""
+    from pathlib import Path
+
+    import tctune
+    from tctune.cli import shadowing_note
+
+    copy = tmp_path / "tctune"
+    copy.mkdir()
+    (copy / "__init__.py").write_text("")
+    note = shadowing_note(str(copy / "__init__.py"), cwd=str(tmp_path), env={})
+    installed = Path(tctune.__file__).resolve().parent  # (or the editable install's copy: another folder)
+    assert note and note.startswith(f"note: running the tctune in {copy.resolve()}") and "shadows" in note
+    assert str(copy.resolve()) not in note.split("installed one in ")[1] and installed.name == "tctune"
+    assert shadowing_note(str(copy / "__init__.py"), cwd=str(tmp_path), env={"PYTHONPATH": str(tmp_path)}) is None
+    assert shadowing_note(str(copy / "__init__.py"), cwd=str(tmp_path / "elsewhere"), env={}) is None

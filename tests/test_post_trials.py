@@ -71,11 +71,16 @@ def test_failures_after_the_trials_are_recorded_and_the_report_is_written(model,
     assert report["artifacts"]["onnx_error"].startswith("not exported: RuntimeError: Cannot call numel()")
     # the next-best trials were tried and failed the same way: recorded, the report names the best trial
     fb = report["artifacts"]["export_fallback"]
-    assert fb["best_trial"] == report["best"]["number"] and fb["exported_trial"] is None and fb["tried"]
+    assert fb["best_trial"] == report["best"]["trial"] and fb["exported_trial"] is None and fb["tried"]
     assert all(f"export (fallback trial {n})" in stages for n in fb["tried"])
     md = (out / "report.md").read_text()
     assert "## Errors after the trials" in md and "re-measure exploded" in md and "could not be exported" in md
     assert (out / "best_config.json").exists()
+    # said once on the console, grouped in the report, and no empty folder left by the failed fallbacks
+    assert captured.err.count("Cannot call numel()") == 1
+    assert md.count("Cannot call numel()") == 2  # the errors section (all stages on one line) and the fallback line
+    assert all(stages[f"export (fallback trial {n})"]["same_as"] == "export" for n in fb["tried"])
+    assert fb["errors"] and not list(out.glob("exportable_trial_*"))
 
 
 def test_best_that_cannot_be_exported_gets_the_next_best_exportable_beside_it(model, tmp_path, monkeypatch, capsys):
@@ -95,7 +100,7 @@ def test_best_that_cannot_be_exported_gets_the_next_best_exportable_beside_it(mo
     a = report["artifacts"]
     fb = a["export_fallback"]
     assert a["onnx"] is None and "Guard failed" in a["onnx_error"] and a["exported_trial"] is None
-    assert fb["best_trial"] == report["best"]["number"] and "Guard failed" in fb["best_error"]
+    assert fb["best_trial"] == report["best"]["trial"] and "Guard failed" in fb["best_error"]
     assert fb["exported_trial"] is not None and fb["exported_trial"] != fb["best_trial"]
     by_number = {t["number"]: t for t in report["trials"]}
     assert by_number[fb["exported_trial"]]["state"] == "COMPLETE" and fb["params"] == by_number[fb["exported_trial"]]["params"]
@@ -121,10 +126,39 @@ def test_deploy_facts_reach_report_manifest_and_markdown(model, tmp_path):
     report = json.loads((out / "report.json").read_text())
     a = report["artifacts"]
     assert isinstance(a["deploy"], dict) and a["deploy_reason"]
-    assert a["exported_trial"] == report["best"]["number"] and "export_fallback" not in a
+    assert a["exported_trial"] == report["best"]["trial"] and "export_fallback" not in a
     assert a["deploy"].get("tensorrt") == "model.onnx"
     assert any(k.startswith("onnxruntime") for k in a["deploy"])
     manifest = json.loads((out / "model.onnx.manifest.json").read_text())
     assert manifest["deploy"] == a["deploy"] and manifest["deploy_reason"] == a["deploy_reason"]
     md = (out / "report.md").read_text()
     assert "- Deploy: tensorrt: `model.onnx`" in md
+
+
+def test_an_interrupted_run_says_so_once_and_blames_neither_tensorrt_nor_the_budget():
+    from pathlib import Path
+
+    import optuna
+
+    from tctune.cli.optimize import _summary
+    from tctune.report import build_report, render_markdown
+
+    study = optuna.create_study(direction="maximize")
+    p = {"batch_size": 8, "precision": "fp32", "graph_passes": False, "runtime": "eager"}
+    study.add_trial(optuna.trial.create_trial(
+        params=p, distributions={k: optuna.distributions.CategoricalDistribution([v]) for k, v in p.items()},
+        value=100.0, user_attrs={"throughput": 100.0, "max_rel_error": 0.0, "baseline": "fp32_eager"}))
+    study.enqueue_trial(dict(p, batch_size=32))  # queued, never started: the run was stopped
+    artifacts = {"onnx_error": "not exported: the run was interrupted (run the command again to resume)",
+                 "tensorrt_skipped_reason": "the run was interrupted"}  # what optimize records on Ctrl-C
+    report = build_report(study, hardware={}, measured_on="cpu", config={"max_error": 0.01, "mode": "infer"},
+                          model={"name": "m", "path": "m.py"}, passes=[], artifacts=artifacts, capture={"ok": True},
+                          extra={"interrupted": True})
+    md, text = render_markdown(report), _summary(report, Path("out"))  # (tmp_path's name has the word in it)
+    assert md.lower().count("interrupted") == 1 and "1 queued candidate(s) were not started" in md
+    assert "--trials or --timeout" not in md and "TensorRT" not in md
+    assert text.lower().count("interrupted") == 1 and "TensorRT" not in text and "--trials" not in text
+    finished = build_report(study, hardware={}, measured_on="cpu", config={"max_error": 0.01, "mode": "infer"},
+                            model={"name": "m", "path": "m.py"}, passes=[], artifacts={}, capture={"ok": True},
+                            extra={"interrupted": False})
+    assert "(--trials or --timeout reached)" in render_markdown(finished)  # a run that ended on its budget

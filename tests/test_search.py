@@ -244,7 +244,7 @@ def test_run_confirms_and_the_report_says_so(tiny, tmp_path, monkeypatch):
     md = (tmp_path / "out" / "report.md").read_text()
     # the choice is then made side by side among the finalists and the best plain baselines
     assert report["best"]["chosen_on"] == "side-by-side median"
-    if str(report["best"]["number"]) in conf["runs"]:
+    if str(report["best"]["trial"]) in conf["runs"]:
         assert "Chosen by re-measuring" in md and report["best"]["confirmed_throughput"] > 0
     else:
         assert report["best"]["baseline"] and "A plain baseline wins" in md
@@ -432,9 +432,9 @@ def test_noise_line_names_its_two_trials_and_is_not_said_when_the_best_is_the_ba
         for k in (*TRIAL_FIELDS, "fail_reason"):
             row.setdefault(k, None)
     baseline = {"trial": 0, "batch_size": 8, "throughput": 100.0}
-    md = render_markdown(_report(best=best, baseline=baseline, trials=[base, best]))
+    md = render_markdown(_report(best=dict(best, trial=3), baseline=baseline, trials=[base, best]))  # best.trial: its number
     assert "the repeats of the best (trial 3) and of its FP32 eager baseline (trial 0)" in md
-    same = dict(base, speedup_vs_baseline=1.0)
+    same = dict(base, trial=0, speedup_vs_baseline=1.0)
     assert "Within measurement noise" not in render_markdown(_report(best=same, baseline=baseline, trials=[base]))
 
 
@@ -450,7 +450,7 @@ def test_finalists_are_re_measured_in_both_modes(tmp_path, monkeypatch, mode):
     conf = report["confirmation"]
     assert conf and len(conf["runs"]) == 3
     assert all(len(v) == 2 and v[1] is not None and v[1] > 0 for v in conf["runs"].values()), conf
-    if mode == "train" or str(report["best"]["number"]) in conf["runs"]:
+    if mode == "train" or str(report["best"]["trial"]) in conf["runs"]:
         assert report["best"]["confirmed_throughput"] > 0
     else:  # inference: chosen side by side, where a plain baseline beside the finalists can win
         assert report["best"]["baseline"] and report["best"]["chosen_on"] == "side-by-side median"

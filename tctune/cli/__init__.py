@@ -45,6 +45,45 @@ def parser() -> argparse.ArgumentParser:
     return _parser()[0]
 
 
+def shadowing_note(package_file: str | None = None, cwd: str | None = None, env: dict | None = None) -> str | None:
+    """Why the ``tctune`` that runs may not be the installed one, or None.
+
+    ``python -m tctune`` puts the current folder first on ``sys.path``, so a ``tctune/`` package folder there (a
+    clone's copy) is imported instead of the installed package. This returns one line when the running package
+    (``package_file``: its ``__init__.py``, default this package's) lies directly in the current folder ``cwd``
+    and another ``tctune`` is importable without it; None otherwise, and when ``PYTHONPATH`` (``env``, default
+    ``os.environ``) names the current folder (a deliberate choice). A clone's root folder (no ``__init__.py``)
+    does not shadow an installed package; without one, Python itself stops before this code runs
+    ("No module named tctune.__main__").
+    """
+    import os
+    from pathlib import Path
+
+    here = Path(package_file or sys.modules["tctune"].__file__).resolve().parent
+    folder = Path(cwd or os.getcwd()).resolve()
+    env = os.environ if env is None else env
+    if here.parent != folder or any(p and Path(p).resolve() == folder
+                                    for p in env.get("PYTHONPATH", "").split(os.pathsep)):
+        return None
+    saved = sys.path[:]
+    try:
+        sys.path[:] = [p for p in sys.path if p not in ("", ".") and Path(p).resolve() != folder]
+        for finder in sys.meta_path:
+            try:
+                spec = finder.find_spec("tctune", None)
+            except Exception:  # noqa: BLE001 - a finder that cannot answer is not evidence
+                continue
+            if spec is not None and spec.origin:
+                other = Path(spec.origin).resolve().parent
+                if other == here:
+                    return None
+                return (f"note: running the tctune in {here} (the current folder's tctune/ shadows the installed "
+                        f"one in {other}); to run the installed one, run from another folder")
+    finally:
+        sys.path[:] = saved
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p, handlers = _parser()
     args = p.parse_args(argv)
@@ -59,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         logger.addHandler(handler)
         logger.propagate = False
     logger.setLevel(logging.WARNING if quiet else logging.INFO)
+    note = shadowing_note()
+    if note:
+        logger.warning(note)
     try:
         return handlers[args.command](args)
     except TctuneError as exc:
@@ -72,4 +114,4 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-__all__ = ["main", "parse_batch_sizes", "parse_devices", "parse_fp8_keep", "parse_runtimes", "parser"]
+__all__ = ["main", "shadowing_note", "parse_batch_sizes", "parse_devices", "parse_fp8_keep", "parse_runtimes", "parser"]

@@ -135,8 +135,10 @@ def _summary(report: dict, out: Path) -> str:
             lines.append(f"      {gate_line(b, report.get('config', {}))}")
         if report.get("config", {}).get("objective") == "latency" and b.get("latency_p99_ms") is not None:
             lines.append(f"      p99 latency {b['latency_p99_ms']:.4g} ms per batch (the objective)")
-        if b.get("baseline_wins"):
-            lines.append(f"      a plain baseline wins: use {b['baseline']} (nothing tctune searched beat it here)")
+        why = (b.get("verdict") or {}).get("reason")
+        if b.get("kind") == "baseline" or b.get("baseline_wins"):
+            lines.append(f"      a plain baseline wins ({b['baseline']}): "
+                         + (why or f"use {b['baseline']} (nothing tctune searched beat it here)"))
         bb = b.get("best_baseline")
         if bb and b.get("speedup_vs_best_baseline") is not None and not b.get("baseline_wins"):
             ci = b.get("speedup_ci95")
@@ -157,7 +159,9 @@ def _summary(report: dict, out: Path) -> str:
 
         lines.append(f"no configuration qualified: {failure_summary(report.get('trials', []))}")
     a = report.get("artifacts", {})
-    if a.get("tensorrt_skipped_reason"):
+    if report.get("interrupted"):
+        lines.append("interrupted: finished trials are kept, nothing was exported; run the same command again to resume")
+    elif a.get("tensorrt_skipped_reason"):
         lines.append(f"TensorRT: {a['tensorrt_skipped_reason']}")
     lines.append(f"report: {out / 'report.md'}  ({report['study']['n_complete']} of {report['study']['n_trials']} trials complete in the study)")
     return "\n".join(lines)

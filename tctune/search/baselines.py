@@ -130,6 +130,42 @@ def compile_baseline(fastest: Baseline) -> Baseline:
     return Baseline(f"compile_{fastest.name}", dict(fastest.params, runtime="inductor"), fastest.model_cast)
 
 
+_LABELS = {"fp32_eager": "FP32 eager", "autocast_fp16": "autocast fp16 eager", "autocast_bf16": "autocast bf16 eager",
+           "cast_fp16": "model.half() eager", "cast_bf16": "model.to(torch.bfloat16) eager"}
+
+
+#: Which plain baseline is preferred when two measure the same throughput (an exact tie; timings are floats,
+#: so this is rare but must not depend on trial order): the simplest and numerically safest first. FP32 eager
+#: changes nothing; autocast keeps FP32 weights and PyTorch's FP32 op list; the model cast as a whole puts every
+#: op in low precision; ``torch.compile`` adds a compile step. A searched (tctune) candidate ranks after every
+#: baseline: at equal speed, the plain recipe is the answer. Then the smaller batch size (lower latency per call).
+BASELINE_PREFERENCE = ("fp32_eager", "autocast_", "cast_", "compile_")
+
+
+def baseline_rank(name: str | None) -> int:
+    """The place of baseline ``name`` in :data:`BASELINE_PREFERENCE` (0 = preferred); a searched candidate
+    (``name`` None) or an unknown name ranks after every baseline."""
+    for i, prefix in enumerate(BASELINE_PREFERENCE):
+        if name and name.startswith(prefix):
+            return i
+    return len(BASELINE_PREFERENCE)
+
+
+def preference(throughput: float, name: str | None, batch_size: int, number: int) -> tuple:
+    """Sort key, best first, for trials compared by ``throughput`` (items/s): faster first; at equal throughput
+    the preferred baseline (:func:`baseline_rank`), then the smaller batch size, then the earlier trial."""
+    return (-throughput, baseline_rank(name), batch_size, number)
+
+
+def baseline_label(name: str) -> str:
+    """What a user calls baseline ``name``: ``"model.half() eager"`` for ``cast_fp16``, ``"torch.compile(autocast
+    bf16)"`` for ``compile_autocast_bf16``; an unknown name is returned as is."""
+    if name.startswith("compile_"):
+        inner = _LABELS.get(name[len("compile_"):], name[len("compile_"):])
+        return f"torch.compile({inner.removesuffix(' eager')})"
+    return _LABELS.get(name, name)
+
+
 def candidate_params(params: dict, user_attrs: dict) -> dict:
     """The parameters that identify a trial's candidate: its searched ``params`` plus ``model_cast: True`` for
     the model cast as a whole (whose searched parameters equal its autocast twin's)."""
@@ -243,5 +279,6 @@ class ClockMonitor:
                 "sm_clock_max_mhz": self.max_clock, "throttle_reasons": sorted(self.reasons)}
 
 
-__all__ = ["BOOTSTRAP_SAMPLES", "Baseline", "CastModel", "ClockMonitor", "OutputsTo", "SIDE_BY_SIDE_BLOCK_S",
+__all__ = ["BASELINE_PREFERENCE", "BOOTSTRAP_SAMPLES", "Baseline", "CastModel", "ClockMonitor", "OutputsTo",
+           "SIDE_BY_SIDE_BLOCK_S", "baseline_label", "baseline_rank", "preference",
            "SIDE_BY_SIDE_ROUNDS", "candidate_params", "compile_baseline", "interleaved_speedup", "plain_baselines"]

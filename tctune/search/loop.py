@@ -38,7 +38,7 @@ from ..runtime import CUDA_GRAPH_RUNTIMES, RUNTIMES_CPU, RUNTIMES_GPU
 from ..trial import FailureKind, TrialParams, measuring_device
 from .config import OBJECTIVES, TuneConfig
 from .baselines import (SIDE_BY_SIDE_BLOCK_S, SIDE_BY_SIDE_ROUNDS, Baseline, ClockMonitor, candidate_params,
-                        compile_baseline, plain_baselines)
+                        compile_baseline, plain_baselines, preference)
 from .evaluate import Evaluator, InferenceEvaluator
 from .results import (best_trial, confirmed_throughputs, constraint_checks, counts_as_measured, fail, failure_kind, first_line,
                       is_feasible, objective_values)
@@ -272,17 +272,19 @@ class Tuner:
 
     def compile_baselines(self, study: optuna.Study) -> list[Baseline]:
         """On a GPU, with ``inductor`` searched: ``torch.compile`` (mode default) of the fastest feasible eager
-        baseline at each batch size (by its timing in the study)."""
+        baseline at each batch size (by its timing in the study; an exact tie goes to the simpler one,
+        :func:`tctune.search.baselines.preference`)."""
         if self.device.type != "cuda" or "inductor" not in self.runtimes:
             return []
         eager = {(b.name, b.params["batch_size"]): b for b in self.plain_baselines()}
-        best: dict[int, tuple[float, Baseline]] = {}
+        best: dict[int, tuple[tuple, Baseline]] = {}
         for (name, bs), ts in self.baseline_trials(study).items():
             if (name, bs) not in eager:
                 continue
             for t in ts:
-                if is_feasible(t) and t.user_attrs["throughput"] > best.get(bs, (0.0, None))[0]:
-                    best[bs] = (t.user_attrs["throughput"], eager[(name, bs)])
+                key = preference(t.user_attrs.get("throughput") or 0.0, name, bs, t.number)  # ties: the simpler
+                if is_feasible(t) and (bs not in best or key < best[bs][0]):
+                    best[bs] = (key, eager[(name, bs)])
         return [compile_baseline(b) for _, (_, b) in sorted(best.items())]
 
     def pending_baselines(self, study: optuna.Study) -> int:

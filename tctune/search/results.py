@@ -122,28 +122,154 @@ def is_feasible(t: optuna.trial.FrozenTrial) -> bool:
 
 
 def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
-    """The feasible trial that is best for the study's objective, or None (a plain baseline can be it).
+    """The recommended trial: :func:`verdict`'s ``trial`` (a plain baseline can be it), or None when no trial is
+    feasible."""
+    v = verdict(study)
+    return None if v is None else v["trial"]
 
-    Throughput and Pareto studies: the fastest median of the side-by-side timing when one ran after the
-    fastest trial was measured, else the best confirmed mean, else the highest throughput (for Pareto, among the front's members all are
-    reported; this is the one a throughput user would pick). Latency studies: lowest p99 latency.
+
+#: The rule that decides whether a tctune candidate beats the plain baselines (``report.json``'s
+#: ``best.verdict.rule``). The bootstrap percentile interval is the one :func:`tctune.search.baselines.interleaved_speedup`
+#: computes (Efron & Tibshirani, "An Introduction to the Bootstrap", 1993, ch. 13); a lower bound above 1.0
+#: is the usual "the interval excludes no change" reading of a 95 % interval.
+VERDICT_RULE = ("a tctune candidate wins only when its side-by-side median is faster than the fastest feasible plain "
+                "baseline at the same batch size and the bootstrap 95 % confidence interval of that speedup lies "
+                "above 1.0; otherwise the fastest plain baseline is the answer")
+VERDICT_RULE_NO_CI = ("no side-by-side timing (training, or a run stopped before it): a tctune candidate wins only when "
+                      "its throughput is above that of every plain baseline measured in the same run at its batch "
+                      "size (a point estimate, no confidence interval); otherwise that baseline is the answer")
+
+
+def _label(name: str | None) -> str:
+    from .baselines import baseline_label
+
+    return baseline_label(name) if name else "a tctune candidate"
+
+
+def verdict(study: optuna.Study) -> dict | None:
+    """The final choice of a study: a tctune candidate only when it beats the plain baselines, else the plain
+    baseline.
+
+    Throughput and Pareto studies with a side-by-side timing taken after the fastest feasible trial was measured
+    (:meth:`tctune.search.loop.Tuner.side_by_side`): the feasible entries timed there are taken fastest median
+    first (ties: :func:`tctune.search.baselines.preference`, a plain baseline before a searched candidate, FP32
+    eager < autocast < model cast < torch.compile); the first plain baseline reached is the answer, and a
+    searched candidate reached before it wins only when :data:`VERDICT_RULE` holds against the fastest feasible
+    baseline timed at its batch size (per-round ms, :func:`tctune.search.baselines.interleaved_speedup`; where no
+    feasible baseline was timed at its batch size, against the fastest timed at any, per item). Without such a timing: the best re-measured mean
+    (:meth:`~tctune.search.loop.Tuner.confirm`), else the highest first timing, with :data:`VERDICT_RULE_NO_CI`.
+    Latency studies: the lowest p99 latency (every baseline is a candidate of the same objective; no speedup test).
+
+    Returns:
+        None when no trial is feasible; else ``{"trial": FrozenTrial, "kind": "tctune" | "baseline", "name":
+        the baseline's name (e.g. ``cast_fp16``), else the candidate's description, "rule": the rule applied,
+        "reason": one line saying why (e.g. "no tctune candidate beat model.half() eager at batch 64 (1.01×,
+        95 % CI 0.98–1.04): use it"), "challenger":
+        the fastest searched candidate the rule turned down, ``{"trial", "batch_size", "description",
+        "against", "against_name", "against_batch_size", "speedup", "ci95", "p_value", "rounds"}`` (for a tctune
+        winner: its own comparison), or None}``.
     """
     ok = [t for t in study.get_trials(deepcopy=False) if is_feasible(t)]
     if not ok:
         return None
+
+    def result(t, rule, reason, challenger=None):
+        base = t.user_attrs.get("baseline")
+        name = base or t.user_attrs.get("description") or f"tctune trial {t.number}"
+        return {"trial": t, "kind": "baseline" if base else "tctune", "name": name, "rule": rule,
+                "reason": reason, "challenger": challenger}
+
     if list(study.directions) == [optuna.study.StudyDirection.MINIMIZE]:
-        return min(ok, key=lambda t: t.values[0])
-    fastest = max(ok, key=lambda t: t.user_attrs["throughput"])
-    sbs = side_by_side_throughputs(study)
-    if sbs and fastest.number <= study.user_attrs["side_by_side"]["after_trial"] and any(t.number in sbs for t in ok):
-        # timed side by side after the trials (tctune.search.loop.Tuner.side_by_side): the fastest median there,
-        # among the finalists and the baselines timed with them
-        return max((t for t in ok if t.number in sbs), key=lambda t: sbs[t.number])
+        t = min(ok, key=lambda t: t.values[0])
+        return result(t, "latency: the lowest p99 latency among the feasible trials, plain baselines included",
+                      f"the lowest p99 latency: {_label(t.user_attrs.get('baseline') or 'tctune')} at batch "
+                      f"{t.params['batch_size']}")
+    fastest = min(ok, key=lambda t: _pref(t, t.user_attrs["throughput"]))
+    sbs = study.user_attrs.get("side_by_side") or {}
+    rows = {e["trial"]: e for e in sbs.get("entries") or [] if e.get("throughput") and e.get("rounds_ms")}
+    timed = sorted((t for t in ok if t.number in rows), key=lambda t: _pref(t, rows[t.number]["throughput"]))
+    if timed and fastest.number <= sbs.get("after_trial", -1):
+        return _side_by_side_verdict(timed, rows, result)
     conf = confirmed_throughputs(study)
+    chosen = {t.number: conf.get(t.number, t.user_attrs["throughput"]) for t in ok}
     if conf and fastest.number <= study.user_attrs["confirmation"]["after_trial"] and any(t.number in conf for t in ok):
-        # re-measured after the trials (tctune.search.loop.Tuner.confirm): the best mean of its timings, among those candidates
-        return max((t for t in ok if t.number in conf), key=lambda t: conf[t.number])
-    return fastest
+        best = min((t for t in ok if t.number in conf), key=lambda t: _pref(t, conf[t.number]))
+    else:
+        best = fastest
+    if best.user_attrs.get("baseline"):
+        return result(best, VERDICT_RULE_NO_CI, f"{_label(best.user_attrs['baseline'])} was the fastest: use it")
+    bs = best.params.get("batch_size")
+    same = min((t for t in ok if t.user_attrs.get("baseline") and t.params["batch_size"] == bs
+                and t.user_attrs.get("run_id") == best.user_attrs.get("run_id")),
+               key=lambda t: _pref(t, chosen[t.number]), default=None)
+    if same is not None and chosen[same.number] >= chosen[best.number]:
+        ratio = chosen[best.number] / chosen[same.number]
+        return result(same, VERDICT_RULE_NO_CI,
+                      f"no tctune candidate beat {_label(same.user_attrs['baseline'])} at batch {bs} "
+                      f"({ratio:.2f}×, no confidence interval: not timed side by side): use it",
+                      {"trial": best.number, "batch_size": bs, "description": best.user_attrs.get("description"),
+                       "against": same.number, "against_name": same.user_attrs["baseline"],
+                       "against_batch_size": bs, "speedup": ratio,
+                       "ci95": None, "p_value": None, "rounds": None})
+    return result(best, VERDICT_RULE_NO_CI, "faster than every plain baseline of the same run at its batch size"
+                  if same is not None else "no plain baseline of the same run at its batch size to compare with")
+
+
+def _pref(t: optuna.trial.FrozenTrial, throughput: float) -> tuple:
+    """:func:`tctune.search.baselines.preference` of trial ``t`` at ``throughput``: best first, ties deterministic."""
+    from .baselines import preference
+
+    return preference(throughput, t.user_attrs.get("baseline"), t.params.get("batch_size", 0), t.number)
+
+
+def _side_by_side_verdict(timed: list, rows: dict, result) -> dict:
+    """:func:`verdict` on a side-by-side timing: ``timed`` the feasible timed trials, fastest median first;
+    ``rows`` the timing's entries by trial number."""
+    from .baselines import interleaved_speedup
+
+    def per_item(t):
+        return [ms / t.params["batch_size"] for ms in rows[t.number]["rounds_ms"]]
+
+    base = [t for t in timed if t.user_attrs.get("baseline")]
+
+    def against(t):
+        """Candidate ``t`` against the fastest baseline timed at its batch size (else at any, per item)."""
+        bs = t.params["batch_size"]
+        ref = next((b for b in base if b.params["batch_size"] == bs), None) or (base[0] if base else None)
+        if ref is None:
+            return None
+        n = min(len(rows[ref.number]["rounds_ms"]), len(rows[t.number]["rounds_ms"]))
+        stats = interleaved_speedup(per_item(ref)[:n], per_item(t)[:n])
+        return {"trial": t.number, "batch_size": bs, "description": t.user_attrs.get("description"),
+                "against": ref.number, "against_name": ref.user_attrs["baseline"],
+                "against_batch_size": ref.params["batch_size"], "speedup": stats["speedup"],
+                "ci95": stats["ci95"], "p_value": stats["p_value"], "rounds": stats["rounds"]}
+
+    def where(c):
+        bs = c["against_batch_size"]
+        return f"at batch {bs}" if bs == c["batch_size"] else f"at batch {bs} (none feasible at {c['batch_size']}; per item)"
+
+    challenger = None
+    for t in timed:
+        if t.user_attrs.get("baseline"):
+            name = t.user_attrs["baseline"]
+            c = challenger or next((against(s) for s in timed if not s.user_attrs.get("baseline")), None)
+            if c is None:
+                return result(t, VERDICT_RULE, f"no tctune candidate was timed side by side: use {_label(name)} at "
+                                               f"batch {t.params['batch_size']}")
+            use = "use it" if c["against"] == t.number else (
+                f"use {_label(name)} at batch {t.params['batch_size']}, the fastest plain baseline side by side")
+            return result(t, VERDICT_RULE, f"no tctune candidate beat {_label(c['against_name'])} {where(c)} "
+                                           f"({c['speedup']:.2f}×, 95 % CI {c['ci95'][0]:.2f}–{c['ci95'][1]:.2f}): {use}", c)
+        c = against(t)
+        if c is None:
+            return result(t, VERDICT_RULE, "no feasible plain baseline was timed side by side to compare with")
+        if c["speedup"] > 1.0 and c["ci95"][0] > 1.0:
+            return result(t, VERDICT_RULE, f"{c['speedup']:.2f}× {_label(c['against_name'])} {where(c)} "
+                                           f"(95 % CI {c['ci95'][0]:.2f}–{c['ci95'][1]:.2f}× over {c['rounds']} "
+                                           "interleaved rounds)", c)
+        challenger = challenger or c  # the fastest searched candidate the rule turned down
+    return result(timed[0], VERDICT_RULE, "the fastest side by side")  # not reached: a baseline follows a turned-down one
 
 
 def confirmed_throughputs(study: optuna.Study) -> dict[int, float]:
@@ -187,11 +313,29 @@ def headline(study: optuna.Study, best: optuna.trial.FrozenTrial | None = None) 
         side, this run" or "first timings, same run"), ``"run_id"``, ``"baseline_wins"`` (the best is a plain
         baseline), ``"note"``}.
     """
-    from .baselines import interleaved_speedup
-
-    best = best or best_trial(study)
+    v = verdict(study)
+    best = best or (v["trial"] if v else None)
     if best is None:
         return None
+    if v is None or v["trial"].number != best.number:  # a trial the caller chose: described, not judged
+        name = best.user_attrs.get("baseline")
+        v = {"kind": "baseline" if name else "tctune", "name": name or best.user_attrs.get("description"),
+             "rule": None, "reason": None, "challenger": None}
+    out = _headline_numbers(study, best)
+    out.update(kind=v["kind"], name=v["name"],
+               verdict={"rule": v["rule"], "reason": v["reason"], "challenger": v["challenger"]})
+    if v["kind"] == "baseline":  # the answer is the plain baseline itself: 1.0 by definition
+        out["best_baseline"] = {"trial": best.number, "name": v["name"], "batch_size": best.params["batch_size"],
+                                "throughput": out["chosen_throughput"]}
+        out["speedup_vs_best_baseline"] = 1.0
+        out["speedup_ci95"] = out["speedup_p_value"] = out["speedup_rounds"] = None
+    return out
+
+
+def _headline_numbers(study: optuna.Study, best: optuna.trial.FrozenTrial) -> dict:
+    """:func:`headline`'s numbers for ``best``, before the verdict's fields."""
+    from .baselines import interleaved_speedup
+
     run_id = study.user_attrs.get("run_id")
     sbs = study.user_attrs.get("side_by_side") or {}
     rows = {e["trial"]: e for e in sbs.get("entries") or [] if e.get("throughput")}
@@ -211,10 +355,10 @@ def headline(study: optuna.Study, best: optuna.trial.FrozenTrial | None = None) 
         thr = {n: rows[n]["throughput"] for n in rows}
         out["chosen_throughput"], out["chosen_on"], out["timing"] = thr[best.number], "side-by-side median", "side by side, this run"
         timed = [t for t in base if t.number in thr]
-        same = max((t for t in timed if t.params["batch_size"] == bs), key=lambda t: thr[t.number], default=None)
+        same = min((t for t in timed if t.params["batch_size"] == bs), key=lambda t: _pref(t, thr[t.number]), default=None)
         fp32 = next((trials[n] for n in rows if trials[n].user_attrs.get("baseline") == "fp32_eager"
                      and trials[n].params["batch_size"] == bs), None)
-        anyb = max(timed, key=lambda t: thr[t.number], default=None)
+        anyb = min(timed, key=lambda t: _pref(t, thr[t.number]), default=None)
         for key, t in (("best_baseline", same), ("fp32_eager", fp32), ("best_baseline_any_batch", anyb)):
             out[key] = ref(t, thr[t.number] if t else None)
             out[f"speedup_vs_{key}"] = thr[best.number] / thr[t.number] if t else None
@@ -237,10 +381,11 @@ def headline(study: optuna.Study, best: optuna.trial.FrozenTrial | None = None) 
     out["timing"] = "first timings, same run"
     same_run = [t for t in base if t.user_attrs.get("run_id") == best.user_attrs.get("run_id")]
     others = len(base) - len(same_run)
-    same = max((t for t in same_run if t.params["batch_size"] == bs), key=lambda t: t.user_attrs["throughput"], default=None)
+    same = min((t for t in same_run if t.params["batch_size"] == bs), key=lambda t: _pref(t, t.user_attrs["throughput"]),
+               default=None)
     fp32 = max((t for t in same_run if t.params["batch_size"] == bs and t.user_attrs["baseline"] == "fp32_eager"),
                key=lambda t: t.user_attrs["throughput"], default=None)
-    anyb = max(same_run, key=lambda t: t.user_attrs["throughput"], default=None)
+    anyb = min(same_run, key=lambda t: _pref(t, t.user_attrs["throughput"]), default=None)
     for key, t in (("best_baseline", same), ("fp32_eager", fp32), ("best_baseline_any_batch", anyb)):
         out[key] = ref(t, t.user_attrs["throughput"] if t else None)
         out[f"speedup_vs_{key}"] = first / t.user_attrs["throughput"] if t else None

@@ -1,0 +1,165 @@
+"""The final choice: a tctune candidate is recommended only when the side-by-side timing shows it faster than the
+fastest plain baseline at its batch size with a 95 % CI above 1.0; otherwise the plain baseline is the answer."""
+import random
+
+import optuna
+import pytest
+
+from tctune.report import build_report, render_markdown
+from tctune.search import best_trial
+from tctune.search.baselines import baseline_label
+from tctune.search.results import VERDICT_RULE, headline, verdict
+
+
+def _add(study, params, throughput, **attrs):
+    study.add_trial(optuna.trial.create_trial(
+        params=params, distributions={k: optuna.distributions.CategoricalDistribution([v]) for k, v in params.items()},
+        value=throughput, user_attrs={"throughput": throughput, "max_rel_error": 0.0, "run_id": "r", **attrs}))
+    return study.trials[-1].number
+
+
+def _study(speedup: float, noise: float, rounds: int = 15, seed: int = 0):
+    """A study with a cast_fp16 baseline and a tctune graph at batch 64, timed side by side: each per-round ms
+    is scaled by a factor spread evenly over ±``noise`` (median 1), the two entries' factors shuffled
+    independently over the rounds (``seed``), so the median speedup is exactly ``speedup`` and the spread sets
+    its confidence interval."""
+    rng = random.Random(seed)
+    study = optuna.create_study(direction="maximize")
+    p = {"batch_size": 64, "precision": "fp16", "graph_passes": False, "runtime": "eager"}
+    fp32 = _add(study, dict(p, precision="fp32"), 400.0, baseline="fp32_eager")
+    cast = _add(study, p, 1000.0, baseline="cast_fp16", model_cast=True)
+    cand = _add(study, dict(p, graph_passes=True), 1000.0 * speedup, description="tctune graph fp16")
+    spread = [noise * (2 * i / (rounds - 1) - 1) for i in range(rounds)]  # -noise .. +noise, median 0
+    base_f, cand_f = rng.sample(spread, rounds), rng.sample(spread, rounds)  # the rounds' order: independent
+    base_ms = [64.0 * (1 + f) for f in base_f]
+    cand_ms = [64.0 / speedup * (1 + f) for f in cand_f]  # median ratio exactly `speedup`
+    fp32_ms = [160.0] * rounds
+
+    def entry(n, name, ms):
+        med = sorted(ms)[len(ms) // 2]
+        return {"trial": n, "baseline": name, "batch_size": 64, "throughput": 64 / (med / 1e3), "median_ms": med,
+                "rounds_ms": ms, "error": None}
+
+    study.set_user_attr("run_id", "r")
+    study.set_user_attr("side_by_side", {"run_id": "r", "after_trial": cand, "rounds": rounds, "block_s": 0.05,
+                                         "clocks": {"available": False, "reason": "test"}, "entries": [
+        entry(cand, None, cand_ms), entry(cast, "cast_fp16", base_ms), entry(fp32, "fp32_eager", fp32_ms)]})
+    return study, fp32, cast, cand
+
+
+def _report(study):
+    return build_report(study, hardware={}, measured_on="cpu", config={"max_error": 0.01, "mode": "infer"},
+                        model={"name": "m", "path": "m.py"}, passes=[], artifacts={}, capture={"ok": True})
+
+
+def test_a_candidate_whose_ci_includes_one_loses_to_the_baseline(tmp_path):
+    from tctune.cli.optimize import _summary
+
+    study, _, cast, cand = _study(speedup=1.005, noise=0.05)
+    sbs = {e["trial"]: e["throughput"] for e in study.user_attrs["side_by_side"]["entries"]}
+    assert sbs[cand] > sbs[cast]  # faster by its median ...
+    v = verdict(study)
+    c = v["challenger"]
+    assert c["trial"] == cand and c["ci95"][0] <= 1.0 < c["ci95"][1]  # ... but the CI includes 1.0
+    assert v["kind"] == "baseline" and v["trial"].number == cast and v["name"] == "cast_fp16"
+    assert best_trial(study).number == cast and v["rule"] == VERDICT_RULE
+    best = _report(study)["best"]
+    assert best["trial"] == cast and best["kind"] == "baseline" and best["name"] == "cast_fp16"
+    assert best["speedup_vs_best_baseline"] == 1.0 and best["speedup_ci95"] is None  # by definition
+    assert best["best_baseline"]["trial"] == cast
+    line = (f"no tctune candidate beat model.half() eager at batch 64 ({c['speedup']:.2f}×, 95 % CI "
+            f"{c['ci95'][0]:.2f}–{c['ci95'][1]:.2f}): use it")
+    assert best["verdict"]["reason"] == line
+    assert line in render_markdown(_report(study)) and line in _summary(_report(study), tmp_path)
+
+
+def test_a_candidate_faster_with_a_tight_ci_wins():
+    study, _, cast, cand = _study(speedup=1.3, noise=0.02)
+    v = verdict(study)
+    assert v["kind"] == "tctune" and v["trial"].number == cand and v["challenger"]["against"] == cast
+    assert v["challenger"]["ci95"][0] > 1.0
+    best = _report(study)["best"]
+    assert best["kind"] == "tctune" and best["trial"] == cand and best["name"] == "tctune graph fp16"
+    assert best["speedup_vs_best_baseline"] == pytest.approx(1.3, rel=0.05) and best["speedup_ci95"][0] > 1.0
+    assert best["verdict"]["reason"].startswith(f"{best['speedup_vs_best_baseline']:.2f}× model.half() eager at batch 64")
+
+
+@pytest.mark.parametrize("speedup,noise", [(0.9, 0.01), (0.99, 0.1), (1.0, 0.0), (1.005, 0.05), (1.02, 0.2),
+                                           (1.3, 0.02), (2.0, 0.3)])
+def test_the_final_speedup_is_never_below_one(speedup, noise):
+    for seed in range(3):
+        study, _, cast, cand = _study(speedup, noise, seed=seed)
+        h = headline(study)
+        assert h["speedup_vs_best_baseline"] >= 1.0
+        if h["kind"] == "tctune":
+            assert h["speedup_ci95"][0] > 1.0 and h["speedup_vs_best_baseline"] > 1.0
+        else:
+            assert h["speedup_vs_best_baseline"] == 1.0
+
+
+def test_the_recommended_baseline_is_the_fastest_one_side_by_side():
+    """The turned-down candidate was compared at its batch size; a faster baseline at another batch is the answer."""
+    study, fp32, cast, cand = _study(speedup=1.005, noise=0.05)
+    p = {"batch_size": 128, "precision": "bf16", "graph_passes": False, "runtime": "eager"}
+    other = _add(study, p, 900.0, baseline="autocast_bf16")
+    sbs = study.user_attrs["side_by_side"]
+    sbs["entries"].append({"trial": other, "baseline": "autocast_bf16", "batch_size": 128, "throughput": 128 / 0.1,
+                           "median_ms": 100.0, "rounds_ms": [100.0] * 15, "error": None})
+    sbs["after_trial"] = other
+    study.set_user_attr("side_by_side", sbs)
+    v = verdict(study)
+    assert v["trial"].number == other and v["challenger"]["against"] == cast
+    assert v["reason"].endswith("use autocast bf16 eager at batch 128, the fastest plain baseline side by side")
+    assert headline(study)["speedup_vs_best_baseline"] == 1.0
+
+
+def test_without_a_side_by_side_timing_a_slower_candidate_is_not_recommended():
+    study = optuna.create_study(direction="maximize")
+    p = {"batch_size": 8, "precision": "fp32", "graph_passes": False, "runtime": "eager"}
+    base = _add(study, p, 1000.0, baseline="fp32_eager")
+    cand = _add(study, dict(p, graph_passes=True), 1100.0)
+    assert verdict(study)["kind"] == "tctune" and best_trial(study).number == cand
+    other = _add(study, dict(p, graph_passes=True, precision="bf16"), 1080.0)
+    study.set_user_attr("confirmation", {"band": 0.05, "after_trial": other, "runs": {str(cand): [1100.0, 700.0],
+                                                                                     str(other): [1080.0, 600.0]}})
+    v = verdict(study)  # the best confirmed mean, 900, is below the baseline's 1000
+    assert v["kind"] == "baseline" and v["trial"].number == base and "no confidence interval" in v["reason"]
+
+
+def test_baseline_labels():
+    assert baseline_label("cast_fp16") == "model.half() eager"
+    assert baseline_label("cast_bf16") == "model.to(torch.bfloat16) eager"
+    assert baseline_label("compile_autocast_bf16") == "torch.compile(autocast bf16)"
+    assert baseline_label("fp32_eager") == "FP32 eager" and baseline_label("something") == "something"
+
+
+@pytest.mark.parametrize("order", [("cast_fp16", "autocast_fp16", "compile_cast_fp16"),
+                                   ("compile_cast_fp16", "cast_fp16", "autocast_fp16")])
+def test_equally_fast_baselines_resolve_to_the_simpler_one_whatever_their_trial_order(order):
+    """Exact ties: autocast before the model cast before torch.compile (BASELINE_PREFERENCE), not trial order."""
+    study = optuna.create_study(direction="maximize")
+    p = {"batch_size": 16, "precision": "fp16", "graph_passes": False, "runtime": "eager"}
+    numbers = {}
+    for name in order:
+        numbers[name] = _add(study, dict(p, runtime="inductor" if name.startswith("compile") else "eager"), 500.0,
+                             baseline=name, **({"model_cast": True} if "cast_" in name else {}))
+    cand = _add(study, dict(p, graph_passes=True), 500.0)
+    assert verdict(study)["trial"].number == numbers["autocast_fp16"]  # first timings tie too
+    study.set_user_attr("run_id", "r")
+    study.set_user_attr("side_by_side", {"run_id": "r", "after_trial": cand, "entries": [
+        {"trial": n, "baseline": None, "batch_size": 16, "throughput": 500.0, "rounds_ms": [32.0] * 5}
+        for n in [*numbers.values(), cand]]})
+    v = verdict(study)
+    assert v["kind"] == "baseline" and v["trial"].number == numbers["autocast_fp16"]
+    h = headline(study)
+    assert h["speedup_vs_best_baseline"] == 1.0 and h["best_baseline_any_batch"]["name"] == "autocast_fp16"
+
+
+def test_preference_order():
+    from tctune.search.baselines import preference
+
+    names = ["compile_autocast_bf16", None, "cast_bf16", "autocast_bf16", "fp32_eager"]
+    ranked = sorted(names, key=lambda n: preference(100.0, n, 8, 0))
+    assert ranked == ["fp32_eager", "autocast_bf16", "cast_bf16", "compile_autocast_bf16", None]
+    assert preference(101.0, None, 8, 0) < preference(100.0, "fp32_eager", 8, 0)  # faster first
+    assert preference(100.0, "fp32_eager", 8, 5) < preference(100.0, "fp32_eager", 32, 1)  # then the smaller batch
