@@ -109,7 +109,8 @@ def optimize(model, example_inputs=None, /, **options):
             list), ``compile_budget`` (s), ``no_prune``, ``no_export``, ``quiet``, ``mode``; and
             ``min_score_ratio``, ``min_score``, ``max_mismatch_rate``; ``score`` (``score(model) -> float``,
             higher is better), ``calibration`` (real input batches: an iterable of input tuples, a callable
-            returning one, or a folder of ``.safetensors`` / ``.npz`` files like ``--calibration``) and
+            returning one, or a folder of ``.safetensors`` / ``.npz`` files like ``--calibration``: the folder
+            also with a model file path, whose own batches are its ``calibration_inputs()``) and
             ``dynamic_shapes`` as in the model-file contract, ``name`` (the report's model name; default the
             class name), ``keep_low_precision_outputs`` (True: outputs in the tuned precision, not FP32).
 
@@ -137,6 +138,7 @@ def optimize(model, example_inputs=None, /, **options):
         if example_inputs is not None:
             raise UsageError("a model file defines its own example_inputs(batch_size)\n  fix: tctune.optimize(path, "
                              "**options), or pass the module itself with its example inputs")
+        folder = options.pop("calibration") if isinstance(options.get("calibration"), (str, Path)) else None
         extra = {k: options.pop(k) for k in API_OPTIONS if k in options}
         if extra:
             raise TypeError(f"{', '.join(extra)} are for a live module; a model file defines score() itself")
@@ -144,6 +146,8 @@ def optimize(model, example_inputs=None, /, **options):
 
         mf = load_model_file(model)
         cfg = tune_config(options, out_dir=Path("tctune_out") / mf.name)
+        if folder is not None:  # a folder of real batches, like --calibration PATH
+            cfg = dataclasses.replace(cfg, calibration=str(folder))
         return from_search(optimize_model(mf, cfg), keep_low)
     return _optimize_module(model, example_inputs, options, keep_low)
 
