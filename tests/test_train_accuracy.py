@@ -210,7 +210,12 @@ def test_a_real_batch_the_loss_rejects_names_the_batch(tmp_path):
     """Forward runs, but loss_fn with example_targets(B) raises on it: one error naming the batch, before trials."""
     text = TRAIN_FILE.replace("return F.cross_entropy(output, targets)",
                               "assert output.shape[0] != 5, 'five rows'\n    return F.cross_entropy(output, targets)")
-    t, _ = _tuner(tmp_path, text + REAL)
     with pytest.raises(ModelFileError, match=r"trainable\.py: calibration_inputs\(\) batch 0: the FP32 training step "
                                              r"(?s:.*)AssertionError on it: five rows(?s:.*)expected input_0: float32 \(B, 24\)"):
-        t.evaluator.reference(4)
+        _tuner(tmp_path, text + REAL)
+    d = tmp_path / "calib"
+    d.mkdir()
+    np.savez(d / "five.npz", input_0=np.random.randn(5, 24).astype(np.float32))
+    with pytest.raises(UsageError, match=r"calib/five\.npz: the FP32 training step") as e:
+        _tuner(tmp_path / "folder", text, calibration=str(d))
+    assert e.value.field == "calibration"

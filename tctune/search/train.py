@@ -114,11 +114,19 @@ class TrainingEvaluator:
     """Training-step candidates (the evaluator interface of :mod:`tctune.search.evaluate`).
 
     Args:
-        cfg: run options (``effective_batch``); mf: the model file (with ``example_targets`` and ``loss_fn``);
-        device: where steps run; model: the model on ``device`` (its initial weights start every trial).
+        cfg: run options (``effective_batch``, ``calibration``, ``min_score_ratio``, ``min_score``); mf: the model
+        file (with ``example_targets`` and ``loss_fn``; ``score`` and ``calibration_inputs`` optional); device:
+        where steps run; model: the model on ``device`` (its initial weights start every trial).
 
-    Its first reference step raises ModelFileError when the model file lacks ``example_targets`` or ``loss_fn``
-    (``tctune optimize`` checks that before anything runs: :func:`check_trainable`).
+    Accuracy: see the module docstring. Attributes ``calibration`` (the real batches) and ``score_gate``
+    (:class:`TrainScoreGates`, None without ``score``) are what ``report.json`` reads, as for inference.
+
+    Raises:
+        UsageError, ModelFileError: bad real batches, before any trial: what
+            :func:`tctune.calibration.load_calibration` rejects (run in eval mode, like inference), or a batch on
+            which the FP32 training step (forward, ``loss_fn`` with ``example_targets(B)``, backward) raises.
+            Its first reference step raises ModelFileError when the model file lacks ``example_targets`` or
+            ``loss_fn`` (``tctune optimize`` checks that before anything runs: :func:`check_trainable`).
     """
 
     def __init__(self, cfg, mf, device: torch.device, model: torch.nn.Module):
@@ -142,6 +150,9 @@ class TrainingEvaluator:
         self.score_gate = (TrainScoreGates(score, cfg.min_score_ratio, cfg.min_score, mf.path.name)
                            if score is not None else None)
         self._runs: dict[tuple[int, Any], float] = {}  # (batch size, graph key) -> train_loss_rel_diff
+        self._real: list[tuple[CheckBatch, torch.Tensor]] | None = None  # see _real_reference
+        if self.calibration:
+            self._real_reference()  # a real batch the training step cannot take stops the run before any trial
 
     def trial_params(self, params: dict, fp8_keep=None) -> TrialParams:
         """The typed parameters of trial ``params`` (no FP8 keep-list: fp8 is not searched in training)."""
@@ -170,10 +181,33 @@ class TrainingEvaluator:
         """The accuracy check's batches at ``batch_size``: the seeded random inputs, then every real batch."""
         out = [CheckBatch(reference_inputs(self.mf, batch_size, self.device), None, "the random inputs")]
         out[0].targets = self.targets(batch_size)
-        for b in self.calibration:
-            torch.manual_seed(CHECK_SEED + len(b.inputs[0]))
-            out.append(CheckBatch(b.inputs, self.targets(len(b.inputs[0])), f"the real batch {b.source}"))
-        return out
+        return out + [b for b, _ in self._real_reference()]
+
+    def _real_reference(self) -> list[tuple[CheckBatch, torch.Tensor]]:
+        """Each real batch (targets ``example_targets(B)``, seeded) with its FP32 gradients at the initial weights,
+        computed once: they do not depend on the trial's batch size."""
+        if self._real is None:
+            check_trainable(self.mf)
+            self._real = []
+            model = self.fresh_model()
+            for b in self.calibration:
+                torch.manual_seed(CHECK_SEED + len(b.inputs[0]))
+                batch = CheckBatch(b.inputs, self.targets(len(b.inputs[0])), f"the real batch {b.source}")
+                try:
+                    grads = self._fp32_grads(model, batch)
+                except Exception as exc:  # noqa: BLE001 - the user's data, model or loss_fn
+                    raise self._bad_real_batch(batch, exc) from None
+                self._real.append((batch, grads))
+        return self._real
+
+    def _fp32_grads(self, model: torch.nn.Module, b: CheckBatch) -> torch.Tensor:
+        """The FP32 gradients of ``loss_fn`` on ``b`` at ``model``'s weights (one float32 vector; seeded)."""
+        model.zero_grad(set_to_none=True)
+        with precision_mode("fp32"):
+            torch.manual_seed(CHECK_SEED)
+            loss = self.mf.loss_fn(model(*b.inputs), b.targets)
+            loss.backward()
+        return torch.cat([p.grad.detach().float().flatten() for p in model.parameters() if p.grad is not None])
 
     def reference(self, batch_size: int):
         """``((inputs, targets), grads)`` of the random batch at ``batch_size`` (the timed inputs), computed with
@@ -192,21 +226,12 @@ class TrainingEvaluator:
         if batch_size not in self._refs:
             check_trainable(self.mf)
             batches = self.check_batches(batch_size)
+            real = [g for _, g in self._real_reference()]
             model = self.fresh_model()
-            grads = []
-            for i, b in enumerate(batches):
-                model.zero_grad(set_to_none=True)
-                try:
-                    with precision_mode("fp32"):
-                        torch.manual_seed(CHECK_SEED)
-                        loss = self.mf.loss_fn(model(*b.inputs), b.targets)
-                        loss.backward()
-                except Exception as exc:
-                    if i == 0:
-                        raise rejection(exc, self.device, batch_size, "the FP32 reference step") from exc
-                    raise self._bad_real_batch(b, exc) from None
-                grads.append(torch.cat([p.grad.detach().float().flatten() for p in model.parameters()
-                                        if p.grad is not None]))
+            try:
+                grads = [self._fp32_grads(model, batches[0]), *real]
+            except Exception as exc:
+                raise rejection(exc, self.device, batch_size, "the FP32 reference step") from exc
             run = None
             if self.score_gate is not None:
                 model.load_state_dict(self.initial_state)
