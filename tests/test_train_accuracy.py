@@ -219,3 +219,23 @@ def test_a_real_batch_the_loss_rejects_names_the_batch(tmp_path):
     with pytest.raises(UsageError, match=r"calib/five\.npz: the FP32 training step") as e:
         _tuner(tmp_path / "folder", text, calibration=str(d))
     assert e.value.field == "calibration"
+
+
+def test_api_takes_a_calibration_folder_with_a_model_file(tmp_path, monkeypatch):
+    """``tctune.optimize(path, calibration=DIR)`` is ``--calibration DIR`` (it used to be refused as live-module only)."""
+    import sys
+
+    import tctune
+    import tctune.tuned as tuned_mod
+
+    opt_mod = sys.modules["tctune.optimize"]  # the submodule (the package attribute is the API function)
+
+    seen = {}
+    monkeypatch.setattr(opt_mod, "optimize_model", lambda mf, cfg: seen.setdefault("cfg", cfg))
+    monkeypatch.setattr(tuned_mod, "from_search", lambda result, keep_low: result)
+    f = tmp_path / "trainable.py"
+    f.write_text(TRAIN_FILE)
+    cfg = tctune.optimize(f, calibration=tmp_path / "calib", mode="train", out=tmp_path / "out")
+    assert cfg.calibration == str(tmp_path / "calib") and cfg.mode == "train"
+    with pytest.raises(TypeError, match="score are for a live module"):
+        tctune.optimize(f, score=lambda m: 1.0)

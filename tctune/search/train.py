@@ -37,6 +37,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -253,7 +254,6 @@ class TrainingEvaluator:
                f"{type(exc).__name__} on it: {first_line(exc)[:200]}\n  its inputs: {shapes}; expected {want} "
                "(shapes other than the batch as in example_inputs)")
         if self.cfg.calibration is not None:
-            from pathlib import Path
             return UsageError(f"calibration file {Path(self.cfg.calibration).expanduser() / source}: {msg}",
                               field="calibration")
         return ModelFileError(f"{self.mf.path.name}: {source}: {msg}")
