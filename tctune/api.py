@@ -113,7 +113,8 @@ def optimize(model, example_inputs=None, /, **options):
             the timed candidates, the plain baselines and the returned module alike; ``"fp32"``: the FP32
             model's dtypes); ``score`` (``score(model) -> float``,
             higher is better), ``calibration`` (real input batches: an iterable of input tuples, a callable
-            returning one, or a folder of ``.safetensors`` / ``.npz`` files like ``--calibration``) and
+            returning one, or a folder of ``.safetensors`` / ``.npz`` files like ``--calibration``: the folder
+            also with a model file path, whose own batches are its ``calibration_inputs()``) and
             ``dynamic_shapes`` as in the model-file contract, ``name`` (the report's model name; default the
             class name), ``keep_low_precision_outputs`` (the older spelling of ``output_dtype``: True is
             ``"compute"``, False ``"fp32"``; giving both with different meanings raises ``UsageError``).
@@ -150,6 +151,7 @@ def optimize(model, example_inputs=None, /, **options):
         if example_inputs is not None:
             raise UsageError("a model file defines its own example_inputs(batch_size)\n  fix: tctune.optimize(path, "
                              "**options), or pass the module itself with its example inputs")
+        folder = options.pop("calibration") if isinstance(options.get("calibration"), (str, Path)) else None
         extra = {k: options.pop(k) for k in API_OPTIONS if k in options}
         if extra:
             raise TypeError(f"{', '.join(extra)} are for a live module; a model file defines score() itself")
@@ -157,6 +159,8 @@ def optimize(model, example_inputs=None, /, **options):
 
         mf = load_model_file(model)
         cfg = tune_config(options, out_dir=Path("tctune_out") / mf.name)
+        if folder is not None:  # a folder of real batches, like --calibration PATH
+            cfg = dataclasses.replace(cfg, calibration=str(folder))
         return from_search(optimize_model(mf, cfg), keep_low)
     return _optimize_module(model, example_inputs, options, keep_low)
 

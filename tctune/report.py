@@ -22,7 +22,7 @@ from .search.results import headline
 TRIAL_FIELDS = ("throughput", "latency_ms", "latency_p50_ms", "latency_p99_ms", "repeats_ms", "peak_memory_mib", "max_rel_error", "max_abs_error", "nonfinite",
                 "float_outputs", "exact_outputs", "mismatch_rate", "mismatched", "logits_outputs", "top1_agreement", "kl_divergence",
                 "unchecked_outputs", "fp64_ratio", "description", "setup_s",
-                "score", "score_ratio", "score_fp32", "score_limit", "score_s", "real_batches")
+                "score", "score_ratio", "score_fp32", "score_limit", "score_s", "real_batches", "train_loss_rel_diff")
 
 
 def write_atomic(path: str | Path, text: str) -> None:
@@ -328,7 +328,12 @@ def render_markdown(r: dict) -> str:
                      f"({sc.get('rule')}); the relative L2 limit is reported, not deciding. score() ran "
                      f"{sc.get('calls')} time(s), {_fmt(sc.get('seconds'), '.1f')} s in all ({sc.get('cached_graphs')} "
                      "graphs scored, each once)")
-    if r.get("real_batches"):
+    if r.get("real_batches") and r["config"].get("mode") == "train":
+        lines.append(f"- Real input batches: {r['real_batches']} ({r.get('real_batches_source')}), training batches of the "
+                     "accuracy check beside the random one (gradients at the initial weights; with score(), the short "
+                     "training run), each with example_targets(B) as targets; not timed, and no graph passes to "
+                     "calibrate in --mode train")
+    elif r.get("real_batches"):
         lines.append(f"- Real input batches: {r['real_batches']} ({r.get('real_batches_source')}), compared beside the "
                      "random inputs and used for fp16 overflow calibration and FP8 activation scales")
     lines.append("")

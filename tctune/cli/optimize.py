@@ -88,7 +88,8 @@ def register(sub) -> str:
     o.add_argument("--calibration", metavar="DIR",
                    help="folder of real input batches, one .safetensors or .npz file each (keys input_0, input_1, "
                         "... or forward's argument names; read in sorted order, never unpickled): compared beside "
-                        "the random inputs, and used for fp16 overflow calibration and FP8 activation scales "
+                        "the random inputs, and used for fp16 overflow calibration and FP8 activation scales; in "
+                        "--mode train, training batches of the gradient and score check, with example_targets(B) "
                         "(default: the model file's calibration_inputs(), if any)")
     o.add_argument("--fp8-keep", default="auto", metavar="PATTERNS",
                    help="FP8 keep-list: linears kept in bf16 at precision fp8. auto (default): planned by measuring "

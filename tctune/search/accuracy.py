@@ -87,8 +87,10 @@ class ScoreGate:
             self.fp32 = value
         return self.fp32
 
-    def score(self, key: Hashable, module: Any, precision: str) -> tuple[float, float]:
-        """``(score, seconds this call took)`` of the candidate graph ``key`` (0.0 s when cached).
+    def score(self, key: Hashable, module: Any, precision: str, numerics: str | None = None) -> tuple[float, float]:
+        """``(score, seconds this call took)`` of the candidate graph ``key`` (0.0 s when cached). ``precision``
+        names the candidate in messages; ``score`` runs under ``precision_mode(numerics or precision)`` (training
+        scores its trained FP32 weights under ``"fp32"``).
 
         Raises:
             CandidateRejected: ``score`` raised on the candidate (a runtime error of that candidate), or returned
@@ -97,7 +99,7 @@ class ScoreGate:
         if key in self.cache:
             return self.cache[key], 0.0
         try:
-            value, dt = self._call(module, precision)
+            value, dt = self._call(module, numerics or precision)
             value = float(value)
         except Exception as exc:  # noqa: BLE001 - the candidate broke the user's metric
             raise CandidateRejected(f"score(model) raised on the {precision} candidate: {type(exc).__name__}: "
