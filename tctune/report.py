@@ -360,7 +360,7 @@ def render_markdown(r: dict) -> str:
         rule = (b.get("verdict") or {}).get("rule")
         if b.get("kind") == "baseline" or b.get("baseline_wins"):
             srch = b.get("best_searched")
-            lines.append(f"- **A plain baseline wins. Use it**: "
+            lines.append("- **A plain baseline wins. Use it**: "
                          + (why or f"{b['baseline']} was the fastest feasible configuration; nothing tctune searched "
                                    "beat it on this machine") + ".")
             if srch:

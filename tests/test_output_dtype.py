@@ -9,7 +9,6 @@ inputs after the up-cast, and the graphs are checked for the trailing convert no
 from __future__ import annotations
 
 import functools
-import json
 import sys
 
 import pytest
