@@ -130,6 +130,8 @@ _VALUE_OPS = frozenset(
 )
 #: ``node.meta`` flag on the casts this pass inserts (never taken for the model's own conversions).
 _OWN_CAST = "tctune_cast"
+#: ``node.meta`` flag on the casts this pass inserts that are FP32 anchors (a tied table's rows cast up).
+_OWN_ANCHOR = "tctune_cast_anchor"
 
 #: FFT ops: ``fft_*`` as ``torch.export`` keeps them, ``_fft_r2c`` / ``_fft_c2c`` / ``_fft_c2r`` after decomposition.
 _FFT_PREFIXES = ("fft_", "_fft_")
@@ -286,8 +288,10 @@ def _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors
         new[node] = orig[node]
         return
     if node.meta.get(_OWN_CAST):
-        # A saturating clamp this pass inserted before a cast down (a second run): already typed.
+        # A saturating clamp or a cast this pass inserted (a second run): already typed.
         new[node] = orig[node]
+        if node.meta.get(_OWN_ANCHOR):
+            anchors.add(node)  # the up-cast of a tied table's gathered rows stays an FP32 anchor
         return
     name = op_name(node)
     if name in _PASSTHROUGH:
@@ -336,7 +340,9 @@ def _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors
             if spec.residual_fp32 and orig[node] == torch.float32:
                 # A low table tied to an LM head: the gathered rows go up to FP32 at once (an FP32 anchor), so
                 # the residual stream starts FP32 as under autocast; exact, and cheap (rows, not the table).
-                anchors.add(rewriter.cast_after(node, torch.float32))
+                up = rewriter.cast_after(node, torch.float32)
+                up.meta[_OWN_ANCHOR] = True
+                anchors.add(up)
         return
     if node.name in overflow:
         # Calibration saw values the low dtype cannot hold here (or this op reads such a value): FP32.

@@ -17,7 +17,7 @@ from torch import nn
 import torch.nn.functional as F
 
 import zoo
-from passes import PIPELINE, PassSpec, pad_linear_dims, run_pipeline
+from passes import PIPELINE, PassSpec, cast_precision, pad_linear_dims, run_pipeline
 from passes._graph import alias_targets, get_attr_value
 from tctune import hardware
 
@@ -191,6 +191,9 @@ def test_cast_stores_tied_table_once(policy, precision, pad):
     with torch.no_grad():
         err = zoo.rel_l2(gm(*inputs), model(*inputs))
     assert 0 < err <= 1.05 * _model_to_error(model, inputs, precision)  # low for real, and model.to(dt)'s accuracy
+    spec = pass_spec(hardware.resolve("sm_90"), precision, policy=policy)
+    again = cast_precision(gm, spec)  # a second run changes nothing and keeps the one tensor
+    assert again.count == 0 and gm.head.weight is table and gm.wte.weight is table and _state(gm) == (count, nbytes)
 
 
 @pytest.mark.parametrize("policy", ["pure", "autocast"])

@@ -80,8 +80,8 @@ def test_real_batches_are_training_batches_of_the_gradient_check(tmp_path, monke
     real_compare = train_mod.compare
     monkeypatch.setattr(train_mod, "compare", lambda a, b: compared.append(a.numel()) or real_compare(a, b))
     t, mf = _tuner(tmp_path, TRAIN_FILE + REAL, trials=2)
-    loaded = [n for n, grad in _g(mf)["FORWARDS"] if n == 5]
-    assert loaded == [5, 5] and not any(g for n, g in _g(mf)["FORWARDS"])  # checked once in FP32, no gradients
+    # before any trial: checked once in FP32 eval mode (as in inference), then their FP32 gradients
+    assert _g(mf)["FORWARDS"] == [(5, False), (5, False), (5, True), (5, True)]
     _g(mf)["FORWARDS"].clear()
     study = t.run()
     done = _complete(study)
@@ -114,21 +114,19 @@ def calibration_inputs():
 
 
 def test_score_is_computed_after_the_short_training_run_and_cached(tmp_path):
-    t, mf = _tuner(tmp_path, TRAIN_FILE + REAL, batch_sizes=(4, 8), trials=4)
-    study = t.run()
-    done = _complete(study)
-    assert len(done) == 4
+    t, mf = _tuner(tmp_path, TRAIN_FILE + REAL, batch_sizes=(4, 8))
+    runs = {(bs, p): t.evaluator.evaluate({"batch_size": bs, "precision": p, "graph_passes": False, "runtime": "eager"})
+            for bs in (4, 8) for p in ("fp32", "bf16")}
     gates = t.evaluator.score_gate.gates
     assert sorted(gates) == [4, 8]
-    for tr in done:
-        a = tr.user_attrs
-        gate = gates[tr.params["batch_size"]]
+    for (bs, precision), a in runs.items():
+        gate = gates[bs]
         assert a["score_fp32"] == gate.fp32 and a["score_limit"] == pytest.approx(gate.fp32 - 0.01 * abs(gate.fp32))
-        if tr.params["precision"] == "fp32":  # the FP32 eager candidate is the reference run itself
+        if precision == "fp32":  # the FP32 eager candidate is the reference run itself
             assert a["score"] == gate.fp32 and a["train_loss_rel_diff"] == 0.0
         else:
             assert a["score"] != gate.fp32 and a["score_ratio"] == pytest.approx(a["score"] / gate.fp32)
-            assert 0 < a["train_loss_rel_diff"] < 5e-2
+            assert 0 < a["train_loss_rel_diff"] < 5e-2 and a["score_s"] > 0
     # the trained weights differ from the initial ones: the score saw a trained model
     with torch.no_grad():
         init = -float(torch.nn.functional.cross_entropy(mf.model()(_g(mf)["_X"]), _g(mf)["_Y"]))
@@ -137,9 +135,8 @@ def test_score_is_computed_after_the_short_training_run_and_cached(tmp_path):
     assert _g(mf)["SCORED"] == [(True, False)] * 4
     assert sum(g.calls for g in gates.values()) == 4 and sum(len(g.cache) for g in gates.values()) == 2
     # re-measuring a scored candidate uses the cache
-    bf16 = next(tr for tr in done if tr.params["precision"] == "bf16")
-    again = t.evaluator.evaluate(dict(bf16.params))
-    assert again["score"] == bf16.user_attrs["score"] and again["score_s"] == 0.0
+    again = t.evaluator.evaluate({"batch_size": 4, "precision": "bf16", "graph_passes": False, "runtime": "eager"})
+    assert again["score"] == runs[4, "bf16"]["score"] and again["score_s"] == 0.0
     assert len(_g(mf)["SCORED"]) == 4
 
 
