@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 from typing import Any, Callable, Sequence
 
@@ -81,6 +81,7 @@ class FP8Plan:
             ``MAX_ALTERNATIVES``, the plan's own choice among them): ``{"keep", "error", "fp8_flop_share"}``.
         speeds: after :func:`choose_fastest`: each alternative's measured throughput (items/s; None when it
             failed to run), in the order of ``alternatives``; empty when not timed.
+        reused_from: the policy whose plan this one copies (:meth:`reused`), else None.
     """
 
     keep: tuple[str, ...]
@@ -93,10 +94,22 @@ class FP8Plan:
     alternatives: list[dict] = field(default_factory=list)
     speeds: list = field(default_factory=list)
     metric: str = METRIC_L2
+    reused_from: str | None = None
+    policy: str | None = None
 
     @property
     def usable(self) -> bool:
         return self.reason is None
+
+    def reused(self, policy: str) -> "FP8Plan":
+        """This plan's keep-list for the graphs of another cast ``policy``, without planning again.
+
+        Planning costs up to ``MAX_LAYER_RELEASES`` graphs and ``MAX_ALTERNATIVES`` compiles (on the H200 about
+        100 s per policy for BERT-base through Inductor), and the keep-list it finds depends on the linears'
+        error, which the FP8 GEMMs set whatever the policy does with the ops around them. So a study plans once
+        (for the first policy whose FP8 candidate runs) and reuses the keep-list; the reusing trial's own accuracy
+        check on fresh inputs still decides whether it is feasible."""
+        return replace(self, reused_from=self.policy or "another", policy=policy, speeds=[])
 
     def summary(self) -> str:
         """One line for the report."""
@@ -111,6 +124,8 @@ class FP8Plan:
             timed = (f"; the fastest of {len(self.alternatives)} keep-lists under the aim, timed (bf16 kept: "
                      "items/s): " + "; ".join(f"{name(a)}: {v:,.0f}" if v else f"{name(a)}: failed"
                                              for a, v in zip(self.alternatives, self.speeds)))
+        if self.reused_from:
+            timed = f"; planned under the {self.reused_from} policy and reused (not re-planned)"
         return (f"FP8 keep-list {', '.join(self.keep)} stays bf16; {self.fp8_flop_share:.0%} of the linear FLOPs run "
                 f"FP8 ({self._what} {self.error:.2e}, aim {self.target:.2e}; all-FP8: "
                 f"{self.steps[0]['error']:.2e}){timed}")
@@ -124,7 +139,7 @@ class FP8Plan:
         return {"summary": self.summary(), "keep": list(self.keep), "error": self.error, "target": self.target,
                 "fp8_flop_share": self.fp8_flop_share, "roles": dict(self.roles), "steps": list(self.steps),
                 "reason": self.reason, "alternatives": list(self.alternatives), "speeds": list(self.speeds),
-                "metric": self.metric}
+                "metric": self.metric, "reused_from": self.reused_from}
 
 
 def role(path: str) -> str:

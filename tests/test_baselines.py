@@ -10,7 +10,7 @@ from tctune.measure import time_interleaved
 from tctune.modelfile import load_model_file
 from tctune.optimize import optimize
 from tctune.search import TuneConfig, Tuner, best_trial
-from tctune.search.baselines import CastModel, candidate_params, interleaved_speedup, plain_baselines
+from tctune.search.baselines import CastModel, baseline_label, candidate_params, interleaved_speedup, plain_baselines
 from tctune.search.results import headline
 
 from zoo import TINY_MODEL_FILE as TINY  # noqa: E402 - the model of the `tiny` fixture (conftest.py)
@@ -243,6 +243,12 @@ def test_compile_baseline_is_torch_compile_of_the_fastest_feasible_eager_baselin
     got = t.compile_baselines(study)
     assert [(b.name, b.params["batch_size"], b.params["runtime"], b.model_cast) for b in got] == [
         ("compile_cast_bf16", 4, "inductor", True), ("compile_cast_bf16", 16, "inductor", True)]
+    t.search_space = dataclasses.replace(t.search_space, runtimes=("eager", "inductor", "inductor-cudagraphs"))
+    got = t.compile_baselines(study)  # with CUDA graphs searched: mode="reduce-overhead" beside mode default
+    assert [(b.name, b.params["batch_size"], b.params["runtime"]) for b in got] == [
+        ("compile_cast_bf16", 4, "inductor"), ("compile_ro_cast_bf16", 4, "inductor-cudagraphs"),
+        ("compile_cast_bf16", 16, "inductor"), ("compile_ro_cast_bf16", 16, "inductor-cudagraphs")]
+    assert baseline_label("compile_ro_cast_bf16") == "torch.compile(model.to(torch.bfloat16), mode='reduce-overhead')"
 
 
 def test_every_side_by_side_entry_that_can_win_has_its_batch_sizes_baselines(tiny, tmp_path):

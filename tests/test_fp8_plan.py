@@ -270,6 +270,23 @@ def test_tuner_plans_once_per_policy_and_builds_the_planned_graph(tmp_path):
 
 
 @zoo.SCALED_MM_ROW
+def test_a_second_policy_reuses_the_first_plan_without_planning_again(tmp_path, monkeypatch):
+    tuner = _tuner(tmp_path, max_error_fp8=0.05)
+    first = tuner.evaluator.fp8_keep("pure", 4)
+    monkeypatch.setattr(InferenceEvaluator, "_plan_fp8", lambda *a: pytest.fail("must not plan again"))
+    assert tuner.evaluator.fp8_keep("autocast", 4) == first
+    plan = tuner.fp8_plans["autocast"]
+    assert plan.reused_from == "pure" and plan.policy == "autocast" and tuner.fp8_plans["pure"].reused_from is None
+    assert plan.to_dict()["reused_from"] == "pure"
+    if plan.keep:
+        assert "planned under the pure policy and reused" in plan.summary()
+    # the reusing policy's FP8 graph is still built and checked like any candidate
+    cand = tuner.build({"batch_size": 4, "precision": "fp8", "graph_passes": True, "runtime": "eager",
+                        "policy": "autocast"})
+    assert next(r for r in cand.passes if r.name == "cast_fp8_linears").count > 0
+
+
+@zoo.SCALED_MM_ROW
 def test_tuner_times_the_plans_alternatives_and_builds_the_fastest(tmp_path, monkeypatch):
     tuner = _tuner(tmp_path, max_error_fp8=1.0)
     # every list is under this aim; make two alternatives by hand from the planned roles and time them for real

@@ -125,8 +125,17 @@ def plain_baselines(space, mode: str = "infer") -> list[Baseline]:
     return out
 
 
-def compile_baseline(fastest: Baseline) -> Baseline:
-    """``torch.compile`` (mode ``default``: runtime ``inductor``) of eager baseline ``fastest``."""
+#: Name prefix of the ``torch.compile(mode="reduce-overhead")`` baselines (Inductor + CUDA graphs).
+REDUCE_OVERHEAD = "compile_ro_"
+
+
+def compile_baseline(fastest: Baseline, cudagraphs: bool = False) -> Baseline:
+    """``torch.compile`` of eager baseline ``fastest``: mode ``default`` (runtime ``inductor``, named
+    ``compile_<name>``) or, with ``cudagraphs``, mode ``reduce-overhead`` (runtime ``inductor-cudagraphs``: Inductor
+    plus CUDA graphs, named ``compile_ro_<name>``), what a user tries next when a small model is launch-bound."""
+    if cudagraphs:
+        return Baseline(f"{REDUCE_OVERHEAD}{fastest.name}", dict(fastest.params, runtime="inductor-cudagraphs"),
+                        fastest.model_cast)
     return Baseline(f"compile_{fastest.name}", dict(fastest.params, runtime="inductor"), fastest.model_cast)
 
 
@@ -160,6 +169,9 @@ def preference(throughput: float, name: str | None, batch_size: int, number: int
 def baseline_label(name: str) -> str:
     """What a user calls baseline ``name``: ``"model.half() eager"`` for ``cast_fp16``, ``"torch.compile(autocast
     bf16)"`` for ``compile_autocast_bf16``; an unknown name is returned as is."""
+    if name.startswith(REDUCE_OVERHEAD):
+        inner = _LABELS.get(name[len(REDUCE_OVERHEAD):], name[len(REDUCE_OVERHEAD):])
+        return f"torch.compile({inner.removesuffix(' eager')}, mode='reduce-overhead')"
     if name.startswith("compile_"):
         inner = _LABELS.get(name[len("compile_"):], name[len("compile_"):])
         return f"torch.compile({inner.removesuffix(' eager')})"
@@ -280,5 +292,5 @@ class ClockMonitor:
 
 
 __all__ = ["BASELINE_PREFERENCE", "BOOTSTRAP_SAMPLES", "Baseline", "CastModel", "ClockMonitor", "OutputsTo",
-           "SIDE_BY_SIDE_BLOCK_S", "baseline_label", "baseline_rank", "preference",
+           "REDUCE_OVERHEAD", "SIDE_BY_SIDE_BLOCK_S", "baseline_label", "baseline_rank", "preference",
            "SIDE_BY_SIDE_ROUNDS", "candidate_params", "compile_baseline", "interleaved_speedup", "plain_baselines"]

@@ -166,7 +166,7 @@ class InferenceEvaluator:
 
     def fp8_keep(self, policy: str, batch_size: int) -> tuple[str, ...]:
         """The FP8 keep-list for graph candidates with ``policy``: ``--fp8-keep``'s patterns, or the one planned
-        once per policy from the error of FP8 graphs on the FP32 reference inputs at ``batch_size``
+        once per study (a later policy reuses the first usable plan, :meth:`tctune.fp8_plan.FP8Plan.reused`) from the error of FP8 graphs on the FP32 reference inputs at ``batch_size``
         (:func:`tctune.fp8_plan.plan_fp8_keep`, aiming at 0.9 × ``--max-error-fp8``), or, when the model file
         gives ``score``, from their score shortfall (aiming at 0.9 × the allowed shortfall, 0.01 by default).
 
@@ -176,7 +176,12 @@ class InferenceEvaluator:
         if self.cfg.fp8_keep is not None:
             return tuple(self.cfg.fp8_keep)
         if policy not in self.fp8_plans:
-            self.fp8_plans[policy] = self._plan_fp8(policy, batch_size)
+            planned = next((p for p in self.fp8_plans.values() if p.usable and p.reused_from is None), None)
+            if planned is not None:  # one plan per study: the keep-list is reused, the trial's own check decides
+                self.fp8_plans[policy] = planned.reused(policy)
+            else:
+                self.fp8_plans[policy] = self._plan_fp8(policy, batch_size)
+                self.fp8_plans[policy].policy = policy
             log.info("FP8 plan (%s policy): %s", policy, self.fp8_plans[policy].summary())
         plan = self.fp8_plans[policy]
         if not plan.usable:
