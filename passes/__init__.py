@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 import warnings
 from typing import Callable, Sequence
 
@@ -61,7 +62,8 @@ PASSES: dict[str, Callable[[torch.fx.GraphModule, PassSpec], PassResult]] = {
 
 
 def run_pipeline(
-    gm: torch.fx.GraphModule, spec: PassSpec, names: Sequence[str] = PIPELINE
+    gm: torch.fx.GraphModule, spec: PassSpec, names: Sequence[str] = PIPELINE,
+    seconds: dict[str, float] | None = None,
 ) -> list[PassResult]:
     """Run the passes ``names`` on ``gm`` in order, in place.
 
@@ -69,6 +71,8 @@ def run_pipeline(
         gm: an ATen-level graph module from ``torch.export`` (``ExportedProgram.module()``).
         spec: target facts shared by every pass.
         names: pass names, in order; each must be a key of ``PASSES``.
+        seconds: when given, each pass's wall time in seconds (``time.perf_counter``) is added to
+            ``seconds[name]`` (a pass that raises is not recorded).
 
     Returns:
         One ``PassResult`` per pass, in the order run.
@@ -84,6 +88,7 @@ def run_pipeline(
         raise ValueError(f"unknown pass(es) {unknown}; known passes: {sorted(PASSES)}")
     results: list[PassResult] = []
     for name in names:
+        t0 = time.perf_counter()
         try:
             results.append(PASSES[name](gm, spec))
         except Exception as exc:
@@ -94,6 +99,8 @@ def run_pipeline(
             err.pass_name = name
             err.ran_before = ran
             raise err from exc
+        if seconds is not None:
+            seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
     return results
 
 

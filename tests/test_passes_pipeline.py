@@ -36,6 +36,19 @@ def test_run_pipeline_parity(name, precision):
     assert all(r.count == 0 for r in run_pipeline(gm, PassSpec(precision=precision, alignment=zoo.ALIGNMENT)))
 
 
+def test_run_pipeline_records_each_pass_seconds_when_asked():
+    model, gm, entry = zoo.build("conv_bn")
+    spec = PassSpec(precision="fp16", alignment=zoo.ALIGNMENT)
+    seconds = {"fold_conv_batchnorm": 1.0}  # adds to what is there
+
+    results = run_pipeline(gm, spec, seconds=seconds)
+
+    assert list(seconds) == list(PIPELINE) and all(v >= 0 for v in seconds.values())
+    assert seconds["fold_conv_batchnorm"] >= 1.0
+    assert [r.name for r in results] == list(PIPELINE) and results[0].count == 2  # same rewrites as without it
+    zoo.assert_matches_eager(model, gm, entry.example_inputs(5), "fp16")
+
+
 def test_run_pipeline_names_failing_pass(monkeypatch):
     _, gm, _ = zoo.build("mlp")
 
