@@ -17,11 +17,14 @@ times, compiled the way ``zoo.py`` compiles them and in its order:
 ``inductor``   ``torch.compile(copy.deepcopy(model).to(dt))``, floating inputs cast to dt
 =============  ==========================================================================================
 
-Each side: compile seconds (wall time of the first call; the backend's per-stage seconds from its
-``SubgraphReport.seconds``), ``--warmup`` more calls, the wall time per call over ``--iters`` calls (CUDA
-events, ``time.perf_counter`` on the CPU; the two sides timed one after the other, outside the profiler), then
-``torch.profiler`` over ``--iters`` calls: CUDA device activity (kernels, memcpy, memset; self device time) on
-CUDA, CPU operators (self CPU time) on the CPU, so the script runs and is tested without a GPU.
+Before both, a tiny unrelated function is compiled with Inductor (``warm_compile_s``): the one-off costs of a
+process's first compile (Inductor's compile worker pool, Triton and C++ toolchain checks) would otherwise be
+charged to whichever side compiles first (``zoo.py``'s tctune). Each side: compile seconds (wall time of the
+first call; the backend's per-stage seconds from its ``SubgraphReport.seconds`` and per-pass seconds from its
+``pass_seconds``, summed over subgraphs), ``--warmup`` more calls, the wall time per call over ``--iters``
+calls (CUDA events, ``time.perf_counter`` on the CPU; the two sides timed one after the other, outside the
+profiler), then ``torch.profiler`` over ``--iters`` calls: CUDA device activity (kernels, memcpy, memset; self
+device time) on CUDA, CPU operators (self CPU time) on the CPU, so the script runs and is tested without a GPU.
 
 Kernels are matched across the two sides by :func:`normalize` (Inductor names its generated Triton kernels
 ``triton_<kind>_fused_<ops>_<index>``, and the index differs between two compiles: it is dropped) and grouped by
@@ -34,7 +37,8 @@ Output, one folder per model (``/`` in a name becomes ``__``)::
                             "iters", "status", "reason", "sides": {"inductor" | "tctune": {"compile_s", "wall_ms",
                             "kernel_us_per_iter", "launches_per_iter", "kernels": [{"name", "category", "calls",
                             "total_us", "us_per_iter", "share"}]}}, "tctune_report": {"subgraphs", "fallbacks",
-                            "stage_s", "summaries"}, "categories": {cat: {"inductor_us", "tctune_us", "delta_us"}},
+                            "stage_s", "pass_s", "summaries"}, "warm_compile_s",
+                            "categories": {cat: {"inductor_us", "tctune_us", "delta_us"}},
                             "top_delta": [{"name", "category", "inductor_calls", "inductor_us", "tctune_calls",
                             "tctune_us", "delta_us"}]}
     OUT/NAME/profile.md    the diff table of that model (:func:`model_markdown`)
@@ -262,6 +266,9 @@ def model_markdown(row: dict) -> str:
     ratio = i["wall_ms"] / t["wall_ms"] if i.get("wall_ms") and t.get("wall_ms") else None
     rep = row.get("tctune_report") or {}
     stages = ", ".join(f"{k} {v:.2f}" for k, v in (rep.get("stage_s") or {}).items())
+    slow = sorted((rep.get("pass_s") or {}).items(), key=lambda kv: -kv[1])[:3]
+    if slow:
+        stages += " (slowest passes: " + ", ".join(f"{k} {v:.2f}" for k, v in slow) + ")"
     lines = head + [
         f"{row.get('suite')}, batch {row.get('batch_size')}, {row.get('dtype')}, {row.get('device')}, "
         f"{row.get('iters')} profiled calls per side ({row.get('kind')}).", "",
@@ -358,6 +365,16 @@ def profile_model(entry, args: argparse.Namespace) -> dict:
     options = {"precision": args.dtype, "policy": "pure"}
     fns: dict = {}
     with torch.no_grad():
+        # One-off costs of the process's first Inductor compile (compile worker pool, Triton / C++ toolchain
+        # checks) are paid here, so neither side's compile seconds carry them.
+        row["current"] = "warm-up compile"
+        save()
+        t = time.perf_counter()
+        x = torch.randn(64, device=args.device)
+        torch.compile(lambda v: (v * 2).sin() + 1)(x)
+        zoo._sync(cuda)
+        row["warm_compile_s"] = round(time.perf_counter() - t, 3)
+        torch._dynamo.reset()
         for side in ("tctune", "inductor"):  # zoo.py's order: tctune first
             row["current"] = f"compile {side}"
             save()
@@ -380,10 +397,13 @@ def profile_model(entry, args: argparse.Namespace) -> dict:
             if side == "tctune":
                 reps = list(tb.reports)
                 stage: dict[str, float] = {}
+                per_pass: dict[str, float] = {}
                 for r in reps:
                     for k, v in r.seconds.items():
                         stage[k] = round(stage.get(k, 0.0) + v, 3)
-                row["tctune_report"] = {"subgraphs": len(reps), "stage_s": stage,
+                    for k, v in getattr(r, "pass_seconds", {}).items():
+                        per_pass[k] = round(per_pass.get(k, 0.0) + v, 4)
+                row["tctune_report"] = {"subgraphs": len(reps), "stage_s": stage, "pass_s": per_pass,
                                         "fallbacks": [(r.fallback.strip().splitlines() or [""])[0][:300]
                                                       for r in reps if r.fallback],
                                         "summaries": [r.summary()[:400] for r in reps[:16]]}

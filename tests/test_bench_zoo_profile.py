@@ -116,6 +116,7 @@ def test_tiny_distilbert_end_to_end_on_cpu(tmp_path):
         assert abs(sum(k["share"] for k in s["kernels"]) - 1) < 1e-2
     rep = row["tctune_report"]
     assert rep["subgraphs"] >= 1 and rep["fallbacks"] == [] and {"export", "passes", "inductor"} <= set(rep["stage_s"])
+    assert rep["pass_s"].get("cast_precision", -1) >= 0 and row["warm_compile_s"] > 0
     assert row["categories"] and 0 < len(row["top_delta"]) <= prof.TOP
     for c in row["categories"].values():
         assert c["delta_us"] == pytest.approx(c["tctune_us"] - c["inductor_us"], abs=0.02)
