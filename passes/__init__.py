@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from passes._graph import deferred_recompile
 from passes.base import DEFAULT_KEEP_LIST, PRECISIONS, PassFailure, PassResult, PassSpec, Skip
 from passes.calibrate import calibrate_ranges, overflow_nodes
 from passes.cast_fp8 import cast_fp8_linears
@@ -87,6 +88,12 @@ def run_pipeline(
     if unknown:
         raise ValueError(f"unknown pass(es) {unknown}; known passes: {sorted(PASSES)}")
     results: list[PassResult] = []
+    with deferred_recompile():  # one code generation for the passes that rewrote gm, not one per pass
+        _run_passes(gm, spec, names, seconds, results)
+    return results
+
+
+def _run_passes(gm, spec, names, seconds, results) -> None:
     for name in names:
         t0 = time.perf_counter()
         try:
@@ -101,7 +108,6 @@ def run_pipeline(
             raise err from exc
         if seconds is not None:
             seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
-    return results
 
 
 #: Passes that decide a candidate's precision: leaving one out would measure a graph that is not at the precision

@@ -249,7 +249,8 @@ class SubgraphReport:
             (tctune's pipeline) and ``inductor`` (``compile_fx``: AOT autograd + code generation up to the
             first call; Triton kernels may still compile lazily on that call).
         pass_seconds: wall time of each pass of ``passes``, in seconds, by pass name (the fp16 calibration
-            run is in ``passes`` but in no pass); empty after a fallback.
+            run and the graph's one recompile after the passes are in ``passes`` but in no pass); empty after
+            a fallback.
         policy: the cast policy used (``"autocast"`` or ``"pure"``).
         notes: what the backend decided beyond the passes, one line each: the fp16 calibration
             (``"fp16 calibrated on the first call's inputs: 2 op(s) kept FP32 for overflow"``), a switch to
