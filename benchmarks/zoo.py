@@ -878,7 +878,8 @@ def measure_model(entry: Entry, args: argparse.Namespace) -> dict:
 
     Returns:
         The row: ``status`` (ok, not_built, error), ``variants`` {name: {ok, error, compile_s, ms,
-        items_per_s, rel_err, nonfinite, ...}}, ``tctune`` {fallbacks, subgraphs, summaries}, and the setup.
+        items_per_s, rel_err, nonfinite, ...}}, ``tctune`` {fallbacks, subgraphs, summaries, stage_seconds and
+        pass_seconds per subgraph (``SubgraphReport.seconds`` / ``.pass_seconds``)}, and the setup.
     """
     import torch
 
@@ -1021,7 +1022,9 @@ def measure_model(entry: Entry, args: argparse.Namespace) -> dict:
                              "options": options, "subgraphs": len(reports),
                              "fallbacks": [(r.fallback.strip().splitlines() or [""])[0][:300]
                                            for r in reports if r.fallback],
-                             "summaries": [r.summary()[:400] for r in reports[:32]]}
+                             "summaries": [r.summary()[:400] for r in reports[:32]],
+                             "stage_seconds": [dict(r.seconds) for r in reports[:32]],
+                             "pass_seconds": [dict(getattr(r, "pass_seconds", {})) for r in reports[:32]]}
         else:
             record("tctune", lambda: model, inputs)  # records it as not requested
         record("inductor", lambda: torch.compile(low), low_inputs)
