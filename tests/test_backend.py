@@ -296,7 +296,7 @@ def test_backend_falls_back_to_inductor_when_a_pass_raises(monkeypatch, caplog):
     the FP32 graph; the reason is in the report and warned about once for two subgraphs."""
     import torch._inductor.compile_fx as cfx
 
-    def boom(gm, spec, names=()):
+    def boom(gm, spec, names=(), seconds=None):  # run_pipeline's signature
         raise RuntimeError("injected pass failure")
 
     seen: list[torch.fx.GraphModule] = []
@@ -328,7 +328,7 @@ def test_backend_falls_back_to_inductor_when_a_pass_raises(monkeypatch, caplog):
 
 
 def test_backend_fallback_fp32_compiles_the_graph_as_is(monkeypatch):
-    def boom(gm, spec, names=()):
+    def boom(gm, spec, names=(), seconds=None):  # run_pipeline's signature
         raise RuntimeError("injected pass failure")
 
     monkeypatch.setattr(tb, "run_pipeline", boom)
