@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 import warnings
 from typing import Callable, Sequence
 
 import torch
 
+from passes._graph import deferred_recompile
 from passes.base import DEFAULT_KEEP_LIST, PRECISIONS, PassFailure, PassResult, PassSpec, Skip
 from passes.calibrate import calibrate_ranges, overflow_nodes
 from passes.cast_fp8 import cast_fp8_linears
@@ -61,7 +63,8 @@ PASSES: dict[str, Callable[[torch.fx.GraphModule, PassSpec], PassResult]] = {
 
 
 def run_pipeline(
-    gm: torch.fx.GraphModule, spec: PassSpec, names: Sequence[str] = PIPELINE
+    gm: torch.fx.GraphModule, spec: PassSpec, names: Sequence[str] = PIPELINE,
+    seconds: dict[str, float] | None = None,
 ) -> list[PassResult]:
     """Run the passes ``names`` on ``gm`` in order, in place.
 
@@ -69,6 +72,8 @@ def run_pipeline(
         gm: an ATen-level graph module from ``torch.export`` (``ExportedProgram.module()``).
         spec: target facts shared by every pass.
         names: pass names, in order; each must be a key of ``PASSES``.
+        seconds: when given, each pass's wall time in seconds (``time.perf_counter``) is added to
+            ``seconds[name]`` (a pass that raises is not recorded).
 
     Returns:
         One ``PassResult`` per pass, in the order run.
@@ -83,7 +88,14 @@ def run_pipeline(
     if unknown:
         raise ValueError(f"unknown pass(es) {unknown}; known passes: {sorted(PASSES)}")
     results: list[PassResult] = []
+    with deferred_recompile():  # one code generation for the passes that rewrote gm, not one per pass
+        _run_passes(gm, spec, names, seconds, results)
+    return results
+
+
+def _run_passes(gm, spec, names, seconds, results) -> None:
     for name in names:
+        t0 = time.perf_counter()
         try:
             results.append(PASSES[name](gm, spec))
         except Exception as exc:
@@ -94,7 +106,8 @@ def run_pipeline(
             err.pass_name = name
             err.ran_before = ran
             raise err from exc
-    return results
+        if seconds is not None:
+            seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
 
 
 #: Passes that decide a candidate's precision: leaving one out would measure a graph that is not at the precision

@@ -6,6 +6,8 @@ model it was captured from, so every rewrite stores a *new* tensor under the att
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Any
 
 import torch
@@ -201,8 +203,35 @@ def copy_meta(src: fx.Node, dst: fx.Node, val: Any = None) -> None:
         dst.meta["val"] = val
 
 
+#: Graph modules whose ``recompile`` :func:`finish` left to :func:`deferred_recompile`'s block (None: no block).
+_DEFERRED: contextvars.ContextVar[list | None] = contextvars.ContextVar("tctune_deferred_recompile", default=None)
+
+
 def finish(gm: fx.GraphModule) -> None:
-    """Clean up after a rewrite: dead-code elimination, lint, recompile (callers do this only on change)."""
+    """Clean up after a rewrite: dead-code elimination, lint, recompile (callers do this only on change).
+
+    Inside :func:`deferred_recompile` the recompile (regenerating ``gm.forward``'s Python code, the costly part on
+    a large graph) waits until the block ends; passes read ``gm.graph``, never ``gm.code``.
+    """
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
-    gm.recompile()
+    pending = _DEFERRED.get()
+    if pending is None:
+        gm.recompile()
+    elif not any(g is gm for g in pending):
+        pending.append(gm)
+
+
+@contextlib.contextmanager
+def deferred_recompile():
+    """Within the block, :func:`finish` marks graph modules for recompiling instead of recompiling each time;
+    each one marked is recompiled once when the block exits (also when it raises), so several passes that
+    rewrite one graph pay one code generation."""
+    pending: list = []
+    token = _DEFERRED.set(pending)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+        for gm in pending:
+            gm.recompile()

@@ -262,6 +262,9 @@ class SubgraphReport:
         seconds: wall time of each step, in seconds: ``export`` (re-export of Dynamo's graph), ``passes``
             (tctune's pipeline) and ``inductor`` (``compile_fx``: AOT autograd + code generation up to the
             first call; Triton kernels may still compile lazily on that call).
+        pass_seconds: wall time of each pass of ``passes``, in seconds, by pass name (the fp16 calibration
+            run and the graph's one recompile after the passes are in ``passes`` but in no pass); empty after
+            a fallback.
         policy: the cast policy used (``"autocast"`` or ``"pure"``).
         notes: what the backend decided beyond the passes, one line each: the fp16 calibration
             (``"fp16 calibrated on the first call's inputs: 2 op(s) kept FP32 for overflow"``), a switch to
@@ -278,6 +281,7 @@ class SubgraphReport:
     fallback: str = ""
     frozen: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
+    pass_seconds: dict[str, float] = field(default_factory=dict)
     policy: str = "autocast"
     notes: list[str] = field(default_factory=list)
 
@@ -443,6 +447,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, cfg: BackendConfig) -> Ca
         reason = f"{type(exc).__name__}: {exc}"
         report.fallback = reason
         report.results = []
+        report.pass_seconds = {}
         compiled = _fallback(gm, example_inputs, report, cfg.config_patches(), cfg.output_dtype)
     _record(report)
     return compiled
@@ -698,16 +703,18 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
         t1 = time.perf_counter()
         report.seconds["export"] = round(t1 - t0, 3)
         names = cfg.pass_names()
+        pass_s: dict[str, float] = {}
         if spec.precision == "fp16":
             # Overflow analysis on the first call's inputs, before the casting passes (module docstring).
             cut = next((i for i, n in enumerate(names) if n in _CAST_PASSES), len(names))
-            report.results = run_pipeline(exported, spec, names[:cut])
+            report.results = run_pipeline(exported, spec, names[:cut], seconds=pass_s)
             spec = _calibrate_fp16(exported, runtime_args, spec, report, hw, cfg.policy)
-            report.results += run_pipeline(exported, spec, names[cut:])
+            report.results += run_pipeline(exported, spec, names[cut:], seconds=pass_s)
         else:
-            report.results = run_pipeline(exported, spec, names)
+            report.results = run_pipeline(exported, spec, names, seconds=pass_s)
     t2 = time.perf_counter()
     report.seconds["passes"] = round(t2 - t1, 3)
+    report.pass_seconds = {n: round(v, 4) for n, v in pass_s.items()}
     for r in report.results:
         logger.debug("tctune pass %s: %d rewrites, %d skipped", r.name, r.count, len(r.skipped))
     _stable_cache_key(exported)

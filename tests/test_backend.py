@@ -165,6 +165,9 @@ def test_backend_policy_pure_casts_the_keep_list_too():
         rep = tb.reports[-1]
         assert not rep.fallback, rep.fallback
         assert set(rep.seconds) == {"export", "passes", "inductor"} and all(v >= 0 for v in rep.seconds.values())
+        assert list(rep.pass_seconds) == [r.name for r in rep.results]
+        assert all(v >= 0 for v in rep.pass_seconds.values())
+        assert sum(rep.pass_seconds.values()) <= rep.seconds["passes"] + 1e-3
         assert rep.policy == policy and f"({policy} policy, inference)" in repr(rep) and "cast_precision" in rep.summary()
         cast = next(r for r in rep.results if r.name == "cast_precision")
         kept[policy] = [s for s in cast.skipped if "keep-list" in s.reason]
@@ -293,7 +296,7 @@ def test_backend_falls_back_to_inductor_when_a_pass_raises(monkeypatch, caplog):
     the FP32 graph; the reason is in the report and warned about once for two subgraphs."""
     import torch._inductor.compile_fx as cfx
 
-    def boom(gm, spec, names=()):
+    def boom(gm, spec, names=(), seconds=None):  # run_pipeline's signature
         raise RuntimeError("injected pass failure")
 
     seen: list[torch.fx.GraphModule] = []
@@ -325,7 +328,7 @@ def test_backend_falls_back_to_inductor_when_a_pass_raises(monkeypatch, caplog):
 
 
 def test_backend_fallback_fp32_compiles_the_graph_as_is(monkeypatch):
-    def boom(gm, spec, names=()):
+    def boom(gm, spec, names=(), seconds=None):  # run_pipeline's signature
         raise RuntimeError("injected pass failure")
 
     monkeypatch.setattr(tb, "run_pipeline", boom)

@@ -203,6 +203,15 @@ def test_summarize_computes_speedups_and_flags():
     assert failed["tctune_error"] == "RuntimeError: boom"
 
 
+def test_summary_records_the_tctune_variants_output_contract():
+    row = _row("m", tct=300.0, ind=250.0)
+    row["tctune"]["options"] = {"precision": "bf16", "policy": "pure"}
+    assert zoo.summarize(row)["output_dtype"] == "fp32"  # a row from before the option: the backend's default
+    row["tctune"]["options"]["output_dtype"] = zoo.TCTUNE_OUTPUT_DTYPE
+    assert zoo.TCTUNE_OUTPUT_DTYPE == "compute"  # the contract of torch.compile(model.to(dt)), its baseline
+    assert zoo.summarize(row)["output_dtype"] == "compute"
+
+
 def test_geomean():
     assert zoo.geomean([2.0, 0.5]) == pytest.approx(1.0)
     assert zoo.geomean([1.21, 1.0, None, math.inf]) == pytest.approx(1.1)
@@ -324,7 +333,7 @@ def test_tiny_dry_run_end_to_end_on_cpu(tmp_path):
                      "--out", str(tmp_path)]) == 0
     row = json.loads(zoo.row_path(tmp_path, "BertForMaskedLM").read_text())
     assert row["status"] == "ok", row.get("reason")
-    assert row["batch_size"] == 2 and row["tiny"] is True
+    assert row["batch_size"] == 2 and row["tiny"] is True and row["output_dtype"] == zoo.TCTUNE_OUTPUT_DTYPE
     v = row["variants"]
     assert v["fp32_eager"]["items_per_s"] > 0 and v["eager"]["items_per_s"] > 0
     assert 0 < v["eager"]["rel_err"] < 5e-2 and v["eager"]["nonfinite"] == 0  # bf16 against FP32

@@ -29,7 +29,7 @@ from tctune.search.baselines import CastModel, OutputsTo, candidate_params
 from tctune.trial import OUTPUT_DTYPES, apply_passes
 
 from passes.base import PassSpec
-from zoo import capture, rel_l2
+from zoo import SCALED_MM_ROW, capture, rel_l2
 
 _CAST = torch.ops.aten._to_copy.default
 
@@ -109,6 +109,22 @@ def test_fp16_compute_outputs_are_fp16():
         out, ref = g(*x), model(*x)
     assert out["logits"].dtype == torch.float16 and _trailing_up_casts(g) == []
     assert rel_l2(out["logits"].float(), ref["logits"]) < 2e-2
+
+
+@SCALED_MM_ROW
+def test_fp8_graph_leaves_its_bf16_outputs_under_compute():
+    model = _model()
+    gm = capture(model, _inputs(2, 0))
+    hw = resolve("h100")
+    low, results = apply_passes(gm, hw, "fp8", policy="pure", output_dtype="compute")
+    full, _ = apply_passes(gm, hw, "fp8", policy="pure", output_dtype="fp32")
+    assert next(r for r in results if r.name == "cast_fp8_linears").count == 2  # both linears run FP8
+    x = _inputs(3, 23)
+    with torch.no_grad():
+        lo, hi, ref = low(*x), full(*x), model(*x)
+    assert lo["logits"].dtype == torch.bfloat16 and hi["logits"].dtype == torch.float32
+    assert _trailing_up_casts(low) == [] and _trailing_up_casts(full)
+    assert torch.equal(lo["logits"].float(), hi["logits"]) and rel_l2(hi["logits"], ref["logits"]) < 8e-2
 
 
 def test_bad_output_dtype_values_raise_one_clear_error():

@@ -36,6 +36,62 @@ def test_run_pipeline_parity(name, precision):
     assert all(r.count == 0 for r in run_pipeline(gm, PassSpec(precision=precision, alignment=zoo.ALIGNMENT)))
 
 
+def test_run_pipeline_records_each_pass_seconds_when_asked():
+    model, gm, entry = zoo.build("conv_bn")
+    spec = PassSpec(precision="fp16", alignment=zoo.ALIGNMENT)
+    seconds = {"fold_conv_batchnorm": 1.0}  # adds to what is there
+
+    results = run_pipeline(gm, spec, seconds=seconds)
+
+    assert list(seconds) == list(PIPELINE) and all(v >= 0 for v in seconds.values())
+    assert seconds["fold_conv_batchnorm"] >= 1.0
+    assert [r.name for r in results] == list(PIPELINE) and results[0].count == 2  # same rewrites as without it
+    zoo.assert_matches_eager(model, gm, entry.example_inputs(5), "fp16")
+
+
+def _count_recompiles(gm) -> list:
+    calls: list = []
+    original = gm.recompile
+
+    def counted():
+        calls.append(1)
+        return original()
+
+    gm.recompile = counted  # an instance attribute: finish() and deferred_recompile() call it
+    return calls
+
+
+def test_run_pipeline_recompiles_once_for_all_the_passes_that_fired():
+    model, gm, entry = zoo.build("conv_bn")
+    calls = _count_recompiles(gm)
+
+    results = run_pipeline(gm, PassSpec(precision="fp16", alignment=zoo.ALIGNMENT))
+
+    assert len([r for r in results if r.count]) >= 2  # fold_conv_batchnorm and cast_precision both rewrote it
+    assert len(calls) == 1
+    zoo.assert_matches_eager(model, gm, entry.example_inputs(5), "fp16")  # gm.forward is the rewritten graph
+
+
+def test_a_pass_called_alone_still_recompiles_and_a_failure_leaves_gm_recompiled(monkeypatch):
+    model, gm, entry = zoo.build("conv_bn")
+    calls = _count_recompiles(gm)
+    assert passes.fold_conv_batchnorm(gm, PassSpec(precision="fp32")).count == 2
+    assert len(calls) == 1
+    zoo.assert_matches_eager(model, gm, entry.example_inputs(5), "fp32")
+
+    model, gm, entry = zoo.build("conv_bn")
+    calls = _count_recompiles(gm)
+
+    def broken(gm, spec):
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(passes.PASSES, "pad_conv_channels", broken)
+    with pytest.raises(PassFailure):
+        run_pipeline(gm, PassSpec(precision="fp32"), ["fold_conv_batchnorm", "pad_conv_channels"])
+    assert len(calls) == 1  # the folded graph's code was generated once, on the way out
+    zoo.assert_matches_eager(model, gm, entry.example_inputs(5), "fp32")
+
+
 def test_run_pipeline_names_failing_pass(monkeypatch):
     _, gm, _ = zoo.build("mlp")
 

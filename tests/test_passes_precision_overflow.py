@@ -110,3 +110,28 @@ def test_cast_precision_overflow_names_bert_module():
     reasons = {s.node: s.reason for s in result.skipped}
     assert reasons[dense.name] == "overflow: max |x| 7.1e4 > 65504/2 at fp16 (module encoder.layer.0.attention.output.dense)"
     zoo.assert_matches_eager(model, gm, entry.example_inputs(2), "fp16")
+
+
+@pytest.mark.parametrize("low", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_out_of_range_check_matches_the_elementwise_definition(low, dtype):
+    """The weight range check (one aminmax, an element-wise pass only when an end is non-finite or beyond the
+    range) answers as "some finite |x| exceeds finfo(low).max" on every mix of inf, NaN, big and normal values."""
+    from passes.cast_precision import _has_out_of_range
+
+    def reference(t):
+        mag = t.abs()
+        return bool(((mag > torch.finfo(low).max) & torch.isfinite(mag)).any())
+
+    inf, nan = float("inf"), float("nan")
+    g = torch.Generator().manual_seed(3)
+    cases = [torch.randn(257, generator=g), torch.randn(16, 16, generator=g) * 1e5, [7e4, 2.0], [-7e4, 2.0],
+             [inf, 1.0], [inf, 7e4], [nan, 1.0], [nan, -7e4], [-inf, inf], [-inf, -7e4, 3.0], [nan], [65504.0],
+             [65520.0], [3.39e38, 3.4e38], [3.4e38, inf], [[nan, inf], [1e6, 0.0]]]
+    for case in cases:
+        t = (case if isinstance(case, torch.Tensor) else torch.tensor(case)).to(dtype)
+        assert _has_out_of_range(t, low) == reference(t), (case, low, dtype)
+    assert _has_out_of_range(torch.empty(0, dtype=dtype), low) is False
+    big = torch.randn(64, generator=g, dtype=dtype)
+    big[5] = 1e5
+    assert _has_out_of_range(big, low) == (low == torch.float16)
