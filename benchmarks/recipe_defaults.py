@@ -160,7 +160,8 @@ def main(argv=None) -> int:
     ap.add_argument("--drop-artifacts", action="store_true",
                     help="after reading each report, delete the run's engines, ONNX, archives, study.db and plots")
     ap.add_argument("--from-reports", action="store_true",
-                    help="run nothing: summarize the report.json already in OUT/<name>/")
+                    help="run nothing: summarize the report.json already in OUT/<name>/ (exit status and wall seconds "
+                         "kept from OUT/summary.json when an earlier run wrote it)")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -168,11 +169,16 @@ def main(argv=None) -> int:
     if "--out" in extra:
         raise SystemExit("recipe_defaults: --extra must not set --out (each recipe writes to OUT/<name>)")
     rows = []
+    prior = {}  # --from-reports keeps what an earlier run of this script recorded (exit status, wall seconds)
+    if args.from_reports and (out / "summary.json").is_file():
+        prior = {r["recipe"]: r for r in json.loads((out / "summary.json").read_text()).get("recipes", [])}
     for name in [n.strip() for n in args.recipes.split(",") if n.strip()]:
         model = recipe_path(name)
         folder = out / model.stem
         if args.from_reports:
-            run = {"command": None, "wall_s": None, "exit": None, "console_tail": []}
+            old = prior.get(model.stem, {})
+            run = {"command": old.get("command"), "wall_s": old.get("wall_s"), "exit": old.get("exit"),
+                   "console_tail": old.get("console_tail", [])}
         else:
             print(f"recipe_defaults: {model.stem}: tctune optimize {model.name} {shlex.join(extra)}".rstrip(), flush=True)
             run = run_one(model, folder, extra, args.timeout_per_recipe)
