@@ -46,7 +46,12 @@ def test_runs_a_model_file_and_summarizes_its_report(tiny, tmp_path):
     # summarize again without running: the same fields from the kept report
     assert rd.main(["--recipes", str(tiny), "--out", str(out), "--from-reports"]) == 0
     (again,) = json.loads((out / "summary.json").read_text())["recipes"]
-    assert again["exit"] is None and again["name"] == row["name"] and again["throughput"] == row["throughput"]
+    assert again["name"] == row["name"] and again["throughput"] == row["throughput"]
+    assert again["exit"] == 0 and again["wall_s"] == row["wall_s"]  # kept from the earlier summary.json
+    (out / "summary.json").unlink()  # with no earlier summary, nothing is known about the run itself
+    assert rd.main(["--recipes", str(tiny), "--out", str(out), "--from-reports"]) == 0
+    (third,) = json.loads((out / "summary.json").read_text())["recipes"]
+    assert third["exit"] is None and third["wall_s"] is None and third["name"] == row["name"]
 
 
 def test_markdown_row_of_a_baseline_answer_and_a_failed_run():
