@@ -430,7 +430,9 @@ def test_export_from_best_config_rebuilds_the_measured_graph(tmp_path, precision
     f = tmp_path / "overflow.py"
     f.write_text(OVERFLOW_MODEL)
     hw = resolve("h100")  # plans fp16 alignment; the graphs are built (not timed) on this CPU
-    cfg = TuneConfig(out_dir=str(tmp_path / "out"), batch_sizes=(4, 8), quiet=True, export=False)
+    # engines keep FP32 outputs whatever the search's output contract (tctune.trial.build_trial_graph): the
+    # measured graph equals the rebuilt one node for node under the "fp32" contract
+    cfg = TuneConfig(out_dir=str(tmp_path / "out"), batch_sizes=(4, 8), quiet=True, export=False, output_dtype="fp32")
     tuner = Tuner(cfg, load_model_file(f), hw, device=torch.device("cpu"))
     params = {"batch_size": 8, "precision": precision, "graph_passes": True, "runtime": "eager", "policy": policy}
     measured = tuner.build(params)
