@@ -234,3 +234,31 @@ def test_an_autocast_winner_still_exports_tctune_graph_of_the_model_as_written(t
     # tctune's autocast-policy graph: the GEMM weights low, the ops autocast runs in FP32 (the buffer added
     # after the activation) keep FP32 constants; the cast model has none (test above)
     assert {onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16} <= {i.data_type for i in inits}
+
+
+def test_tctune_export_rebuilds_the_cast_model_from_best_config(tmp_path):
+    """``tctune export --config best_config.json`` of a ``model_cast`` winner rebuilds the cast model's graph."""
+    from tctune.engines import rebuild_graphs
+    from tctune.hardware import resolve
+    from tctune.modelfile import load_model_file
+
+    f = tmp_path / "mlp.py"
+    f.write_text("import torch\n"
+                 "def build_model():\n"
+                 "    torch.manual_seed(0)\n"
+                 "    return torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(), torch.nn.Linear(20, 2))\n"
+                 "def example_inputs(batch_size):\n"
+                 "    return (torch.randn(batch_size, 10),)\n")
+    mf = load_model_file(f)
+    cfg = {"params": {"batch_size": 4, "precision": "fp16", "graph_passes": False, "runtime": "eager"},
+           "model_cast": True, "output_dtype": "compute", "batch_sizes": [4]}
+    trial, graphs = rebuild_graphs(mf, cfg, resolve(None), torch.device("cpu"))
+    assert trial.precision == "fp16" and graphs.results == [] and graphs.fp8 is None
+    assert all(p.dtype == torch.float16 for p in graphs.onnx_graph.parameters())
+    x = torch.randn(3, 10)
+    out = graphs.onnx_graph(x)
+    with torch.no_grad():
+        ref = mf.model().half()(x.half())
+    assert out.dtype == torch.float16 and torch.equal(out, ref)
+    _, plain = rebuild_graphs(mf, {**cfg, "model_cast": False}, resolve(None), torch.device("cpu"))
+    assert plain.results  # without the flag: tctune's graph of the model as written, as before
