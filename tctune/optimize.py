@@ -207,6 +207,9 @@ def export_best(tuner: Tuner, params: dict, out: Path,
     trial = tuner.trial_params(params, fp8_keep)
     export_precision = trial.precision
     if model_cast:  # the model cast as a whole won: its graph, not tctune's graph at its precision
+        if not tuner.cfg.export:
+            artifacts.onnx_error = artifacts.tensorrt_skipped_reason = "export disabled (--no-export)"
+            return artifacts, []
         graphs = cast_export_graphs(tuner.model, tuner.captured.graph_module, trial.precision,
                                     tuner.mf.inputs(2, tuner.device), tuner.cfg.output_dtype)
         passes: list[dict] = []
