@@ -21,8 +21,10 @@ Variants, all in ``torch.no_grad`` on the same inputs, compiled in this order:
 
 =====================  ==================================================================================
 ``inductor``           ``torch.compile(copy.deepcopy(model).to(dt))``: the baseline, inputs cast to dt
-``full``               ``torch.compile(model, backend="tctune", options={"precision": dt, "policy": "pure"})``
-                       (the backend's default pipeline, ``tctune.backend.BACKEND_PIPELINE``)
+``full``               ``torch.compile(model, backend="tctune", options={"precision": dt, "policy": "pure",
+                       "output_dtype": "compute"})`` (the backend's default pipeline,
+                       ``tctune.backend.BACKEND_PIPELINE``; outputs left in dt like the baseline's,
+                       :func:`backend_options`)
 ``cast_only``          the same with ``passes=("cast_precision",)``: tctune's export and cast, no other pass
 ``minus_<pass>``       ``passes`` = ``BACKEND_PIPELINE`` without ``<pass>``, one per pass that *fired* in ``full``
                        (``SubgraphReport.count(pass) > 0`` in any subgraph), most rewrites first, at most
@@ -46,7 +48,8 @@ adds or spends more on), and the 5 with the largest savings. On the CPU: the sam
 
 Output: ``OUT/NAME.json`` per model::
 
-    {"name", "suite", "batch_size", "dtype", "status", "fired": {pass: rewrites}, "subgraphs", "fallbacks",
+    {"name", "suite", "batch_size", "dtype", "output_dtype", "status", "fired": {pass: rewrites}, "subgraphs",
+     "fallbacks",
      "variants": {name: {"passes", "ok", "error", "compile_s", "ms", "items_per_s", "ratio",
                          "inductor_items_per_s", "rel_err_vs_inductor", ...}},
      "profile": {"kind", "iters", "inductor": {...}, "full": {...}, "categories", "diff", "saves"},
@@ -217,6 +220,17 @@ def compare_profiles(ind: dict[str, tuple[float, float]], tct: dict[str, tuple[f
 # ------------------------------------------------------------------------------------------------ one model
 
 
+def backend_options(dtype: str, passes: tuple[str, ...] | None = None) -> dict:
+    """The tctune backend's ``options`` for every variant: ``precision`` ``dtype``, policy ``pure`` and
+    ``output_dtype`` ``zoo.TCTUNE_OUTPUT_DTYPE`` (``"compute"``: outputs left in ``dtype``, the contract of the
+    ``inductor`` baseline ``torch.compile(model.to(dt))``, as in ``benchmarks/zoo.py``; recorded as each row's
+    ``output_dtype``), plus ``passes`` when given (None: the backend's default pipeline)."""
+    opts: dict = {"precision": dtype, "policy": "pure", "output_dtype": zoo.TCTUNE_OUTPUT_DTYPE}
+    if passes is not None:
+        opts["passes"] = passes
+    return opts
+
+
 def out_path(out: Path, name: str) -> Path:
     return Path(out) / (name.replace("/", "__") + ".json")
 
@@ -246,7 +260,7 @@ def measure(entry, args: argparse.Namespace) -> dict:
     lock = os.environ.get("ZOO_GPU_LOCK") or None
     waits: list[float] = []
     row: dict = {"name": entry.name, "suite": entry.suite, "batch_size": batch, "dtype": args.dtype,
-                 "device": args.device, "tiny": bool(args.tiny), "status": "running", "current": "build",
+                 "output_dtype": zoo.TCTUNE_OUTPUT_DTYPE, "device": args.device, "tiny": bool(args.tiny), "status": "running", "current": "build",
                  "variants": {}, "started": _dt.datetime.now().isoformat(timespec="seconds"),
                  "procs_per_gpu": int(os.environ.get("ZOO_PROCS_PER_GPU", "1"))}
     save = lambda: zoo._write_json(path, row)  # noqa: E731
@@ -319,10 +333,7 @@ def measure(entry, args: argparse.Namespace) -> dict:
     backend = "tctune" if "tctune" in torch._dynamo.list_backends() else tb.tctune_backend
 
     def tctune_options(passes: tuple[str, ...] | None) -> dict:
-        opts = {"precision": args.dtype, "policy": "pure"}
-        if passes is not None:
-            opts["passes"] = passes
-        return opts
+        return backend_options(args.dtype, passes)
 
     with torch.no_grad():
         low = copy.deepcopy(model).to(dt).eval()

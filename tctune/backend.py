@@ -498,6 +498,10 @@ def _fallback(gm: fx.GraphModule, example_inputs: list, report: SubgraphReport,
             compiled = compile_fx(cast, example_inputs)
             how = f"plain Inductor at {report.precision} (inputs, weights cast like model.to(dt))"
             report.notes.append(f"fallback compiled at {report.precision}, cast like model.to(dt)")
+            kept = cast.meta.get("tctune_fp32_ops") or {}
+            if kept:  # ops model.to(dt) could not run: computed in the model's own dtype
+                report.notes.append("fallback kept FP32 (no low-precision kernel): "
+                                    + "; ".join(f"{n}: {why}" for n, why in kept.items()))
         except Exception as exc:  # noqa: BLE001 - the FP32 graph below still compiles
             report.notes.append(f"fallback at {report.precision} failed ({type(exc).__name__}: {exc}); "
                                 "compiled in the model's own dtypes")
@@ -514,16 +518,46 @@ def _fallback(gm: fx.GraphModule, example_inputs: list, report: SubgraphReport,
     return compiled
 
 
+def _op_name(node: fx.Node) -> str:
+    """The op name of a call node as :func:`passes.cast_precision.no_low_precision_kernel` takes it: the ATen
+    overload packet (``fft_fftn``) for an ATen op, the builtin's name for Dynamo's ``torch.fft.fftn``
+    (``torch._C._fft.fft_fftn``), the method name for a ``call_method``; ``""`` for other nodes."""
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op != "call_function":
+        return ""
+    target = getattr(node.target, "_overloadpacket", None) or node.target
+    return getattr(target, "__name__", "") or ""
+
+
 def _cast_like_model_to(gm: fx.GraphModule, example_inputs: list, dtype: torch.dtype,
                         restore_outputs: bool = True) -> fx.GraphModule:
     """A copy of Dynamo's graph ``gm`` computing as ``model.to(dtype)`` would: every floating tensor input
     (user inputs, lifted parameters and buffers) cast to ``dtype`` on entry, every floating tensor output cast
     back to its original dtype (``restore_outputs``; False returns them as computed, as ``model.to(dtype)``
-    does). Constants the model creates with an explicit dtype keep it, as they would."""
+    does). Constants the model creates with an explicit dtype keep it, as they would.
+
+    Ops with no fp16 / bf16 kernel (:func:`passes.cast_precision.no_low_precision_kernel`: the FFT family,
+    LAPACK-style solvers), where ``model.to(dtype)`` itself would fail, compute in the model's own dtype: their
+    real floating inputs are cast back to it (FP32), and what they return stays in it (a complex FFT result
+    stays complex) until an op reads a real floating value of it, which gets it cast to ``dtype`` again. The
+    kept ops are listed in the returned graph's ``meta["tctune_fp32_ops"]`` (``{node name: reason}``)."""
+    from passes.cast_precision import no_low_precision_kernel
+
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     values = dict(zip(placeholders, example_inputs))
+    full: set[fx.Node] = set()  # nodes whose value here is in the model's own dtype (a kept op and what follows)
+    down: dict[fx.Node, fx.Node] = {}
+    kept: dict[str, str] = {}
+
+    def value(n: fx.Node) -> Any:
+        return values[n] if n in values else n.meta.get("example_value")
+
+    def real_float(v: Any) -> bool:
+        return isinstance(v, torch.Tensor) and v.is_floating_point()
+
     for node in gm.graph.nodes:
         if node.op == "output":
             def back(arg: fx.Node) -> fx.Node:
@@ -536,13 +570,36 @@ def _cast_like_model_to(gm: fx.GraphModule, example_inputs: list, dtype: torch.d
 
             graph.output(fx.node.map_arg(node.args[0], back))
             continue
-        new = graph.node_copy(node, lambda n: env[n])
-        value = values.get(node)
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+        why = no_low_precision_kernel(_op_name(node)) if node.op in ("call_function", "call_method") else None
+        if why:
+            def own(arg: fx.Node) -> fx.Node:  # the kept op reads its real floating inputs in their own dtype
+                val = value(arg)
+                if arg in full or not real_float(val) or val.dtype == dtype:
+                    return env[arg]
+                return graph.call_method("to", (env[arg], val.dtype))
+
+            new = graph.node_copy(node, own)
+            full.add(node)
+            kept[node.name] = why
+        else:
+            def low(arg: fx.Node) -> fx.Node:  # a real floating value of a kept op: back to dtype
+                val = value(arg)
+                if arg not in full or not real_float(val) or val.dtype == dtype:
+                    return env[arg]
+                if arg not in down:
+                    down[arg] = graph.call_method("to", (env[arg], dtype))
+                return down[arg]
+
+            new = graph.node_copy(node, low)
+            if any(a in full and not real_float(value(a)) for a in node.all_input_nodes):
+                full.add(node)  # e.g. .real of a complex FFT result: in the model's dtype until read
+        val = values.get(node)
+        if isinstance(val, torch.Tensor) and val.is_floating_point() and val.dtype != dtype:
             new = graph.call_method("to", (new, dtype))
         env[node] = new
     out = fx.GraphModule(gm, graph)
     out.meta.update(gm.meta)
+    out.meta["tctune_fp32_ops"] = kept
     return out
 
 

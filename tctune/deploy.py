@@ -67,6 +67,100 @@ def export_graphs(gm: torch.fx.GraphModule, hw, trial: TrialParams, calibration:
     return ExportGraphs(g, g, None, results)
 
 
+#: Why a bf16 model cast as a whole is written with FP32 outputs under the ``"compute"`` contract: onnxruntime's
+#: Python API (and so the validation and the generated runners) cannot return a bfloat16 output ("No
+#: corresponding Numpy type for Tensor Type. bfloat16"); numpy has no bfloat16.
+BF16_OUTPUTS_NOTE = ("bf16 outputs are written as FP32: onnxruntime's Python API and numpy have no bfloat16 "
+                     "(the cast model's other tensors stay bf16)")
+
+
+def cast_onnx_out_dtype(precision: str, output_dtype: str) -> torch.dtype | None:
+    """The dtype the ONNX export of the model cast as a whole to ``precision`` (``"fp16"``/``"bf16"``) returns its
+    floating outputs in under output contract ``output_dtype`` (``tctune.trial.OUTPUT_DTYPES``): None (left in the
+    cast dtype) for ``"compute"`` at fp16; ``torch.float32`` for ``"fp32"``, and for ``"compute"`` at bf16
+    (:data:`BF16_OUTPUTS_NOTE`)."""
+    if output_dtype == "compute" and precision == "fp16":
+        return None
+    return torch.float32
+
+
+def _named_like(cast: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module:
+    """``cast`` (a :class:`~tctune.search.baselines.CastModel`, changed in place) with ``forward`` showing
+    ``model.forward``'s positional parameter names, so that torch.export names the graph's inputs (and the ONNX
+    file its inputs) as the model does (``x``, ``input_ids``), not ``args_0``."""
+    import inspect
+
+    try:
+        params = [p for p in inspect.signature(model.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return cast
+    base = type(cast)
+
+    def forward(self, *args, **kwargs):
+        return base.forward(self, *args, **kwargs)
+
+    forward.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *params])
+    cast.__class__ = type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__})
+    return cast
+
+
+def cast_model_graph(model: torch.nn.Module, captured: torch.fx.GraphModule, precision: str, inputs: tuple,
+                     out_dtype: torch.dtype | None = torch.float32) -> torch.fx.GraphModule:
+    """The graph of the model cast as a whole (``model.half()`` / ``model.to(torch.bfloat16)``): what a plain
+    ``cast_<p>`` baseline measured (:class:`~tctune.search.baselines.CastModel`), captured by ``torch.export``
+    with the dynamic dimensions of ``captured`` (the FP32 capture of the same model, ``tctune.capture.capture``).
+
+    Every floating parameter and buffer is in the low dtype (a copy: ``model`` is untouched); floating inputs are
+    FP32 and cast inside the graph, as ``CastModel`` does; floating outputs of the low dtype are returned in it
+    (``out_dtype`` None) or cast to ``out_dtype``. The graph carries ``captured``'s batch range and dynamic
+    dimensions in its ``meta``, so the ONNX export gives it the same symbolic axes.
+
+    Args:
+        model: the FP32 eval-mode model; captured: its FP32 capture; precision: ``"fp16"`` or ``"bf16"``;
+        inputs: example inputs with batch ≥ 2 (e.g. ``mf.inputs(2, device)``), on the model's device.
+
+    Raises:
+        ExportError: ``precision`` is not fp16/bf16, or torch.export of the cast model failed (its first line).
+    """
+    import copy
+    import warnings
+
+    from .capture import _quiet_torch_logs, export_dynamic_shapes
+    from .errors import ExportError
+    from .search.baselines import LOW_DTYPES, CastModel
+
+    if precision not in LOW_DTYPES:
+        raise ExportError(f"the model cast as a whole needs precision fp16 or bf16, got {precision!r}")
+    cast = _named_like(CastModel(model, LOW_DTYPES[precision], out_dtype=out_dtype).eval(), model)
+    try:
+        with warnings.catch_warnings(), _quiet_torch_logs(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            ep = torch.export.export(cast, tuple(inputs), dynamic_shapes=export_dynamic_shapes(captured), strict=False)
+    except Exception as exc:  # noqa: BLE001 - one clear error for any export failure
+        text = str(exc).strip()
+        raise ExportError(f"torch.export of the model cast to {precision} failed: {type(exc).__name__}: "
+                          f"{text.splitlines()[0][:300] if text else ''}") from exc
+    g = ep.module()
+    for key in ("tctune_batch_range", "tctune_batched", "tctune_dynamic"):
+        if key in captured.meta:
+            g.meta[key] = copy.deepcopy(captured.meta[key])
+    return g
+
+
+def cast_export_graphs(model: torch.nn.Module, captured: torch.fx.GraphModule, precision: str, inputs: tuple,
+                       output_dtype: str = "fp32") -> ExportGraphs:
+    """:func:`export_graphs` for a winning plain baseline that cast the model as a whole: the cast model's graph
+    (:func:`cast_model_graph`; floating outputs per :func:`cast_onnx_out_dtype`), no tctune pass.
+
+    Raises:
+        ExportError: see :func:`cast_model_graph`.
+    """
+    g = cast_model_graph(model, captured, precision, inputs, cast_onnx_out_dtype(precision, output_dtype))
+    return ExportGraphs(g, g, None, [])
+
+
 @dataclass
 class Artifacts:
     """What ``tctune optimize`` exported for the best trial (``report.json``'s ``artifacts``: :meth:`to_dict`).
@@ -152,4 +246,5 @@ class Artifacts:
         return out
 
 
-__all__ = ["Artifacts", "EXPORT_PIPELINE", "ExportGraphs", "calibration_for", "export_graphs"]
+__all__ = ["Artifacts", "BF16_OUTPUTS_NOTE", "EXPORT_PIPELINE", "ExportGraphs", "calibration_for", "cast_export_graphs",
+           "cast_model_graph", "cast_onnx_out_dtype", "export_graphs"]

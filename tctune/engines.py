@@ -97,7 +97,10 @@ def rebuild_graphs(mf, cfg: dict, hw, device) -> tuple["TrialParams", "ExportGra
     built the graph it measured: capture at batch 2, then :func:`tctune.deploy.export_graphs` with the config's
     :class:`~tctune.trial.TrialParams` (precision, policy, FP8 keep-list) and, for a calibrated fp16 trial, the
     same seeded reference inputs at the tuned batch size (:func:`tctune.trial.reference_inputs`) followed by the
-    real batches (the config's ``calibration_folder``, else the model file's ``calibration_inputs()``).
+    real batches (the config's ``calibration_folder``, else the model file's ``calibration_inputs()``). A config
+    with ``model_cast: true`` (a winning ``model.half()`` / ``model.to(torch.bfloat16)`` baseline) rebuilds the
+    cast model's graph instead (:func:`tctune.deploy.cast_export_graphs`, outputs per the config's
+    ``output_dtype``, ``"fp32"`` when absent).
 
     Args:
         mf: the loaded model file; hw: the hardware planned for; device: where the model and inputs live.
@@ -119,6 +122,11 @@ def rebuild_graphs(mf, cfg: dict, hw, device) -> tuple["TrialParams", "ExportGra
         except CaptureError as exc:
             raise ExportError(f"cannot export {mf.path.name}: {exc}\n  fix: make the batch dimension dynamic in "
                               "forward (no hard-coded batch size in reshape/view/expand; use x.shape[0] or -1)") from exc
+    if cfg.get("model_cast"):
+        from .deploy import cast_export_graphs
+
+        return trial, cast_export_graphs(model, gm, trial.precision, mf.inputs(2, device),
+                                         cfg.get("output_dtype") or "fp32")
     inputs = reference_inputs(mf, trial.batch_size, device) if trial.calibration else None
     calibration = calibration_for(trial, inputs)
     if calibration and trial.precision == "fp16":  # the real batches the search calibrated with, too
@@ -222,7 +230,8 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
         if not reuse("onnx", key):
             fp32_graph = None
             if fp8 is None and precision not in ("fp32", "tf32"):  # built only if onnxruntime cannot run model.onnx
-                fp32_cfg = {**cfg, "params": {**params, "precision": "fp32"}, "calibration": False}
+                fp32_cfg = {**cfg, "params": {**params, "precision": "fp32"}, "calibration": False,
+                            "model_cast": False}  # a cast model's twin: the FP32 graph
                 fp32_graph = lambda: rebuild_graphs(mf, fp32_cfg, hw, device)[1].graph.to(device)  # noqa: E731
             onnx_inputs = _build_onnx(graph, make_inputs, out / ARTIFACT_NAMES["onnx"], (1, tuned, largest), fp8=fp8,
                                       fp32_module=fp32_graph)

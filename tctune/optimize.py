@@ -25,7 +25,7 @@ from .errors import ExportError, UsageError
 from .hardware import HardwareSpec, resolve
 from .modelfile import ModelFile, load_model_file
 from .report import build_report, write_atomic, write_report
-from .deploy import Artifacts, export_graphs
+from .deploy import BF16_OUTPUTS_NOTE, Artifacts, cast_export_graphs, cast_onnx_out_dtype, export_graphs
 from .search import TuneConfig, Tuner, best_trial, is_feasible
 from .search.results import confirmed_throughputs, first_line
 from .search.storage import StudyLock
@@ -160,8 +160,15 @@ def fp32_export_graph(tuner: Tuner, trial) -> torch.nn.Module:
 
 
 def export_best(tuner: Tuner, params: dict, out: Path,
-                fp8_keep: list[str] | None = None, warn: bool = True) -> tuple[Artifacts, list[dict]]:
+                fp8_keep: list[str] | None = None, warn: bool = True,
+                model_cast: bool = False) -> tuple[Artifacts, list[dict]]:
     """Export the best configuration's graph (passes at its precision) to ONNX, and TensorRT if importable.
+
+    When the best is a plain baseline that cast the model as a whole (``model_cast``: its ``model_cast`` user
+    attribute; ``model.half()`` / ``model.to(torch.bfloat16)``, also through ``torch.compile``), ``model.onnx`` is
+    that cast model's graph (:func:`tctune.deploy.cast_export_graphs`: every floating weight in the low dtype,
+    inputs cast inside, no tctune pass; outputs per ``TuneConfig.output_dtype``, bf16 ones as FP32,
+    :data:`tctune.deploy.BF16_OUTPUTS_NOTE`), and its FP32 twin is the captured FP32 model.
 
     At precision fp8, ``model.onnx`` is the bf16 graph with each FP8 linear as float8e4m3fn
     QuantizeLinear/DequantizeLinear (opset 19, :func:`tctune.export.export_onnx_fp8`): static per-tensor
@@ -198,14 +205,26 @@ def export_best(tuner: Tuner, params: dict, out: Path,
         artifacts.tensorrt_skipped_reason = "no ONNX to build from"
         return artifacts, []
     trial = tuner.trial_params(params, fp8_keep)
-    calibration = tuner.evaluator.calibration_inputs(trial.batch_size)  # reference inputs, then real batches
-    _, measured = build_trial_graph(tuner.captured.graph_module, tuner.hw, trial, calibration)
-    passes = [r.to_dict() for r in measured]  # what ran in the measured candidate, for the report
-    if not trial.graph_passes:
-        for p in passes:
-            p["note"] = "the best trial ran the model as written; these are the passes its exported graph carries"
     export_precision = trial.precision
-    graphs = export_graphs(tuner.captured.graph_module, tuner.hw, trial, calibration if trial.calibration else None)
+    if model_cast:  # the model cast as a whole won: its graph, not tctune's graph at its precision
+        if not tuner.cfg.export:
+            artifacts.onnx_error = artifacts.tensorrt_skipped_reason = "export disabled (--no-export)"
+            return artifacts, []
+        graphs = cast_export_graphs(tuner.model, tuner.captured.graph_module, trial.precision,
+                                    tuner.mf.inputs(2, tuner.device), tuner.cfg.output_dtype)
+        passes: list[dict] = []
+        fp32_twin = lambda: tuner.captured.graph_module  # noqa: E731 - the FP32 model it was cast from
+        if cast_onnx_out_dtype(trial.precision, tuner.cfg.output_dtype) is not None and tuner.cfg.output_dtype == "compute":
+            artifacts.details["onnx_outputs_note"] = BF16_OUTPUTS_NOTE
+    else:
+        calibration = tuner.evaluator.calibration_inputs(trial.batch_size)  # reference inputs, then real batches
+        _, measured = build_trial_graph(tuner.captured.graph_module, tuner.hw, trial, calibration)
+        passes = [r.to_dict() for r in measured]  # what ran in the measured candidate, for the report
+        if not trial.graph_passes:
+            for p in passes:
+                p["note"] = "the best trial ran the model as written; these are the passes its exported graph carries"
+        graphs = export_graphs(tuner.captured.graph_module, tuner.hw, trial, calibration if trial.calibration else None)
+        fp32_twin = lambda: fp32_export_graph(tuner, trial)  # noqa: E731
     fp8, g = graphs.fp8, graphs.onnx_graph
     if not tuner.cfg.export:
         artifacts.onnx_error = "export disabled (--no-export)"
@@ -221,7 +240,7 @@ def export_best(tuner: Tuner, params: dict, out: Path,
         else:
             typed = export_precision not in ("fp32", "tf32")  # tf32 is FP32 in an engine file
             info = export_onnx_deployable(g.to(tuner.device), make_inputs, out / "model.onnx",
-                                          fp32_module=(lambda: fp32_export_graph(tuner, trial)) if typed else None,
+                                          fp32_module=fp32_twin if typed else None,
                                           batch_sizes=check)
         artifacts.update(info)
     except ExportError as exc:
@@ -344,13 +363,22 @@ def write_best_config(path: Path, tuner: Tuner, trial_attrs, passes: list[dict],
     """``best_config.json`` of a finished trial (what ``tctune export`` reads); ``params``: the parameters the
     export built (default: the trial's own). ``recommended`` says what the trial is: ``{"kind": "baseline" |
     "tctune", "name": the plain baseline's name or None, "trial": its number}`` (the same as ``report.json``'s
-    ``best.kind`` / ``best.name`` when it is the recommended trial)."""
+    ``best.kind`` / ``best.name`` when it is the recommended trial), plus ``label`` for a baseline (what a user
+    calls it: ``"model.half() eager"``, ``"torch.compile(model.half())"``, ``tctune.search.baselines.baseline_label``).
+    A trial that cast the model as a whole has ``model_cast: true`` (``tctune export`` then rebuilds the cast
+    model's graph, :func:`tctune.deploy.cast_export_graphs`, with the file's ``output_dtype``)."""
+    from .search.baselines import baseline_label
+
     params = dict(trial_attrs.params) if params is None else params
     trial = tuner.trial_params(params, trial_attrs.user_attrs.get("fp8_keep"))
     name = trial_attrs.user_attrs.get("baseline")
+    recommended = {"kind": "baseline" if name else "tctune", "name": name, "trial": trial_attrs.number}
+    if name:
+        recommended["label"] = baseline_label(name)
+    cast = {"model_cast": True} if trial_attrs.user_attrs.get("model_cast") else {}
     cfg = {"model": tuner.mf.name, "model_path": str(tuner.mf.path), "hardware": tuner.hw.to_dict(),
-           "recommended": {"kind": "baseline" if name else "tctune", "name": name, "trial": trial_attrs.number},
-           **trial.to_config(params), "batch_sizes": sorted(tuner.cfg.batch_sizes),
+           "recommended": recommended, **trial.to_config(params), **cast,
+           "output_dtype": tuner.cfg.output_dtype, "batch_sizes": sorted(tuner.cfg.batch_sizes),
            "throughput": trial_attrs.user_attrs.get("throughput"),
            "max_rel_error": trial_attrs.user_attrs.get("max_rel_error"),
            "passes": [p["name"] for p in passes], "study": study_name, "tctune_version": __version__,
@@ -382,7 +410,8 @@ def export_fallback(tuner: Tuner, study: optuna.Study, best, why: str, out: Path
         created = not folder.exists()
         folder.mkdir(parents=True, exist_ok=True)
         got = stages.run(f"export (fallback trial {t.number})", export_best, tuner, dict(t.params), folder,
-                         fp8_keep=t.user_attrs.get("fp8_keep"), warn=False)
+                         fp8_keep=t.user_attrs.get("fp8_keep"), warn=False,
+                         model_cast=bool(t.user_attrs.get("model_cast")))
         if got is None or not exported(got[0]):
             errors.append(stages.errors[-1]["error"] if got is None else (got[0].onnx_error or "no ONNX file written"))
             if created:  # nothing usable in it: no empty or half-written folder is left behind
@@ -502,10 +531,9 @@ def _optimize(tuner: Tuner, mf, hw: HardwareSpec, cfg: TuneConfig, devices: list
                               tensorrt_skipped_reason="the run was interrupted")
     if bt is not None and not tuner.interrupted:
         params = dict(bt.params)
-        if bt.user_attrs.get("model_cast") and "policy" in tuner.space():
-            params["policy"] = "pure"  # the model cast as a whole won: its graph is the everything-low one
         got = stages.run("export", export_best, tuner, params, out, fp8_keep=bt.user_attrs.get("fp8_keep"),
-                         warn=False)  # a failure is said once, by export_fallback
+                         warn=False,  # a failure is said once, by export_fallback
+                         model_cast=bool(bt.user_attrs.get("model_cast")))  # model.half() won: its own graph
         if got is None:
             why = stages.errors[-1]["error"]
             artifacts = Artifacts(onnx_error=f"not exported: {why}", tensorrt_skipped_reason="no ONNX to build from")

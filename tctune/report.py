@@ -165,6 +165,10 @@ def build_report(study: optuna.Study, *, hardware: dict, measured_on: str, confi
                   "best_searched", "kind", "name", "verdict"):
             best[k] = head[k]
         best["speedup_note"] = head["note"]
+        if best.get("baseline"):  # what a user calls it: "model.half() eager", "torch.compile(model.half())"
+            from .search.baselines import baseline_label
+
+            best["label"] = baseline_label(best["baseline"])
         best["speedup_vs_baseline"] = head["speedup_vs_fp32_eager"]  # the FP32 eager one (older key)
         f32 = head["fp32_eager"]
         if f32:
@@ -351,7 +355,8 @@ def render_markdown(r: dict) -> str:
         if p.get("graph_passes"):
             kind = "tctune graph passes" + (", pure policy (like model.half())" if p.get("policy") == "pure" else "")
         if b.get("baseline"):
-            kind = f"plain baseline {b['baseline']}" + (" (the model cast as a whole)" if b.get("model_cast") else "")
+            kind = (f"plain baseline {b['baseline']}" + (f" ({b['label']})" if b.get("label") else "")
+                    + (", the model cast as a whole" if b.get("model_cast") else ""))
         chosen = b.get("chosen_throughput") or b["throughput"]
         lines.append(f"Best: **{p['precision']}**, {kind}, runtime {p.get('runtime', 'eager')}, batch {p['batch_size']}: "
                      f"{_fmt(chosen)} items/s" + (f" ({b['chosen_on']})" if b.get("chosen_on") else "") + ", "

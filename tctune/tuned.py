@@ -1,8 +1,9 @@
 """The tuned model as a Python object: :class:`TunedModule`, and :func:`save` / :func:`load` of it in one file.
 
 A :class:`TunedModule` runs the winning configuration of a search: the graph the winning trial measured (tctune's
-rewritten graph, built by :func:`tctune.trial.build_trial_graph`, or the model as written under
-``torch.autocast``), at its precision (``tctune.measure.precision_mode``), memory format and runtime (eager,
+rewritten graph, built by :func:`tctune.trial.build_trial_graph`, the model as written under
+``torch.autocast``, or the model cast as a whole, ``model.half()`` / ``model.to(torch.bfloat16)``, when that
+plain baseline won), at its precision (``tctune.measure.precision_mode``), memory format and runtime (eager,
 Inductor, or a CUDA graph replayed per input shape, :func:`tctune.runtime.wrap`). Its outputs have the FP32
 reference's structure; their dtypes follow the search's output contract (``TuneConfig.output_dtype``, recorded
 as the manifest's ``output_dtype``): ``"compute"`` (the default), floating outputs in the dtype the winner
@@ -151,12 +152,15 @@ class TunedModule(torch.nn.Module):
 
     Built by :func:`from_search` (``tctune.optimize``) or :func:`load`; the constructor's other arguments:
     ``autocast`` (``"fp16"``/``"bf16"``: run the graph under ``torch.autocast``, a winning model as written),
+    ``cast`` (``"fp16"``/``"bf16"``: the graph is the model cast as a whole, every floating parameter and buffer
+    in that dtype, and floating inputs are cast to it on every call, as the winning ``cast_<p>`` baseline ran),
     ``out_spec`` / ``out_dtypes`` (the FP32 reference's output structure and leaf dtype names, ``"float32"``),
     ``save_graph`` (what :func:`save` exports), ``example_inputs`` (inputs at batch 2 for that export) and
     ``exported`` (the ``ExportedProgram`` a loaded module came from).
     """
 
     def __init__(self, graph: torch.nn.Module, config, runtime: str, *, autocast: str | None = None,
+                 cast: str | None = None,
                  out_spec: pytree.TreeSpec | None = None, out_dtypes: Sequence[str | None] = (),
                  keep_low_precision_outputs: bool = False, report: dict | None = None, manifest: dict | None = None,
                  save_graph: torch.nn.Module | None = None, example_inputs: tuple | None = None,
@@ -166,6 +170,7 @@ class TunedModule(torch.nn.Module):
         self.config = config
         self.runtime = runtime
         self.autocast = autocast
+        self.cast = cast
         self.out_spec = out_spec
         self.out_dtypes = list(out_dtypes)
         self.keep_low_precision_outputs = keep_low_precision_outputs
@@ -203,6 +208,11 @@ class TunedModule(torch.nn.Module):
         fn: Callable = self.graph
         if self.config.memory_format == "channels_last":
             fn = ChannelsLast(self.graph)
+        if self.cast:  # the model cast as a whole: floating inputs in its dtype, as CastModel ran it
+            low, cast_inner = _AUTOCAST[self.cast], fn
+
+            def fn(*args):  # noqa: F811
+                return cast_inner(*_cast_floating(args, low))
         if self.autocast:
             dtype = _AUTOCAST[self.autocast]
             inner = fn
@@ -256,8 +266,18 @@ class TunedModule(torch.nn.Module):
 
     def extra_repr(self) -> str:
         c = self.config
-        what = "tctune graph" if c.graph_passes else "model as written"
+        what = ("tctune graph" if c.graph_passes else
+                f"model cast as a whole ({_CAST_LABEL.get(self.cast, self.cast)})" if self.cast else "model as written")
         return f"{what}, {c.precision}, {self.runtime}, tuned batch {c.batch_size}"
+
+
+_CAST_LABEL = {"fp16": "model.half()", "bf16": "model.to(torch.bfloat16)"}
+
+
+def _cast_floating(args: tuple, dtype: torch.dtype) -> tuple:
+    """``args`` with every floating tensor (at any depth) cast to ``dtype``; other leaves unchanged."""
+    return pytree.tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
+                           tuple(args))
 
 
 def from_search(optimized, keep_low_precision_outputs: bool | None = None) -> TunedModule:
@@ -269,7 +289,11 @@ def from_search(optimized, keep_low_precision_outputs: bool | None = None) -> Tu
     floating outputs stay in the winner's computed dtype. ``keep_low_precision_outputs``: None follows the
     search's ``output_dtype``; True / False force ``"compute"`` / ``"fp32"`` outputs (the graph keeps the
     search's contract; ``"fp32"`` is then an up-cast after the graph, ``"compute"`` returns what it returns).
-    The manifest records the contract as ``output_dtype``.
+    The manifest records the contract as ``output_dtype``. A winning plain baseline that cast the model as a
+    whole (user attribute ``model_cast``, e.g. ``cast_fp16`` or ``compile_cast_bf16``) is that cast model: a copy
+    of the FP32 model with every floating parameter and buffer in the low dtype, floating inputs cast on every
+    call, through the trial's runtime (``torch.compile`` for a ``compile_*`` baseline); the manifest's ``cast``
+    names its precision, and :func:`save` writes the cast model's program.
 
     Raises:
         UsageError: no configuration qualified (the report's failure summary says why).
@@ -291,7 +315,13 @@ def from_search(optimized, keep_low_precision_outputs: bool | None = None) -> Tu
     if keep_low_precision_outputs is None:
         keep_low_precision_outputs = output_dtype == "compute"
     layout = state_layout(tuner.model)
-    if trial.graph_passes:
+    cast = None
+    if bt.user_attrs.get("model_cast") and not trial.graph_passes and trial.precision in _AUTOCAST:
+        cast = trial.precision  # what was measured: model.half() / model.to(torch.bfloat16), not autocast
+        graph = copy.deepcopy(tuner.model).to(_AUTOCAST[cast]).eval()
+        restore_layout(graph, layout)  # deepcopy keeps ties; non-persistent buffers stay so
+        save_graph, autocast = graph, None
+    elif trial.graph_passes:
         graph, _ = build_trial_graph(tuner.captured.graph_module, tuner.hw, trial, [inputs],
                                      output_dtype=output_dtype)
         graph = graph.to(tuner.device)
@@ -302,20 +332,20 @@ def from_search(optimized, keep_low_precision_outputs: bool | None = None) -> Tu
         save_graph = tuner.captured.graph_module  # the FP32 capture; save() applies autocast on load
         autocast = trial.precision if trial.precision in _AUTOCAST else None
     if trial.memory_format == "channels_last":
-        graph = (graph if trial.graph_passes else copy.deepcopy(graph)).to(memory_format=torch.channels_last)
+        graph = (graph if trial.graph_passes or cast else copy.deepcopy(graph)).to(memory_format=torch.channels_last)
     leaves, spec = pytree.tree_flatten(ref)
     dtypes = [str(t.dtype).removeprefix("torch.") if isinstance(t, torch.Tensor) else None for t in leaves]
     hw = tuner.hw
     example = reference_inputs(tuner.mf, 2, tuner.device)  # batch 2: export does not specialize it
     manifest = {"format_version": FORMAT_VERSION, "model": tuner.mf.name, "trial": trial.to_dict(),
-                "runtime": trial.runtime, "precision": trial.precision, "autocast": autocast,
+                "runtime": trial.runtime, "precision": trial.precision, "autocast": autocast, "cast": cast,
                 "out_spec": _spec_dumps(spec), "out_spec_plain": _spec_dumps(pytree.tree_flatten(_plain(ref))[1]),
                 "out_dtypes": dtypes, "keep_low_precision_outputs": keep_low_precision_outputs,
                 "output_dtype": "compute" if keep_low_precision_outputs else "fp32",
                 "layout": layout, "compute_capability": hw.compute_capability or None, "hardware": hw.name,
                 "arch": hw.arch, "device": tuner.device.type, "torch_version": torch.__version__,
                 "tctune_version": _version()}
-    return TunedModule(graph, trial, trial.runtime, autocast=autocast, out_spec=spec, out_dtypes=dtypes,
+    return TunedModule(graph, trial, trial.runtime, autocast=autocast, cast=cast, out_spec=spec, out_dtypes=dtypes,
                        keep_low_precision_outputs=bool(keep_low_precision_outputs), report=optimized.report,
                        manifest=manifest, save_graph=save_graph, example_inputs=example)
 
@@ -362,6 +392,8 @@ def export_program(tuned: TunedModule):
         raise ExportError(f"cannot save: the model was not captured by torch.export ({reason})\n  fix: make the "
                           "model exportable (torch.export.export(model, inputs) must succeed)")
     restore_layout(graph, tuned.manifest.get("layout") or {})
+    if tuned.cast:  # the cast model's program takes its dtype; the loaded TunedModule casts the inputs to it
+        example = _cast_floating(example, _AUTOCAST[tuned.cast])
     from .capture import _quiet_torch_logs
 
     try:
@@ -476,7 +508,8 @@ def load(path: str | Path, device: str | torch.device | None = None) -> TunedMod
     if trial.memory_format == "channels_last":
         graph = graph.to(memory_format=torch.channels_last)
     spec = _spec_loads(manifest.get("out_spec")) or _spec_loads(manifest.get("out_spec_plain"))
-    return TunedModule(graph, trial, manifest["runtime"], autocast=manifest.get("autocast"), out_spec=spec,
+    return TunedModule(graph, trial, manifest["runtime"], autocast=manifest.get("autocast"),
+                       cast=manifest.get("cast"), out_spec=spec,
                        out_dtypes=manifest.get("out_dtypes") or (),
                        keep_low_precision_outputs=_keeps_low(manifest), report=report,
                        manifest=manifest, exported=ep)

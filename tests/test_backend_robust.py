@@ -194,3 +194,43 @@ def test_tiny_zoo_models_run_tctunes_graph_without_fallback(name, monkeypatch):
     except RuntimeError:  # model.to(bf16) cannot run (FNet's FFT has no bf16 kernel)
         limit = TOLERANCES["bf16"]["rel_l2"]
     assert _rel(got, ref) <= limit
+
+
+@pytest.mark.parametrize("output_dtype", ["fp32", "compute"])
+def test_fallback_keeps_ops_without_a_low_precision_kernel_fp32(monkeypatch, output_dtype):
+    """The plain fallback (a pass raised) casts Dynamo's graph like model.to(bf16), where torch.fft.fftn has no
+    bf16 kernel: the FFT reads FP32 and its result is cast back to bf16 where a real value of it is read, so the
+    linears still run bf16 and the fallback never drops to the FP32 graph."""
+    def boom(gm, spec, names=(), seconds=None):  # run_pipeline's signature
+        raise RuntimeError("injected pass failure")
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def eager(gm, example_inputs, config_patches):  # what reaches Inductor is under test, not Inductor
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(tb, "run_pipeline", boom)
+    monkeypatch.setattr(tb, "inductor_compile", eager)
+    torch.manual_seed(0)
+    model = FNetLayer().eval()
+    compiled = torch.compile(model, backend="tctune", options={"precision": "bf16", "output_dtype": output_dtype},
+                             dynamic=False)
+    torch.manual_seed(6)
+    ids = torch.randint(0, 50, (3, 10))
+    with torch.no_grad():
+        got, ref = compiled(ids), model(ids)
+    (rep,) = tb.reports
+    assert "injected pass failure" in rep.fallback
+    assert rep.notes[0] == "fallback compiled at bf16, cast like model.to(dt)", rep.notes
+    assert len(rep.notes) == 2 and rep.notes[1].startswith("fallback kept FP32 (no low-precision kernel): ")
+    assert "fft_fftn" in rep.notes[1] and "FFT has no bf16 kernel" in rep.notes[1]
+    (g,) = graphs
+    fft = next(n for n in g.graph.nodes if n.op == "call_function" and getattr(n.target, "__name__", "") == "fft_fftn")
+    (src,) = fft.all_input_nodes
+    assert src.op == "call_method" and src.target == "to" and src.args[1] == torch.float32  # FP32 into the FFT
+    linears = [n for n in g.graph.nodes if n.op == "call_function" and getattr(n.target, "__name__", "") == "linear"]
+    assert len(linears) == 3
+    assert got.dtype == (torch.bfloat16 if output_dtype == "compute" else torch.float32)
+    assert torch.isfinite(got).all() and _rel(got, ref) <= TOLERANCES["bf16"]["rel_l2"]
+    assert not torch.allclose(got.float(), ref, rtol=1e-5, atol=1e-6)  # bf16 numbers, not the FP32 graph

@@ -77,6 +77,19 @@ def test_best_removal_only_when_it_beats_full():
     assert "| m | ok |" in t and "-a 0.95" in t and "-c - (time)" in t and t.rstrip().endswith("none |")
 
 
+def test_backend_options_keep_the_inductor_baselines_output_contract():
+    """Every tctune variant leaves its outputs in dt ("compute"), like its baseline torch.compile(model.to(dt))
+    and like benchmarks/zoo.py's tctune variant; the backend accepts the options as given."""
+    from tctune.backend import BackendConfig
+
+    full = abl.backend_options("bf16")
+    assert full == {"precision": "bf16", "policy": "pure", "output_dtype": "compute"}
+    assert zoo.TCTUNE_OUTPUT_DTYPE == "compute"
+    cast_only = abl.backend_options("fp16", ("cast_precision",))
+    assert cast_only["output_dtype"] == "compute" and cast_only["passes"] == ("cast_precision",)
+    assert BackendConfig(**cast_only).output_dtype == "compute"
+
+
 def test_models_are_required_with_one_clear_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         abl.main(["--out", str(tmp_path), "--device", "cpu"])
@@ -91,6 +104,7 @@ def test_tiny_distilbert_end_to_end_on_cpu(tmp_path, capsys):
     row = json.loads(abl.out_path(tmp_path, "DistilBertForMaskedLM").read_text())
     assert row["status"] == "ok", row.get("reason")
     assert row["batch_size"] == 16 and row["fired"].get("cast_precision", 0) > 0
+    assert row["output_dtype"] == "compute"  # recorded: the contract every variant ran under
     expected = ["cast_only"] + [f"minus_{p}" for p in sorted((p for p in row["fired"] if p != "cast_precision"),
                                                             key=lambda p: -row["fired"][p])]
     assert list(row["plan"]) == expected and len(expected) > 1  # a pass besides the cast fired: left out once
