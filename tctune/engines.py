@@ -266,12 +266,27 @@ def _build_onnx(graph, make_inputs, path: Path, check: tuple[int, int, int], fp8
 
     With ``fp8`` (an ``FP8Graphs``), ``export_onnx_fp8`` writes the float8 Q/DQ model and validates it at all
     three batch sizes against the PyTorch FP8 graph (relative L2 <= 5e-2, else ExportError).
+
+    Validation is sized to memory: a batch size of ``check`` whose outputs (measured at batch 1, scaled by the
+    batch) are over ``tctune.export.onnx.plan_validation``'s limit is replaced by a small one; the result's
+    ``onnx_validation_limited`` says which and why (None when every size was validated).
     """
-    from .export.onnx import deployment, export_onnx_deployable, validate_onnx
+    from .export.onnx import deployment, export_onnx_deployable, output_nbytes, plan_validation, validate_onnx
     from .export.onnx_fp8 import export_onnx_fp8
 
+    import torch
+
     started = time.perf_counter()
-    first, tuned, largest = check
+    try:
+        with torch.no_grad():
+            per_item = output_nbytes(graph(*make_inputs(1)))
+    except Exception as exc:  # noqa: BLE001 - unknown size: plan_validation keeps to small batches
+        log.debug("cannot size the ONNX validation at batch 1: %s", exc)
+        per_item = None
+    planned, limited = plan_validation(check, per_item)
+    if limited:
+        log.info("ONNX validation: %s", limited)
+    check = first, tuned, largest = (*planned, planned[-1], planned[-1])[:3]  # (1, t, t) validates 1 and t
     pair = (tuned, largest) if tuned != largest else (tuned, first if first != tuned else tuned + 1)
     if fp8 is not None:
         info = export_onnx_fp8(fp8, make_inputs, path, batch_sizes=tuple(dict.fromkeys((first, tuned, largest))))
@@ -299,6 +314,7 @@ def _build_onnx(graph, make_inputs, path: Path, check: tuple[int, int, int], fp8
             log.warning("ONNX written but not validated here: %s", err)
         else:
             raise ExportError(f"{path.name} does not match PyTorch: {err}")
+    info["onnx_validation_limited"] = limited
     info["_seconds"] = time.perf_counter() - started
     return info
 
@@ -329,7 +345,8 @@ def _summary(info: dict, prefix: str) -> dict:
     """The JSON-ready subset of a build result kept in the manifest."""
     keep = {"onnx": ("onnx", "onnx_opset", "onnx_max_abs_error", "onnx_validation", "onnx_error", "onnx_dynamic",
                      "onnx_export_s", "onnx_outputs", "onnx_note", "onnx_fp8", "onnx_fp32", "onnx_fp32_max_abs_error",
-                     "onnx_fp32_error", "onnx_load", "onnx_provider", "deploy", "deploy_reason"),
+                     "onnx_fp32_error", "onnx_load", "onnx_provider", "deploy", "deploy_reason",
+                     "onnx_validation_limited"),
             "aoti": ("aoti_device", "aoti_export_s", "aoti_compile_s", "aoti_validation", "aoti_max_abs_error",
                      "aoti_error")}[prefix]
     return {k: info.get(k) for k in keep}
