@@ -296,8 +296,8 @@ FALLBACK_TRIES = 3
 
 
 class PostStages:
-    """Runs the stages after the trials (the finalists' re-measure, the export, the plots) so that an exception in
-    one is recorded, not fatal: the report is still written.
+    """Runs the stages after the trials (the finalists' re-measure, the side-by-side timing, the export, the plots)
+    so that an exception in one is recorded, not fatal: the report is still written.
 
     Each failure becomes one ``post_errors`` entry ``{"stage", "error", "log"}`` (``error``: the exception's type
     and first line, at most 300 characters; ``log``: the path of :data:`ERROR_LOG` in the output folder, where
@@ -441,7 +441,10 @@ def optimize(model_path: str | Path, cfg: TuneConfig) -> dict:
     (:class:`PostStages`): an exception there is recorded in ``report.json``'s ``post_errors`` (full text in
     ``<out>/tctune_errors.log``) and the report is still written. When the best configuration cannot be
     exported, the next-best feasible trial that exports is written beside it (:func:`export_fallback`;
-    ``artifacts.export_fallback`` names both).
+    ``artifacts.export_fallback`` names both). ``report.json`` / ``report.md`` are also written before each of
+    these stages (and ``best_config.json`` before the export), so a process killed during one (the host's
+    out-of-memory killer) leaves the report of the search: ``unfinished_stage`` names the stage (None in the
+    final report) and ``artifacts.export`` is ``"in progress"`` until the export ran (then ``"finished"``).
 
     Raises:
         ModelFileError, HardwareError, UsageError: bad input, before any trial runs.

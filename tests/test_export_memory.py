@@ -95,9 +95,10 @@ def test_optimize_skips_validation_at_a_tuned_batch_over_the_limit(model, tmp_pa
     assert a["onnx_validation_batches"] == [1, 3]
     assert a["onnx_validation_limited"].startswith(f"outputs at batch {bs} are {bs * ITEM_BYTES} bytes, over the")
     assert a["onnx_validation_limited"].endswith("validated at batches 1 and 3")
-    validated = [e["batch_size"] for e in a["onnx_validation"]]
-    assert sorted(validated) == [1, 3] and all(e["max_abs_error"] is not None for e in a["onnx_validation"])
-    assert sorted(e["batch_size"] for e in a.get("onnx_fp32_validation") or [{"batch_size": 1}, {"batch_size": 3}]) == [1, 3]
+    # model.onnx's runs, or (a typed best onnxruntime has no kernel for) its FP32 twin's: at the same sizes
+    runs = [r for r in (a["onnx_validation"], a.get("onnx_fp32_validation")) if r]
+    assert runs and all(sorted(e["batch_size"] for e in r) == [1, 3] for r in runs)
+    assert all(e["max_abs_error"] is not None for r in runs for e in r)
     assert f"- ONNX validation sized to memory: outputs at batch {bs}" in (out / "report.md").read_text()
     assert report["unfinished_stage"] is None and a["export"] == "finished"
     assert "did not finish" not in (out / "report.md").read_text()
@@ -119,7 +120,8 @@ def test_export_validates_the_tuned_batch_when_it_fits(model, tmp_path):
     a = json.loads((out / "report.json").read_text())["artifacts"]
     bs = json.loads((out / "report.json").read_text())["best"]["params"]["batch_size"]
     assert a["onnx_validation_limited"] is None and bs in a["onnx_validation_batches"]
-    assert bs in [e["batch_size"] for e in a["onnx_validation"]]
+    runs = [r for r in (a["onnx_validation"], a.get("onnx_fp32_validation")) if r]
+    assert runs and all(bs in [e["batch_size"] for e in r] for r in runs)
 
 
 KILLED_IN_EXPORT = textwrap.dedent('''
