@@ -124,12 +124,16 @@ def test_export_validates_the_tuned_batch_when_it_fits(model, tmp_path):
     assert runs and all(bs in [e["batch_size"] for e in r] for r in runs)
 
 
-KILLED_IN_EXPORT = textwrap.dedent('''
+KILLED_IN_STAGE = textwrap.dedent('''
     import importlib, os, signal, sys
     pipeline = importlib.import_module("tctune.optimize")  # the module (tctune.optimize is also a function)
+    from tctune.search import Tuner
     def killed(*args, **kwargs):  # what the out-of-memory killer does: no exception, no cleanup
         os.kill(os.getpid(), signal.SIGKILL)
-    pipeline.export_best = killed
+    if sys.argv[3] == "export":
+        pipeline.export_best = killed
+    else:
+        Tuner.confirm = killed
     from tctune.cli import main
     sys.exit(main(["optimize", sys.argv[1], "--out", sys.argv[2], "--batch-sizes", "4,16", "--trials", "4",
                    "--quiet", "--no-prune"]))
@@ -137,21 +141,43 @@ KILLED_IN_EXPORT = textwrap.dedent('''
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs POSIX signals")
-def test_a_process_killed_during_the_export_leaves_a_valid_report_of_the_search(model, tmp_path):
+@pytest.mark.parametrize("stage", ["export", "re-measure"])
+def test_a_process_killed_after_the_trials_leaves_a_valid_report_of_the_search(model, tmp_path, stage):
     out = tmp_path / "out"
     script = tmp_path / "killed.py"
-    script.write_text(KILLED_IN_EXPORT)
+    script.write_text(KILLED_IN_STAGE)
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, str(script), str(model), str(out)], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, str(script), str(model), str(out), stage], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
-    report = json.loads((out / "report.json").read_text())  # valid JSON: written atomically before the export
-    assert report["unfinished_stage"] == "export" and report["artifacts"]["export"] == "in progress"
+    report = json.loads((out / "report.json").read_text())  # valid JSON: written atomically before the stage
+    assert report["unfinished_stage"] == stage
     best = report["best"]
     assert best is not None and best["trial"] in {t["number"] for t in report["trials"] if t["state"] == "COMPLETE"}
-    assert report["baselines"] and best["speedup_vs_fp32_eager"] is not None  # the search and its timing
+    assert report["baselines"] and best["speedup_vs_fp32_eager"] is not None
     assert report["artifacts"]["onnx"] is None
     md = (out / "report.md").read_text()
-    assert "**Export did not finish: the process ended during export**" in md
-    cfg = json.loads((out / "best_config.json").read_text())
-    assert cfg["params"]["batch_size"] == best["params"]["batch_size"] and cfg["recommended"]["trial"] == best["trial"]
+    assert f"did not finish: the process ended during {stage}**" in md
+    if stage == "export":  # after the search and its timing: the export is pending, best_config.json written
+        assert report["artifacts"]["export"] == "in progress" and "**Export did not finish" in md
+        cfg = json.loads((out / "best_config.json").read_text())
+        assert cfg["params"] == best["params"] and cfg["recommended"]["trial"] == best["trial"]
+    else:
+        assert "export" not in report["artifacts"] and not (out / "best_config.json").exists()
+
+
+def test_a_side_by_side_timing_that_raises_is_recorded_and_the_run_finishes(model, tmp_path, monkeypatch):
+    from tctune.search import Tuner
+
+    def broken(self, study):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(Tuner, "side_by_side", broken)
+    out = tmp_path / "out"
+    assert main(["optimize", str(model), "--out", str(out), "--batch-sizes", "4,16", "--trials", "4", "--quiet",
+                 "--no-prune"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    stages = {e["stage"]: e["error"] for e in report["post_errors"]}
+    assert stages == {"side-by-side timing": "RuntimeError: CUDA error: an illegal memory access was encountered"}
+    assert report["best"] is not None and report["artifacts"]["export"] == "finished"
+    assert report["unfinished_stage"] is None and (report["artifacts"]["onnx"] or report["artifacts"].get("onnx_fp32"))
