@@ -181,3 +181,14 @@ def test_a_side_by_side_timing_that_raises_is_recorded_and_the_run_finishes(mode
     assert stages == {"side-by-side timing": "RuntimeError: CUDA error: an illegal memory access was encountered"}
     assert report["best"] is not None and report["artifacts"]["export"] == "finished"
     assert report["unfinished_stage"] is None and (report["artifacts"]["onnx"] or report["artifacts"].get("onnx_fp32"))
+
+
+def test_tctune_export_sizes_its_validations_from_the_outputs_at_batch_1():
+    from tctune.engines import _output_bytes_per_item
+
+    assert _output_bytes_per_item(torch.nn.Linear(16, 8), lambda b: (torch.randn(b, 16),)) == ITEM_BYTES
+
+    def broken(x):
+        raise RuntimeError("no kernel")
+
+    assert _output_bytes_per_item(broken, lambda b: (torch.randn(b, 16),)) is None
