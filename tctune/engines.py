@@ -256,15 +256,35 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
         key = cache_key("aoti", {"device": str(device)})
         if not reuse("aoti", key):
             from .export.aoti import export_aoti
+            from .export.onnx import plan_validation
 
             started = time.perf_counter()
-            info = export_aoti(graph, make_inputs, out / ARTIFACT_NAMES["aoti"], (tuned, 1 if tuned != 1 else 2))
+            check, limited = plan_validation((tuned, 1 if tuned != 1 else 2), _output_bytes_per_item(graph, make_inputs))
+            if limited:  # its comparison holds float64 host copies of the outputs, as the ONNX validation does
+                log.info("AOTInductor validation: %s", limited)
+            info = export_aoti(graph, make_inputs, out / ARTIFACT_NAMES["aoti"], (check * 2)[:max(2, len(check))])
             if info["aoti_error"]:
                 raise ExportError(f"the AOTInductor package {ARTIFACT_NAMES['aoti']} does not match PyTorch: "
                                   f"{info['aoti_error']}")
+            info["aoti_validation_limited"] = limited
             finish("aoti", key, _summary(info, "aoti"), started, device=info["aoti_device"])
     return {"out": str(out), "model": mf.name, "precision": precision, "hardware": hw.name,
             "batch_sizes": sizes, "formats": results}
+
+
+def _output_bytes_per_item(graph, make_inputs) -> float | None:
+    """Bytes of ``graph``'s outputs at batch 1 (``tctune.export.onnx.output_nbytes``), which size a validation
+    (``plan_validation``); None when the graph does not run at batch 1 here."""
+    import torch
+
+    from .export.onnx import output_nbytes
+
+    try:
+        with torch.no_grad():
+            return float(output_nbytes(graph(*make_inputs(1))))
+    except Exception as exc:  # noqa: BLE001 - unknown size: plan_validation keeps to small batches
+        log.debug("cannot size the validation at batch 1: %s", exc)
+        return None
 
 
 def _build_onnx(graph, make_inputs, path: Path, check: tuple[int, int, int], fp8=None, fp32_module=None) -> dict:
@@ -275,12 +295,19 @@ def _build_onnx(graph, make_inputs, path: Path, check: tuple[int, int, int], fp8
 
     With ``fp8`` (an ``FP8Graphs``), ``export_onnx_fp8`` writes the float8 Q/DQ model and validates it at all
     three batch sizes against the PyTorch FP8 graph (relative L2 <= 5e-2, else ExportError).
+
+    Validation is sized to memory: a batch size of ``check`` whose outputs (measured at batch 1, scaled by the
+    batch) are over ``tctune.export.onnx.plan_validation``'s limit is replaced by a small one; the result's
+    ``onnx_validation_limited`` says which and why (None when every size was validated).
     """
-    from .export.onnx import deployment, export_onnx_deployable, validate_onnx
+    from .export.onnx import deployment, export_onnx_deployable, plan_validation, validate_onnx
     from .export.onnx_fp8 import export_onnx_fp8
 
     started = time.perf_counter()
-    first, tuned, largest = check
+    planned, limited = plan_validation(check, _output_bytes_per_item(graph, make_inputs))
+    if limited:
+        log.info("ONNX validation: %s", limited)
+    check = first, tuned, largest = (*planned, planned[-1], planned[-1])[:3]  # (1, t, t) validates 1 and t
     pair = (tuned, largest) if tuned != largest else (tuned, first if first != tuned else tuned + 1)
     if fp8 is not None:
         info = export_onnx_fp8(fp8, make_inputs, path, batch_sizes=tuple(dict.fromkeys((first, tuned, largest))))
@@ -308,6 +335,7 @@ def _build_onnx(graph, make_inputs, path: Path, check: tuple[int, int, int], fp8
             log.warning("ONNX written but not validated here: %s", err)
         else:
             raise ExportError(f"{path.name} does not match PyTorch: {err}")
+    info["onnx_validation_limited"] = limited
     info["_seconds"] = time.perf_counter() - started
     return info
 
@@ -338,9 +366,10 @@ def _summary(info: dict, prefix: str) -> dict:
     """The JSON-ready subset of a build result kept in the manifest."""
     keep = {"onnx": ("onnx", "onnx_opset", "onnx_max_abs_error", "onnx_validation", "onnx_error", "onnx_dynamic",
                      "onnx_export_s", "onnx_outputs", "onnx_note", "onnx_fp8", "onnx_fp32", "onnx_fp32_max_abs_error",
-                     "onnx_fp32_error", "onnx_load", "onnx_provider", "deploy", "deploy_reason"),
+                     "onnx_fp32_error", "onnx_load", "onnx_provider", "deploy", "deploy_reason",
+                     "onnx_validation_limited"),
             "aoti": ("aoti_device", "aoti_export_s", "aoti_compile_s", "aoti_validation", "aoti_max_abs_error",
-                     "aoti_error")}[prefix]
+                     "aoti_error", "aoti_validation_limited")}[prefix]
     return {k: info.get(k) for k in keep}
 
 

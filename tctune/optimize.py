@@ -159,6 +159,20 @@ def fp32_export_graph(tuner: Tuner, trial) -> torch.nn.Module:
     return export_graphs(tuner.captured.graph_module, tuner.hw, trial.but(precision="fp32"), None).graph.to(tuner.device)
 
 
+def reference_bytes_per_item(tuner: Tuner, batch_size: int) -> float | None:
+    """Bytes per batch item of the FP32 reference outputs (``tctune.export.onnx.output_nbytes``): those the
+    evaluator computed at ``batch_size`` (cached since the trials), else at the first searched batch size whose
+    reference runs; None when none does. Sizes the ONNX validation (``tctune.export.onnx.plan_validation``)."""
+    from .export.onnx import output_nbytes
+
+    for b in dict.fromkeys([batch_size, *sorted(tuner.cfg.batch_sizes)]):
+        try:
+            return output_nbytes(tuner.reference(b)[1]) / b
+        except Exception as exc:  # noqa: BLE001 - e.g. the FP32 reference ran out of memory at that size
+            log.debug("no reference outputs at batch %d to size the ONNX validation: %s", b, exc)
+    return None
+
+
 def export_best(tuner: Tuner, params: dict, out: Path,
                 fp8_keep: list[str] | None = None, warn: bool = True,
                 model_cast: bool = False) -> tuple[Artifacts, list[dict]]:
@@ -177,6 +191,11 @@ def export_best(tuner: Tuner, params: dict, out: Path,
     quantized and how it was validated, and ``model.fp32.onnx`` is written too when onnxruntime cannot run
     ``model.onnx`` itself.
 
+    Validation is sized to memory (every file): the tuned batch is validated only when its reference outputs
+    (:func:`reference_bytes_per_item`) are within ``tctune.export.onnx.plan_validation``'s limit, else batch 1 and
+    a small one are; ``onnx_validation_batches`` (sorted ints, batch 1 added at fp8) and ``onnx_validation_limited``
+    (None, or the one line saying which batch was skipped and why) are in the artifacts' details.
+
     At other precisions, ``tctune.export.onnx.export_onnx_deployable`` writes ``model.onnx`` and, for a fp16/bf16
     graph that is not valid ONNX at any opset or that onnxruntime cannot run, ``model.fp32.onnx``: the trial's
     graph built at fp32 (:func:`fp32_export_graph`). ``deploy`` / ``deploy_reason`` (``tctune.export.onnx.deployment``)
@@ -194,7 +213,7 @@ def export_best(tuner: Tuner, params: dict, out: Path,
         ``artifacts``) and the pass results (as dicts) for the report.
     """
     from .export import build_engine, export_onnx, export_onnx_fp8, tensorrt_available
-    from .export.onnx import deployment, export_onnx_deployable
+    from .export.onnx import deployment, export_onnx_deployable, plan_validation
 
     artifacts = Artifacts()
     if tuner.cfg.mode == "train":
@@ -231,7 +250,12 @@ def export_best(tuner: Tuner, params: dict, out: Path,
         artifacts.tensorrt_skipped_reason = "export disabled (--no-export)"
         return artifacts, passes
     bs = params["batch_size"]
-    check = (bs, 3 if bs != 3 else 5)
+    check, skipped = plan_validation((bs, 3 if bs != 3 else 5), reference_bytes_per_item(tuner, bs))
+    check = (check * 2)[:2]  # export_onnx takes two sizes (one when even batch 2's outputs are over the limit)
+    validated = {1, *check} if fp8 is not None else set(check)  # the FP8 export validates at batch 1 too
+    artifacts.update({"onnx_validation_batches": sorted(validated), "onnx_validation_limited": skipped})
+    if skipped:
+        log.info("ONNX validation: %s", skipped)
     make_inputs = lambda b: tuner.mf.inputs(b, tuner.device)  # noqa: E731
     try:
         if fp8 is not None:  # validated at batch 1 too, as `tctune export` does
@@ -291,8 +315,8 @@ FALLBACK_TRIES = 3
 
 
 class PostStages:
-    """Runs the stages after the trials (the finalists' re-measure, the export, the plots) so that an exception in
-    one is recorded, not fatal: the report is still written.
+    """Runs the stages after the trials (the finalists' re-measure, the side-by-side timing, the export, the plots)
+    so that an exception in one is recorded, not fatal: the report is still written.
 
     Each failure becomes one ``post_errors`` entry ``{"stage", "error", "log"}`` (``error``: the exception's type
     and first line, at most 300 characters; ``log``: the path of :data:`ERROR_LOG` in the output folder, where
@@ -446,7 +470,10 @@ def optimize(model_path: str | Path, cfg: TuneConfig) -> dict:
     (:class:`PostStages`): an exception there is recorded in ``report.json``'s ``post_errors`` (full text in
     ``<out>/tctune_errors.log``) and the report is still written. When the best configuration cannot be
     exported, the next-best feasible trial that exports is written beside it (:func:`export_fallback`;
-    ``artifacts.export_fallback`` names both).
+    ``artifacts.export_fallback`` names both). ``report.json`` / ``report.md`` are also written before each of
+    these stages (and ``best_config.json`` before the export), so a process killed during one (the host's
+    out-of-memory killer) leaves the report of the search: ``unfinished_stage`` names the stage (None in the
+    final report) and ``artifacts.export`` is ``"in progress"`` until the export ran (then ``"finished"``).
 
     Raises:
         ModelFileError, HardwareError, UsageError: bad input, before any trial runs.
@@ -509,11 +536,57 @@ def _optimize(tuner: Tuner, mf, hw: HardwareSpec, cfg: TuneConfig, devices: list
     if not tuner.captured.ok:
         log.warning("graph passes disabled: %s", tuner.captured.reason)
     stages = PostStages(out)
-    if not cfg.worker:  # the finalists' re-measure runs inside tuner.run(): guard it there
-        remeasure = tuner.confirm
-        tuner.confirm = lambda *args, **kwargs: stages.run("re-measure", remeasure, *args, **kwargs)
+    artifacts = Artifacts()
+    passes: list[dict] = []
+    plots: dict = {}
+    worker_status: list[dict] = []
+    export_state: str | None = None  # report.json's artifacts.export: "in progress", then "finished"
+
+    def report_now(study_now: optuna.Study, unfinished: str | None) -> dict:
+        """Build and write report.json / report.md from what is known now; ``unfinished``: the stage about to run
+        (the report says it did not finish, in case the process ends during it), None for the final report."""
+        arts = artifacts.to_dict()
+        if export_state is not None:
+            arts["export"] = export_state
+        report = build_report(
+            study_now,
+            hardware=hw.to_dict(),
+            measured_on=measured_on(tuner.device),
+            config=cfg.to_dict(),
+            model={"name": mf.name, "path": str(mf.path), "tctune_version": __version__},
+            passes=passes,
+            artifacts=arts,
+            capture=tuner.captured.info(),
+            extra={"plots": plots, "workers": worker_status, "interrupted": tuner.interrupted,
+                   "fp8_plans": {policy: plan.to_dict() for policy, plan in tuner.fp8_plans.items()},
+                   "post_errors": stages.errors, "unfinished_stage": unfinished, **accuracy_extra(tuner)},
+        )
+        write_report(report, out)
+        return report
+
+    def provisional(study_now: optuna.Study, stage: str) -> None:
+        """The report as it stands before ``stage`` runs: a process killed during the stage (the host's out-of-memory
+        killer, a time limit) still leaves a valid report of the search. Never fatal."""
+        try:
+            report_now(study_now, stage)
+        except Exception as exc:  # noqa: BLE001 - the final report is still attempted
+            log.debug("provisional report before %s not written: %s", stage, exc)
+
+    if not cfg.worker:  # the finalists' re-measure and the side-by-side timing run inside tuner.run(): guard them
+        remeasure, timing = tuner.confirm, getattr(tuner, "side_by_side", None)
+
+        def guarded_confirm(study_now, *args, **kwargs):
+            provisional(study_now, "re-measure")
+            return stages.run("re-measure", remeasure, study_now, *args, **kwargs)
+
+        def guarded_side_by_side(study_now, *args, **kwargs):
+            provisional(study_now, "side-by-side timing")
+            return stages.run("side-by-side timing", timing, study_now, *args, **kwargs)
+
+        tuner.confirm = guarded_confirm
+        if timing is not None:
+            tuner.side_by_side = guarded_side_by_side
     study = tuner.run()
-    worker_status = []
     for d, proc in workers:
         _, err = proc.communicate()
         worker_status.append({"device": d, "returncode": proc.returncode,
@@ -524,44 +597,45 @@ def _optimize(tuner: Tuner, mf, hw: HardwareSpec, cfg: TuneConfig, devices: list
         return Optimized({"worker": True, "study": study.study_name, "n_trials": len(study.trials)}, tuner)
     study = optuna.load_study(study_name=study.study_name, storage=tuner.storage_url())
     bt = best_trial(study)
-    artifacts = Artifacts()
-    passes: list[dict] = []
+    if cfg.storage is None:
+        artifacts.study_db = str(out / "study.db")
     if bt is not None and tuner.interrupted:
         artifacts = Artifacts(onnx_error="not exported: the run was interrupted (run the command again to resume)",
-                              tensorrt_skipped_reason="the run was interrupted")
+                              tensorrt_skipped_reason="the run was interrupted",
+                              study_db=artifacts.study_db)
     if bt is not None and not tuner.interrupted:
         params = dict(bt.params)
+        # The search's answer is on disk before anything that can exhaust memory runs: best_config.json (with the
+        # passes the trial measured; rewritten with the exported graph's after the export) and the report.
+        if stages.run("best_config.json", write_best_config, out / "best_config.json", tuner, bt,
+                      list(bt.user_attrs.get("passes") or []), study.study_name, default=False,
+                      params=params) is not False:
+            artifacts.best_config = str(out / "best_config.json")
+        export_state = "in progress"
+        provisional(study, "export")
         got = stages.run("export", export_best, tuner, params, out, fp8_keep=bt.user_attrs.get("fp8_keep"),
                          warn=False,  # a failure is said once, by export_fallback
                          model_cast=bool(bt.user_attrs.get("model_cast")))  # model.half() won: its own graph
+        best_config = artifacts.best_config
         if got is None:
             why = stages.errors[-1]["error"]
             artifacts = Artifacts(onnx_error=f"not exported: {why}", tensorrt_skipped_reason="no ONNX to build from")
         else:
             artifacts, passes = got
             why = artifacts.onnx_error or "no ONNX file was written"
+        if cfg.storage is None:
+            artifacts.study_db = str(out / "study.db")
+        artifacts.best_config = best_config
         artifacts.exported_trial = bt.number if exported(artifacts) else None
         if (not exported(artifacts) and cfg.export and cfg.mode != "train" and tuner.captured.ok):
+            provisional(study, "export of the next-best trial")
             artifacts.export_fallback = export_fallback(tuner, study, bt, why, out, stages)
+        export_state = "finished"
         if stages.run("best_config.json", write_best_config, out / "best_config.json", tuner, bt, passes,
                       study.study_name, default=False, params=params) is not False:
             artifacts.best_config = str(out / "best_config.json")
-    if cfg.storage is None:
-        artifacts.study_db = str(out / "study.db")
     from .plots import write_plots
+    provisional(study, "plots")
     plots = stages.run("plots", write_plots, study, out, default={})
-    report = build_report(
-        study,
-        hardware=hw.to_dict(),
-        measured_on=measured_on(tuner.device),
-        config=cfg.to_dict(),
-        model={"name": mf.name, "path": str(mf.path), "tctune_version": __version__},
-        passes=passes,
-        artifacts=artifacts.to_dict(),
-        capture=tuner.captured.info(),
-        extra={"plots": plots, "workers": worker_status, "interrupted": tuner.interrupted,
-               "fp8_plans": {policy: plan.to_dict() for policy, plan in tuner.fp8_plans.items()},
-               "post_errors": stages.errors, **accuracy_extra(tuner)},
-    )
-    write_report(report, out)
+    report = report_now(study, None)
     return Optimized(report, tuner, bt if bt is not None and not tuner.interrupted else None)

@@ -312,6 +312,14 @@ def render_markdown(r: dict) -> str:
     """``report.md``: the same facts as ``report.json``, for people."""
     hw = r["hardware"]
     lines = [f"# tctune report: {r['model']['name']}", ""]
+    if r.get("unfinished_stage"):  # written before a stage after the trials; the final report has None here
+        stage = r["unfinished_stage"]
+        lines += [f"**{stage[0].upper() + stage[1:]} did not finish: the process ended during {stage}** (this report "
+                  f"was written before it started; the trials" + (" and the export" if stage == "plots" else "")
+                  + " below are complete"
+                  + ("; `best_config.json` is written: `tctune export` on it exports the best configuration"
+                     if (r.get("artifacts") or {}).get("best_config") and stage.startswith("export") else "")
+                  + ").", ""]
     lines += [f"- Model file: `{r['model']['path']}`",
               f"- Hardware spec: {hw.get('name')} ({hw.get('arch')}, compute capability {hw.get('compute_capability') or '–'}, source {hw.get('source')})",
               f"- Measured on: {r['measured_on']}",
@@ -524,6 +532,8 @@ def render_markdown(r: dict) -> str:
         lines.append(f"- ONNX note: {a['onnx_error']}")  # (the fallback line below says it otherwise)
     if a.get("onnx_note"):
         lines.append(f"- ONNX note: {a['onnx_note']}")
+    if a.get("onnx_validation_limited"):  # tctune.export.onnx.plan_validation: a batch too large to validate
+        lines.append(f"- ONNX validation sized to memory: {a['onnx_validation_limited']}")
     if a.get("onnx_fp32"):
         lines.append(f"- ONNX, same graph in FP32 (runs in any onnxruntime): `{a['onnx_fp32']}` "
                      f"(max abs error vs PyTorch: {_fmt(a.get('onnx_fp32_max_abs_error'), '.2e')})")

@@ -140,7 +140,8 @@ def export_onnx(
             (e.g. ``(batch, 3, 32, 32)`` float32 or ``(batch, seq)`` int64).
         path: the ``.onnx`` file to write. Weights over 1 GiB go to ``<path>.data`` beside it.
         batch_sizes: two batch sizes to validate at. The export example uses the first one that is at
-            least 2 (size-1 examples make torch.export specialize the axis), else 2.
+            least 2 (size-1 examples make torch.export specialize the axis), else 2. Each validation holds
+            several host copies of the outputs at that size: :func:`plan_validation` picks sizes that fit.
         opset: the lowest ONNX opset to write; ``None`` takes the exporter's default (18-20 depending on
             torch). Raised automatically where the typed graph needs a newer one (see above).
         validate: False skips the onnxruntime runs (``onnx_validation`` stays empty, ``onnx_max_abs_error``
@@ -799,6 +800,109 @@ def validate_onnx(
         return [{"batch_size": None, "max_abs_error": None, "rel_l2_error": None, outcome: load["reason"]}]
     names = _input_names(module, count)
     return [_validate_batch(module, make_inputs, int(b), device, names, session) for b in batch_sizes]
+
+
+#: The largest reference outputs (bytes, counted at 4 bytes an element at least) one validation batch may have
+#: whatever the memory: a validation run holds about ten copies of them on the host (PyTorch's outputs, onnxruntime's,
+#: float64 copies of both and their difference) beside onnxruntime's own activations.
+VALIDATION_OUTPUT_CAP = 2 << 30
+#: ... and at most this fraction of the host memory available when the validation is planned (the same ten copies,
+#: and onnxruntime's arena, with room to spare).
+VALIDATION_MEMORY_FRACTION = 1 / 16
+#: The small batch sizes a skipped batch is replaced with, in this order, so that two distinct batch sizes (the
+#: symbolic batch axis) are still validated.
+SMALL_VALIDATION_BATCHES = (1, 3, 2, 5)
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory available now: ``psutil.virtual_memory().available`` where psutil is installed,
+    else ``os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")`` (free pages, without the page cache: lower,
+    so safer), else None (the platform has neither)."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:  # noqa: BLE001 - not installed, or no reading on this platform
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def validation_output_limit() -> tuple[int, str]:
+    """The largest reference outputs (bytes) one validation batch may have, and what set it: the smaller of
+    :data:`VALIDATION_OUTPUT_CAP` and :data:`VALIDATION_MEMORY_FRACTION` of :func:`host_memory_available`."""
+    cap = int(VALIDATION_OUTPUT_CAP)
+    available = host_memory_available()
+    if available is not None and available * VALIDATION_MEMORY_FRACTION < cap:
+        return int(available * VALIDATION_MEMORY_FRACTION), (
+            f"1/{round(1 / VALIDATION_MEMORY_FRACTION)} of the {_gb(available)} of host memory available")
+    return cap, "the fixed cap for one validation batch"
+
+
+def output_nbytes(outputs: Any) -> int:
+    """Bytes of every tensor leaf of ``outputs``, an element counted at ``max(element_size, 4)`` (the comparison
+    works in wider types than fp16/bf16/fp8)."""
+    return sum(t.numel() * max(t.element_size(), 4) for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor))
+
+
+def plan_validation(wanted: Sequence[int], bytes_per_item: float | None,
+                    limit: int | None = None) -> tuple[tuple[int, ...], str | None]:
+    """The batch sizes to validate an ONNX export at, sized to memory.
+
+    A batch size of ``wanted`` whose reference outputs (``bytes_per_item * batch``) exceed ``limit`` is not
+    validated (it only checks the same symbolic batch axis again, at a size that may not fit on the host; seen:
+    GPT-2's logits at batch 128 are 26.3 GB in FP32, and the host ran out of memory). Batch 1 is always kept. While
+    fewer than two distinct sizes are kept (``min(2, len(set(wanted)))``), the first of
+    :data:`SMALL_VALIDATION_BATCHES` not kept yet is added.
+
+    Args:
+        wanted: the batch sizes the caller would validate at, in its order (the first >= 2 is the export example).
+        bytes_per_item: bytes of the reference outputs per batch item (:func:`output_nbytes` of the outputs at a
+            batch size, divided by it); None: unknown, so only sizes up to ``max(SMALL_VALIDATION_BATCHES)`` are
+            validated.
+        limit: bytes; None: :func:`validation_output_limit`.
+
+    Returns:
+        ``(sizes, note)``: the sizes (``wanted``'s kept ones in order, then the substitutes) and None when all were
+        kept, else one line, e.g. ``"outputs at batch 128 are 26.3 GB, over the 2.1 GB validation limit (the fixed
+        cap for one validation batch): validated at batches 1 and 3"``.
+
+    Raises:
+        ValueError: ``wanted`` is empty or not positive ints.
+    """
+    sizes = list(dict.fromkeys(int(b) for b in wanted))
+    if not sizes or any(b < 1 for b in sizes):
+        raise ValueError(f"wanted must be positive batch sizes, got {wanted!r}")
+    limit, why = (limit, "the limit given") if limit is not None else validation_output_limit()
+
+    def fits(b: int) -> bool:
+        if bytes_per_item is None:
+            return b <= max(SMALL_VALIDATION_BATCHES)
+        return b == 1 or bytes_per_item * b <= limit
+
+    kept = [b for b in sizes if fits(b)]
+    skipped = [b for b in sizes if not fits(b)]
+    for b in SMALL_VALIDATION_BATCHES:
+        if len(kept) >= min(2, len(sizes)):
+            break
+        if b not in kept and fits(b):
+            kept.append(b)
+    if not skipped:
+        return tuple(kept), None
+    done = sorted(kept)
+    at = " and ".join(map(str, done)) if len(done) <= 2 else ", ".join(map(str, done[:-1])) + f" and {done[-1]}"
+    if bytes_per_item is None:
+        said = f"the size of the outputs is unknown, so batch {', '.join(map(str, skipped))} was not validated"
+    else:
+        said = "; ".join(f"outputs at batch {b} are {_gb(bytes_per_item * b)}" for b in skipped)
+        said += f", over the {_gb(limit)} validation limit ({why})"
+    return tuple(kept), f"{said}: validated at batch{'es' if len(done) > 1 else ''} {at}"
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{int(n)} bytes"
 
 
 # ------------------------------------------------------------------------------------------- helpers

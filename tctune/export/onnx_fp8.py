@@ -548,7 +548,8 @@ def export_onnx_fp8(
             ``(batch, seq, 64)`` float32).
         path: the ``.onnx`` file to write (``<path>.data`` beside it when the weights exceed 1 GiB).
         batch_sizes: one or more positive batch sizes to validate at (e.g. ``(1, tuned, largest)``); the
-            export example is the first that is >= 2, else 2.
+            export example is the first that is >= 2, else 2. Sized to host memory by the caller
+            (``tctune.export.onnx.plan_validation``).
         calibration: input tuples for the static activation scales (on the graphs' device); ``None``: one
             ``make_inputs(b)`` per distinct ``b`` in ``batch_sizes``.
         opset: >= 19 (default 19, see the module docstring).
