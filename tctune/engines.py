@@ -367,7 +367,7 @@ def _summary(info: dict, prefix: str) -> dict:
     keep = {"onnx": ("onnx", "onnx_opset", "onnx_max_abs_error", "onnx_validation", "onnx_error", "onnx_dynamic",
                      "onnx_export_s", "onnx_outputs", "onnx_note", "onnx_fp8", "onnx_fp32", "onnx_fp32_max_abs_error",
                      "onnx_fp32_error", "onnx_load", "onnx_provider", "deploy", "deploy_reason",
-                     "onnx_validation_limited"),
+                     "onnx_fp32_validation", "onnx_validation_limited"),
             "aoti": ("aoti_device", "aoti_export_s", "aoti_compile_s", "aoti_validation", "aoti_max_abs_error",
                      "aoti_error", "aoti_validation_limited")}[prefix]
     return {k: info.get(k) for k in keep}

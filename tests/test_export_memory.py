@@ -109,7 +109,8 @@ def test_optimize_skips_validation_at_a_tuned_batch_over_the_limit(model, tmp_pa
                  "--out", str(res)]) == 0
     manifest = json.loads((res / "model.onnx.manifest.json").read_text())
     result = manifest["result"]
-    assert sorted(e["batch_size"] for e in result["onnx_validation"]) == [1, 3]
+    runs = [r for r in (result["onnx_validation"], result.get("onnx_fp32_validation")) if r]
+    assert runs and all(sorted(e["batch_size"] for e in r) == [1, 3] for r in runs)
     assert f"outputs at batch {bs} are" in result["onnx_validation_limited"]
 
 
