@@ -808,6 +808,41 @@ def _sync(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
+def profile_by_name(fn, args: tuple, iters: int, cuda: bool) -> dict[str, tuple[int, float]]:
+    """``torch.profiler`` over ``iters`` calls of ``fn(*args)`` (the caller warms up first): kernel name ->
+    (calls, total self microseconds), CUDA device events (kernels, memcpy, memset) on CUDA, CPU operators
+    otherwise; events with no time are dropped. Used by ``zoo_ablate.py`` and ``zoo_profile.py``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(cuda)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(iters):
+            fn(*args)
+        _sync(cuda)
+    out: dict[str, tuple[int, float]] = {}
+    for evt in prof.key_averages():
+        if cuda != (getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA):
+            continue
+        us = _self_us(evt, cuda)
+        if us > 0:
+            c, t = out.get(evt.key, (0, 0.0))
+            out[evt.key] = (c + int(evt.count), t + us)
+    return out
+
+
+def _self_us(evt, cuda: bool) -> float:
+    """Self time of a ``key_averages`` entry in microseconds (device time on CUDA)."""
+    if cuda:
+        for attr in ("self_device_time_total", "self_cuda_time_total", "device_time_total", "cuda_time_total"):
+            v = getattr(evt, attr, None)
+            if v is not None:
+                return float(v)
+        return 0.0
+    return float(evt.self_cpu_time_total)
+
+
 def _block_ms(fn, args, iters: int, cuda: bool) -> float:
     """Milliseconds per call over one block of ``iters`` calls (CUDA events, or perf_counter on the CPU)."""
     import torch

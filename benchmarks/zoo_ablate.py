@@ -150,41 +150,11 @@ def variant_plan(fired: dict[str, int], max_variants: int | None = None) -> dict
 # ------------------------------------------------------------------------------------------------ profile
 
 
-def _event_time(evt, cuda: bool) -> float:
-    """Self time of a ``key_averages`` entry in microseconds (device time on CUDA)."""
-    if cuda:
-        for attr in ("self_device_time_total", "self_cuda_time_total", "device_time_total", "cuda_time_total"):
-            v = getattr(evt, attr, None)
-            if v is not None:
-                return float(v)
-        return 0.0
-    return float(evt.self_cpu_time_total)
-
-
 def profile_calls(fn, args: tuple, iters: int, cuda: bool) -> dict[str, tuple[float, float]]:
     """Kernel name -> (calls per call of ``fn``, microseconds per call of ``fn``) over ``iters`` profiled calls
     after one warm-up call: CUDA device kernels on CUDA, CPU operators otherwise."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
     fn(*args)
-    zoo._sync(cuda)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof:
-        for _ in range(iters):
-            fn(*args)
-        zoo._sync(cuda)
-    out: dict[str, tuple[float, float]] = {}
-    for evt in prof.key_averages():
-        is_dev = getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA
-        if cuda != is_dev:
-            continue
-        us = _event_time(evt, cuda)
-        if us <= 0:
-            continue
-        c, t = out.get(evt.key, (0.0, 0.0))
-        out[evt.key] = (c + evt.count / iters, t + us / iters)
-    return out
+    return {k: (c / iters, t / iters) for k, (c, t) in zoo.profile_by_name(fn, args, iters, cuda).items()}
 
 
 def _side(kernels: dict[str, tuple[float, float]]) -> dict:

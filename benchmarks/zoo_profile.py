@@ -161,17 +161,6 @@ def normalize(name: str) -> str:
 # ------------------------------------------------------------------------------------------------ profile
 
 
-def _self_us(evt, cuda: bool) -> float:
-    """Self time of a ``key_averages`` entry in microseconds (device time on CUDA)."""
-    if cuda:
-        for attr in ("self_device_time_total", "self_cuda_time_total", "device_time_total", "cuda_time_total"):
-            v = getattr(evt, attr, None)
-            if v is not None:
-                return float(v)
-        return 0.0
-    return float(evt.self_cpu_time_total)
-
-
 def profile_kernels(fn, args: tuple, iters: int, cuda: bool) -> dict[str, tuple[int, float]]:
     """``torch.profiler`` over ``iters`` calls of ``fn(*args)`` (the caller warms up first).
 
@@ -179,26 +168,7 @@ def profile_kernels(fn, args: tuple, iters: int, cuda: bool) -> dict[str, tuple[
         kernel name -> (calls, total self microseconds) over the ``iters`` calls: CUDA device events (kernels,
         memcpy, memset) on CUDA, CPU operators otherwise; events with no time are dropped.
     """
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    zoo._sync(cuda)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof:
-        for _ in range(iters):
-            fn(*args)
-        zoo._sync(cuda)
-    out: dict[str, tuple[int, float]] = {}
-    for evt in prof.key_averages():
-        is_dev = getattr(evt, "device_type", None) == torch.autograd.DeviceType.CUDA
-        if cuda != is_dev:
-            continue
-        us = _self_us(evt, cuda)
-        if us <= 0:
-            continue
-        c, t = out.get(evt.key, (0, 0.0))
-        out[evt.key] = (c + int(evt.count), t + us)
-    return out
+    return zoo.profile_by_name(fn, args, iters, cuda)
 
 
 def side_summary(kernels: dict[str, tuple[int, float]], iters: int) -> dict:
