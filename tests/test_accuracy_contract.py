@@ -77,8 +77,10 @@ def test_near_tied_logits_do_not_win_at_bf16_and_score_is_cached_per_graph(tmp_p
     for tr in done:
         assert tr.user_attrs["score_fp32"] == 1.0 and tr.user_attrs["score_limit"] == pytest.approx(0.99)
     # one call for the FP32 reference, then one per built graph whatever the batch size or re-measure:
-    # fp32 graph, bf16 graph, bf16 autocast (the FP32 model as written is the reference itself)
-    graphs = {(tr.params["precision"], tr.params["graph_passes"]) for tr in done} - {("fp32", False)}
+    # fp32 graph, bf16 graph, bf16 autocast, the model cast to bf16 as a whole (its own graph, not autocast's;
+    # the FP32 model as written is the reference itself)
+    graphs = ({(tr.params["precision"], tr.params["graph_passes"], bool(tr.user_attrs.get("model_cast")))
+               for tr in done} - {("fp32", False, False)})
     calls = mf.score.__globals__["CALLS"]
     assert len(calls) == 1 + len(graphs) == t.evaluator.score_gate.calls
     assert len(done) > len(calls)  # several trials per graph: the cache answered the rest

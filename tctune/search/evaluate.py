@@ -89,6 +89,7 @@ class InferenceEvaluator:
         self.score_gate = (ScoreGate(score, cfg.min_score_ratio, cfg.min_score, where=mf.path.name)
                            if score is not None else None)
         self._real_stats: dict[Any, ErrorStats] = {}  # graph key -> worst stats over the real batches
+        self._batch_stats: dict[Any, dict] = {}  # graph key -> {batch size: stats on its reference inputs}
 
     def calibration_inputs(self, batch_size: int) -> list[tuple]:
         """The fp16 overflow calibration of a trial at ``batch_size``: its reference inputs, then every real batch."""
@@ -201,8 +202,8 @@ class InferenceEvaluator:
                     f"{gate.fp32:.4g}; FP8 candidates are rejected"), metric=METRIC_SCORE)
 
             def score_of(keep: tuple[str, ...], graph) -> float:  # cached with the trials that build this graph
-                key = graph_key(TrialParams(batch_size=1, precision="fp8", graph_passes=True, policy=policy,
-                                            fp8_keep=keep))
+                key = (graph_key(TrialParams(batch_size=1, precision="fp8", graph_passes=True, policy=policy,
+                                             fp8_keep=keep)), False)  # evaluate()'s key of this graph
                 return gate.shortfall(gate.score(key, graph, "fp8")[0])
         try:
             gm, hw = self.captured.graph_module, self.hw
@@ -288,8 +289,9 @@ class InferenceEvaluator:
                                             FailureKind.COMPILE_BUDGET)
                 with torch.inference_mode():
                     out = detach_outputs(fn(*inputs))
-            key = graph_key(self.trial_params(params, cand.fp8_keep))
-            err: ErrorStats = self._real_data(key, cand, compare(out, ref))
+            # the model cast as a whole and autocast share their TrialParams (precision, no passes): not their graph
+            key = (graph_key(self.trial_params(params, cand.fp8_keep)), bool(params.get("model_cast")))
+            err: ErrorStats = self._real_data(key, cand, self._every_batch(key, cand, bs, compare(out, ref)))
             try:
                 check_accuracy(err, cand.precision, out, max_mismatch_rate=self.cfg.max_mismatch_rate)
             except CandidateRejected as exc:
@@ -317,6 +319,34 @@ class InferenceEvaluator:
         return trial_metrics(timing, err, peak_memory_mib=peak, setup_s=setup_s, description=cand.description,
                              passes=[{"name": r.name, "changed": r.count, **({"failed": r.notes["failed"]} if "failed" in r.notes else {})}
                                      for r in cand.passes], **extra)
+
+    def _every_batch(self, key, cand: Candidate, batch_size: int, err: ErrorStats) -> ErrorStats:
+        """``err`` (the stats at ``batch_size``) merged with the same graph's worst stats on the seeded reference
+        inputs of every other searched batch size, each computed once per graph ``key`` by running ``cand.module``
+        (before the runtime wrapper). A graph's verdict is then the same at every batch size: without this, a bf16
+        graph whose class ids changed in 1 of 128 rows at batch 128 passed the exact check at batch 32, whose
+        rows happened to keep every id. A batch whose extra run fails (e.g. out of memory) is left out (logged)."""
+        seen = self._batch_stats.setdefault(key, {})
+        seen[batch_size] = err
+        for b in self.cfg.batch_sizes:
+            if b in seen:
+                continue
+            try:
+                inputs, ref = self.reference(b)
+                with precision_mode(cand.precision), torch.inference_mode():
+                    out = detach_outputs(cand.module(*inputs))
+                seen[b] = compare(out, ref)
+            except Exception as exc:  # noqa: BLE001 - the candidate is judged on the batches that ran
+                log.info("accuracy at batch %d not checked for this graph: %s", b, first_line(exc))
+                seen[b] = None
+            finally:
+                out = None
+                release_memory(self.device)
+        merged = err
+        for stats in seen.values():
+            if stats is not None:
+                merged = worst(merged, stats)
+        return merged
 
     def _real_data(self, key, cand: Candidate, err: ErrorStats) -> ErrorStats:
         """``err`` (the random inputs' stats) merged with the candidate's worst stats over the real batches,
