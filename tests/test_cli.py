@@ -60,7 +60,10 @@ def test_report_json_has_the_documented_fields(seed_run):
     best = r["best"]
     assert best["throughput"] > 0 and best["speedup_vs_baseline"] > 0
     assert best["max_rel_error"] <= 1e-2
-    assert {p["name"] for p in r["passes"]} >= {"fold_conv_batchnorm", "pad_linear_dims", "cast_precision"}
+    if best.get("model_cast"):  # the model cast as a whole won (timing
+        assert r["passes"] == []  # decides on this CPU): its exported graph is the cast model, no tctune pass
+    else:
+        assert {p["name"] for p in r["passes"]} >= {"fold_conv_batchnorm", "pad_linear_dims", "cast_precision"}
     for p in r["passes"]:
         assert all({"node", "reason"} <= set(s) for s in p["skipped"])
     a = r["artifacts"]
