@@ -325,9 +325,10 @@ def render_markdown(r: dict) -> str:
               f"- Measured on: {r['measured_on']}",
               f"- Study: `{r['study']['name']}`, {r['study']['n_trials']} trials ({r['study']['n_complete']} complete)",
               f"- Accuracy limit: relative L2 error ≤ {r['config']['max_error']:g} against FP32 eager "
-              + ("of the gradients of one training step on a seeded random batch (and the real batches when given); "
+              + ("of the gradients of one training step on a seeded random batch (and the real batches when given)"
                  if r["config"].get("mode") == "train" else "on fresh random inputs; ")
-              + (f"integer and bool outputs may differ in up to {r['config']['max_mismatch_rate']:.2%} of their elements"
+              + ("" if r["config"].get("mode") == "train" else  # a training step's check has gradients only
+                 f"integer and bool outputs may differ in up to {r['config']['max_mismatch_rate']:.2%} of their elements"
                  if r["config"].get("max_mismatch_rate") else "integer and bool outputs must match exactly")]
     if r["config"].get("output_dtype"):  # a report written before the option has no contract to state
         lines.append("- " + output_contract_line(r["config"]["output_dtype"]))
