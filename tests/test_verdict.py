@@ -67,8 +67,8 @@ def test_a_candidate_whose_ci_includes_one_loses_to_the_baseline(tmp_path):
     assert best["trial"] == cast and best["kind"] == "baseline" and best["name"] == "cast_fp16"
     assert best["speedup_vs_best_baseline"] == 1.0 and best["speedup_ci95"] is None  # by definition
     assert best["best_baseline"]["trial"] == cast
-    line = (f"no tctune candidate beat model.half() eager at batch 64 ({c['speedup']:.2f}×, 95 % CI "
-            f"{c['ci95'][0]:.2f}–{c['ci95'][1]:.2f}): use it")
+    line = (f"no tctune candidate was measurably faster than model.half() eager at batch 64 ({c['speedup']:.2f}×, "
+            f"95 % CI {c['ci95'][0]:.2f}–{c['ci95'][1]:.2f}, which includes 1.0): use it")
     assert best["verdict"]["reason"] == line
     assert line in render_markdown(_report(study)) and line in _summary(_report(study), tmp_path)
 

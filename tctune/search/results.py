@@ -163,8 +163,9 @@ def verdict(study: optuna.Study) -> dict | None:
     Returns:
         None when no trial is feasible; else ``{"trial": FrozenTrial, "kind": "tctune" | "baseline", "name":
         the baseline's name (e.g. ``cast_fp16``), else the candidate's description, "rule": the rule applied,
-        "reason": one line saying why (e.g. "no tctune candidate beat model.half() eager at batch 64 (1.01×,
-        95 % CI 0.98–1.04): use it"), "challenger":
+        "reason": one line saying why (e.g. "no tctune candidate was measurably faster than model.half() eager at
+        batch 64 (1.01×, 95 % CI 0.98–1.04, which includes 1.0): use it"; "... beat ..." when the median is not
+        above 1.0), "challenger":
         the fastest searched candidate the rule turned down, ``{"trial", "batch_size", "description",
         "against", "against_name", "against_batch_size", "speedup", "ci95", "p_value", "rounds"}`` (for a tctune
         winner: its own comparison), or None}``.
@@ -259,8 +260,11 @@ def _side_by_side_verdict(timed: list, rows: dict, result) -> dict:
                                                f"batch {t.params['batch_size']}")
             use = "use it" if c["against"] == t.number else (
                 f"use {_label(name)} at batch {t.params['batch_size']}, the fastest plain baseline side by side")
-            return result(t, VERDICT_RULE, f"no tctune candidate beat {_label(c['against_name'])} {where(c)} "
-                                           f"({c['speedup']:.2f}×, 95 % CI {c['ci95'][0]:.2f}–{c['ci95'][1]:.2f}): {use}", c)
+            ci = f"{c['speedup']:.2f}×, 95 % CI {c['ci95'][0]:.2f}–{c['ci95'][1]:.2f}"
+            if c["speedup"] > 1.0:  # faster by its median, but the interval says the difference may be noise
+                return result(t, VERDICT_RULE, f"no tctune candidate was measurably faster than "
+                                               f"{_label(c['against_name'])} {where(c)} ({ci}, which includes 1.0): {use}", c)
+            return result(t, VERDICT_RULE, f"no tctune candidate beat {_label(c['against_name'])} {where(c)} ({ci}): {use}", c)
         c = against(t)
         if c is None:
             return result(t, VERDICT_RULE, "no feasible plain baseline was timed side by side to compare with")
