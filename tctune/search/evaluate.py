@@ -89,7 +89,6 @@ class InferenceEvaluator:
         self.score_gate = (ScoreGate(score, cfg.min_score_ratio, cfg.min_score, where=mf.path.name)
                            if score is not None else None)
         self._real_stats: dict[Any, ErrorStats] = {}  # graph key -> worst stats over the real batches
-        self._batch_stats: dict[Any, dict] = {}  # graph key -> {batch size: stats on its reference inputs}
 
     def calibration_inputs(self, batch_size: int) -> list[tuple]:
         """The fp16 overflow calibration of a trial at ``batch_size``: its reference inputs, then every real batch."""
@@ -291,7 +290,7 @@ class InferenceEvaluator:
                     out = detach_outputs(fn(*inputs))
             # the model cast as a whole and autocast share their TrialParams (precision, no passes): not their graph
             key = (graph_key(self.trial_params(params, cand.fp8_keep)), bool(params.get("model_cast")))
-            err: ErrorStats = self._real_data(key, cand, self._every_batch(key, cand, bs, compare(out, ref)))
+            err: ErrorStats = self._real_data(key, cand, compare(out, ref))
             try:
                 check_accuracy(err, cand.precision, out, max_mismatch_rate=self.cfg.max_mismatch_rate)
             except CandidateRejected as exc:
@@ -319,34 +318,6 @@ class InferenceEvaluator:
         return trial_metrics(timing, err, peak_memory_mib=peak, setup_s=setup_s, description=cand.description,
                              passes=[{"name": r.name, "changed": r.count, **({"failed": r.notes["failed"]} if "failed" in r.notes else {})}
                                      for r in cand.passes], **extra)
-
-    def _every_batch(self, key, cand: Candidate, batch_size: int, err: ErrorStats) -> ErrorStats:
-        """``err`` (the stats at ``batch_size``) merged with the same graph's worst stats on the seeded reference
-        inputs of every other searched batch size, each computed once per graph ``key`` by running ``cand.module``
-        (before the runtime wrapper). A graph's verdict is then the same at every batch size: without this, a bf16
-        graph whose class ids changed in 1 of 128 rows at batch 128 passed the exact check at batch 32, whose
-        rows happened to keep every id. A batch whose extra run fails (e.g. out of memory) is left out (logged)."""
-        seen = self._batch_stats.setdefault(key, {})
-        seen[batch_size] = err
-        for b in self.cfg.batch_sizes:
-            if b in seen:
-                continue
-            try:
-                inputs, ref = self.reference(b)
-                with precision_mode(cand.precision), torch.inference_mode():
-                    out = detach_outputs(cand.module(*inputs))
-                seen[b] = compare(out, ref)
-            except Exception as exc:  # noqa: BLE001 - the candidate is judged on the batches that ran
-                log.info("accuracy at batch %d not checked for this graph: %s", b, first_line(exc))
-                seen[b] = None
-            finally:
-                out = None
-                release_memory(self.device)
-        merged = err
-        for stats in seen.values():
-            if stats is not None:
-                merged = worst(merged, stats)
-        return merged
 
     def _real_data(self, key, cand: Candidate, err: ErrorStats) -> ErrorStats:
         """``err`` (the random inputs' stats) merged with the candidate's worst stats over the real batches,
