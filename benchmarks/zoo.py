@@ -1568,6 +1568,16 @@ def run_all(entries: list[Entry], args: argparse.Namespace, plans: dict[str, Pla
 # ------------------------------------------------------------------------------------------------ CLI
 
 
+
+def add_model_args(p) -> None:
+    """The options that say how zoo models are built (``--dtype``, ``--scale``, ``--seq``, ``--tiny``,
+    ``--device``), shared by ``zoo.py``, ``zoo_ablate.py`` and ``zoo_profile.py``."""
+    p.add_argument("--dtype", choices=DTYPES, default="bf16", help="low precision for every variant (default bf16)")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply every default batch size (rounded, >= 1)")
+    p.add_argument("--seq", type=int, default=512, help="sequence-length cap for text models (default 512)")
+    p.add_argument("--tiny", action="store_true", help="tiny Hugging Face configs (hidden 64, 2 layers, seq 32)")
+    p.add_argument("--device", default=None, help="cuda (default when available) or cpu (a dry run)")
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="zoo.py", description="The tctune backend against Inductor on the Hugging Face / TIMM / torchvision "
@@ -1589,11 +1599,7 @@ def _parser() -> argparse.ArgumentParser:
                      f"{','.join(OPTIMIZE_DEFAULT)}) to also run `tctune optimize` on, when selected")
     how = p.add_argument_group("how")
     how.add_argument("--out", type=Path, help="output folder: rows/NAME.json per model (required unless --merge/--list)")
-    how.add_argument("--dtype", choices=DTYPES, default="bf16", help="low precision for every variant (default bf16)")
-    how.add_argument("--scale", type=float, default=1.0, help="multiply every default batch size (rounded, >= 1)")
-    how.add_argument("--seq", type=int, default=512, help="sequence-length cap for text models (default 512)")
-    how.add_argument("--tiny", action="store_true", help="tiny Hugging Face configs (hidden 64, 2 layers, seq 32)")
-    how.add_argument("--device", default=None, help="cuda (default when available) or cpu (a dry run)")
+    add_model_args(how)
     how.add_argument("--repeats", type=int, default=5, help="timed repeats per variant; the median is kept (5)")
     how.add_argument("--repeat-s", type=float, default=0.05, help="target seconds per timed repeat (0.05)")
     how.add_argument("--max-memory-frac", type=float, default=0.8,
