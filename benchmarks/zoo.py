@@ -1568,7 +1568,6 @@ def run_all(entries: list[Entry], args: argparse.Namespace, plans: dict[str, Pla
 # ------------------------------------------------------------------------------------------------ CLI
 
 
-
 def add_model_args(p) -> None:
     """The options that say how zoo models are built (``--dtype``, ``--scale``, ``--seq``, ``--tiny``,
     ``--device``), shared by ``zoo.py``, ``zoo_ablate.py`` and ``zoo_profile.py``."""
