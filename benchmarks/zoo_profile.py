@@ -13,7 +13,8 @@ configs, random weights, batch sizes ``--scale``, seeded inputs), in ``torch.no_
 times, compiled the way ``zoo.py`` compiles them and in its order:
 
 =============  ==========================================================================================
-``tctune``     ``torch.compile(fp32 model, backend="tctune", options={"precision": dt, "policy": "pure"})``
+``tctune``     ``torch.compile(fp32 model, backend="tctune", options={"precision": dt, "policy": "pure",
+               "output_dtype": "compute"})``: outputs left in dt like the Inductor side's (zoo's contract)
 ``inductor``   ``torch.compile(copy.deepcopy(model).to(dt))``, floating inputs cast to dt
 =============  ==========================================================================================
 
@@ -332,7 +333,8 @@ def profile_model(entry, args: argparse.Namespace) -> dict:
     low_inputs = tuple(x.to(dt) if x.is_floating_point() else x for x in inputs)
     row.update(params=built.params, inputs=built.desc)
     backend = "tctune" if "tctune" in torch._dynamo.list_backends() else tb.tctune_backend
-    options = {"precision": args.dtype, "policy": "pure"}
+    options = {"precision": args.dtype, "policy": "pure", "output_dtype": zoo.TCTUNE_OUTPUT_DTYPE}
+    row["output_dtype"] = zoo.TCTUNE_OUTPUT_DTYPE
     fns: dict = {}
     with torch.no_grad():
         # One-off costs of the process's first Inductor compile (compile worker pool, Triton / C++ toolchain

@@ -107,6 +107,7 @@ def test_tiny_distilbert_end_to_end_on_cpu(tmp_path):
     row = json.loads((d / "profile.json").read_text())
     assert row["status"] == "ok", row.get("reason")
     assert row["kind"] == "cpu_ops" and row["iters"] == 2 and row["batch_size"] == 16
+    assert row["output_dtype"] == "compute"  # the contract of the Inductor side: logits left in dt
     for side in prof.SIDES:
         s = row["sides"][side]
         assert s["compile_s"] > 0 and s["wall_ms"] > 0 and s["kernel_us_per_iter"] > 0 and s["kernels"]
