@@ -371,8 +371,8 @@ def choose_fastest(plan: FP8Plan, throughput_of: Callable[[tuple[str, ...]], flo
     Keep-lists that keep the same roles (:func:`kept_roles`; they differ only in which single layers of those
     roles stay bf16) are timed once, as the one with the most FP8 FLOPs (lower error on ties), a measured rule:
     on the H200 (BERT-base, batch 128, Inductor + CUDA graph), three such lists with 37.5 %, 35.4 % and 33.3 %
-    of the FLOPs in FP8 (layer 4's query projection in FP8 or bf16, or the whole query role in bf16) ran 17,807,
-    17,740 and 17,720 items/s, within 0.5 %, at about 20 s of compile each (benchmarks/NOTES.md, "`tctune
+    of the FLOPs in FP8 (layer 4's fused QKV projection in FP8 or bf16, or every layer's in bf16) ran 17,807,
+    17,740 and 17,720 items/s, within 0.5 %, at about 20 s of compile and timing each (benchmarks/NOTES.md, "`tctune
     optimize` with every default on the recipes"). With one set of roles nothing is timed.
 
     Args:
