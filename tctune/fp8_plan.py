@@ -78,11 +78,12 @@ class FP8Plan:
         metric: :data:`METRIC_L2` or :data:`METRIC_SCORE`.
         fp8_flop_share: share of the eligible linears' FLOPs that run FP8 with ``keep`` (0 to 1).
         roles: every role (pattern) with its FLOPs in the captured graph.
-        steps: the graphs measured, in order: ``{"keep": [...], "error": e}``.
+        steps: the keep-lists tried, in order: ``{"keep": [...], "error": e}`` (one tried before is not measured
+            again: its first error).
         reason: why no linear can run FP8 within the limit (then ``keep`` lists every role), else None.
         alternatives: the distinct keep-lists measured under the aim, most FP8 FLOPs first (at most
-            ``MAX_ALTERNATIVES``, the plan's own choice among them), one per set of roles kept
-            (:func:`kept_roles`): ``{"keep", "error", "fp8_flop_share"}``.
+            ``MAX_ALTERNATIVES``, the plan's own choice among them or in ``collapsed``), one per set of roles
+            kept (:func:`kept_roles`): ``{"keep", "error", "fp8_flop_share"}``.
         collapsed: keep-lists of the first ``MAX_ALTERNATIVES`` under the aim that keep the same roles as an
             alternative with more FP8 FLOPs (lower error on ties), not timed: each alternative's dict plus
             ``"into"`` (that alternative's keep-list) and ``"why"`` (:data:`SAME_ROLES`).
@@ -372,8 +373,8 @@ def choose_fastest(plan: FP8Plan, throughput_of: Callable[[tuple[str, ...]], flo
     roles stay bf16) are timed once, as the one with the most FP8 FLOPs (lower error on ties), a measured rule:
     on the H200 (BERT-base, batch 128, Inductor + CUDA graph), three such lists with 37.5 %, 35.4 % and 33.3 %
     of the FLOPs in FP8 (layer 4's fused QKV projection in FP8 or bf16, or every layer's in bf16) ran 17,807,
-    17,740 and 17,720 items/s, within 0.5 %, at about 20 s of compile and timing each (benchmarks/NOTES.md, "`tctune
-    optimize` with every default on the recipes"). With one set of roles nothing is timed.
+    17,740 and 17,720 items/s, within 0.5 %, at about 20 s of compile and timing each (benchmarks/NOTES.md,
+    "`tctune optimize` with every default on the recipes"). With one set of roles nothing is timed.
 
     Args:
         plan: a usable plan with ``alternatives`` (those of one set of roles are collapsed here if they are not

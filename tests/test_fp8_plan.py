@@ -213,7 +213,8 @@ def test_alternatives_keeping_the_same_roles_are_collapsed_and_not_timed():
 
     # greedy keeps l.*.q (0.035); layer 0 then layer 1 go back to FP8 (0.037, 0.040): three lists under the aim
     assert plan.keep == ("l.2.q",) and plan.fp8_flop_share == pytest.approx(5 / 6)
-    assert plan.alternatives == [{"keep": ["l.2.q"], "error": pytest.approx(0.04), "fp8_flop_share": pytest.approx(5 / 6)}]
+    assert plan.alternatives == [{"keep": ["l.2.q"], "error": pytest.approx(0.04),
+                                  "fp8_flop_share": pytest.approx(5 / 6)}]
     assert [(c["keep"], c["into"], c["why"]) for c in plan.collapsed] == [
         (["l.1.q", "l.2.q"], ["l.2.q"], SAME_ROLES), (["l.*.q"], ["l.2.q"], SAME_ROLES)]
     assert [c["fp8_flop_share"] for c in plan.collapsed] == [pytest.approx(4 / 6), pytest.approx(3 / 6)]
