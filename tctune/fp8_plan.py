@@ -20,8 +20,9 @@ keeps some linears in bf16 — but it picks them by measurement rather than by a
    projections too and ended at 2.3e-2 against an aim of 4.5e-2), so each kept role, largest FLOPs first, is
    then tried back in FP8 and released when the error stays under the aim (one more graph per kept role).
 5. FP8 FLOPs are not speed: up to ``MAX_ALTERNATIVES`` keep-lists under the aim (the distinct ones measured
-   on the way, most FP8 FLOPs first) are kept as ``alternatives``, and the search times each through its
-   runtime and takes the fastest (:func:`choose_fastest`).
+   on the way, most FP8 FLOPs first) are candidates, and the search times them through its runtime and takes
+   the fastest (:func:`choose_fastest`). Candidates that keep the same roles in bf16 (:func:`kept_roles`) are
+   one alternative, the one with the most FP8 FLOPs; the others are listed as ``collapsed``, not timed.
 6. Single layers: a role is every layer's copy of a linear, and often one or two layers carry its error. So,
    when the graph's layers are known (:func:`linear_layers`), each kept role with several layers is split:
    its layers, largest FLOPs first, are tried back in FP8 one at a time (the role's pattern replaced by the
@@ -55,6 +56,8 @@ DEFAULT_MARGIN = 0.9
 MAX_ALTERNATIVES = 3
 #: Graphs the per-layer step (6.) may measure: BERT-base with two kept roles of 12 layers each costs 22.
 MAX_LAYER_RELEASES = 32
+#: Why a keep-list under the aim is not timed (``FP8Plan.collapsed``; :func:`choose_fastest` says why).
+SAME_ROLES = "same roles kept in bf16 as a keep-list with more FP8 FLOPs"
 #: ``FP8Plan.metric`` values.
 METRIC_L2 = "relative L2"
 METRIC_SCORE = "score shortfall"
@@ -75,12 +78,17 @@ class FP8Plan:
         metric: :data:`METRIC_L2` or :data:`METRIC_SCORE`.
         fp8_flop_share: share of the eligible linears' FLOPs that run FP8 with ``keep`` (0 to 1).
         roles: every role (pattern) with its FLOPs in the captured graph.
-        steps: the graphs measured, in order: ``{"keep": [...], "error": e}``.
+        steps: the keep-lists tried, in order: ``{"keep": [...], "error": e}`` (one tried before is not measured
+            again: its first error).
         reason: why no linear can run FP8 within the limit (then ``keep`` lists every role), else None.
         alternatives: the distinct keep-lists measured under the aim, most FP8 FLOPs first (at most
-            ``MAX_ALTERNATIVES``, the plan's own choice among them): ``{"keep", "error", "fp8_flop_share"}``.
+            ``MAX_ALTERNATIVES``, the plan's own choice among them or in ``collapsed``), one per set of roles
+            kept (:func:`kept_roles`): ``{"keep", "error", "fp8_flop_share"}``.
+        collapsed: keep-lists of the first ``MAX_ALTERNATIVES`` under the aim that keep the same roles as an
+            alternative with more FP8 FLOPs (lower error on ties), not timed: each alternative's dict plus
+            ``"into"`` (that alternative's keep-list) and ``"why"`` (:data:`SAME_ROLES`).
         speeds: after :func:`choose_fastest`: each alternative's measured throughput (items/s; None when it
-            failed to run), in the order of ``alternatives``; empty when not timed.
+            failed to run), in the order of ``alternatives``; empty when not timed (at most one alternative).
         reused_from: the policy whose plan this one copies (:meth:`reused`), else None.
     """
 
@@ -94,6 +102,7 @@ class FP8Plan:
     alternatives: list[dict] = field(default_factory=list)
     speeds: list = field(default_factory=list)
     metric: str = METRIC_L2
+    collapsed: list[dict] = field(default_factory=list)
     reused_from: str | None = None
     policy: str | None = None
 
@@ -124,6 +133,9 @@ class FP8Plan:
             timed = (f"; the fastest of {len(self.alternatives)} keep-lists under the aim, timed (bf16 kept: "
                      "items/s): " + "; ".join(f"{name(a)}: {v:,.0f}" if v else f"{name(a)}: failed"
                                              for a, v in zip(self.alternatives, self.speeds)))
+        if self.collapsed:
+            n = len(self.collapsed)
+            timed += f"; {n} more keep-list{'s' if n > 1 else ''} under the aim not timed ({SAME_ROLES})"
         if self.reused_from:
             timed = f"; planned under the {self.reused_from} policy and reused (not re-planned)"
         return (f"FP8 keep-list {', '.join(self.keep)} stays bf16; {self.fp8_flop_share:.0%} of the linear FLOPs run "
@@ -139,13 +151,20 @@ class FP8Plan:
         return {"summary": self.summary(), "keep": list(self.keep), "error": self.error, "target": self.target,
                 "fp8_flop_share": self.fp8_flop_share, "roles": dict(self.roles), "steps": list(self.steps),
                 "reason": self.reason, "alternatives": list(self.alternatives), "speeds": list(self.speeds),
-                "metric": self.metric, "reused_from": self.reused_from}
+                "metric": self.metric, "reused_from": self.reused_from, "collapsed": list(self.collapsed)}
 
 
 def role(path: str) -> str:
     """A module path with its layer indices as ``*``: ``bert.encoder.layer.3.output.dense`` ->
     ``bert.encoder.layer.*.output.dense`` (an ``fnmatch`` pattern matching every layer's copy)."""
     return _INDEX.sub("*", path)
+
+
+def kept_roles(keep: Sequence[str]) -> frozenset[str]:
+    """The roles a keep-list keeps in bf16, wholly or in part: each entry's :func:`role` (a single layer's path
+    ``bert.encoder.layer.4.attention.self.query`` counts as its role ``bert.encoder.layer.*.attention.self.query``,
+    a role pattern as itself)."""
+    return frozenset(role(k) for k in keep)
 
 
 def linear_roles(gm: fx.GraphModule) -> dict[str, float]:
@@ -229,6 +248,7 @@ def plan_fp8_keep(roles: dict[str, float], error_of: Callable[[tuple[str, ...]],
     def share_of(keep) -> float:  # FP8 FLOP share, over layers when they are known
         return _share_of(units, keep)
 
+    error_of = _once(error_of)
     keep: list[str] = []
     err = error_of(())
     steps = [{"keep": [], "error": err}]
@@ -275,8 +295,25 @@ def plan_fp8_keep(roles: dict[str, float], error_of: Callable[[tuple[str, ...]],
                   f"is {steps[0]['error']:.2e}, and keeping all but one linear group in bf16 still gave "
                   f"{min((s['error'] for s in steps if len(s['keep']) == len(roles) - 1), default=math.nan):.2e} (aim "
                   f"{target:.2e}); FP8 candidates are rejected")
-    return FP8Plan(tuple(keep), err, target, share, dict(roles), steps, reason,
-                   alternatives=_alternatives(units, steps, target, keep, err) if reason is None else [], metric=metric)
+    alternatives, collapsed = _collapse(_alternatives(units, steps, target, keep, err)) if reason is None else ([], [])
+    return FP8Plan(tuple(keep), err, target, share, dict(roles), steps, reason, alternatives=alternatives,
+                   metric=metric, collapsed=collapsed)
+
+
+def _once(error_of: Callable[[tuple[str, ...]], float]) -> Callable[[tuple[str, ...]], float]:
+    """``error_of`` measuring each keep-list once: a keep-list met again (in any order: the patterns are a set)
+    returns its first measurement. The release step (4.) meets the greedy's own lists again: releasing the role
+    kept last gives the list of the round before, releasing the one kept before it a list tried in the last
+    round (2 of BERT-base's 13 role-level graphs in the run of benchmarks/NOTES.md, "`tctune optimize` with every
+    default on the recipes"). Its step is still recorded."""
+    seen: dict[tuple[str, ...], float] = {}
+
+    def once(keep: tuple[str, ...]) -> float:
+        key = tuple(sorted(keep))
+        if key not in seen:
+            seen[key] = error_of(keep)
+        return seen[key]
+    return once
 
 
 def _release_layers(roles: dict[str, float], layers: dict[str, float], keep: list[str], err: float, target: float,
@@ -330,17 +367,35 @@ def choose_fastest(plan: FP8Plan, throughput_of: Callable[[tuple[str, ...]], flo
     FP8 ran 20,088 seq/s (FP8 on the fused QKV and attention-output projections, whose input quantization fuses
     into the LayerNorm before them) and 17,064 seq/s (FP8 on the FFN-down projection: N = 768 and a 3072-wide
     activation to quantize after the GELU), the bf16 graph 19,816 (benchmarks/NOTES.md, "what `tctune optimize`
-    itself chooses").
+    itself chooses"). So keep-lists that keep different roles are all timed.
+
+    Keep-lists that keep the same roles (:func:`kept_roles`; they differ only in which single layers of those
+    roles stay bf16) are timed once, as the one with the most FP8 FLOPs (lower error on ties), a measured rule:
+    on the H200 (BERT-base, batch 128, Inductor + CUDA graph), three such lists with 37.5 %, 35.4 % and 33.3 %
+    of the FLOPs in FP8 (layer 4's fused QKV projection in FP8 or bf16, or every layer's in bf16) ran 17,807,
+    17,740 and 17,720 items/s, within 0.5 %, at about 20 s of compile and timing each (benchmarks/NOTES.md,
+    "`tctune optimize` with every default on the recipes"). With one set of roles nothing is timed.
 
     Args:
-        plan: a usable plan with ``alternatives``.
-        throughput_of: the measured throughput (items/s) of the FP8 graph with a keep-list, None when it failed.
+        plan: a usable plan with ``alternatives`` (those of one set of roles are collapsed here if they are not
+            yet: ``FP8Plan.collapsed``).
+        throughput_of: the measured throughput (items/s) of the FP8 graph with a keep-list, None when it failed;
+            called once per alternative left after the collapse, not at all when one is left.
 
     Returns:
         The plan with ``keep`` / ``error`` / ``fp8_flop_share`` of the fastest alternative and ``speeds`` filled;
-        unchanged when there is at most one alternative or none ran.
+        with one alternative left after a collapse, that one (not timed); unchanged when there was at most one
+        alternative or none ran.
     """
-    if not plan.usable or len(plan.alternatives) < 2:
+    if not plan.usable:
+        return plan
+    alternatives, collapsed = _collapse(plan.alternatives)
+    if collapsed:
+        plan.alternatives, plan.collapsed = alternatives, [*plan.collapsed, *collapsed]
+    if len(plan.alternatives) == 1 and plan.collapsed:  # one set of roles: its most FP8, untimed
+        best = plan.alternatives[0]
+        plan.keep, plan.error, plan.fp8_flop_share = tuple(best["keep"]), best["error"], best["fp8_flop_share"]
+    if len(plan.alternatives) < 2:
         return plan
     speeds = [throughput_of(tuple(a["keep"])) for a in plan.alternatives]
     plan.speeds = speeds
@@ -350,6 +405,22 @@ def choose_fastest(plan: FP8Plan, throughput_of: Callable[[tuple[str, ...]], flo
     best = plan.alternatives[max(ran)[1]]
     plan.keep, plan.error, plan.fp8_flop_share = tuple(best["keep"]), best["error"], best["fp8_flop_share"]
     return plan
+
+
+def _collapse(alternatives: list[dict]) -> tuple[list[dict], list[dict]]:
+    """``alternatives`` split into one per set of :func:`kept_roles`, the one with the most FP8 FLOPs (lower
+    error on ties; in their order), and the others, each with ``"into"`` (the keep-list it collapses into) and
+    ``"why"`` (:data:`SAME_ROLES`)."""
+    best: dict[frozenset, dict] = {}
+    for a in alternatives:
+        group = kept_roles(a["keep"])
+        b = best.get(group)
+        if b is None or (a["fp8_flop_share"], -a["error"]) > (b["fp8_flop_share"], -b["error"]):
+            best[group] = a
+    kept = [a for a in alternatives if best[kept_roles(a["keep"])] is a]
+    collapsed = [{**a, "into": list(best[kept_roles(a["keep"])]["keep"]), "why": SAME_ROLES}
+                 for a in alternatives if best[kept_roles(a["keep"])] is not a]
+    return kept, collapsed
 
 
 def _share(roles: dict[str, float], keep) -> float:
@@ -415,4 +486,5 @@ def plan_graph(build: Callable[[tuple[str, ...], Sequence[str]], fx.GraphModule]
 
 
 __all__ = ["DEFAULT_MARGIN", "FP8Plan", "MAX_ALTERNATIVES", "MAX_LAYER_RELEASES", "METRIC_L2", "METRIC_SCORE",
-           "choose_fastest", "linear_layers", "linear_roles", "plan_fp8_keep", "plan_graph", "role"]
+           "SAME_ROLES", "choose_fastest", "kept_roles", "linear_layers", "linear_roles", "plan_fp8_keep", "plan_graph",
+           "role"]

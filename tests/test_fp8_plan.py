@@ -10,7 +10,8 @@ from torch import nn
 
 import zoo
 from tctune.errors import CandidateRejected, UsageError
-from tctune.fp8_plan import MAX_ALTERNATIVES, choose_fastest, linear_roles, plan_fp8_keep, role
+from tctune.fp8_plan import (MAX_ALTERNATIVES, SAME_ROLES, FP8Plan, choose_fastest, kept_roles, linear_roles,
+                              plan_fp8_keep, role)
 from tctune.hardware import resolve
 from tctune.modelfile import load_model_file
 from tctune.search import InferenceEvaluator, TuneConfig, Tuner
@@ -77,7 +78,10 @@ def test_greedy_keeps_the_best_error_per_flop_until_under_the_aim():
     assert plan.keep == ("b", "a") and plan.usable and plan.reason is None
     assert plan.error == pytest.approx(0.01) and plan.target == pytest.approx(0.045)
     assert plan.fp8_flop_share == pytest.approx(5 / 16)
-    assert calls[0] == () and len(calls) == 1 + 3 + 2 + 2  # + trying to release a, then b (both needed)
+    # then trying to release a -> (b,), then b -> (a,): both needed, both measured in round 1 (not measured again)
+    assert calls == [(), ("a",), ("b",), ("c",), ("b", "a"), ("b", "c")]
+    assert [(s.get("release"), s["keep"], s["error"]) for s in plan.steps[-2:]] == [
+        ("a", ["b"], pytest.approx(0.06)), ("b", ["a"], pytest.approx(0.05))]
     assert [s["keep"] for s in plan.steps][:1] == [[]]
     assert "b, a stays bf16" in plan.summary() and "31% of the linear FLOPs" in plan.summary()
 
@@ -119,7 +123,8 @@ def test_a_measured_keep_list_with_more_fp8_flops_beats_the_greedy_path():
     picked = [s for s in plan.steps if "picked" in s]
     assert len(picked) == 1 and picked[0]["keep"] == ["x", "y"]
     assert calls[:6] == [(), ("x",), ("y",), ("h",), ("x", "y"), ("x", "h")]
-    assert calls[6:] == [("x",), ("y",)]  # then releasing y, then x: both needed
+    # then releasing y -> (x,), then x -> (y,): both needed, both lists of round 1, so no graph measured again
+    assert len(calls) == 6 and [(s["release"], s["keep"]) for s in plan.steps[-2:]] == [("y", ["x"]), ("x", ["y"])]
 
 
 def test_the_greedy_list_stands_when_nothing_measured_runs_more_in_fp8():
@@ -175,6 +180,94 @@ def test_choose_fastest_takes_the_fastest_alternative_and_says_so():
     assert ("the fastest of 3 keep-lists under the aim, timed (bf16 kept: items/s): c, b: 100; a, c, b: 130; "
             "a, c, d: failed") in plan.summary()
     assert plan.to_dict()["speeds"] == [100.0, 130.0, None]
+
+
+def _layered(gains: dict[str, float], base: float = 0.1):
+    """Error model over single layers: ``base`` minus the gain of every layer a keep-list pattern matches."""
+    from fnmatch import fnmatchcase
+
+    def error_of(keep):
+        return base - sum(g for p, g in gains.items() if any(fnmatchcase(p, k) for k in keep))
+    return error_of
+
+
+def _roles_of(layers):
+    roles: dict[str, float] = {}
+    for p, f in layers.items():
+        roles[role(p)] = roles.get(role(p), 0.0) + f
+    return roles
+
+
+def test_kept_roles_map_single_layers_to_their_role():
+    assert kept_roles(["l.*.q", "l.4.q", "l.0.d", "head"]) == {"l.*.q", "l.*.d", "head"}
+    assert kept_roles([]) == frozenset()
+
+
+def test_alternatives_keeping_the_same_roles_are_collapsed_and_not_timed():
+    """The per-layer step leaves keep-lists that differ only in single layers of one role: one alternative, the
+    most FP8 FLOPs, and no timing at all."""
+    layers = {f"l.{i}.{r}": 1.0 for i in range(3) for r in ("q", "d")}
+    gains = {"l.0.q": 0.002, "l.1.q": 0.003, "l.2.q": 0.06, "l.0.d": 0.001, "l.1.d": 0.001, "l.2.d": 0.001}
+
+    plan = plan_fp8_keep(_roles_of(layers), _layered(gains), max_error=0.05, layers=layers)
+
+    # greedy keeps l.*.q (0.035); layer 0 then layer 1 go back to FP8 (0.037, 0.040): three lists under the aim
+    assert plan.keep == ("l.2.q",) and plan.fp8_flop_share == pytest.approx(5 / 6)
+    assert plan.alternatives == [{"keep": ["l.2.q"], "error": pytest.approx(0.04),
+                                  "fp8_flop_share": pytest.approx(5 / 6)}]
+    assert [(c["keep"], c["into"], c["why"]) for c in plan.collapsed] == [
+        (["l.1.q", "l.2.q"], ["l.2.q"], SAME_ROLES), (["l.*.q"], ["l.2.q"], SAME_ROLES)]
+    assert [c["fp8_flop_share"] for c in plan.collapsed] == [pytest.approx(4 / 6), pytest.approx(3 / 6)]
+
+    plan = choose_fastest(plan, lambda keep: pytest.fail("one set of roles: nothing to time"))
+
+    assert plan.keep == ("l.2.q",) and plan.speeds == []
+    assert plan.summary().endswith(f"; 2 more keep-lists under the aim not timed ({SAME_ROLES})")
+    d = json.loads(json.dumps(plan.to_dict()))
+    assert [c["keep"] for c in d["collapsed"]] == [["l.1.q", "l.2.q"], ["l.*.q"]] and d["speeds"] == []
+
+
+def test_alternatives_keeping_different_roles_are_all_timed():
+    layers = {f"l.{i}.{r}": 1.0 for i in range(3) for r in ("q", "d")}
+    gains = {"l.0.q": 0.002, "l.1.q": 0.012, "l.2.q": 0.051, "l.0.d": 0.02, "l.1.d": 0.02, "l.2.d": 0.02}
+    plan = plan_fp8_keep(_roles_of(layers), _layered(gains), max_error=0.05, layers=layers)
+    # under the aim 0.045: (l.1.q, l.2.q) 4/6 FP8, l.*.q 3/6 (0.035), l.*.d 3/6 (0.04); the first two keep q
+    assert plan.keep == ("l.1.q", "l.2.q")
+    assert [a["keep"] for a in plan.alternatives] == [["l.1.q", "l.2.q"], ["l.*.d"]]
+    assert [(c["keep"], c["into"]) for c in plan.collapsed] == [(["l.*.q"], ["l.1.q", "l.2.q"])]
+    timed: list = []
+
+    def throughput_of(keep):
+        timed.append(keep)
+        return {("l.1.q", "l.2.q"): 90.0, ("l.*.d",): 100.0}[keep]
+
+    plan = choose_fastest(plan, throughput_of)
+
+    assert timed == [("l.1.q", "l.2.q"), ("l.*.d",)]  # once per set of roles
+    assert plan.keep == ("l.*.d",) and plan.error == pytest.approx(0.04) and plan.speeds == [90.0, 100.0]
+    assert plan.summary().endswith(f"timed (bf16 kept: items/s): l.1.q, l.2.q: 90; l.*.d: 100; 1 more keep-list "
+                                   f"under the aim not timed ({SAME_ROLES})")
+    assert plan.to_dict()["collapsed"][0]["into"] == ["l.1.q", "l.2.q"]
+
+
+def test_choose_fastest_collapses_a_plan_built_by_hand():
+    """A plan whose alternatives were not collapsed (built by hand): the same rule before timing; of two lists
+    with the same FP8 FLOPs and roles the one with the lower error is timed."""
+    alts = [{"keep": ["l.0.q"], "error": 0.03, "fp8_flop_share": 0.8},
+            {"keep": ["l.1.q"], "error": 0.02, "fp8_flop_share": 0.8},
+            {"keep": ["l.*.q"], "error": 0.01, "fp8_flop_share": 0.5},
+            {"keep": ["l.0.d"], "error": 0.04, "fp8_flop_share": 0.8}]
+    plan = FP8Plan(("l.0.q",), 0.03, 0.045, 0.8, {"l.*.q": 1.0, "l.*.d": 1.0}, [{"keep": [], "error": 0.1}],
+                   alternatives=list(alts))
+    timed: list = []
+
+    plan = choose_fastest(plan, lambda keep: timed.append(keep) or {("l.1.q",): 60.0, ("l.0.d",): 50.0}[keep])
+
+    assert timed == [("l.1.q",), ("l.0.d",)] and plan.speeds == [60.0, 50.0] and plan.keep == ("l.1.q",)
+    assert [(c["keep"], c["into"]) for c in plan.collapsed] == [(["l.0.q"], ["l.1.q"]), (["l.*.q"], ["l.1.q"])]
+    one = FP8Plan(("l.0.q",), 0.03, 0.045, 0.8, {"l.*.q": 1.0}, [{"keep": [], "error": 0.1}], alternatives=alts[:3])
+    one = choose_fastest(one, lambda keep: pytest.fail("one set of roles: nothing to time"))
+    assert one.keep == ("l.1.q",) and one.error == 0.02 and len(one.collapsed) == 2 and one.speeds == []
 
 
 def test_choose_fastest_leaves_a_single_or_untimed_plan_alone():
@@ -311,6 +404,19 @@ def test_tuner_times_the_plans_alternatives_and_builds_the_fastest(tmp_path, mon
     assert [k for k, _ in seen] == [(), ("blocks.*.down",)] and all(v and v > 0 for _, v in seen)
     fastest = max(seen, key=lambda kv: kv[1])[0]
     assert keep == fastest and tuner.fp8_plans["pure"].speeds == [v for _, v in seen]
+
+
+def test_tuner_compiles_nothing_when_the_alternatives_keep_the_same_roles(tmp_path, monkeypatch):
+    tuner = _tuner(tmp_path, max_error_fp8=1.0)
+    plan = FP8Plan(("blocks.2.down",), 0.01, 0.9, 5 / 6, {"blocks.*.up": 1.0, "blocks.*.down": 1.0},
+                   [{"keep": [], "error": 0.5}],
+                   alternatives=[{"keep": ["blocks.2.down"], "error": 0.01, "fp8_flop_share": 5 / 6},
+                                 {"keep": ["blocks.*.down"], "error": 0.005, "fp8_flop_share": 0.5}])
+    monkeypatch.setattr("tctune.search.evaluate.plan_graph", lambda *a, **k: plan)
+    monkeypatch.setattr(InferenceEvaluator, "_fp8_throughput", lambda *a: pytest.fail("must not compile or time"))
+
+    assert tuner.evaluator.fp8_keep("pure", 4) == ("blocks.2.down",)
+    assert tuner.fp8_plans["pure"].collapsed[0]["keep"] == ["blocks.*.down"]
 
 
 @zoo.SCALED_MM_ROW
