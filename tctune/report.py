@@ -308,6 +308,29 @@ def output_contract_line(output_dtype: str) -> str:
             "are computed in float64 after timing)")
 
 
+def exported_line(r: dict) -> str | None:
+    """One sentence on what ``model.onnx`` is for the best trial of report ``r`` (``artifacts.exported_graph``,
+    ``tctune.deploy.EXPORTED_GRAPHS``), or None when nothing was exported for it: the model as written in FP32 (no
+    tctune pass), the model cast as a whole, or tctune's rewritten graph; for a best that ran the model as written
+    under autocast, it says plainly that the file is tctune's graph instead (an engine file cannot hold
+    ``torch.autocast``)."""
+    a, b = r.get("artifacts") or {}, r.get("best") or {}
+    kind = a.get("exported_graph")
+    if not b or not kind or not (a.get("onnx") or a.get("onnx_fp32")):
+        return None
+    p = b.get("params") or {}
+    prec = p.get("precision")
+    if kind == "model_as_written":
+        return "the model as written in FP32: its captured graph, no tctune pass"
+    if kind == "model_cast":
+        return f"the model cast as a whole to {prec}, as the baseline ran it (no tctune pass)"
+    if not p.get("graph_passes"):
+        return (f"**tctune's rewritten graph at {prec}, not the model as written**: the best ran the model under "
+                f"torch.autocast, which an engine file cannot hold, so the file casts like autocast with tctune's "
+                f"passes (listed under Graph passes)")
+    return f"tctune's rewritten graph at {prec}, as measured (its passes are listed under Graph passes)"
+
+
 def render_markdown(r: dict) -> str:
     """``report.md``: the same facts as ``report.json``, for people."""
     hw = r["hardware"]
@@ -371,6 +394,9 @@ def render_markdown(r: dict) -> str:
                      f"{_fmt(chosen)} items/s" + (f" ({b['chosen_on']})" if b.get("chosen_on") else "") + ", "
                      f"{_fmt(p['batch_size'] / chosen * 1e3 if chosen else b['latency_ms'])} ms per batch"
                      " (from the same timing), relative error " f"{_rel_error(b)}.")
+        exp = exported_line(r)
+        if exp:
+            lines.append(f"- Exported graph: {exp}.")
         lines.append(f"- Accuracy: {gate_line(b, r['config'])}.")
         why = (b.get("verdict") or {}).get("reason")
         rule = (b.get("verdict") or {}).get("rule")

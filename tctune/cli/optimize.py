@@ -130,6 +130,11 @@ def _summary(report: dict, out: Path) -> str:
         lines.append(f"best: {p['precision']}, {what}, {p.get('runtime', 'eager')}, batch {p['batch_size']}: "
                      f"{chosen:.4g} items/s" + (f" ({b['chosen_on']})" if b.get("chosen_on") else "")
                      + f", rel. error {b['max_rel_error']:.2e}")
+        from ..report import exported_line
+
+        exp = exported_line(report)
+        if exp:
+            lines.append(f"      exported: {exp.replace('**', '')}")
         if b.get("accepted_by"):
             from ..report import gate_line
 
