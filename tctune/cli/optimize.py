@@ -169,7 +169,9 @@ def _summary(report: dict, out: Path) -> str:
         lines.append("interrupted: finished trials are kept, nothing was exported; run the same command again to resume")
     elif a.get("tensorrt_skipped_reason"):
         lines.append(f"TensorRT: {a['tensorrt_skipped_reason']}")
-    lines.append(f"report: {out / 'report.md'}  ({report['study']['n_complete']} of {report['study']['n_trials']} trials complete in the study)")
+    from ..report import study_counts
+
+    lines.append(f"report: {out / 'report.md'}  (the study: {study_counts(report['study'], report.get('trials'))})")
     return "\n".join(lines)
 
 

@@ -64,12 +64,15 @@ def constraint_checks(metrics: dict, precision: str, cfg) -> list[tuple[str, flo
         metrics: the trial's metrics (:func:`trial_metrics`, plus ``score``/``score_limit`` when scored).
         precision: the trial's precision; cfg: the run's ``TuneConfig``.
     """
+    from .accuracy import format_score
+
     fp8 = precision == "fp8"
     if metrics.get("score") is not None:
         accuracy = ("min_score", -metrics["score"], -metrics["score_limit"],
-                    lambda v, lim: f"score {-v:.4g} < {-lim:.4g} (the score limit: "
+                    lambda v, lim: f"score {format_score(-v)} < {format_score(-lim)} (the score limit: "
                                    + (f"--min-score {cfg.min_score:g}" if cfg.min_score is not None else
-                                      f"--min-score-ratio {cfg.min_score_ratio:g} x FP32's {metrics.get('score_fp32'):.4g}") + ")")
+                                      f"--min-score-ratio {cfg.min_score_ratio:g} x FP32's "
+                                      f"{format_score(metrics.get('score_fp32'))}") + ")")
     else:
         limit = cfg.max_error_fp8 if fp8 else cfg.max_error
         flag = "--max-error-fp8" if fp8 else "--max-error"
