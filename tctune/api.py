@@ -205,7 +205,8 @@ def _optimize_module(model: torch.nn.Module, example_inputs: tuple | Callable | 
 
 def _with_out_dir(tuned, out_dir) -> Any:
     """``tuned`` (a ``TunedModule``) with ``out_dir``: the folder its search wrote its files to."""
-    tuned.out_dir = str(out_dir)
+    if isinstance(tuned, torch.nn.Module):
+        tuned.out_dir = str(out_dir)
     return tuned
 
 
