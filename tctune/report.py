@@ -438,7 +438,8 @@ def render_markdown(r: dict) -> str:
                          + (why or f"{b['baseline']} was the fastest feasible configuration; nothing tctune searched "
                                    "beat it on this machine") + ".")
             if srch:
-                lines.append(f"- The fastest tctune candidate: trial {srch['trial']} ({srch.get('description') or ''}), "
+                lines.append(f"- The fastest tctune candidate: trial {srch['trial']} at batch {srch.get('batch_size')} "
+                             f"({srch.get('description') or ''}), "
                              f"{_fmt(srch['throughput'])} items/s in the same timing.")
         elif why:
             lines.append(f"- **tctune wins**: {why}.")

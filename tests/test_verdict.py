@@ -133,6 +133,7 @@ def test_a_candidate_turned_down_at_another_batch_gets_its_own_clause():
                            "candidate was timed at batch 128); at batch 64, the fastest tctune candidate "
                            f"(trial {cand}) was not measurably faster than model.half() eager at batch 64 "
                            f"({c['speedup']:.2f}×, 95 % CI {c['ci95'][0]:.2f}–{c['ci95'][1]:.2f}, which includes 1.0)")
+    assert f"- The fastest tctune candidate: trial {cand} at batch 64 (" in render_markdown(_report(study))
 
 
 def test_a_baseline_answer_is_compared_with_the_candidates_at_its_own_batch():
