@@ -353,7 +353,8 @@ def study_counts(study: dict, trials: list[dict] | None = None) -> str:
 def accuracy_rule_line(r: dict) -> str:
     """``report.md``'s one line on which accuracy rule decided the run of report ``r``: the score gate when the
     model file gave ``score(model)`` (``r["score"]["fp32"]`` set; relative L2 then reported only), else the
-    relative L2 limit (``--max-error``; ``--max-error-fp8`` at fp8); plus the integer/bool rule (inference)."""
+    relative L2 limit (``max_error``; ``max_error_fp8`` where fp8 was searched); plus the integer/bool rule
+    (inference)."""
     cfg, sc = r["config"], r.get("score") or {}
     train = cfg.get("mode") == "train"
     exact = ("" if train else  # a training step's check has gradients only

@@ -290,8 +290,8 @@ def _side_by_side_verdict(timed: list, rows: dict, result) -> dict:
                            + ("not measurably faster than " if c["speedup"] > 1.0 else "not faster than ")
                            + f"{_label(c['against_name'])} {where(c)} ({ci(c)}"
                            + (", which includes 1.0)" if c["speedup"] > 1.0 else ")"))
-            fastest = next(against(s) for s in timed if not s.user_attrs.get("baseline"))
-            return result(t, VERDICT_RULE, reason, challenger or here or fastest)
+            return result(t, VERDICT_RULE, reason, challenger or here
+                          or next(against(s) for s in timed if not s.user_attrs.get("baseline")))
         c = against(t)
         if c is None:
             return result(t, VERDICT_RULE, "no feasible plain baseline was timed side by side to compare with")
