@@ -13,7 +13,7 @@ The keyword options are the ``tctune optimize`` flags with ``_`` for ``-`` (:dat
 from __future__ import annotations
 
 import dataclasses
-
+import logging
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -21,6 +21,8 @@ from typing import Any, Callable
 import torch
 
 from .errors import UsageError
+
+log = logging.getLogger("tctune")
 
 #: Keyword options of :func:`optimize`: the ``tctune optimize`` long flags (``--batch-sizes`` → ``batch_sizes``),
 #: mapped to the ``TuneConfig`` field each sets.
@@ -102,8 +104,9 @@ def optimize(model, example_inputs=None, /, **options):
             batch size repeat or cut its rows along dim 0 (``tctune.modelfile.resize_batch``); from a callable
             they default to 8, 32, 128 as on the command line. For a model file: leave it out (the file
             defines ``example_inputs``), or pass a ``TuneConfig`` to get the report dictionary as before.
-        **options: the ``tctune optimize`` long flags with ``_`` (:data:`OPTIONS`): ``out`` (default: a new
-            temporary folder for a module, ``tctune_out/<stem>`` for a file), ``batch_sizes`` (int or
+        **options: the ``tctune optimize`` long flags with ``_`` (:data:`OPTIONS`): ``out`` (the folder for the
+            report, study and ONNX files; default: a new folder ``tctune_<name>_*`` in the system's temporary
+            folder for a module, named in a warning and never removed, ``tctune_out/<stem>`` for a file), ``batch_sizes`` (int or
             sequence), ``trials``, ``timeout`` (s), ``max_error``, ``max_error_fp8``, ``objective``,
             ``max_latency_ms``, ``max_memory_mib``, ``fp8_keep`` (``"auto"``, ``"none"``, patterns), ``target``,
             ``storage``, ``devices`` (one GPU for a live module), ``seed``, ``runtimes`` (names or a comma
@@ -121,7 +124,8 @@ def optimize(model, example_inputs=None, /, **options):
 
     Returns:
         A :class:`tctune.tuned.TunedModule` running the winning configuration, with ``.report`` (the
-        ``report.json`` dictionary, also written to ``out``) and ``.config`` (``TrialParams``). With a model
+        ``report.json`` dictionary, also written to ``out``), ``.config`` (``TrialParams``) and ``.out_dir``
+        (the folder the search wrote to: ``out``, or the temporary folder chosen for it). With a model
         path and a ``TuneConfig``: the report dictionary (the command line's call).
 
     Raises:
@@ -161,7 +165,7 @@ def optimize(model, example_inputs=None, /, **options):
         cfg = tune_config(options, out_dir=Path("tctune_out") / mf.name)
         if folder is not None:  # a folder of real batches, like --calibration PATH
             cfg = dataclasses.replace(cfg, calibration=str(folder))
-        return from_search(optimize_model(mf, cfg), keep_low)
+        return _with_out_dir(from_search(optimize_model(mf, cfg), keep_low), cfg.out_dir)
     return _optimize_module(model, example_inputs, options, keep_low)
 
 
@@ -185,6 +189,9 @@ def _optimize_module(model: torch.nn.Module, example_inputs: tuple | Callable | 
         batch = (b,) if b else None
     out = options.get("out") or tempfile.mkdtemp(prefix=f"tctune_{mf.name}_")
     cfg = tune_config(options, out_dir=out, batch_sizes=batch)
+    if not options.get("out") and not cfg.quiet:  # a folder the caller did not choose: say where it is
+        log.warning("writing the report, study and ONNX files to %s (a new temporary folder, not removed; "
+                    "choose the folder with out=...)", out)
     if folder is not None:
         cfg = dataclasses.replace(cfg, calibration=folder)
     if cfg.mode != "infer":
@@ -193,7 +200,14 @@ def _optimize_module(model: torch.nn.Module, example_inputs: tuple | Callable | 
     if cfg.devices and len(cfg.devices) > 1:
         raise UsageError("several devices start worker processes that load a model file; a live module cannot be "
                          "sent to them\n  fix: one device, or a model file", field="devices")
-    return from_search(optimize_model(mf, cfg), keep_low)
+    return _with_out_dir(from_search(optimize_model(mf, cfg), keep_low), cfg.out_dir)
+
+
+def _with_out_dir(tuned, out_dir) -> Any:
+    """``tuned`` (a ``TunedModule``) with ``out_dir``: the folder its search wrote its files to."""
+    if isinstance(tuned, torch.nn.Module):
+        tuned.out_dir = str(out_dir)
+    return tuned
 
 
 __all__ = ["API_OPTIONS", "OPTIONS", "optimize", "tune_config"]

@@ -34,6 +34,11 @@ from .errors import ModelFileError, UsageError
 
 #: File suffixes read from a calibration folder.
 SUFFIXES = (".safetensors", ".npz")
+#: The ``fix:`` lines of the errors on bad real batches (:func:`check_batch`, :func:`load_calibration`).
+FIX_KEYS = "name the arrays input_0, input_1, ... in the order of example_inputs (or as forward's arguments)"
+FIX_BATCH = "make each batch a tuple with one tensor per example_inputs tensor, in the same order"
+FIX_SHAPES = ("give each tensor the shape example_inputs(B) gives it, with any batch size B in dim 0 (other "
+              "dimensions as in example_inputs), or leave this batch out")
 
 
 @dataclass
@@ -126,7 +131,7 @@ def _order(data: dict[str, torch.Tensor], example: Sequence[torch.Tensor], names
             return tuple(data[k] for k in keys)
     alt = f" or {', '.join(named)}" if len(named) == n else ""
     raise UsageError(f"calibration file {f}: has keys {', '.join(sorted(data)) or '(none)'}; expected exactly "
-                     f"{', '.join(positional)}{alt} ({expected(example)})", field="calibration")
+                     f"{', '.join(positional)}{alt} ({expected(example)})\n  fix: {FIX_KEYS}", field="calibration")
 
 
 def check_batch(batch: CalibrationBatch, example: Sequence[torch.Tensor], error) -> None:
@@ -135,17 +140,20 @@ def check_batch(batch: CalibrationBatch, example: Sequence[torch.Tensor], error)
     want = expected(example)
     x = batch.inputs
     if not isinstance(x, tuple) or not all(isinstance(t, torch.Tensor) for t in x):
-        raise error(f"is a {type(x).__name__}, not a tuple of tensors; expected {want}")
+        raise error(f"is a {type(x).__name__}, not a tuple of tensors; expected {want}\n  fix: {FIX_BATCH}")
     if len(x) != len(example):
-        raise error(f"has {len(x)} input tensor(s), the model takes {len(example)}: {want}")
+        raise error(f"has {len(x)} input tensor(s), the model takes {len(example)}: {want}\n  fix: {FIX_BATCH}")
     for i, (t, e) in enumerate(zip(x, example)):
+        dtype = str(e.dtype).replace('torch.', '')
         if t.dtype != e.dtype:
-            raise error(f"input_{i} is {str(t.dtype).replace('torch.', '')}, expected "
-                        f"{str(e.dtype).replace('torch.', '')}; expected {want}")
+            raise error(f"input_{i} is {str(t.dtype).replace('torch.', '')}, expected {dtype}; expected {want}\n"
+                        f"  fix: store input_{i} as {dtype} (numpy: .astype(numpy.{dtype}); torch: .to(torch.{dtype}))")
         if t.dim() != e.dim():
-            raise error(f"input_{i} has shape {tuple(t.shape)} (rank {t.dim()}), expected rank {e.dim()}; expected {want}")
+            raise error(f"input_{i} has shape {tuple(t.shape)} (rank {t.dim()}), expected rank {e.dim()}; expected {want}"
+                        f"\n  fix: {FIX_SHAPES}")
     if len({t.shape[0] for t in x}) != 1:
-        raise error(f"its inputs have different batch sizes {[t.shape[0] for t in x]} (dim 0); expected {want}")
+        raise error(f"its inputs have different batch sizes {[t.shape[0] for t in x]} (dim 0); expected {want}"
+                    "\n  fix: give every tensor of one batch the same size in dim 0")
 
 
 def from_model_file(mf, example: Sequence[torch.Tensor]) -> list[CalibrationBatch]:
@@ -159,7 +167,9 @@ def from_model_file(mf, example: Sequence[torch.Tensor]) -> list[CalibrationBatc
         batches = [(b,) if isinstance(b, torch.Tensor) else b for b in mf.calibration_inputs()]
     except Exception as exc:  # the user's code
         raise ModelFileError(f"{what} raised {type(exc).__name__}: {exc}\n  expected: "
-                             "def calibration_inputs() -> Iterable[tuple[torch.Tensor, ...]]") from exc
+                             "def calibration_inputs() -> Iterable[tuple[torch.Tensor, ...]]\n  fix: make "
+                             "calibration_inputs() return its batches without raising (call it on its own to see "
+                             "the full error), or remove it") from exc
     out = []
     for i, b in enumerate(batches):
         batch = CalibrationBatch(f"calibration_inputs() batch {i}", tuple(b) if isinstance(b, list) else b)
@@ -219,11 +229,12 @@ def load_calibration(mf, folder: str | Path | None, model: torch.nn.Module, devi
                 shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in b.inputs)
                 raise error(f"{where(b.source)}: {what} raised {type(exc).__name__} on it: "
                             f"{(str(exc).strip().splitlines() or [''])[0][:200]}\n  its inputs: {shapes}; expected "
-                            f"{expected(example)} (shapes other than the batch as in example_inputs)") from None
+                            f"{expected(example)} (shapes other than the batch as in example_inputs)\n"
+                            f"  fix: {FIX_SHAPES}") from None
             if fn is model:
                 b.reference = out
     return batches
 
 
-__all__ = ["CalibrationBatch", "SUFFIXES", "check_batch", "expected", "from_model_file", "input_names",
+__all__ = ["CalibrationBatch", "FIX_BATCH", "FIX_KEYS", "FIX_SHAPES", "SUFFIXES", "check_batch", "expected", "from_model_file", "input_names",
            "load_calibration", "read_folder"]

@@ -67,6 +67,27 @@ def export_graphs(gm: torch.fx.GraphModule, hw, trial: TrialParams, calibration:
     return ExportGraphs(g, g, None, results)
 
 
+#: What an export wrote for the best trial (``report.json``'s ``artifacts.exported_graph``): tctune's rewritten
+#: graph, the model as written (FP32, no tctune pass) or the model cast as a whole (``model.half()``).
+EXPORTED_GRAPHS = ("tctune_graph", "model_as_written", "model_cast")
+
+
+def exports_as_written(trial: TrialParams) -> bool:
+    """Whether an export of ``trial`` writes the model as written: the trial ran it without tctune's graph passes
+    (``graph_passes`` False) at fp32 or tf32, so its ONNX file is the captured FP32 graph
+    (:func:`as_written_export_graphs`; TF32 is FP32 in an engine file). The model as written at fp16/bf16 ran
+    under ``torch.autocast``, which an engine file cannot hold: its export is tctune's graph at that precision
+    (autocast cast policy), and the report says so."""
+    return not trial.graph_passes and trial.precision in ("fp32", "tf32")
+
+
+def as_written_export_graphs(captured: torch.fx.GraphModule) -> ExportGraphs:
+    """:func:`export_graphs` for a trial that ran the model as written in FP32 (:func:`exports_as_written`, e.g.
+    the plain baseline ``fp32_eager`` or its ``torch.compile``): the FP32 capture ``captured``
+    (``tctune.capture.capture``) itself, no tctune pass (no QKV fusion, no padding), not copied."""
+    return ExportGraphs(captured, captured, None, [])
+
+
 #: Why a bf16 model cast as a whole is written with FP32 outputs under the ``"compute"`` contract: onnxruntime's
 #: Python API (and so the validation and the generated runners) cannot return a bfloat16 output ("No
 #: corresponding Numpy type for Tensor Type. bfloat16"); numpy has no bfloat16.
@@ -246,5 +267,6 @@ class Artifacts:
         return out
 
 
-__all__ = ["Artifacts", "BF16_OUTPUTS_NOTE", "EXPORT_PIPELINE", "ExportGraphs", "calibration_for", "cast_export_graphs",
-           "cast_model_graph", "cast_onnx_out_dtype", "export_graphs"]
+__all__ = ["Artifacts", "BF16_OUTPUTS_NOTE", "EXPORTED_GRAPHS", "EXPORT_PIPELINE", "ExportGraphs", "as_written_export_graphs",
+           "calibration_for", "cast_export_graphs", "cast_model_graph", "cast_onnx_out_dtype", "export_graphs",
+           "exports_as_written"]

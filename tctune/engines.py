@@ -100,7 +100,8 @@ def rebuild_graphs(mf, cfg: dict, hw, device) -> tuple["TrialParams", "ExportGra
     real batches (the config's ``calibration_folder``, else the model file's ``calibration_inputs()``). A config
     with ``model_cast: true`` (a winning ``model.half()`` / ``model.to(torch.bfloat16)`` baseline) rebuilds the
     cast model's graph instead (:func:`tctune.deploy.cast_export_graphs`, outputs per the config's
-    ``output_dtype``, ``"fp32"`` when absent).
+    ``output_dtype``, ``"fp32"`` when absent); a trial that ran the model as written in FP32
+    (:func:`tctune.deploy.exports_as_written`) rebuilds the captured FP32 graph, no tctune pass.
 
     Args:
         mf: the loaded model file; hw: the hardware planned for; device: where the model and inputs live.
@@ -127,6 +128,10 @@ def rebuild_graphs(mf, cfg: dict, hw, device) -> tuple["TrialParams", "ExportGra
 
         return trial, cast_export_graphs(model, gm, trial.precision, mf.inputs(2, device),
                                          cfg.get("output_dtype") or "fp32")
+    from .deploy import as_written_export_graphs, exports_as_written
+
+    if exports_as_written(trial):  # FP32 as written (fp32_eager won): the captured model, no tctune pass
+        return trial, as_written_export_graphs(gm)
     inputs = reference_inputs(mf, trial.batch_size, device) if trial.calibration else None
     calibration = calibration_for(trial, inputs)
     if calibration and trial.precision == "fp16":  # the real batches the search calibrated with, too

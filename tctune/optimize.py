@@ -25,7 +25,8 @@ from .errors import ExportError, UsageError
 from .hardware import HardwareSpec, resolve
 from .modelfile import ModelFile, load_model_file
 from .report import build_report, write_atomic, write_report
-from .deploy import BF16_OUTPUTS_NOTE, Artifacts, cast_export_graphs, cast_onnx_out_dtype, export_graphs
+from .deploy import (BF16_OUTPUTS_NOTE, Artifacts, as_written_export_graphs, cast_export_graphs, cast_onnx_out_dtype,
+                     export_graphs, exports_as_written)
 from .search import TuneConfig, Tuner, best_trial, is_feasible
 from .search.results import confirmed_throughputs, first_line
 from .search.storage import StudyLock
@@ -182,7 +183,10 @@ def export_best(tuner: Tuner, params: dict, out: Path,
     attribute; ``model.half()`` / ``model.to(torch.bfloat16)``, also through ``torch.compile``), ``model.onnx`` is
     that cast model's graph (:func:`tctune.deploy.cast_export_graphs`: every floating weight in the low dtype,
     inputs cast inside, no tctune pass; outputs per ``TuneConfig.output_dtype``, bf16 ones as FP32,
-    :data:`tctune.deploy.BF16_OUTPUTS_NOTE`), and its FP32 twin is the captured FP32 model.
+    :data:`tctune.deploy.BF16_OUTPUTS_NOTE`), and its FP32 twin is the captured FP32 model. When the best ran the
+    model as written in FP32 (:func:`tctune.deploy.exports_as_written`: ``fp32_eager`` or its ``torch.compile``),
+    ``model.onnx`` is the captured FP32 graph with no tctune pass (:func:`tctune.deploy.as_written_export_graphs`).
+    ``artifacts.details["exported_graph"]`` names which (:data:`tctune.deploy.EXPORTED_GRAPHS`).
 
     At precision fp8, ``model.onnx`` is the bf16 graph with each FP8 linear as float8e4m3fn
     QuantizeLinear/DequantizeLinear (opset 19, :func:`tctune.export.export_onnx_fp8`): static per-tensor
@@ -235,6 +239,12 @@ def export_best(tuner: Tuner, params: dict, out: Path,
         fp32_twin = lambda: tuner.captured.graph_module  # noqa: E731 - the FP32 model it was cast from
         if cast_onnx_out_dtype(trial.precision, tuner.cfg.output_dtype) is not None and tuner.cfg.output_dtype == "compute":
             artifacts.details["onnx_outputs_note"] = BF16_OUTPUTS_NOTE
+        exported_as = "model_cast"
+    elif exports_as_written(trial):  # FP32 as written won (fp32_eager, its torch.compile): the model, no tctune pass
+        graphs = as_written_export_graphs(tuner.captured.graph_module)
+        passes = []
+        fp32_twin = None  # not a typed graph: no twin
+        exported_as = "model_as_written"
     else:
         calibration = tuner.evaluator.calibration_inputs(trial.batch_size)  # reference inputs, then real batches
         _, measured = build_trial_graph(tuner.captured.graph_module, tuner.hw, trial, calibration)
@@ -244,11 +254,13 @@ def export_best(tuner: Tuner, params: dict, out: Path,
                 p["note"] = "the best trial ran the model as written; these are the passes its exported graph carries"
         graphs = export_graphs(tuner.captured.graph_module, tuner.hw, trial, calibration if trial.calibration else None)
         fp32_twin = lambda: fp32_export_graph(tuner, trial)  # noqa: E731
+        exported_as = "tctune_graph"
     fp8, g = graphs.fp8, graphs.onnx_graph
     if not tuner.cfg.export:
         artifacts.onnx_error = "export disabled (--no-export)"
         artifacts.tensorrt_skipped_reason = "export disabled (--no-export)"
         return artifacts, passes
+    artifacts.details["exported_graph"] = exported_as
     bs = params["batch_size"]
     check, skipped = plan_validation((bs, 3 if bs != 3 else 5), reference_bytes_per_item(tuner, bs))
     check = (check * 2)[:2]  # export_onnx takes two sizes (one when even batch 2's outputs are over the limit)

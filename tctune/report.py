@@ -233,8 +233,10 @@ def gate_line(row: dict, config: dict) -> str:
         extra = (f"; integer/bool outputs differ in {row['mismatch_rate']:.2%} of their elements (allowed "
                  f"{config.get('max_mismatch_rate') or 0:.2%})")
     if a["gate"] == "score":
-        rule = (f"{config['min_score']:.4g} (min_score)" if config.get("min_score") is not None else
-                f"{config.get('min_score_ratio', 0.99):g} x {row.get('score_fp32'):.4g} (FP32 score)")
+        from .search.accuracy import format_score
+
+        rule = (f"{format_score(config['min_score'])} (min_score)" if config.get("min_score") is not None else
+                f"{config.get('min_score_ratio', 0.99):g} x {format_score(row.get('score_fp32'))} (FP32 score)")
         rel = "–" if a["rel_l2"] is None else f"{a['rel_l2']:.1e}"
         lim = "" if a["rel_l2_limit"] is None else f"limit {a['rel_l2_limit']:g}, "
         return (f"accepted by the score gate: {a['value']:.4f} >= {rule} (margin {a['margin']:.4f}); relative L2 "
@@ -249,7 +251,9 @@ def _score(row: dict) -> str:
     """The trials table's score cell: ``0.9712 (0.999)`` (score, ratio to FP32), or "–"."""
     if row.get("score") is None:
         return "–"
-    return f"{row['score']:.4g}" + (f" ({row['score_ratio']:.3f})" if row.get("score_ratio") is not None else "")
+    from .search.accuracy import format_score
+
+    return format_score(row["score"]) + (f" ({row['score_ratio']:.3f})" if row.get("score_ratio") is not None else "")
 
 
 def _fmt(v: Any, spec: str = ".4g") -> str:
@@ -308,6 +312,69 @@ def output_contract_line(output_dtype: str) -> str:
             "are computed in float64 after timing)")
 
 
+def exported_line(r: dict) -> str | None:
+    """One sentence on what ``model.onnx`` is for the best trial of report ``r`` (``artifacts.exported_graph``,
+    ``tctune.deploy.EXPORTED_GRAPHS``), or None when nothing was exported for it: the model as written in FP32 (no
+    tctune pass), the model cast as a whole, or tctune's rewritten graph; for a best that ran the model as written
+    under autocast, it says plainly that the file is tctune's graph instead (an engine file cannot hold
+    ``torch.autocast``)."""
+    a, b = r.get("artifacts") or {}, r.get("best") or {}
+    kind = a.get("exported_graph")
+    if not b or not kind or not (a.get("onnx") or a.get("onnx_fp32")):
+        return None
+    p = b.get("params") or {}
+    prec = p.get("precision")
+    if kind == "model_as_written":
+        return "the model as written in FP32: its captured graph, no tctune pass"
+    if kind == "model_cast":
+        return f"the model cast as a whole to {prec}, as the baseline ran it (no tctune pass)"
+    if not p.get("graph_passes"):
+        return (f"**tctune's rewritten graph at {prec}, not the model as written**: the best ran the model under "
+                f"torch.autocast, which an engine file cannot hold, so the file casts like autocast with tctune's "
+                f"passes (listed under Graph passes)")
+    return f"tctune's rewritten graph at {prec}, as measured (its passes are listed under Graph passes)"
+
+
+def study_counts(study: dict, trials: list[dict] | None = None) -> str:
+    """The trial counts of ``report.json``'s ``study`` in words, by state from ``trials`` (its trial rows):
+    "15 trials: 11 complete, 4 stopped early by the pruner" (and "N failed", "N still running" when any; a
+    complete trial can still be over a limit: the trials table says which). Without ``trials``: the totals."""
+    n = study.get("n_trials", 0)
+    if not trials:
+        return f"{n} trials ({study.get('n_complete', 0)} complete)"
+    states = collections.Counter(t.get("state") for t in trials)
+    parts = [f"{states.get('COMPLETE', 0)} complete"]
+    for state, words in (("PRUNED", "stopped early by the pruner"), ("FAIL", "failed"), ("RUNNING", "still running")):
+        if states.get(state):
+            parts.append(f"{states[state]} {words}")
+    return f"{n} trial{'s' if n != 1 else ''}: " + ", ".join(parts)
+
+
+def accuracy_rule_line(r: dict) -> str:
+    """``report.md``'s one line on which accuracy rule decided the run of report ``r``: the score gate when the
+    model file gave ``score(model)`` (``r["score"]["fp32"]`` set; relative L2 then reported only), else the
+    relative L2 limit (``max_error``; ``max_error_fp8`` where fp8 was searched); plus the integer/bool rule
+    (inference)."""
+    cfg, sc = r["config"], r.get("score") or {}
+    train = cfg.get("mode") == "train"
+    exact = ("" if train else  # a training step's check has gradients only
+             "; integer and bool outputs " + (f"may differ in up to {cfg['max_mismatch_rate']:.2%} of their elements"
+                                              if cfg.get("max_mismatch_rate") else "must match exactly"))
+    where = ("of the gradients of one training step on a seeded random batch (and the real batches when given)"
+             if train else "on fresh random inputs" + (" and the real batches" if r.get("real_batches") else ""))
+    if sc.get("fp32") is not None:
+        from .search.accuracy import format_score
+
+        return (f"Accuracy rule: the model file's score(model) decides, for every precision: {sc.get('rule')} "
+                f"(FP32 score {format_score(sc['fp32'])}" + (", after a short training run" if train else "") + "); "
+                f"the relative L2 error against FP32 eager {where} is reported, not a limit{exact}; NaN/inf outputs "
+                f"reject. score() ran {sc.get('calls')} time(s), {_fmt(sc.get('seconds'), '.1f')} s in all "
+                f"({sc.get('cached_graphs')} graphs scored, each once)")
+    searched_fp8 = any((t.get("params") or {}).get("precision") == "fp8" for t in r.get("trials") or [])
+    fp8 = f" ({cfg['max_error_fp8']:g} at fp8)" if searched_fp8 and cfg.get("max_error_fp8") is not None else ""
+    return f"Accuracy rule: relative L2 error ≤ {cfg['max_error']:g}{fp8} against FP32 eager {where}{exact}"
+
+
 def render_markdown(r: dict) -> str:
     """``report.md``: the same facts as ``report.json``, for people."""
     hw = r["hardware"]
@@ -323,13 +390,8 @@ def render_markdown(r: dict) -> str:
     lines += [f"- Model file: `{r['model']['path']}`",
               f"- Hardware spec: {hw.get('name')} ({hw.get('arch')}, compute capability {hw.get('compute_capability') or '–'}, source {hw.get('source')})",
               f"- Measured on: {r['measured_on']}",
-              f"- Study: `{r['study']['name']}`, {r['study']['n_trials']} trials ({r['study']['n_complete']} complete)",
-              f"- Accuracy limit: relative L2 error ≤ {r['config']['max_error']:g} against FP32 eager "
-              + ("of the gradients of one training step on a seeded random batch (and the real batches when given)"
-                 if r["config"].get("mode") == "train" else "on fresh random inputs; ")
-              + ("" if r["config"].get("mode") == "train" else  # a training step's check has gradients only
-                 f"integer and bool outputs may differ in up to {r['config']['max_mismatch_rate']:.2%} of their elements"
-                 if r["config"].get("max_mismatch_rate") else "integer and bool outputs must match exactly")]
+              f"- Study: `{r['study']['name']}`, {study_counts(r['study'], r.get('trials'))}",
+              "- " + accuracy_rule_line(r)]
     if r["config"].get("output_dtype"):  # a report written before the option has no contract to state
         lines.append("- " + output_contract_line(r["config"]["output_dtype"]))
     dynamic = r["capture"].get("dynamic") or []
@@ -337,12 +399,6 @@ def render_markdown(r: dict) -> str:
         lines += ["- Dynamic dimensions (measured at the example sizes): " + ", ".join(
             f"{d['name']} dim {d['dim']} = {d['symbol']} {d['min']}..{d['max'] if d['max'] is not None else '∞'}"
             + (f" (example {d['example']})" if d["symbol"] != "batch" else "") for d in dynamic)]
-    sc = r.get("score") or {}
-    if sc.get("fp32") is not None:
-        lines.append(f"- Score gate: the model file's score(model) decides accuracy for every precision "
-                     f"({sc.get('rule')}); the relative L2 limit is reported, not deciding. score() ran "
-                     f"{sc.get('calls')} time(s), {_fmt(sc.get('seconds'), '.1f')} s in all ({sc.get('cached_graphs')} "
-                     "graphs scored, each once)")
     if r.get("real_batches") and r["config"].get("mode") == "train":
         lines.append(f"- Real input batches: {r['real_batches']} ({r.get('real_batches_source')}), training batches of the "
                      "accuracy check beside the random one (gradients at the initial weights; with score(), the short "
@@ -371,6 +427,9 @@ def render_markdown(r: dict) -> str:
                      f"{_fmt(chosen)} items/s" + (f" ({b['chosen_on']})" if b.get("chosen_on") else "") + ", "
                      f"{_fmt(p['batch_size'] / chosen * 1e3 if chosen else b['latency_ms'])} ms per batch"
                      " (from the same timing), relative error " f"{_rel_error(b)}.")
+        exp = exported_line(r)
+        if exp:
+            lines.append(f"- Exported graph: {exp}.")
         lines.append(f"- Accuracy: {gate_line(b, r['config'])}.")
         why = (b.get("verdict") or {}).get("reason")
         rule = (b.get("verdict") or {}).get("rule")
@@ -380,7 +439,8 @@ def render_markdown(r: dict) -> str:
                          + (why or f"{b['baseline']} was the fastest feasible configuration; nothing tctune searched "
                                    "beat it on this machine") + ".")
             if srch:
-                lines.append(f"- The fastest tctune candidate: trial {srch['trial']} ({srch.get('description') or ''}), "
+                lines.append(f"- The fastest tctune candidate: trial {srch['trial']} at batch {srch.get('batch_size')} "
+                             f"({srch.get('description') or ''}), "
                              f"{_fmt(srch['throughput'])} items/s in the same timing.")
         elif why:
             lines.append(f"- **tctune wins**: {why}.")

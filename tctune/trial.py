@@ -53,7 +53,8 @@ class TrialParams:
         fp8_keep: at precision fp8, module-path patterns whose linears stay bf16 (``()`` below fp8).
         calibration: at fp16, tctune's graph keeps the nodes that overflow fp16 on the reference inputs
             (``INPUT_SEED + batch_size``) and on the run's real batches (``--calibration`` or the model file's
-            ``calibration_inputs()``, :mod:`tctune.calibration`) in FP32.
+            ``calibration_inputs()``, :mod:`tctune.calibration`) in FP32. True by default: the seeded reference
+            inputs exist without real data; it has no effect elsewhere and the repr shows it only where it applies.
     """
 
     batch_size: int
@@ -111,6 +112,14 @@ class TrialParams:
 
     def but(self, **changes) -> "TrialParams":
         return replace(self, **changes)
+
+    def __repr__(self) -> str:
+        """Every field that applies to this trial: ``fp8_keep`` only at fp8, ``calibration`` only for tctune's
+        graph at fp16 (the one build it changes), so a repr never suggests a calibration that did not run."""
+        shown = [f for f in fields(self)
+                 if (f.name != "fp8_keep" or self.precision == "fp8")
+                 and (f.name != "calibration" or (self.precision == "fp16" and self.graph_passes))]
+        return f"TrialParams({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
 
 
 def measuring_device() -> torch.device:

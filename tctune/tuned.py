@@ -146,6 +146,7 @@ class TunedModule(torch.nn.Module):
             ``state_dict()`` / ``load_state_dict()`` are its own, with the original model's key names
             (non-persistent buffers stay out of it; tied parameters stay one object).
         report: the search's ``report.json`` dictionary (``{}`` when unknown).
+        out_dir: the folder the search wrote its files to (``tctune.optimize`` sets it), or None (e.g. loaded).
         config: the winning :class:`tctune.trial.TrialParams`.
         runtime: ``eager``, ``cudagraphs``, ``inductor``, ``inductor-max-autotune`` or ``inductor-cudagraphs``.
         manifest: what :func:`save` writes beside the graph (see the module docstring).
@@ -175,6 +176,7 @@ class TunedModule(torch.nn.Module):
         self.out_dtypes = list(out_dtypes)
         self.keep_low_precision_outputs = keep_low_precision_outputs
         self.report = report or {}
+        self.out_dir: str | None = None
         self.manifest = manifest or {}
         # Not submodules: neither in state_dict nor moved by .to() twice.
         self.__dict__["_save_graph"] = save_graph  # what save() exports (FP32 graph for a model-as-written win)

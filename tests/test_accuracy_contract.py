@@ -229,6 +229,7 @@ def test_bad_calibration_data_gets_one_error_naming_the_file_and_the_expected_in
     assert e.value.field == "calibration"
     if case != "pickle":
         assert "input_0: float32 (B, 6), input_1: int64 (B)" in str(e.value)
+    assert str(e.value).count("\n  fix: ") == 1  # one fix line, as every other input error has
 
 
 def test_missing_or_empty_calibration_folder(tmp_path):
@@ -248,8 +249,9 @@ def calibration_inputs():
     yield (torch.randn(4, 6).double(), torch.randint(0, 5, (4,)))
 ''')
     mf = load_model_file(f)
-    with pytest.raises(ModelFileError, match=r"ci\.py: calibration_inputs\(\) batch 1 input_0 is float64, expected float32"):
+    with pytest.raises(ModelFileError, match=r"ci\.py: calibration_inputs\(\) batch 1 input_0 is float64, expected float32") as e:
         load_calibration(mf, None, mf.model(), torch.device("cpu"))
+    assert "\n  fix: store input_0 as float32" in str(e.value)
 
 
 # A model whose first linear reaches 10 * sum(x): under 80 on example_inputs (uniform [0, 1)), about 80,000 on

@@ -154,8 +154,31 @@ def test_callable_example_inputs_and_default_batch_sizes(tmp_path):
     tuned = tctune.optimize(model, lambda b: (torch.randn(b, 12),), batch_sizes=[3], trials=2, runtimes="eager",
                             no_export=True, quiet=True, out=tmp_path / "o")
     assert tuned.report["config"]["batch_sizes"] == [3]
+    assert tuned.out_dir == str(tmp_path / "o") and (tmp_path / "o" / "report.json").is_file()
     x = torch.randn(5, 12)
     assert _rel(tuned(x), model(x).detach()) <= 1e-2
+
+
+def test_without_out_the_temporary_folder_is_named_and_returned(tmp_path, monkeypatch):
+    """A folder the caller did not choose is said once (a warning) and kept on the returned module."""
+    import logging
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where mkdtemp creates it
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("tctune")
+    logger.addHandler(handler)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(12, 3))
+        tuned = tctune.optimize(model, (torch.randn(3, 12),), trials=1, runtimes="eager", no_export=True)
+    finally:
+        logger.removeHandler(handler)
+    out = Path(tuned.out_dir)
+    assert out.parent == tmp_path and out.name.startswith("tctune_Sequential_") and (out / "report.json").is_file()
+    said = [r for r in records if str(out) in r.getMessage()]
+    assert len(said) == 1 and "out=" in said[0].getMessage() and said[0].levelno >= logging.WARNING
 
 
 def test_tuple_inputs_are_resized_along_the_batch():

@@ -234,6 +234,9 @@ def test_an_autocast_winner_still_exports_tctune_graph_of_the_model_as_written(t
     # tctune's autocast-policy graph: the GEMM weights low, the ops autocast runs in FP32 (the buffer added
     # after the activation) keep FP32 constants; the cast model has none (test above)
     assert {onnx.TensorProto.FLOAT, onnx.TensorProto.BFLOAT16} <= {i.data_type for i in inits}
+    assert report["artifacts"]["exported_graph"] == "tctune_graph"  # and the answer says so plainly
+    assert ("- Exported graph: **tctune's rewritten graph at bf16, not the model as written**"
+            in (tmp_path / "a" / "report.md").read_text())
 
 
 def test_tctune_export_rebuilds_the_cast_model_from_best_config(tmp_path):

@@ -183,7 +183,8 @@ def test_train_report_shows_the_score_gate_and_real_batches(tmp_path):
     rows = [r for r in report["trials"] if r["state"] == "COMPLETE"]
     assert rows and all(r["score"] is not None and r["score_limit"] is not None for r in rows)
     md = (tmp_path / "out" / "report.md").read_text()
-    assert "Score gate" in md and "FP32-trained reference" in md
+    assert "Accuracy rule: the model file's score(model) decides" in md and "FP32-trained reference" in md
+    assert "after a short training run" in md and "Score gate" not in md  # the rule is stated once
     assert "training batches of the accuracy check" in md and "example_targets(B)" in md
     assert "gradients of one training step" in md and "FP32 eager on fresh random inputs" not in md
     assert "integer and bool outputs must match" not in md  # a training step's check compares gradients only

@@ -97,20 +97,66 @@ def test_the_final_speedup_is_never_below_one(speedup, noise):
             assert h["speedup_vs_best_baseline"] == 1.0
 
 
-def test_the_recommended_baseline_is_the_fastest_one_side_by_side():
-    """The turned-down candidate was compared at its batch size; a faster baseline at another batch is the answer."""
-    study, fp32, cast, cand = _study(speedup=1.005, noise=0.05)
+def _with_baseline_at_128(study, throughput, name="autocast_bf16"):
     p = {"batch_size": 128, "precision": "bf16", "graph_passes": False, "runtime": "eager"}
-    other = _add(study, p, 900.0, baseline="autocast_bf16")
+    other = _add(study, p, throughput, baseline=name)
     sbs = study.user_attrs["side_by_side"]
-    sbs["entries"].append({"trial": other, "baseline": "autocast_bf16", "batch_size": 128, "throughput": 128 / 0.1,
-                           "median_ms": 100.0, "rounds_ms": [100.0] * 15, "error": None})
+    ms = 128 / throughput * 1e3
+    sbs["entries"].append({"trial": other, "baseline": name, "batch_size": 128, "throughput": throughput,
+                           "median_ms": ms, "rounds_ms": [ms] * 15, "error": None})
     sbs["after_trial"] = other
     study.set_user_attr("side_by_side", sbs)
+    return other
+
+
+def test_the_recommended_baseline_is_the_fastest_one_side_by_side():
+    """A faster baseline at another batch is the answer; the sentence compares at its batch only."""
+    study, fp32, cast, cand = _study(speedup=1.005, noise=0.05)
+    other = _with_baseline_at_128(study, 1280.0)
     v = verdict(study)
-    assert v["trial"].number == other and v["challenger"]["against"] == cast
-    assert v["reason"].endswith("use autocast bf16 eager at batch 128, the fastest plain baseline side by side")
+    assert v["trial"].number == other and v["challenger"]["against"] == cast  # the fastest candidate's own comparison
+    assert v["reason"] == ("use autocast bf16 eager at batch 128: faster side by side than every tctune candidate "
+                           "(none was timed at batch 128)")
     assert headline(study)["speedup_vs_best_baseline"] == 1.0
+
+
+def test_a_candidate_turned_down_at_another_batch_gets_its_own_clause():
+    """The candidate at 64 is faster by its median than the answer at 128 but not measurably faster than the
+    baseline at 64: the verdict names each batch with its own comparison, never one ratio across batches."""
+    study, fp32, cast, cand = _study(speedup=1.005, noise=0.05)
+    sbs = {e["trial"]: e["throughput"] for e in study.user_attrs["side_by_side"]["entries"]}
+    other = _with_baseline_at_128(study, (sbs[cand] + sbs[cast]) / 2)  # between the two at batch 64
+    v = verdict(study)
+    c = v["challenger"]
+    assert v["trial"].number == other and c["trial"] == cand and c["against"] == cast and c["batch_size"] == 64
+    assert v["reason"] == ("use autocast bf16 eager at batch 128, the fastest plain baseline side by side (no tctune "
+                           "candidate was timed at batch 128); at batch 64, the fastest tctune candidate "
+                           f"(trial {cand}) was not measurably faster than model.half() eager at batch 64 "
+                           f"({c['speedup']:.2f}×, 95 % CI {c['ci95'][0]:.2f}–{c['ci95'][1]:.2f}, which includes 1.0)")
+    assert f"- The fastest tctune candidate: trial {cand} at batch 64 (" in render_markdown(_report(study))
+
+
+def test_a_baseline_answer_is_compared_with_the_candidates_at_its_own_batch():
+    """The answer at batch 128 is judged against the tctune candidate timed at 128, not the one at 64."""
+    study, fp32, cast, cand = _study(speedup=0.95, noise=0.01)
+    p = {"batch_size": 128, "precision": "bf16", "graph_passes": False, "runtime": "eager"}
+    other = _add(study, p, 1280.0, baseline="autocast_bf16")
+    at128 = _add(study, dict(p, graph_passes=True), 1250.0, description="tctune graph bf16")
+    sbs = study.user_attrs["side_by_side"]
+    sbs["entries"] += [
+        {"trial": other, "baseline": "autocast_bf16", "batch_size": 128, "throughput": 1280.0,
+         "median_ms": 100.0, "rounds_ms": [100.0 * (1 + 0.001 * (i % 3)) for i in range(15)], "error": None},
+        {"trial": at128, "baseline": None, "batch_size": 128, "throughput": 1250.0,
+         "median_ms": 102.4, "rounds_ms": [102.4 * (1 + 0.001 * (i % 2)) for i in range(15)], "error": None}]
+    sbs["after_trial"] = at128
+    study.set_user_attr("side_by_side", sbs)
+    v = verdict(study)
+    c = v["challenger"]
+    assert v["trial"].number == other and c["trial"] == at128 and c["against"] == other
+    assert c["batch_size"] == c["against_batch_size"] == 128 and c["speedup"] < 1.0
+    assert v["reason"] == (f"no tctune candidate beat autocast bf16 eager at batch 128 ({c['speedup']:.2f}×, 95 % CI "
+                           f"{c['ci95'][0]:.2f}–{c['ci95'][1]:.2f}): use it")
+    assert "batch 64" not in v["reason"]
 
 
 def test_without_a_side_by_side_timing_a_slower_candidate_is_not_recommended():

@@ -130,6 +130,11 @@ def _summary(report: dict, out: Path) -> str:
         lines.append(f"best: {p['precision']}, {what}, {p.get('runtime', 'eager')}, batch {p['batch_size']}: "
                      f"{chosen:.4g} items/s" + (f" ({b['chosen_on']})" if b.get("chosen_on") else "")
                      + f", rel. error {b['max_rel_error']:.2e}")
+        from ..report import exported_line
+
+        exp = exported_line(report)
+        if exp:
+            lines.append(f"      exported: {exp.replace('**', '')}")
         if b.get("accepted_by"):
             from ..report import gate_line
 
@@ -164,7 +169,9 @@ def _summary(report: dict, out: Path) -> str:
         lines.append("interrupted: finished trials are kept, nothing was exported; run the same command again to resume")
     elif a.get("tensorrt_skipped_reason"):
         lines.append(f"TensorRT: {a['tensorrt_skipped_reason']}")
-    lines.append(f"report: {out / 'report.md'}  ({report['study']['n_complete']} of {report['study']['n_trials']} trials complete in the study)")
+    from ..report import study_counts
+
+    lines.append(f"report: {out / 'report.md'}  (the study: {study_counts(report['study'], report.get('trials'))})")
     return "\n".join(lines)
 
 

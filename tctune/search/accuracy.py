@@ -36,6 +36,17 @@ def graph_key(trial: TrialParams) -> Hashable:
     return replace(trial, runtime="eager", batch_size=1)
 
 
+def format_score(value: float | None) -> str:
+    """A score for people: 4 significant digits (``0.9712``, ``0.95``), an integral value with its decimals
+    shown (``1.000``, ``100.0``: a measured score, not a count), "–" for None."""
+    if value is None:
+        return "–"
+    text = f"{value:.4g}"
+    if text.lstrip("-").isdigit():
+        text = format(value, "#.4g").rstrip(".")
+    return text
+
+
 class ScoreGate:
     """Calls ``score`` (cached per graph), and says whether a score is accurate enough.
 
@@ -134,8 +145,8 @@ class ScoreGate:
     def rule(self) -> str:
         """The gate in words, e.g. ``score >= 0.99 x 0.9722 (FP32) = 0.9625``."""
         if self.min_score is not None:
-            return f"score >= {self.min_score:.4g} (absolute)"
-        return f"score >= {self.min_score_ratio:g} x {self.fp32:.4g} (FP32) = {self.limit:.4g}"
+            return f"score >= {format_score(self.min_score)} (absolute)"
+        return f"score >= {self.min_score_ratio:g} x {format_score(self.fp32)} (FP32) = {format_score(self.limit)}"
 
     def metrics(self, value: float, seconds: float) -> dict:
         """The trial attributes of a scored candidate: ``score``, ``score_ratio`` (to FP32), ``score_fp32``,
@@ -173,4 +184,4 @@ def worst(a: ErrorStats, b: ErrorStats) -> ErrorStats:
     return out
 
 
-__all__ = ["ScoreGate", "graph_key", "worst"]
+__all__ = ["ScoreGate", "format_score", "graph_key", "worst"]

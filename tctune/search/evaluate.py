@@ -23,7 +23,7 @@ from ..fp8_plan import METRIC_SCORE, FP8Plan, choose_fastest, plan_graph
 from ..measure import ErrorStats, check_accuracy, compare, is_oom, precision_mode, release_memory, time_call
 from ..runtime import Autocast, ChannelsLast, detach_outputs, wrap
 from ..trial import FailureKind, TrialParams, apply_passes, build_trial_graph, reference_inputs
-from .accuracy import ScoreGate, graph_key, worst
+from .accuracy import ScoreGate, format_score, graph_key, worst
 from .baselines import CastModel, OutputsTo
 from .config import TuneConfig
 from .results import first_line, rejection, trial_metrics
@@ -197,8 +197,8 @@ class InferenceEvaluator:
             limit = gate.allowed_shortfall
             if not limit > 0:
                 return FP8Plan((), float("nan"), limit, 0.0, reason=(
-                    f"FP8 cannot meet the score limit {gate.limit:.4g}: it is not below the FP32 score "
-                    f"{gate.fp32:.4g}; FP8 candidates are rejected"), metric=METRIC_SCORE)
+                    f"FP8 cannot meet the score limit {format_score(gate.limit)}: it is not below the FP32 score "
+                    f"{format_score(gate.fp32)}; FP8 candidates are rejected"), metric=METRIC_SCORE)
 
             def score_of(keep: tuple[str, ...], graph) -> float:  # cached with the trials that build this graph
                 key = (graph_key(TrialParams(batch_size=1, precision="fp8", graph_passes=True, policy=policy,

@@ -456,8 +456,8 @@ class Tuner:
                              "(widen --batch-sizes or --runtimes to search more)", self.space_size())
                     total = 0
                 elif left < total:
-                    log.info("this search space has %d candidates, %d not measured yet: at most %d trials run, "
-                             "not --trials %d", self.space_size(), left, left, total)
+                    log.info("this search space has %d candidates, %d not measured yet: at most %d searched "
+                             "trials run", self.space_size(), left, left)
             optimize(total)
         except KeyboardInterrupt:
             self.interrupted = True

@@ -64,12 +64,15 @@ def constraint_checks(metrics: dict, precision: str, cfg) -> list[tuple[str, flo
         metrics: the trial's metrics (:func:`trial_metrics`, plus ``score``/``score_limit`` when scored).
         precision: the trial's precision; cfg: the run's ``TuneConfig``.
     """
+    from .accuracy import format_score
+
     fp8 = precision == "fp8"
     if metrics.get("score") is not None:
         accuracy = ("min_score", -metrics["score"], -metrics["score_limit"],
-                    lambda v, lim: f"score {-v:.4g} < {-lim:.4g} (the score limit: "
+                    lambda v, lim: f"score {format_score(-v)} < {format_score(-lim)} (the score limit: "
                                    + (f"--min-score {cfg.min_score:g}" if cfg.min_score is not None else
-                                      f"--min-score-ratio {cfg.min_score_ratio:g} x FP32's {metrics.get('score_fp32'):.4g}") + ")")
+                                      f"--min-score-ratio {cfg.min_score_ratio:g} x FP32's "
+                                      f"{format_score(metrics.get('score_fp32'))}") + ")")
     else:
         limit = cfg.max_error_fp8 if fp8 else cfg.max_error
         flag = "--max-error-fp8" if fp8 else "--max-error"
@@ -165,8 +168,12 @@ def verdict(study: optuna.Study) -> dict | None:
         the baseline's name (e.g. ``cast_fp16``), else the candidate's description, "rule": the rule applied,
         "reason": one line saying why (e.g. "no tctune candidate was measurably faster than model.half() eager at
         batch 64 (1.01×, 95 % CI 0.98–1.04, which includes 1.0): use it"; "... beat ..." when the median is not
-        above 1.0), "challenger":
-        the fastest searched candidate the rule turned down, ``{"trial", "batch_size", "description",
+        above 1.0). For a plain baseline answer the sentence compares at the answer's batch size; a faster
+        candidate turned down at another batch size is a second clause naming its own batch and comparison, so
+        no ratio mixes two batch sizes. "challenger":
+        the fastest searched candidate the rule turned down (else the fastest at the answer's batch size, else
+        the fastest timed),
+        ``{"trial", "batch_size", "description",
         "against", "against_name", "against_batch_size", "speedup", "ci95", "p_value", "rounds"}`` (for a tctune
         winner: its own comparison), or None}``.
     """
@@ -198,7 +205,8 @@ def verdict(study: optuna.Study) -> dict | None:
     else:
         best = fastest
     if best.user_attrs.get("baseline"):
-        return result(best, VERDICT_RULE_NO_CI, f"{_label(best.user_attrs['baseline'])} was the fastest: use it")
+        return result(best, VERDICT_RULE_NO_CI, f"{_label(best.user_attrs['baseline'])} at batch "
+                                                f"{best.params.get('batch_size')} was the fastest: use it")
     bs = best.params.get("batch_size")
     same = min((t for t in ok if t.user_attrs.get("baseline") and t.params["batch_size"] == bs
                 and t.user_attrs.get("run_id") == best.user_attrs.get("run_id")),
@@ -250,21 +258,40 @@ def _side_by_side_verdict(timed: list, rows: dict, result) -> dict:
         bs = c["against_batch_size"]
         return f"at batch {bs}" if bs == c["batch_size"] else f"at batch {bs} (none feasible at {c['batch_size']}; per item)"
 
+    def ci(c):
+        return f"{c['speedup']:.2f}×, 95 % CI {c['ci95'][0]:.2f}–{c['ci95'][1]:.2f}"
+
     challenger = None
     for t in timed:
         if t.user_attrs.get("baseline"):
-            name = t.user_attrs["baseline"]
-            c = challenger or next((against(s) for s in timed if not s.user_attrs.get("baseline")), None)
-            if c is None:
+            # The answer is t. The sentence compares at t's batch size only; a candidate turned down at another batch
+            # size gets its own clause, naming its batch (never one ratio of numbers from two batch sizes).
+            name, bs = t.user_attrs["baseline"], t.params["batch_size"]
+            if challenger is None and not any(not s.user_attrs.get("baseline") for s in timed):
                 return result(t, VERDICT_RULE, f"no tctune candidate was timed side by side: use {_label(name)} at "
-                                               f"batch {t.params['batch_size']}")
-            use = "use it" if c["against"] == t.number else (
-                f"use {_label(name)} at batch {t.params['batch_size']}, the fastest plain baseline side by side")
-            ci = f"{c['speedup']:.2f}×, 95 % CI {c['ci95'][0]:.2f}–{c['ci95'][1]:.2f}"
-            if c["speedup"] > 1.0:  # faster by its median, but the interval says the difference may be noise
-                return result(t, VERDICT_RULE, f"no tctune candidate was measurably faster than "
-                                               f"{_label(c['against_name'])} {where(c)} ({ci}, which includes 1.0): {use}", c)
-            return result(t, VERDICT_RULE, f"no tctune candidate beat {_label(c['against_name'])} {where(c)} ({ci}): {use}", c)
+                                               f"batch {bs}")
+            here = (challenger if challenger is not None and challenger["against"] == t.number else
+                    next((against(s) for s in timed if not s.user_attrs.get("baseline")
+                          and s.params["batch_size"] == bs), None))
+            if here is None and challenger is None:
+                reason = (f"use {_label(name)} at batch {bs}: faster side by side than every tctune candidate (none "
+                          f"was timed at batch {bs})")
+            elif here is None:
+                reason = (f"use {_label(name)} at batch {bs}, the fastest plain baseline side by side (no tctune "
+                          f"candidate was timed at batch {bs})")
+            elif here["speedup"] > 1.0:  # faster by its median, but the interval says the difference may be noise
+                reason = (f"no tctune candidate was measurably faster than {_label(name)} at batch {bs} "
+                          f"({ci(here)}, which includes 1.0): use it")
+            else:
+                reason = f"no tctune candidate beat {_label(name)} at batch {bs} ({ci(here)}): use it"
+            if challenger is not None and challenger is not here:
+                c = challenger
+                reason += (f"; at batch {c['batch_size']}, the fastest tctune candidate (trial {c['trial']}) was "
+                           + ("not measurably faster than " if c["speedup"] > 1.0 else "not faster than ")
+                           + f"{_label(c['against_name'])} {where(c)} ({ci(c)}"
+                           + (", which includes 1.0)" if c["speedup"] > 1.0 else ")"))
+            return result(t, VERDICT_RULE, reason, challenger or here
+                          or next(against(s) for s in timed if not s.user_attrs.get("baseline")))
         c = against(t)
         if c is None:
             return result(t, VERDICT_RULE, "no feasible plain baseline was timed side by side to compare with")

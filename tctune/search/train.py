@@ -43,7 +43,7 @@ from typing import Any
 import optuna
 import torch
 
-from ..calibration import expected, load_calibration
+from ..calibration import FIX_SHAPES, expected, load_calibration
 from ..errors import CandidateRejected, ModelFileError, UsageError
 from ..measure import compare, precision_mode, time_call
 from ..modelfile import SIGNATURES
@@ -252,7 +252,7 @@ class TrainingEvaluator:
         want = expected(self.mf.inputs(2, "cpu"))
         msg = (f"the FP32 training step (model, loss_fn with example_targets({len(b.inputs[0])})) raised "
                f"{type(exc).__name__} on it: {first_line(exc)[:200]}\n  its inputs: {shapes}; expected {want} "
-               "(shapes other than the batch as in example_inputs)")
+               f"(shapes other than the batch as in example_inputs)\n  fix: {FIX_SHAPES}")
         if self.cfg.calibration is not None:
             return UsageError(f"calibration file {Path(self.cfg.calibration).expanduser() / source}: {msg}",
                               field="calibration")

@@ -1,0 +1,98 @@
+"""report.md's header and counts, the console summary's counts, and reprs a user reads: which accuracy rule
+decides (stated once), scores printed with their decimals, pruned trials not read as failures, and a
+``TrialParams`` that shows calibration only where it applies."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+import pytest
+
+from tctune.report import accuracy_rule_line, build_report, render_markdown, study_counts
+from tctune.search.accuracy import ScoreGate, format_score
+from tctune.trial import TrialParams
+
+
+def _study(states=("COMPLETE",) * 3 + ("PRUNED",) * 2, score=None):
+    study = optuna.create_study(direction="maximize")
+    for i, state in enumerate(states):
+        params = {"batch_size": 8, "precision": "fp32" if i == 0 else "bf16", "graph_passes": i > 1, "runtime": "eager"}
+        dist = {k: optuna.distributions.CategoricalDistribution([v]) for k, v in params.items()}
+        attrs = {"run_id": "r", "max_rel_error": 1e-3 * i, "float_outputs": 1, "description": f"trial {i}"}
+        if i == 0:
+            attrs["baseline"] = "fp32_eager"
+        if score is not None:
+            attrs.update(score=score, score_ratio=1.0, score_fp32=score, score_limit=0.99 * score)
+        if state == "COMPLETE":
+            attrs["throughput"] = 100.0 + i
+            study.add_trial(optuna.trial.create_trial(params=params, distributions=dist, value=100.0 + i,
+                                                      user_attrs=attrs))
+        else:
+            study.add_trial(optuna.trial.create_trial(params=params, distributions=dist, user_attrs=attrs,
+                                                      state=getattr(optuna.trial.TrialState, state)))
+    study.set_user_attr("run_id", "r")
+    return study
+
+
+def _report(study, **extra):
+    return build_report(study, hardware={"name": "cpu"}, measured_on="cpu",
+                        config={"max_error": 0.01, "max_error_fp8": 0.05, "mode": "infer", "max_mismatch_rate": 0.0,
+                                "min_score_ratio": 0.99},
+                        model={"name": "m", "path": "m.py"}, passes=[], artifacts={}, capture={"ok": True},
+                        extra=extra or None)
+
+
+def test_format_score_keeps_the_decimals_of_an_integral_score():
+    assert format_score(1.0) == "1.000" and format_score(100.0) == "100.0" and format_score(1234.0) == "1234"
+    assert format_score(0.97123) == "0.9712" and format_score(0.95) == "0.95" and format_score(-2.0) == "-2.000"
+    assert format_score(None) == "–"
+    gate = ScoreGate(lambda m: 1.0, min_score_ratio=0.99)
+    gate.fp32 = 1.0
+    assert gate.rule() == "score >= 0.99 x 1.000 (FP32) = 0.99"
+
+
+def test_the_header_states_the_deciding_rule_once_relative_l2():
+    r = _report(_study())
+    line = accuracy_rule_line(r)
+    assert line == ("Accuracy rule: relative L2 error ≤ 0.01 against FP32 eager on fresh random inputs; integer and "
+                    "bool outputs must match exactly")  # no fp8 limit where no fp8 was searched
+    md = render_markdown(r)
+    assert f"- {line}" in md and "Accuracy limit" not in md and "Score gate:" not in md
+
+
+def test_the_header_states_the_deciding_rule_once_score():
+    score = {"fp32": 1.0, "rule": "score >= 0.99 x 1.000 (FP32) = 0.99", "calls": 3, "seconds": 1.5,
+             "cached_graphs": 3}
+    r = _report(_study(score=1.0), score=score)
+    md = render_markdown(r)
+    head = md.split("## Result")[0]
+    assert ("- Accuracy rule: the model file's score(model) decides, for every precision: score >= 0.99 x 1.000 "
+            "(FP32) = 0.99 (FP32 score 1.000); the relative L2 error against FP32 eager on fresh random inputs is "
+            "reported, not a limit;") in head
+    assert "≤ 0.01" not in head and "reported, not deciding" not in head  # the L2 limit is not stated as a rule
+    assert " 1 " not in head and "(1)" not in head  # no bare "1" for the FP32 score
+    trials = md.split("## Trials")[1]
+    assert "| 1.000 (1.000) |" in trials  # the score column: score (ratio to FP32)
+
+
+def test_pruned_trials_are_not_read_as_failures(tmp_path):
+    from tctune.cli.optimize import _summary
+
+    r = _report(_study(states=("COMPLETE",) * 3 + ("PRUNED",) * 2 + ("FAIL",)))
+    assert study_counts(r["study"], r["trials"]) == "6 trials: 3 complete, 2 stopped early by the pruner, 1 failed"
+    assert "6 trials: 3 complete, 2 stopped early by the pruner, 1 failed" in render_markdown(r)
+    assert "(the study: 6 trials: 3 complete, 2 stopped early by the pruner, 1 failed)" in _summary(r, tmp_path)
+    assert study_counts({"n_trials": 1, "n_complete": 1}, None) == "1 trials (1 complete)"
+
+
+def test_trial_params_repr_shows_calibration_only_where_it_applies():
+    assert repr(TrialParams(batch_size=8, precision="fp32")) == (
+        "TrialParams(batch_size=8, precision='fp32', graph_passes=False, runtime='eager', policy='autocast', "
+        "memory_format='contiguous')")
+    assert "calibration" not in repr(TrialParams(batch_size=8, precision="bf16", graph_passes=True))
+    assert "calibration" not in repr(TrialParams(batch_size=8, precision="fp16"))  # the model as written: no build
+    assert repr(TrialParams(batch_size=8, precision="fp16", graph_passes=True, calibration=False)).endswith(
+        "calibration=False)")
+    fp8 = TrialParams(batch_size=8, precision="fp8", graph_passes=True, fp8_keep=("lm_head",))
+    assert "fp8_keep=('lm_head',)" in repr(fp8) and "calibration" not in repr(fp8)
+    assert TrialParams.from_dict(TrialParams(batch_size=8, precision="fp16").to_dict()).calibration is True
