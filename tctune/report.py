@@ -22,7 +22,8 @@ from .search.results import headline
 TRIAL_FIELDS = ("throughput", "latency_ms", "latency_p50_ms", "latency_p99_ms", "repeats_ms", "peak_memory_mib", "max_rel_error", "max_abs_error", "nonfinite",
                 "float_outputs", "exact_outputs", "mismatch_rate", "mismatched", "logits_outputs", "top1_agreement", "kl_divergence",
                 "unchecked_outputs", "fp64_ratio", "description", "setup_s",
-                "score", "score_ratio", "score_fp32", "score_limit", "score_s", "real_batches", "train_loss_rel_diff")
+                "score", "score_ratio", "score_fp32", "score_limit", "score_s", "real_batches", "train_loss_rel_diff",
+                "check_rows", "check_batch_size")
 
 
 def write_atomic(path: str | Path, text: str) -> None:
