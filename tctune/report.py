@@ -536,6 +536,8 @@ def render_markdown(r: dict) -> str:
         lines.append(f"- ONNX note: {a['onnx_note']}")
     if a.get("onnx_validation_limited"):  # tctune.export.onnx.plan_validation: a batch too large to validate
         lines.append(f"- ONNX validation sized to memory: {a['onnx_validation_limited']}")
+    if (a.get("batch_range") or {}).get("note"):  # tctune.deploy.smallest_batch: batch 1 does not run as written
+        lines.append(f"- Batch range: the engines accept batch {a['batch_range']['min']} and up: {a['batch_range']['note']}")
     if a.get("onnx_fp32"):
         lines.append(f"- ONNX, same graph in FP32 (runs in any onnxruntime): `{a['onnx_fp32']}` "
                      f"(max abs error vs PyTorch: {_fmt(a.get('onnx_fp32_max_abs_error'), '.2e')})")
