@@ -1,5 +1,6 @@
-"""The user's accuracy contract during the search: the score gate (:class:`ScoreGate`) and the worst-case merge
-of error statistics over the random and the real inputs (:func:`worst`).
+"""The user's accuracy contract during the search: the score gate (:class:`ScoreGate`), the seeded random rows
+every inference candidate is compared on whatever batch size it is timed at (:class:`CheckSet`), and the
+worst-case merge of error statistics over the random and the real inputs (:func:`worst`).
 
 When the model file (or the Python API's :class:`~tctune.modelfile.ModelFile`) gives ``score(model) -> float``
 (higher is better), the score decides whether a precision choice is accurate enough: a candidate is feasible

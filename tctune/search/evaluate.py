@@ -69,7 +69,8 @@ class InferenceEvaluator:
 
     Accuracy (see :mod:`tctune.search.accuracy`): each candidate is compared with the FP32 model on the seeded
     random inputs of every searched batch size, run at its own batch size (:class:`~tctune.search.accuracy.CheckSet`;
-    through its runtime, once per graph and runtime, so its verdict is the same at every batch size), and on
+    through its runtime, once per graph and runtime (CUDA graphs replay the kernels of the runtime they wrap: not
+    checked again), so its verdict is the same at every batch size), and on
     every real batch (``cfg.calibration``'s folder or ``mf.calibration_inputs()``; these run
     through the built module before the runtime wrapper, once per graph), its stats being the worst over both;
     then, when ``mf.score`` is given, scored (once per graph). Real batches also calibrate the fp16 overflow
@@ -93,7 +94,7 @@ class InferenceEvaluator:
                            if score is not None else None)
         self._real_stats: dict[Any, ErrorStats] = {}  # graph key -> worst stats over the real batches
         self.check_set = CheckSet(mf, cfg.batch_sizes, device, known=self._refs)
-        self._check_stats: dict[Any, tuple[ErrorStats, int, int]] = {}  # (graph key, runtime) -> (stats, rows, batch)
+        self._check_stats: dict[Any, tuple[ErrorStats, int, int]] = {}  # (graph key, numerics) -> (stats, rows, batch)
 
     def calibration_inputs(self, batch_size: int) -> list[tuple]:
         """The fp16 overflow calibration of a trial at ``batch_size``: its reference inputs, then every real batch."""
@@ -102,7 +103,8 @@ class InferenceEvaluator:
     def reference(self, batch_size: int) -> tuple[tuple, Any]:
         """Fresh random inputs for ``batch_size`` (seeded, so every candidate sees the same) and FP32 outputs."""
         if batch_size not in self._refs:
-            inputs = reference_inputs(self.mf, batch_size, self.device)
+            inputs = (self.check_set.inputs(batch_size) if batch_size in self.check_set.batch_sizes  # one copy
+                      else reference_inputs(self.mf, batch_size, self.device))
             try:
                 with precision_mode("fp32"), torch.inference_mode():
                     ref = self.model(*inputs)
@@ -295,7 +297,8 @@ class InferenceEvaluator:
                     out = detach_outputs(fn(*inputs))
             # the model cast as a whole and autocast share their TrialParams (precision, no passes): not their graph
             key = (graph_key(self.trial_params(params, cand.fp8_keep)), bool(params.get("model_cast")))
-            checked, check_rows, check_bs = self._check_rows((key, runtime), fn, cand.precision, bs, out, ref)
+            numerics = "eager" if runtime == "cudagraphs" else runtime.removesuffix("-cudagraphs")  # a replay: same kernels
+            checked, check_rows, check_bs = self._check_rows((key, numerics), fn, cand.precision, bs, out, ref)
             err: ErrorStats = self._real_data(key, cand, checked)
             try:
                 check_accuracy(err, cand.precision, out, max_mismatch_rate=self.cfg.max_mismatch_rate)
@@ -335,8 +338,9 @@ class InferenceEvaluator:
                     ref: Any) -> tuple[ErrorStats, int, int]:
         """``(stats, rows, batch size)``: the candidate ``fn`` (wrapped for its runtime, built for ``batch_size``)
         compared with the FP32 model on every row of :attr:`check_set`, ``batch_size`` rows per call, pooled
-        (:class:`~tctune.measure.PooledComparison`); computed once per ``key`` (graph key and runtime) at the
-        first batch size it is evaluated at, then reused at every other. ``out``/``ref``: the candidate's and the
+        (:class:`~tctune.measure.PooledComparison`); computed once per ``key`` (graph key and runtime, a CUDA-graph
+        runtime counting as the one it replays) at the first batch size it is evaluated at, then reused at every
+        other. ``out``/``ref``: the candidate's and the
         FP32 outputs on the trial's own reference inputs (one of the chunks). A batch size that is not searched
         is judged on its own rows.
 
