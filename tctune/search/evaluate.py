@@ -297,7 +297,8 @@ class InferenceEvaluator:
                     out = detach_outputs(fn(*inputs))
             # the model cast as a whole and autocast share their TrialParams (precision, no passes): not their graph
             key = (graph_key(self.trial_params(params, cand.fp8_keep)), bool(params.get("model_cast")))
-            numerics = "eager" if runtime == "cudagraphs" else runtime.removesuffix("-cudagraphs")  # a replay: same kernels
+            # a CUDA graph replays the kernels of the runtime it wraps: the same numerics, checked once
+            numerics = "eager" if runtime == "cudagraphs" else runtime.removesuffix("-cudagraphs")
             checked, check_rows, check_bs = self._check_rows((key, numerics), fn, cand.precision, bs, out, ref)
             err: ErrorStats = self._real_data(key, cand, checked)
             try:
@@ -340,9 +341,8 @@ class InferenceEvaluator:
         compared with the FP32 model on every row of :attr:`check_set`, ``batch_size`` rows per call, pooled
         (:class:`~tctune.measure.PooledComparison`); computed once per ``key`` (graph key and runtime, a CUDA-graph
         runtime counting as the one it replays) at the first batch size it is evaluated at, then reused at every
-        other. ``out``/``ref``: the candidate's and the
-        FP32 outputs on the trial's own reference inputs (one of the chunks). A batch size that is not searched
-        is judged on its own rows.
+        other. ``out``/``ref``: the candidate's and the FP32 outputs on the trial's own reference inputs (one of
+        the chunks). A batch size that is not searched is judged on its own rows.
 
         Raises:
             CandidateRejected: the candidate raised on a chunk, or the FP32 model did.
