@@ -282,8 +282,9 @@ def export_best(tuner: Tuner, params: dict, out: Path,
         twin = fp32_twin
         fp32_twin = lambda: claim_batch_from(twin(), lo)  # noqa: E731
         log.info("export: %s", lo_note)
-    # the tuned batch and the smallest claimed one: both ends the engines are said to run from
-    second = lo if lo != bs else next(b for b in (3, 5, bs + 1) if b != bs and b >= lo)
+    # the tuned batch and the smallest claimed one (the FP8 export validates at that one besides these two)
+    second = (lo if lo != bs and fp8 is None else
+              next(b for b in (3, 5, bs + 1, bs + 2) if b not in (bs, lo) and b >= lo))
     check, skipped = plan_validation((bs, second), reference_bytes_per_item(tuner, bs), smallest=lo)
     check = (check * 2)[:2]  # export_onnx takes two sizes (one when even batch 2's outputs are over the limit)
     validated = {lo, *check} if fp8 is not None else set(check)  # the FP8 export validates at the smallest too
