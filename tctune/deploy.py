@@ -8,7 +8,7 @@ construction the measured graph: same precision, cast policy, FP8 keep-list and 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -182,6 +182,53 @@ def cast_export_graphs(model: torch.nn.Module, captured: torch.fx.GraphModule, p
     return ExportGraphs(g, g, None, [])
 
 
+def smallest_batch(run: Callable[[int], Any], searched: Sequence[int]) -> tuple[int, str | None]:
+    """The smallest batch size an export claims: 1 when the model as written runs there, else the smallest of the
+    ``searched`` batch sizes (the trials ran them) that runs. A graph from ``torch.export`` accepts batch 1 even
+    where the model does not (an ``assert x.shape[0] > 1`` or BatchNorm's training-mode check on the batch are
+    not in the graph), so it is the model that is run, not the graph.
+
+    Args:
+        run: ``run(b)`` runs the FP32 model as written on fresh inputs of batch ``b``, raising where it fails.
+        searched: the searched batch sizes.
+
+    Returns:
+        ``(batch size, note)``: the note is None when batch 1 runs, else one line saying what batch 1 raised and
+        where the range starts. When no size runs, the smallest searched one, with a note saying so.
+    """
+    failed: list[str] = []
+    for b in sorted({1, *(int(x) for x in searched)}):
+        try:
+            run(b)
+        except Exception as exc:  # noqa: BLE001 - the model's own failure at this batch size
+            text = (str(exc).strip().splitlines() or [""])[0][:200]
+            failed.append(f"batch {b}: {type(exc).__name__}: {text}".rstrip(": "))
+            continue
+        if b == 1:
+            return 1, None
+        return b, (f"the model as written raised at {'; '.join(failed)}; the exported batch range starts at {b}, "
+                   "the smallest searched batch size that ran")
+    lo = min(int(x) for x in searched)
+    return lo, f"the model as written raised at every batch size tried ({'; '.join(failed)})"
+
+
+def claim_batch_from(gm: torch.nn.Module, lo: int) -> torch.nn.Module:
+    """``gm`` (a graph from ``tctune.capture.capture`` or built from one) with its smallest claimed batch raised to
+    ``lo``: ``meta["tctune_batch_range"]`` and the ``min`` of its ``batch`` entries in ``meta["tctune_dynamic"]``,
+    which the ONNX and AOTInductor exports turn into ``torch.export.Dim("batch", min=...)``. Changed in place (new
+    meta values; shared ones are not mutated) and returned; a module without that meta is returned unchanged."""
+    meta = getattr(gm, "meta", None)
+    if not isinstance(meta, dict):
+        return gm
+    if "tctune_batch_range" in meta:
+        old_lo, hi = meta["tctune_batch_range"]
+        meta["tctune_batch_range"] = (max(int(old_lo), lo), hi)
+    if "tctune_dynamic" in meta:
+        meta["tctune_dynamic"] = [dict(d, min=max(int(d["min"]), lo)) if d.get("symbol") == "batch" else dict(d)
+                                  for d in meta["tctune_dynamic"]]
+    return gm
+
+
 @dataclass
 class Artifacts:
     """What ``tctune optimize`` exported for the best trial (``report.json``'s ``artifacts``: :meth:`to_dict`).
@@ -268,5 +315,5 @@ class Artifacts:
 
 
 __all__ = ["Artifacts", "BF16_OUTPUTS_NOTE", "EXPORTED_GRAPHS", "EXPORT_PIPELINE", "ExportGraphs", "as_written_export_graphs",
-           "calibration_for", "cast_export_graphs", "cast_model_graph", "cast_onnx_out_dtype", "export_graphs",
-           "exports_as_written"]
+           "calibration_for", "cast_export_graphs", "cast_model_graph", "cast_onnx_out_dtype", "claim_batch_from",
+           "export_graphs", "exports_as_written", "smallest_batch"]

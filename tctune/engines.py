@@ -146,8 +146,14 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
                      out_dir: str | Path | None = None, *, force: bool = False) -> dict[str, Any]:
     """Rebuild the tuned graph of ``model_file`` from ``config_path`` and write the engines in ``formats``.
 
+    The engines claim batch ``batch_sizes["min"]`` and up: 1 where the model as written runs at batch 1, else the
+    smallest of the config's ``batch_sizes`` that runs (:func:`tctune.deploy.smallest_batch`; the graph's
+    ``Dim("batch")`` starts there); the validations run at that batch, the tuned and the largest one (sized to
+    memory).
+
     Returns:
-        ``{"out": str, "config": {...}, "formats": {fmt: {"status": "built" | "reused" | "skipped",
+        ``{"out": str, "model", "precision", "hardware", "batch_sizes": {"min", "opt", "max"}, "batch_range_note":
+        why ``min`` is above 1 or None, "formats": {fmt: {"status": "built" | "reused" | "skipped",
         "path", "manifest", "runner", "reason", "seconds", ...build details}}}``.
 
     Raises:
@@ -156,6 +162,7 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
     """
     import torch
 
+    from .deploy import claim_batch_from
     from .export import cache
     from .hardware import resolve
     from .modelfile import load_model_file
@@ -178,6 +185,9 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
     device = measuring_device()
 
     trial, graphs = rebuild_graphs(mf, cfg, hw, device)
+    lo, lo_note = _smallest_batch(mf, device, cfg["batch_sizes"])
+    for g in (graphs.graph, *((graphs.fp8.fp32, graphs.fp8.bf16, graphs.fp8.fp8) if graphs.fp8 is not None else ())):
+        claim_batch_from(g, lo)
     fp8 = graphs.fp8.to(device) if graphs.fp8 is not None else None
     graph = graphs.graph.to(device)
     make_inputs = lambda b: mf.inputs(b, device)  # noqa: E731
@@ -186,7 +196,9 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         cc = f"{major}.{minor}"
-    sizes = {"min": 1, "opt": tuned, "max": largest}
+    sizes = {"min": lo, "opt": tuned, "max": largest}
+    if lo_note:
+        log.info("export: %s", lo_note)
 
     from .export.onnx import _input_names
     from .export.runner import describe_inputs, write_runner
@@ -237,8 +249,9 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
             if fp8 is None and precision not in ("fp32", "tf32"):  # built only if onnxruntime cannot run model.onnx
                 fp32_cfg = {**cfg, "params": {**params, "precision": "fp32"}, "calibration": False,
                             "model_cast": False}  # a cast model's twin: the FP32 graph
-                fp32_graph = lambda: rebuild_graphs(mf, fp32_cfg, hw, device)[1].graph.to(device)  # noqa: E731
-            onnx_inputs = _build_onnx(graph, make_inputs, out / ARTIFACT_NAMES["onnx"], (1, tuned, largest), fp8=fp8,
+                fp32_graph = lambda: claim_batch_from(  # noqa: E731
+                    rebuild_graphs(mf, fp32_cfg, hw, device)[1].graph.to(device), lo)
+            onnx_inputs = _build_onnx(graph, make_inputs, out / ARTIFACT_NAMES["onnx"], (lo, tuned, largest), fp8=fp8,
                                       fp32_module=fp32_graph)
             started = time.perf_counter() - onnx_inputs.pop("_seconds")
             onnx_names = {i["name"] for i in onnx_inputs["onnx_inputs"]}
@@ -264,7 +277,8 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
             from .export.onnx import plan_validation
 
             started = time.perf_counter()
-            check, limited = plan_validation((tuned, 1 if tuned != 1 else 2), _output_bytes_per_item(graph, make_inputs))
+            check, limited = plan_validation((tuned, lo if tuned != lo else lo + 1),
+                                             _output_bytes_per_item(graph, make_inputs, lo), smallest=lo)
             if limited:  # its comparison holds float64 host copies of the outputs, as the ONNX validation does
                 log.info("AOTInductor validation: %s", limited)
             info = export_aoti(graph, make_inputs, out / ARTIFACT_NAMES["aoti"], (check * 2)[:max(2, len(check))])
@@ -274,19 +288,38 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
             info["aoti_validation_limited"] = limited
             finish("aoti", key, _summary(info, "aoti"), started, device=info["aoti_device"])
     return {"out": str(out), "model": mf.name, "precision": precision, "hardware": hw.name,
-            "batch_sizes": sizes, "formats": results}
+            "batch_sizes": sizes, "batch_range_note": lo_note, "formats": results}
 
 
-def _output_bytes_per_item(graph, make_inputs) -> float | None:
-    """Bytes of ``graph``'s outputs at batch 1 (``tctune.export.onnx.output_nbytes``), which size a validation
-    (``plan_validation``); None when the graph does not run at batch 1 here."""
+def _smallest_batch(mf, device, searched) -> tuple[int, str | None]:
+    """:func:`tctune.deploy.smallest_batch` of ``mf``'s FP32 model as written (built here, freed after)."""
+    import torch
+
+    from .deploy import smallest_batch
+    from .measure import precision_mode
+
+    model = mf.model().eval().to(device)
+
+    def run(b: int) -> None:
+        with precision_mode("fp32"), torch.inference_mode():
+            model(*mf.inputs(b, device))
+
+    try:
+        return smallest_batch(run, searched)
+    finally:
+        del model
+
+
+def _output_bytes_per_item(graph, make_inputs, batch: int = 1) -> float | None:
+    """Bytes per item of ``graph``'s outputs at ``batch`` (``tctune.export.onnx.output_nbytes``), which size a
+    validation (``plan_validation``); None when the graph does not run at ``batch`` here."""
     import torch
 
     from .export.onnx import output_nbytes
 
     try:
         with torch.no_grad():
-            return float(output_nbytes(graph(*make_inputs(1))))
+            return float(output_nbytes(graph(*make_inputs(batch)))) / batch
     except Exception as exc:  # noqa: BLE001 - unknown size: plan_validation keeps to small batches
         log.debug("cannot size the validation at batch 1: %s", exc)
         return None
@@ -301,15 +334,16 @@ def _build_onnx(graph, make_inputs, path: Path, check: tuple[int, int, int], fp8
     With ``fp8`` (an ``FP8Graphs``), ``export_onnx_fp8`` writes the float8 Q/DQ model and validates it at all
     three batch sizes against the PyTorch FP8 graph (relative L2 <= 5e-2, else ExportError).
 
-    Validation is sized to memory: a batch size of ``check`` whose outputs (measured at batch 1, scaled by the
-    batch) are over ``tctune.export.onnx.plan_validation``'s limit is replaced by a small one; the result's
+    Validation is sized to memory: a batch size of ``check`` whose outputs (measured at ``check[0]``, scaled by the
+    batch) are over ``tctune.export.onnx.plan_validation``'s limit is replaced by a small one (not below
+    ``check[0]``, the smallest batch the export claims); the result's
     ``onnx_validation_limited`` says which and why (None when every size was validated).
     """
     from .export.onnx import deployment, export_onnx_deployable, plan_validation, validate_onnx
     from .export.onnx_fp8 import export_onnx_fp8
 
     started = time.perf_counter()
-    planned, limited = plan_validation(check, _output_bytes_per_item(graph, make_inputs))
+    planned, limited = plan_validation(check, _output_bytes_per_item(graph, make_inputs, check[0]), smallest=check[0])
     if limited:
         log.info("ONNX validation: %s", limited)
     check = first, tuned, largest = (*planned, planned[-1], planned[-1])[:3]  # (1, t, t) validates 1 and t

@@ -340,6 +340,13 @@ def _float_diff(o: torch.Tensor, r: torch.Tensor) -> tuple[float, float, float, 
 def _logits_agreement(o: torch.Tensor, r: torch.Tensor) -> tuple[float, float | None]:
     """(fraction of rows with the same argmax over the last dim, mean KL(softmax(r) || softmax(o)) in nats
     over rows free of NaN/+inf, None when no row is) of logits ``o`` against ``r``, chunked by rows."""
+    agree, rows, kl, n = _logits_counts(o, r)
+    return (agree / rows if rows else 1.0), (kl / n if n else None)
+
+
+def _logits_counts(o: torch.Tensor, r: torch.Tensor) -> tuple[int, int, float, int]:
+    """``(rows whose argmax agrees, rows, sum over valid rows of KL(softmax(r) || softmax(o)) in nats, valid
+    rows)`` of logits ``o`` against ``r`` (rows: all but the last dim; valid: free of NaN/+inf on both sides)."""
     c = r.shape[-1]
     o2, r2 = o.detach().reshape(-1, c), r.detach().reshape(-1, c).to(o.device)
     rows = o2.shape[0]
@@ -357,8 +364,7 @@ def _logits_agreement(o: torch.Tensor, r: torch.Tensor) -> tuple[float, float | 
         term = torch.where(p > 0, p * (lr - lo), torch.zeros_like(p)).sum(-1)
         kl += torch.where(ok, term, torch.zeros_like(term)).sum()
         valid += ok.sum()
-    n = int(valid)
-    return (int(agree) / rows if rows else 1.0), (float(kl) / n if n else None)
+    return int(agree), rows, float(kl), int(valid)
 
 
 def _exact_diff(o: torch.Tensor, r: torch.Tensor) -> int:
@@ -411,23 +417,13 @@ def compare(out: Any, ref: Any, ref64: Any = None, *, base: Any = None) -> Error
         ValueError: ``ref64`` or ``base`` does not have ``ref``'s floating outputs (a caller's error).
     """
     outs, refs = output_leaves(out), output_leaves(ref)
-    ot = [x for x in outs if isinstance(x, torch.Tensor)]
-    rt = [x for x in refs if isinstance(x, torch.Tensor)]
-    n_of, n_rf = (sum(t.is_floating_point() for t in ts) for ts in (ot, rt))
-    if n_of != n_rf:
-        raise CandidateRejected(f"candidate returns {n_of} floating outputs, the model {n_rf}")
-    if len(ot) != len(rt):
-        raise CandidateRejected(f"candidate returns {len(ot)} tensor outputs, the model {len(rt)}")
+    pairs = _tensor_pairs(outs, refs)
     stats = ErrorStats(max_abs_error=0.0, rel_l2_error=0.0, nonfinite=0, float_outputs=0)
     rates: list[float] = []
     tops: list[float] = []
     kls: list[float] = []
     floats: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for o, r in zip(ot, rt):
-        if o.shape != r.shape:
-            raise CandidateRejected(f"output shape {tuple(o.shape)} differs from the model's {tuple(r.shape)}")
-        if (o.is_floating_point() or o.is_complex()) != (r.is_floating_point() or r.is_complex()):
-            raise CandidateRejected(f"candidate returns a {o.dtype} output where the model returns {r.dtype}")
+    for o, r in pairs:
         if r.is_floating_point() or r.is_complex():
             num, den, mx, bad = _float_diff(o, r)
             stats.float_outputs += 1
@@ -476,6 +472,147 @@ def compare(out: Any, ref: Any, ref64: Any = None, *, base: Any = None) -> Error
     if ref64 is not None:
         stats.fp64_ratio = _fp64_ratio(floats, ref, ref64, base)
     return stats
+
+
+def _tensor_pairs(outs: list, refs: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The tensor leaves of a candidate's outputs paired in order with the reference's.
+
+    Raises:
+        CandidateRejected: they differ in count, kind (floating or not) or shape (a broken rewrite).
+    """
+    ot = [x for x in outs if isinstance(x, torch.Tensor)]
+    rt = [x for x in refs if isinstance(x, torch.Tensor)]
+    n_of, n_rf = (sum(t.is_floating_point() for t in ts) for ts in (ot, rt))
+    if n_of != n_rf:
+        raise CandidateRejected(f"candidate returns {n_of} floating outputs, the model {n_rf}")
+    if len(ot) != len(rt):
+        raise CandidateRejected(f"candidate returns {len(ot)} tensor outputs, the model {len(rt)}")
+    for o, r in zip(ot, rt):
+        if o.shape != r.shape:
+            raise CandidateRejected(f"output shape {tuple(o.shape)} differs from the model's {tuple(r.shape)}")
+        if (o.is_floating_point() or o.is_complex()) != (r.is_floating_point() or r.is_complex()):
+            raise CandidateRejected(f"candidate returns a {o.dtype} output where the model returns {r.dtype}")
+    return list(zip(ot, rt))
+
+
+class PooledComparison:
+    """:func:`compare` over several batches of one model's outputs, pooled as if they were one batch.
+
+    Each :meth:`add` compares one batch (checked as :func:`compare` checks it); :meth:`stats` returns one
+    :class:`ErrorStats` whose tensor figures are computed over the elements of every batch together: per
+    output, the relative L2 error from the summed squared errors and summed squared reference values
+    (float64), the mismatch rate from the summed differing and compared elements, top-1 agreement and mean
+    KL divergence over the rows of every batch; then, as in :func:`compare`, the worst output. So for a model
+    whose rows do not interact, the figures do not depend on how the rows were split into batches. Non-tensor
+    outputs (Python values) are compared per batch and merged by the worst batch (largest errors and mismatch
+    rate, summed mismatches).
+
+    Attributes:
+        batches: batches added; rows: rows counted (the ``rows``, else ``batch``, given to :meth:`add`).
+    """
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.rows = 0
+        self._kinds: list[str] | None = None  # per tensor output: "float", "complex" or "exact"
+        self._sums: list[list[float]] = []  # float/complex: [sum d², sum r², max |d|, nonfinite]; exact: [differ, n]
+        self._logits: dict[int, list[float]] = {}  # output index -> [agreeing rows, rows, KL sum, valid rows]
+        self._other: ErrorStats | None = None  # the non-tensor outputs, worst batch
+
+    def add(self, out: Any, ref: Any, *, rows: int | None = None, batch: int | None = None) -> None:
+        """Compare one batch: ``out`` (the candidate's outputs) with ``ref`` (the FP32 reference's).
+
+        Args:
+            batch: the batch size of this call (counted in :attr:`rows`; None: not counted).
+            rows: a batch padded with repeated rows: only the first ``rows`` rows of every tensor output whose
+                dim 0 is ``batch`` count (an output of another shape counts whole). Default: ``batch``.
+
+        Raises:
+            CandidateRejected: the outputs differ in count, kind or shape (a broken rewrite).
+            ValueError: the outputs differ in kind from an earlier batch's (a caller's error).
+        """
+        outs, refs = output_leaves(out), output_leaves(ref)
+        pairs = _tensor_pairs(outs, refs)
+        kinds = ["complex" if r.is_complex() else "float" if r.is_floating_point() else "exact" for _, r in pairs]
+        if self._kinds is None:
+            self._kinds = kinds
+            self._sums = [[0.0, 0.0, 0.0, 0] if k != "exact" else [0, 0] for k in kinds]
+        elif kinds != self._kinds:
+            raise ValueError(f"pooled batches must have outputs of the same kinds; got {kinds}, before {self._kinds}")
+        keep = rows if rows is not None else batch
+        for i, (o, r) in enumerate(pairs):
+            if keep is not None and keep < batch and o.dim() and o.shape[0] == batch:
+                o, r = o[:keep], r[:keep]
+            acc = self._sums[i]
+            if kinds[i] == "exact":
+                acc[0] += _exact_diff(o, r)
+                acc[1] += r.numel()
+                continue
+            num, den, mx, bad = _float_diff(o, r)
+            acc[0] += num
+            acc[1] += den
+            acc[2] = max(acc[2], mx)
+            acc[3] += bad
+            if kinds[i] == "float" and looks_like_logits(r):
+                agree, n, kl, valid = _logits_counts(o, r)
+                lg = self._logits.setdefault(i, [0, 0, 0.0, 0])
+                lg[0] += agree
+                lg[1] += n
+                lg[2] += kl
+                lg[3] += valid
+        rest = compare([x for x in outs if not isinstance(x, torch.Tensor)],
+                       [x for x in refs if not isinstance(x, torch.Tensor)])
+        self._other = rest if self._other is None else _worst_of(self._other, rest)
+        self.batches += 1
+        self.rows += keep or 0
+
+    def stats(self) -> ErrorStats:
+        """The pooled comparison (see the class docstring).
+
+        Raises:
+            ValueError: no batch was added.
+        """
+        if self._other is None:
+            raise ValueError("no batch was compared")
+        st = dataclasses.replace(self._other)
+        rates = [] if st.mismatch_rate is None else [st.mismatch_rate]
+        tops = [] if st.top1_agreement is None else [st.top1_agreement]
+        kls = [] if st.kl_divergence is None else [st.kl_divergence]
+        for i, (kind, acc) in enumerate(zip(self._kinds or [], self._sums)):
+            if kind == "exact":
+                st.exact_outputs += 1
+                st.mismatched += int(acc[0])
+                rates.append(acc[0] / acc[1] if acc[1] else 0.0)
+                continue
+            st.float_outputs += 1
+            st.max_abs_error = max(st.max_abs_error, acc[2])
+            st.rel_l2_error = max(st.rel_l2_error, math.sqrt(acc[0]) / (math.sqrt(acc[1]) or 1.0))
+            st.nonfinite += int(acc[3])
+            if i in self._logits:
+                agree, n, kl, valid = self._logits[i]
+                st.logits_outputs += 1
+                tops.append(agree / n if n else 1.0)
+                if valid:
+                    kls.append(kl / valid)
+        st.mismatch_rate = max(rates) if rates else None
+        st.top1_agreement = min(tops) if tops else None
+        st.kl_divergence = max(kls) if kls else None
+        return st
+
+
+def _worst_of(a: ErrorStats, b: ErrorStats) -> ErrorStats:
+    """The worst of two comparisons of the same outputs (largest errors and rates, summed counts)."""
+    def mx(x, y):
+        return y if x is None else x if y is None else max(x, y)
+
+    out = dataclasses.replace(a)
+    out.max_abs_error = max(a.max_abs_error, b.max_abs_error)
+    out.rel_l2_error = max(a.rel_l2_error, b.rel_l2_error)
+    out.nonfinite = a.nonfinite + b.nonfinite
+    out.mismatched = a.mismatched + b.mismatched
+    out.mismatch_rate = mx(a.mismatch_rate, b.mismatch_rate)
+    out.unchecked_outputs = max(a.unchecked_outputs, b.unchecked_outputs)
+    return out
 
 
 def _fp64_ratio(floats: list[tuple[torch.Tensor, torch.Tensor]], ref: Any, ref64: Any, base: Any) -> float:

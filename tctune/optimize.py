@@ -23,10 +23,11 @@ import torch
 from . import __version__
 from .errors import ExportError, UsageError
 from .hardware import HardwareSpec, resolve
+from .measure import precision_mode
 from .modelfile import ModelFile, load_model_file
 from .report import build_report, write_atomic, write_report
 from .deploy import (BF16_OUTPUTS_NOTE, Artifacts, as_written_export_graphs, cast_export_graphs, cast_onnx_out_dtype,
-                     export_graphs, exports_as_written)
+                     claim_batch_from, export_graphs, exports_as_written, smallest_batch)
 from .search import TuneConfig, Tuner, best_trial, is_feasible
 from .search.results import confirmed_throughputs, first_line
 from .search.storage import StudyLock
@@ -174,6 +175,24 @@ def reference_bytes_per_item(tuner: Tuner, batch_size: int) -> float | None:
     return None
 
 
+def run_as_written(tuner: Tuner, batch_size: int) -> None:
+    """Run the FP32 model as written once on fresh inputs of ``batch_size`` (``mf.inputs``); raises where it fails."""
+    with precision_mode("fp32"), torch.inference_mode():
+        tuner.model(*tuner.mf.inputs(batch_size, tuner.device))
+
+
+def batch_range_entry(tuner: Tuner, graph: torch.nn.Module, lo: int, note: str | None, validated) -> dict:
+    """``report.json``'s ``artifacts.batch_range``: ``min`` (the smallest batch the engines claim,
+    :func:`tctune.deploy.smallest_batch`: 1 where the model as written runs at 1), ``max`` (the largest searched
+    batch size: the search ran it), ``graph_max`` (the largest batch the exported graph accepts, torch.export's
+    bound; not run), ``validated`` (the batch sizes the ONNX validation ran) and ``note`` (why ``min`` is above
+    1, or None)."""
+    from .capture import batch_range
+
+    return {"min": lo, "max": max(tuner.cfg.batch_sizes), "graph_max": batch_range(graph)[1],
+            "validated": sorted(validated), "note": note}
+
+
 def export_best(tuner: Tuner, params: dict, out: Path,
                 fp8_keep: list[str] | None = None, warn: bool = True,
                 model_cast: bool = False) -> tuple[Artifacts, list[dict]]:
@@ -191,13 +210,18 @@ def export_best(tuner: Tuner, params: dict, out: Path,
     At precision fp8, ``model.onnx`` is the bf16 graph with each FP8 linear as float8e4m3fn
     QuantizeLinear/DequantizeLinear (opset 19, :func:`tctune.export.export_onnx_fp8`): static per-tensor
     activation scales calibrated on the reference inputs of every searched batch size (the PyTorch graph's
-    are dynamic per token), validated at batch 1, the tuned batch and one more; ``onnx_note`` and ``onnx_fp8`` say what was
+    are dynamic per token), validated at the smallest claimed batch, the tuned batch and one more; ``onnx_note`` and ``onnx_fp8`` say what was
     quantized and how it was validated, and ``model.fp32.onnx`` is written too when onnxruntime cannot run
     ``model.onnx`` itself.
 
+    Batch range: the files accept batch 1 and up only where the model as written runs at batch 1, else from the
+    smallest searched batch size that runs (:func:`tctune.deploy.smallest_batch`; the graph's ``Dim("batch")``
+    starts there, :func:`tctune.deploy.claim_batch_from`), and that smallest batch is validated beside the tuned
+    one (``artifacts.batch_range``, :func:`batch_range_entry`).
+
     Validation is sized to memory (every file): the tuned batch is validated only when its reference outputs
-    (:func:`reference_bytes_per_item`) are within ``tctune.export.onnx.plan_validation``'s limit, else batch 1 and
-    a small one are; ``onnx_validation_batches`` (sorted ints, batch 1 added at fp8) and ``onnx_validation_limited``
+    (:func:`reference_bytes_per_item`) are within ``tctune.export.onnx.plan_validation``'s limit, else the smallest
+    claimed batch and a small one are; ``onnx_validation_batches`` (sorted ints) and ``onnx_validation_limited``
     (None, or the one line saying which batch was skipped and why) are in the artifacts' details.
 
     At other precisions, ``tctune.export.onnx.export_onnx_deployable`` writes ``model.onnx`` and, for a fp16/bf16
@@ -262,17 +286,28 @@ def export_best(tuner: Tuner, params: dict, out: Path,
         return artifacts, passes
     artifacts.details["exported_graph"] = exported_as
     bs = params["batch_size"]
-    check, skipped = plan_validation((bs, 3 if bs != 3 else 5), reference_bytes_per_item(tuner, bs))
+    lo, lo_note = smallest_batch(lambda b: run_as_written(tuner, b), tuner.cfg.batch_sizes)
+    for graph in (g, *((fp8.fp32, fp8.bf16, fp8.fp8) if fp8 is not None else ())):
+        claim_batch_from(graph, lo)
+    if lo > 1:
+        twin = fp32_twin
+        fp32_twin = lambda: claim_batch_from(twin(), lo)  # noqa: E731
+        log.info("export: %s", lo_note)
+    # the tuned batch and the smallest claimed one (the FP8 export validates at that one besides these two)
+    second = (lo if lo != bs and fp8 is None else
+              next(b for b in (3, 5, bs + 1, bs + 2) if b not in (bs, lo) and b >= lo))
+    check, skipped = plan_validation((bs, second), reference_bytes_per_item(tuner, bs), smallest=lo)
     check = (check * 2)[:2]  # export_onnx takes two sizes (one when even batch 2's outputs are over the limit)
-    validated = {1, *check} if fp8 is not None else set(check)  # the FP8 export validates at batch 1 too
-    artifacts.update({"onnx_validation_batches": sorted(validated), "onnx_validation_limited": skipped})
+    validated = {lo, *check} if fp8 is not None else set(check)  # the FP8 export validates at the smallest too
+    artifacts.update({"onnx_validation_batches": sorted(validated), "onnx_validation_limited": skipped,
+                      "batch_range": batch_range_entry(tuner, g, lo, lo_note, validated)})
     if skipped:
         log.info("ONNX validation: %s", skipped)
     make_inputs = lambda b: tuner.mf.inputs(b, tuner.device)  # noqa: E731
     try:
         if fp8 is not None:  # validated at batch 1 too, as `tctune export` does
             info = export_onnx_fp8(fp8.to(tuner.device), make_inputs, out / "model.onnx",
-                                   batch_sizes=(1, *check), calibration=_fp8_calibration(tuner, calibration))
+                                   batch_sizes=(lo, *check), calibration=_fp8_calibration(tuner, calibration))
         else:
             typed = export_precision not in ("fp32", "tf32")  # tf32 is FP32 in an engine file
             info = export_onnx_deployable(g.to(tuner.device), make_inputs, out / "model.onnx",

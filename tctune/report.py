@@ -22,7 +22,8 @@ from .search.results import headline
 TRIAL_FIELDS = ("throughput", "latency_ms", "latency_p50_ms", "latency_p99_ms", "repeats_ms", "peak_memory_mib", "max_rel_error", "max_abs_error", "nonfinite",
                 "float_outputs", "exact_outputs", "mismatch_rate", "mismatched", "logits_outputs", "top1_agreement", "kl_divergence",
                 "unchecked_outputs", "fp64_ratio", "description", "setup_s",
-                "score", "score_ratio", "score_fp32", "score_limit", "score_s", "real_batches", "train_loss_rel_diff")
+                "score", "score_ratio", "score_fp32", "score_limit", "score_s", "real_batches", "train_loss_rel_diff",
+                "check_rows", "check_batch_size")
 
 
 def write_atomic(path: str | Path, text: str) -> None:
@@ -595,6 +596,8 @@ def render_markdown(r: dict) -> str:
         lines.append(f"- ONNX note: {a['onnx_note']}")
     if a.get("onnx_validation_limited"):  # tctune.export.onnx.plan_validation: a batch too large to validate
         lines.append(f"- ONNX validation sized to memory: {a['onnx_validation_limited']}")
+    if (a.get("batch_range") or {}).get("note"):  # tctune.deploy.smallest_batch: batch 1 does not run as written
+        lines.append(f"- Batch range: the engines accept batch {a['batch_range']['min']} and up: {a['batch_range']['note']}")
     if a.get("onnx_fp32"):
         lines.append(f"- ONNX, same graph in FP32 (runs in any onnxruntime): `{a['onnx_fp32']}` "
                      f"(max abs error vs PyTorch: {_fmt(a.get('onnx_fp32_max_abs_error'), '.2e')})")

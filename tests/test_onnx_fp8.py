@@ -540,7 +540,8 @@ def test_optimize_export_best_fp8_writes_qdq_onnx(tmp_path):
 
     tuner = SimpleNamespace(cfg=SimpleNamespace(mode="infer", export=True, batch_sizes=[4, 64]),
                             captured=SimpleNamespace(ok=True, graph_module=gm, reason=None), hw=resolve("9.0"),
-                            device=device, mf=mf, reference=reference, fp8_keep=_no_planning)
+                            device=device, mf=mf, reference=reference, fp8_keep=_no_planning,
+                            model=mf.model().eval())  # the model as written: run at batch 1 before the export
     tuner.evaluator = SimpleNamespace(calibration=[],  # no real batches: the reference inputs calibrate
                                       calibration_inputs=lambda batch: [reference(batch)[0]])
     from tctune.search import InferenceEvaluator

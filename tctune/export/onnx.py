@@ -848,21 +848,23 @@ def output_nbytes(outputs: Any) -> int:
 
 
 def plan_validation(wanted: Sequence[int], bytes_per_item: float | None,
-                    limit: int | None = None) -> tuple[tuple[int, ...], str | None]:
+                    limit: int | None = None, smallest: int = 1) -> tuple[tuple[int, ...], str | None]:
     """The batch sizes to validate an ONNX export at, sized to memory.
 
     A batch size of ``wanted`` whose reference outputs (``bytes_per_item * batch``) exceed ``limit`` is not
     validated (it only checks the same symbolic batch axis again, at a size that may not fit on the host; seen:
-    GPT-2's logits at batch 128 are 26.3 GB in FP32, and the host ran out of memory). Batch 1 is always kept. While
-    fewer than two distinct sizes are kept (``min(2, len(set(wanted)))``), the first of
-    :data:`SMALL_VALIDATION_BATCHES` not kept yet is added.
+    GPT-2's logits at batch 128 are 26.3 GB in FP32, and the host ran out of memory). Batch ``smallest`` is always
+    kept. While fewer than two distinct sizes are kept (``min(2, len(set(wanted)))``), the first of ``smallest``,
+    then :data:`SMALL_VALIDATION_BATCHES` above it, then ``smallest + 1`` not kept yet is added.
 
     Args:
         wanted: the batch sizes the caller would validate at, in its order (the first >= 2 is the export example).
         bytes_per_item: bytes of the reference outputs per batch item (:func:`output_nbytes` of the outputs at a
-            batch size, divided by it); None: unknown, so only sizes up to ``max(SMALL_VALIDATION_BATCHES)`` are
-            validated.
+            batch size, divided by it); None: unknown, so only sizes up to ``max(SMALL_VALIDATION_BATCHES)`` (or
+            ``smallest + 1`` when larger) are validated.
         limit: bytes; None: :func:`validation_output_limit`.
+        smallest: the smallest batch size the export claims (``tctune.deploy.smallest_batch``): no substitute is
+            below it.
 
     Returns:
         ``(sizes, note)``: the sizes (``wanted``'s kept ones in order, then the substitutes) and None when all were
@@ -879,12 +881,12 @@ def plan_validation(wanted: Sequence[int], bytes_per_item: float | None,
 
     def fits(b: int) -> bool:
         if bytes_per_item is None:
-            return b <= max(SMALL_VALIDATION_BATCHES)
-        return b == 1 or bytes_per_item * b <= limit
+            return b <= max(*SMALL_VALIDATION_BATCHES, smallest + 1)
+        return b == smallest or bytes_per_item * b <= limit
 
     kept = [b for b in sizes if fits(b)]
     skipped = [b for b in sizes if not fits(b)]
-    for b in SMALL_VALIDATION_BATCHES:
+    for b in dict.fromkeys((smallest, *(s for s in SMALL_VALIDATION_BATCHES if s > smallest), smallest + 1)):
         if len(kept) >= min(2, len(sizes)):
             break
         if b not in kept and fits(b):

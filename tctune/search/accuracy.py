@@ -1,5 +1,6 @@
-"""The user's accuracy contract during the search: the score gate (:class:`ScoreGate`) and the worst-case merge
-of error statistics over the random and the real inputs (:func:`worst`).
+"""The user's accuracy contract during the search: the score gate (:class:`ScoreGate`), the seeded random rows
+every inference candidate is compared on whatever batch size it is timed at (:class:`CheckSet`), and the
+worst-case merge of error statistics over the random and the real inputs (:func:`worst`).
 
 When the model file (or the Python API's :class:`~tctune.modelfile.ModelFile`) gives ``score(model) -> float``
 (higher is better), the score decides whether a precision choice is accurate enough: a candidate is feasible
@@ -22,13 +23,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import replace
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence
 
 import torch
 
 from ..errors import CandidateRejected, ModelFileError
 from ..measure import ErrorStats, precision_mode
-from ..trial import FailureKind, TrialParams
+from ..trial import FailureKind, TrialParams, reference_inputs
 
 
 def graph_key(trial: TrialParams) -> Hashable:
@@ -161,6 +162,65 @@ class ScoreGate:
                 "calls": self.calls, "seconds": self.seconds, "cached_graphs": len(self.cache)}
 
 
+class CheckSet:
+    """The seeded random rows every inference candidate's outputs are judged on, whatever batch size it is timed
+    at: the reference inputs (:func:`tctune.trial.reference_inputs`) of every searched batch size, ``sum(batch_sizes)``
+    rows (168 for the default 8, 32, 128). A candidate timed at batch ``b`` runs them ``b`` rows at a time
+    (:meth:`chunks`), so it runs at no batch size but its own: a model that fails or hangs at another searched batch
+    size is not run there. Its integer/bool outputs (class ids, masks) and its errors are then pooled over every
+    row (:class:`tctune.measure.PooledComparison`), and the accuracy verdict no longer depends on which batch size
+    was timed: before this, a bf16 graph whose class ids changed in 1 of 128 rows was rejected at batch 128 and
+    accepted at batch 32, whose own 32 rows kept every id.
+
+    Args:
+        mf: the model file (``inputs``, ``batched_mask``); batch_sizes: the searched batch sizes; device: where
+            the rows live.
+        known: batch size -> ``(inputs, reference outputs)`` already made (the evaluator's references; the same
+            seeded inputs, not made twice).
+    """
+
+    def __init__(self, mf, batch_sizes: Sequence[int], device: torch.device,
+                 known: Mapping[int, tuple] | None = None):
+        self.mf, self.device = mf, device
+        self.batch_sizes = tuple(sorted(set(batch_sizes)))
+        self.known = known if known is not None else {}
+        self._inputs: dict[int, tuple] = {}
+
+    @property
+    def rows(self) -> int:
+        """Rows judged: the sum of the searched batch sizes."""
+        return sum(self.batch_sizes)
+
+    def inputs(self, batch_size: int) -> tuple:
+        """The seeded reference inputs of searched batch size ``batch_size`` (made once; not run)."""
+        if batch_size in self.known:
+            return self.known[batch_size][0]
+        if batch_size not in self._inputs:
+            self._inputs[batch_size] = reference_inputs(self.mf, batch_size, self.device)
+        return self._inputs[batch_size]
+
+    def chunks(self, batch_size: int) -> Iterator[tuple[tuple, int, int]]:
+        """The rows as inputs of exactly ``batch_size`` rows each: ``(inputs, rows that count, source batch
+        size)``. Each searched batch size's rows are cut in order; where fewer than ``batch_size`` are left (or
+        the source is smaller), the chunk is filled by repeating that source's rows from its start, and only
+        the first ``rows that count`` rows of the outputs count. Inputs that are not batched
+        (``mf.batched_mask()``) are passed whole."""
+        mask = self.mf.batched_mask()
+        for source in self.batch_sizes:
+            full = self.inputs(source)
+            if source == batch_size:
+                yield full, source, source
+                continue
+            for start in range(0, source, batch_size):
+                count = min(batch_size, source - start)
+                if count == batch_size:
+                    chunk = tuple(t[start:start + batch_size] if m else t for t, m in zip(full, mask))
+                else:
+                    index = torch.arange(start, start + batch_size, device=self.device) % source
+                    chunk = tuple(t.index_select(0, index.to(t.device)) if m else t for t, m in zip(full, mask))
+                yield chunk, count, source
+
+
 def worst(a: ErrorStats, b: ErrorStats) -> ErrorStats:
     """The element-wise worst of two comparisons of one candidate (e.g. random inputs and a real batch): the
     largest errors, mismatch rate, KL divergence and unchecked count, the lowest top-1 agreement, summed
@@ -184,4 +244,4 @@ def worst(a: ErrorStats, b: ErrorStats) -> ErrorStats:
     return out
 
 
-__all__ = ["ScoreGate", "format_score", "graph_key", "worst"]
+__all__ = ["CheckSet", "ScoreGate", "format_score", "graph_key", "worst"]

@@ -20,10 +20,11 @@ from ..calibration import load_calibration
 from ..capture import Captured
 from ..errors import CandidateRejected, PassError
 from ..fp8_plan import METRIC_SCORE, FP8Plan, choose_fastest, plan_graph
-from ..measure import ErrorStats, check_accuracy, compare, is_oom, precision_mode, release_memory, time_call
+from ..measure import (ErrorStats, PooledComparison, check_accuracy, compare, is_oom, precision_mode, release_memory,
+                       time_call)
 from ..runtime import Autocast, ChannelsLast, detach_outputs, wrap
 from ..trial import FailureKind, TrialParams, apply_passes, build_trial_graph, reference_inputs
-from .accuracy import ScoreGate, format_score, graph_key, worst
+from .accuracy import CheckSet, ScoreGate, format_score, graph_key, worst
 from .baselines import CastModel, OutputsTo
 from .config import TuneConfig
 from .results import first_line, rejection, trial_metrics
@@ -67,7 +68,10 @@ class InferenceEvaluator:
         fastest_runtime: the runtime FP8 keep-lists are timed through (None: eager).
 
     Accuracy (see :mod:`tctune.search.accuracy`): each candidate is compared with the FP32 model on the seeded
-    random inputs and on every real batch (``cfg.calibration``'s folder or ``mf.calibration_inputs()``; these run
+    random inputs of every searched batch size, run at its own batch size (:class:`~tctune.search.accuracy.CheckSet`;
+    through its runtime, once per graph and runtime (CUDA graphs replay the kernels of the runtime they wrap: not
+    checked again), so its verdict is the same at every batch size), and on
+    every real batch (``cfg.calibration``'s folder or ``mf.calibration_inputs()``; these run
     through the built module before the runtime wrapper, once per graph), its stats being the worst over both;
     then, when ``mf.score`` is given, scored (once per graph). Real batches also calibrate the fp16 overflow
     analysis of tctune's graph.
@@ -89,6 +93,8 @@ class InferenceEvaluator:
         self.score_gate = (ScoreGate(score, cfg.min_score_ratio, cfg.min_score, where=mf.path.name)
                            if score is not None else None)
         self._real_stats: dict[Any, ErrorStats] = {}  # graph key -> worst stats over the real batches
+        self.check_set = CheckSet(mf, cfg.batch_sizes, device, known=self._refs)
+        self._check_stats: dict[Any, tuple[ErrorStats, int, int]] = {}  # (graph key, numerics) -> (stats, rows, batch)
 
     def calibration_inputs(self, batch_size: int) -> list[tuple]:
         """The fp16 overflow calibration of a trial at ``batch_size``: its reference inputs, then every real batch."""
@@ -97,7 +103,8 @@ class InferenceEvaluator:
     def reference(self, batch_size: int) -> tuple[tuple, Any]:
         """Fresh random inputs for ``batch_size`` (seeded, so every candidate sees the same) and FP32 outputs."""
         if batch_size not in self._refs:
-            inputs = reference_inputs(self.mf, batch_size, self.device)
+            inputs = (self.check_set.inputs(batch_size) if batch_size in self.check_set.batch_sizes  # one copy
+                      else reference_inputs(self.mf, batch_size, self.device))
             try:
                 with precision_mode("fp32"), torch.inference_mode():
                     ref = self.model(*inputs)
@@ -290,10 +297,18 @@ class InferenceEvaluator:
                     out = detach_outputs(fn(*inputs))
             # the model cast as a whole and autocast share their TrialParams (precision, no passes): not their graph
             key = (graph_key(self.trial_params(params, cand.fp8_keep)), bool(params.get("model_cast")))
-            err: ErrorStats = self._real_data(key, cand, compare(out, ref))
+            # a CUDA graph replays the kernels of the runtime it wraps: the same numerics, checked once
+            numerics = "eager" if runtime == "cudagraphs" else runtime.removesuffix("-cudagraphs")
+            checked, check_rows, check_bs = self._check_rows((key, numerics), fn, cand.precision, bs, out, ref)
+            err: ErrorStats = self._real_data(key, cand, checked)
             try:
                 check_accuracy(err, cand.precision, out, max_mismatch_rate=self.cfg.max_mismatch_rate)
             except CandidateRejected as exc:
+                if check_rows != bs or len(self.check_set.batch_sizes) > 1:  # say which rows decided
+                    sizes = ", ".join(map(str, self.check_set.batch_sizes))
+                    raise CandidateRejected(f"{exc}; judged on {check_rows} seeded random rows (the inputs of batch "
+                                            f"sizes {sizes}, run {check_bs} at a time)",
+                                            exc.kind or FailureKind.ACCURACY) from exc
                 exc.kind = exc.kind or FailureKind.ACCURACY
                 raise
             del out
@@ -312,12 +327,53 @@ class InferenceEvaluator:
         if timing.peak_memory_mib is not None:
             peak = timing.peak_memory_mib - (held - own) / 2**20
         extra = {} if cand.fp8_keep is None else {"fp8_keep": list(cand.fp8_keep)}  # export rebuilds this graph
+        extra.update(check_rows=check_rows, check_batch_size=check_bs)
         extra.update(scored)
         if self.calibration:
             extra["real_batches"] = len(self.calibration)
         return trial_metrics(timing, err, peak_memory_mib=peak, setup_s=setup_s, description=cand.description,
                              passes=[{"name": r.name, "changed": r.count, **({"failed": r.notes["failed"]} if "failed" in r.notes else {})}
                                      for r in cand.passes], **extra)
+
+    def _check_rows(self, key, fn: Callable, precision: str, batch_size: int, out: Any,
+                    ref: Any) -> tuple[ErrorStats, int, int]:
+        """``(stats, rows, batch size)``: the candidate ``fn`` (wrapped for its runtime, built for ``batch_size``)
+        compared with the FP32 model on every row of :attr:`check_set`, ``batch_size`` rows per call, pooled
+        (:class:`~tctune.measure.PooledComparison`); computed once per ``key`` (graph key and runtime, a CUDA-graph
+        runtime counting as the one it replays) at the first batch size it is evaluated at, then reused at every
+        other. ``out``/``ref``: the candidate's and the FP32 outputs on the trial's own reference inputs (one of
+        the chunks). A batch size that is not searched is judged on its own rows.
+
+        Raises:
+            CandidateRejected: the candidate raised on a chunk, or the FP32 model did.
+        """
+        if batch_size not in self.check_set.batch_sizes:
+            return compare(out, ref), batch_size, batch_size
+        if key not in self._check_stats:
+            pooled = PooledComparison()
+            for inputs, rows, source in self.check_set.chunks(batch_size):
+                if source == batch_size:
+                    pooled.add(out, ref, batch=batch_size)
+                    continue
+                try:
+                    with precision_mode("fp32"), torch.inference_mode():
+                        chunk_ref = self.model(*inputs)
+                except Exception as exc:  # noqa: BLE001 - the reference itself ran on other rows
+                    release_memory(self.device)
+                    raise CandidateRejected(
+                        f"the model raised at batch size {batch_size} on the accuracy check rows of batch size "
+                        f"{source} (FP32 reference run): {type(exc).__name__}: {first_line(exc)}",
+                        FailureKind.RUNTIME_ERROR) from exc
+                try:
+                    with precision_mode(precision), torch.inference_mode():
+                        chunk_out = detach_outputs(fn(*inputs))
+                except Exception as exc:  # noqa: BLE001 - this candidate fails where FP32 ran
+                    raise rejection(exc, self.device, batch_size,
+                                    f"the accuracy check on the rows of batch size {source}") from exc
+                pooled.add(chunk_out, chunk_ref, rows=rows, batch=batch_size)
+                chunk_out = chunk_ref = None
+            self._check_stats[key] = (pooled.stats(), pooled.rows, batch_size)
+        return self._check_stats[key]
 
     def _real_data(self, key, cand: Candidate, err: ErrorStats) -> ErrorStats:
         """``err`` (the random inputs' stats) merged with the candidate's worst stats over the real batches,
