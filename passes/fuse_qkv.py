@@ -20,6 +20,22 @@ gradients reach the original parameters.
 
 The pieces of ``split_with_sizes`` are strided views; a user that must ``view`` its input in a way a strided
 piece does not allow (checked on the fake tensors) makes the group a refusal rather than a silent copy.
+
+Shared input that is not a row-major ``(tokens, K)`` view. ``aten.linear`` on an input of 3 or more dimensions
+runs ATen's ``matmul``, which folds the leading dimensions into one GEMM of ``(tokens, K) x (K, N)`` only when
+that is a view of the input (each leading stride equals the next stride times the next size) or when the weight
+requires grad (then it copies the input). Otherwise, as for a frozen weight (a ``get_attr`` buffer, which is how
+the backend and export see weights), it runs a *batched* GEMM over the first dimension with the weight broadcast
+(batch stride 0). Longformer's self-attention hands its projections ``hidden_states.transpose(0, 1)``, a
+``(seq, batch, K)`` view of a ``(batch, seq, K)`` tensor: the fused GEMM became 512 batched GEMMs of
+``(8 x 768) x (768 x 2304)`` (batch 8), each reading the whole fused weight; cuBLAS ran it with a 192x8 tile at
+178 us per layer on the H200, where ``torch.compile(model.to(bf16))`` (trainable weights, so matmul folds with
+a copy) ran ``(4096 x 768) x (768 x 768)`` GEMMs of about 10 us (the kernel profile in
+benchmarks/results/zoo/2026-12-01-h200-profile2/AllenaiLongformerBase/profile.md; the Inductor calls are in
+benchmarks/NOTES.md). So when the shared input is not foldable this way, the fused linear reads
+``aten.clone(x, memory_format=torch.contiguous_format)``: the one copy plain Inductor makes for the same linears,
+after which the fused GEMM is one ``(tokens, K) x (K, sum N_i)`` GEMM. ``notes["copied_inputs"]`` names each
+such group with the input's shape and strides.
 """
 from __future__ import annotations
 
@@ -37,6 +53,7 @@ NAME = "fuse_qkv"
 _LINEAR = torch.ops.aten.linear.default
 _SPLIT = torch.ops.aten.split_with_sizes.default
 _CAT = torch.ops.aten.cat.default
+_CLONE = torch.ops.aten.clone.default
 
 
 def fuse_qkv(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
@@ -51,7 +68,9 @@ def fuse_qkv(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
 
     Returns:
         A ``PassResult`` named ``"fuse_qkv"``: ``count`` is the number of groups fused, ``changed`` the new
-        linear nodes; ``notes["groups"]`` maps each to the names of the linears it replaced; ``skipped`` has
+        linear nodes; ``notes["groups"]`` maps each to the names of the linears it replaced;
+        ``notes["copied_inputs"]`` maps each fused linear whose shared input is not a row-major ``(tokens, K)``
+        view (see the module docstring) to one line with that input's shape and strides; ``skipped`` has
         every linear left alone with the reason (``"only one linear reads this input"``, ``"bias mismatch
         with sibling linears"``, ``"weight is not a parameter"``, ``"fake-tensor metadata for the fused linear
         failed: ..."``, ...). Symbolic sizes (a dynamic batch or sequence) are handled; a group whose fake
@@ -59,6 +78,7 @@ def fuse_qkv(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
     """
     result = PassResult(name=NAME, graph_module=gm)
     groups: dict[str, list[str]] = {}
+    copied: dict[str, str] = {}
     by_input: dict[fx.Node, list[fx.Node]] = {}
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target == _LINEAR and isinstance(node.args[0], fx.Node):
@@ -85,11 +105,15 @@ def fuse_qkv(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
             if isinstance(fused, str):
                 result.skipped.extend(Skip(n.name, fused) for n in part)
                 continue
+            if fused.args[0] is not x:
+                copied[fused.name] = _copy_note(x)
             groups[fused.name] = [n.name for n in part]
             result.changed.append(fused.name)
             result.count += 1
     if result.count:
         result.notes["groups"] = groups
+        if copied:
+            result.notes["copied_inputs"] = copied
         finish(gm)
     return result
 
@@ -144,14 +168,16 @@ def _fuse(gm: fx.GraphModule, x: fx.Node, part: list[fx.Node], training: bool) -
     have_outs = all(isinstance(v, torch.Tensor) and getattr(v, "fake_mode", None) is mode for v in out_vals)
     fused_weight = torch.cat(weights).detach()
     fused_bias = torch.cat([get_attr_value(gm, b.target) for b in b_nodes]).detach() if has_bias else None
+    copy = isinstance(x_val, torch.Tensor) and not _foldable(x_val)
     try:
         with mode:
+            x_in_val = _CLONE(x_val, memory_format=torch.contiguous_format) if copy else x_val
             fused_w_val = mode.from_tensor(fused_weight, static_shapes=True)
             fused_b_val = mode.from_tensor(fused_bias, static_shapes=True) if has_bias else None
             if have_outs:
                 y_val = _CAT(out_vals, -1)
             else:  # no metadata on an output (a hand-built graph): the fused linear's own fake run
-                y_val = _LINEAR(x_val, fused_w_val, fused_b_val) if has_bias else _LINEAR(x_val, fused_w_val)
+                y_val = _LINEAR(x_in_val, fused_w_val, fused_b_val) if has_bias else _LINEAR(x_in_val, fused_w_val)
             piece_vals = list(_SPLIT(y_val, sizes, -1))
     except Exception as exc:  # noqa: BLE001 - a site the fake run cannot describe is skipped, never fatal
         return f"fake-tensor metadata for the fused linear failed: {_one_line(exc)}"
@@ -170,7 +196,11 @@ def _fuse(gm: fx.GraphModule, x: fx.Node, part: list[fx.Node], training: bool) -
         else:
             w_new = _fused_attr(gm, w_nodes, "weight", fused_weight)
             b_new = _fused_attr(gm, b_nodes, "bias", fused_bias) if has_bias else None
-        fused = graph.call_function(_LINEAR, (x, w_new, b_new) if has_bias else (x, w_new))
+        x_in = x
+        if copy:  # not a row-major (tokens, K) view: one copy, as matmul's fold makes (module docstring)
+            x_in = graph.call_function(_CLONE, (x,), {"memory_format": torch.contiguous_format})
+            copy_meta(first, x_in, x_in_val)
+        fused = graph.call_function(_LINEAR, (x_in, w_new, b_new) if has_bias else (x_in, w_new))
         split = graph.call_function(_SPLIT, (fused, sizes, -1))
     copy_meta(w_nodes[0], w_new, fused_w_val if training else None)
     if b_new is not None:
@@ -185,6 +215,37 @@ def _fuse(gm: fx.GraphModule, x: fx.Node, part: list[fx.Node], training: bool) -
     for node in part:
         graph.erase_node(node)
     return fused
+
+
+def _foldable(val: torch.Tensor) -> bool:
+    """Whether ATen's ``matmul`` can fold ``val``'s leading dimensions into GEMM rows without a copy.
+
+    ``val``: the linear's input, ``(*lead, K)``. True for 1-D and 2-D inputs and when every leading stride equals
+    the next stride times the next size (the check of ATen's ``should_fold`` in
+    ``aten/src/ATen/native/LinearAlgebra.cpp``); a stride relation that symbolic sizes cannot prove counts as
+    not foldable (a copy, never a wrong view).
+    """
+    if val.dim() < 3:
+        return True
+    sizes, strides = val.shape, val.stride()
+    for i in range(val.dim() - 2):
+        same = strides[i] == strides[i + 1] * sizes[i + 1]
+        if isinstance(same, torch.SymBool):
+            from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+            same = statically_known_true(same)
+        if not same:
+            return False
+    return True
+
+
+def _copy_note(x: fx.Node) -> str:
+    """One line for ``notes["copied_inputs"]``: the shared input's shape and strides."""
+    val = x.meta.get("val")
+    shape = tuple(val.shape) if isinstance(val, torch.Tensor) else "?"
+    strides = tuple(val.stride()) if isinstance(val, torch.Tensor) else "?"
+    return (f"input {x.name} {shape} with strides {strides} is not a row-major (tokens, K) view: copied once "
+            f"(aten.clone, contiguous) so the fused linear is one GEMM, not a batched GEMM per leading index")
 
 
 def _one_line(exc: BaseException) -> str:

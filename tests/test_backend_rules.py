@@ -95,3 +95,30 @@ def test_backend_keeps_returned_head_n_and_pads_interior():
         _assert_close_bf16(compiled(*x), model(*x))
     pad = _result(tb.reports[-1], "pad_linear_dims")
     assert pad.count == 0 and [s.reason for s in pad.skipped] == [GRAPH_OUTPUT_REASON]
+
+
+class _TransposedQKV(torch.nn.Module):
+    """Longformer's layout: q, k, v read ``x.transpose(0, 1)``, a (seq, batch, d) view of a (batch, seq, d)
+    input."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(d, d) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.transpose(0, 1)
+        return (self.q(h) * self.k(h) + self.v(h)).transpose(0, 1)
+
+
+def test_backend_fused_qkv_copies_a_transposed_input_once():
+    torch.manual_seed(0)
+    model = _TransposedQKV().eval()
+    compiled = torch.compile(model, backend=tb.backend(precision="bf16", target="h100"))
+    x = torch.randn(4, 24, 32)
+    with torch.no_grad():
+        _assert_close_bf16(compiled(x), model(x))
+    (rep,) = tb.reports
+    assert not rep.fallback
+    result = _result(rep, "fuse_qkv")
+    assert result.count == 1 and list(result.notes["copied_inputs"]) == result.changed
+    assert "(24, 4, 32) with strides (32, 768, 1)" in next(iter(result.notes["copied_inputs"].values()))

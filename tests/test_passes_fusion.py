@@ -96,6 +96,69 @@ def test_fuse_qkv_skips_weight_not_parameter():
     assert reasons == ["dtype or device differs from sibling linears", "weight is not a parameter"]
 
 
+class _TransposedQKV(nn.Module):
+    """Longformer's layout: q, k, v linears read ``x.transpose(0, 1)``, a ``(seq, batch, d)`` view of a
+    ``(batch, seq, d)`` input, which cannot be folded to ``(tokens, d)`` rows without a copy."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.transpose(0, 1)
+        return (self.q(h) * self.k(h) + self.v(h)).transpose(0, 1)
+
+
+_MATMULS = {"mm": torch.ops.aten.mm.default, "addmm": torch.ops.aten.addmm.default, "bmm": torch.ops.aten.bmm.default}
+
+
+def _matmul_calls(gm: torch.fx.GraphModule, inputs: tuple) -> dict[str, int]:
+    """The GEMM ops ATen's decomposition of ``gm`` runs (``make_fx`` traces through ``aten.linear``)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with torch.no_grad():
+        traced = make_fx(gm)(*inputs)
+    return {name: zoo.count_calls(traced, op) for name, op in _MATMULS.items()}
+
+
+def test_fuse_qkv_copies_a_transposed_shared_input_once():
+    torch.manual_seed(0)
+    model = _TransposedQKV().eval()
+    gm = zoo.capture(model, (torch.randn(3, 10, 16),))
+    for p in gm.parameters():  # frozen, as the backend stores weights (a weight requiring grad folds with a copy)
+        p.requires_grad_(False)
+    before = _matmul_calls(gm, (torch.randn(3, 10, 16),))
+
+    result = fuse_qkv(gm, PassSpec())
+
+    assert result.count == 1 and zoo.count_calls(gm, LINEAR) == 1
+    (fused,) = [n for n in gm.graph.nodes if n.target == LINEAR]
+    copy = fused.args[0]
+    assert copy.target == torch.ops.aten.clone.default
+    assert copy.kwargs == {"memory_format": torch.contiguous_format}
+    assert copy.args[0].target == torch.ops.aten.transpose.int and copy.meta["val"].is_contiguous()
+    assert list(result.notes["copied_inputs"]) == [fused.name]
+    assert "not a row-major (tokens, K) view" in result.notes["copied_inputs"][fused.name]
+    # Frozen weights: each unfused projection was a GEMM batched over the sequence with the weight broadcast;
+    # the fused one is a single (tokens, d) x (d, 3d) GEMM.
+    after = _matmul_calls(gm, (torch.randn(3, 10, 16),))
+    assert before["bmm"] == 3 and before["mm"] + before["addmm"] == 0
+    assert after["bmm"] == 0 and after["mm"] + after["addmm"] == 1
+    zoo.assert_matches_eager(model, gm, (torch.randn(5, 10, 16),), "fp32")  # another (dynamic) batch
+
+
+def test_fuse_qkv_reads_a_row_major_shared_input_in_place():
+    model, gm, entry = zoo.build("attn")
+    x = next(n for n in gm.graph.nodes if n.target == LINEAR).args[0]
+
+    result = fuse_qkv(gm, PassSpec())
+
+    (fused,) = [n for n in gm.graph.nodes if n.target == LINEAR]
+    assert result.count == 1 and fused.args[0] is x and "copied_inputs" not in result.notes
+    assert zoo.count_calls(gm, torch.ops.aten.clone.default) == 0
+    zoo.assert_matches_eager(model, gm, entry.example_inputs(4), "fp32")
+
+
 # ------------------------------------------------------------------------------------------ fuse_epilogue
 
 
