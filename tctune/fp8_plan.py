@@ -122,7 +122,8 @@ class FP8Plan:
         return replace(self, reused_from=self.policy or "another", policy=policy, speeds=[])
 
     def summary(self) -> str:
-        """One line for the report and the log; keep-lists written by :func:`keep_label` (the exact ones: :meth:`to_dict`)."""
+        """One line for the report and the log; keep-lists written by :func:`keep_label` (the exact ones:
+        :meth:`to_dict`)."""
         if self.reason:
             return self.reason
         if not self.keep:
