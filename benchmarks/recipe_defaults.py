@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -35,6 +36,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+_KEEP = re.compile(r" \(bf16: (.+)\), ")  # an FP8 candidate's keep-list in its name (tctune.search.evaluate)
 
 #: The recipes run by default (``recipes/<name>.py``).
 DEFAULT_RECIPES = ("seed_cnn", "bert_base", "bert_large", "gpt2", "resnet50")
@@ -100,7 +103,7 @@ def from_report(report: dict | None) -> dict:
     p = b.get("params") or {}
     bb, anyb = b.get("best_baseline") or {}, b.get("best_baseline_any_batch") or {}
     row.update(kind=b.get("kind") or ("baseline" if b.get("baseline") else "tctune"),
-               name=b.get("name") or b.get("baseline") or b.get("description"), trial=b.get("trial"),
+               name=short_name(b.get("name") or b.get("baseline") or b.get("description")), trial=b.get("trial"),
                precision=p.get("precision"), runtime=p.get("runtime", "eager"), batch_size=p.get("batch_size"),
                throughput=b.get("chosen_throughput") or b.get("throughput"), chosen_on=b.get("chosen_on"),
                speedup_vs_best_baseline=b.get("speedup_vs_best_baseline"), speedup_ci95=b.get("speedup_ci95"),
@@ -109,6 +112,20 @@ def from_report(report: dict | None) -> dict:
                best_baseline_any_batch_throughput=anyb.get("throughput"),
                speedup_vs_fp32_eager=b.get("speedup_vs_fp32_eager"), verdict=(b.get("verdict") or {}).get("reason"))
     return row
+
+
+def short_name(name: str | None) -> str | None:
+    """A tctune candidate's name with its FP8 keep-list (``"... fp8 (bf16: a.0.x, a.1.x, a.2.x), runtime"``)
+    written by ``tctune.fp8_plan.keep_label`` (``a.{0-2}.x``), so a report written before that rendering reads
+    the same as a new one (a name already written so is unchanged); any other name as it is."""
+    m = _KEEP.search(name or "")
+    if m is None:
+        return name
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from tctune.fp8_plan import keep_label
+
+    return name[:m.start(1)] + keep_label(m.group(1).split(", ")) + name[m.end(1):]
 
 
 def drop_artifacts(folder: Path) -> list[str]:

@@ -63,6 +63,7 @@ METRIC_L2 = "relative L2"
 METRIC_SCORE = "score shortfall"
 
 _INDEX = re.compile(r"(?<![^.])\d+(?![^.])")  # a whole dotted component of digits (nn.Sequential at the root too)
+_GLOB = re.compile(r"[*?\[]")  # an fnmatch pattern, not a module path
 
 
 @dataclass
@@ -121,7 +122,8 @@ class FP8Plan:
         return replace(self, reused_from=self.policy or "another", policy=policy, speeds=[])
 
     def summary(self) -> str:
-        """One line for the report."""
+        """One line for the report and the log; keep-lists written by :func:`keep_label` (the exact ones:
+        :meth:`to_dict`)."""
         if self.reason:
             return self.reason
         if not self.keep:
@@ -129,7 +131,7 @@ class FP8Plan:
         timed = ""
         if self.speeds:
             def name(a):
-                return ", ".join(a["keep"]) or "nothing"
+                return keep_label(a["keep"]) or "nothing"
             timed = (f"; the fastest of {len(self.alternatives)} keep-lists under the aim, timed (bf16 kept: "
                      "items/s): " + "; ".join(f"{name(a)}: {v:,.0f}" if v else f"{name(a)}: failed"
                                              for a, v in zip(self.alternatives, self.speeds)))
@@ -138,7 +140,7 @@ class FP8Plan:
             timed += f"; {n} more keep-list{'s' if n > 1 else ''} under the aim not timed ({SAME_ROLES})"
         if self.reused_from:
             timed = f"; planned under the {self.reused_from} policy and reused (not re-planned)"
-        return (f"FP8 keep-list {', '.join(self.keep)} stays bf16; {self.fp8_flop_share:.0%} of the linear FLOPs run "
+        return (f"FP8 keep-list {keep_label(self.keep)} stays bf16; {self.fp8_flop_share:.0%} of the linear FLOPs run "
                 f"FP8 ({self._what} {self.error:.2e}, aim {self.target:.2e}; all-FP8: "
                 f"{self.steps[0]['error']:.2e}){timed}")
 
@@ -158,6 +160,69 @@ def role(path: str) -> str:
     """A module path with its layer indices as ``*``: ``bert.encoder.layer.3.output.dense`` ->
     ``bert.encoder.layer.*.output.dense`` (an ``fnmatch`` pattern matching every layer's copy)."""
     return _INDEX.sub("*", path)
+
+
+def keep_label(keep: Sequence[str]) -> str:
+    """A keep-list as people read it: single-layer module paths of one role written once, their layer indices as
+    ranges in numeric order; the exact list stays in ``FP8Plan.keep`` / ``PassSpec.fp8_keep`` / ``fp8_keep``.
+
+    ``("h.*.attn.c_proj", "h.0.mlp.c_fc", "h.1.mlp.c_fc", "h.2.mlp.c_fc", "h.10.mlp.c_fc", "h.3.attn.c_attn")`` ->
+    ``"h.*.attn.c_proj, h.{0-2,10}.mlp.c_fc, h.3.attn.c_attn"``. Lossless: expanding each ``{…}`` (``a-b`` every
+    index from a to b, ``a,b`` each) gives the same set of entries back. The rules:
+
+    - a single-layer path (no ``fnmatch`` character, dotted components of digits: the layer indices :func:`role`
+      replaces) is grouped with the other paths of its role that share every index but the last, written at the
+      position of the role's first path; a group of one index stays the plain path;
+    - a path whose role is itself an entry (``h.*.mlp.c_fc`` with ``h.3.mlp.c_fc``: every layer's copy kept)
+      is left out, the role pattern ``*`` says it already;
+    - any other entry (a role or user pattern, a path without layer index, an index with a leading zero) is
+      written as given, in its place; a repeated entry once.
+
+    Args:
+        keep: ``fnmatch`` patterns or module paths of the linears kept in bf16, in any order.
+
+    Returns:
+        The entries joined by ``", "``; ``""`` for an empty keep-list (callers say what that means).
+    """
+    entries = list(dict.fromkeys(keep))
+    patterns = {k for k in entries if _GLOB.search(k)}
+    slots: dict[tuple[str, str], dict[tuple[int, ...], list[int]] | None] = {}
+    for k in entries:
+        parts = k.split(".")
+        idx = [i for i, c in enumerate(parts) if c.isascii() and c.isdigit()]
+        if k in patterns or not idx or any(str(int(parts[i])) != parts[i] for i in idx):
+            slots.setdefault(("as given", k), None)
+            continue
+        r = role(k)
+        if r in patterns:
+            continue
+        fixed = tuple(int(parts[i]) for i in idx[:-1])
+        slots.setdefault(("role", r), {}).setdefault(fixed, []).append(int(parts[idx[-1]]))
+    out = []
+    for (kind, k), groups in slots.items():
+        if groups is None:
+            out.append(k)
+            continue
+        parts = k.split(".")
+        stars = [i for i, c in enumerate(parts) if c == "*"]
+        for fixed in sorted(groups):
+            for i, n in zip(stars, fixed):
+                parts[i] = str(n)
+            last = sorted(set(groups[fixed]))
+            parts[stars[-1]] = str(last[0]) if len(last) == 1 else "{" + _ranges(last) + "}"
+            out.append(".".join(parts))
+    return ", ".join(out)
+
+
+def _ranges(ns: list[int]) -> str:
+    """Sorted distinct integers as runs: ``[0, 1, 2, 3, 5, 6, 9]`` -> ``"0-3,5,6,9"`` (a run of two: ``a,b``)."""
+    runs: list[list[int]] = []
+    for n in ns:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ",".join(str(a) if a == b else f"{a},{b}" if b == a + 1 else f"{a}-{b}" for a, b in runs)
 
 
 def kept_roles(keep: Sequence[str]) -> frozenset[str]:
@@ -486,5 +551,5 @@ def plan_graph(build: Callable[[tuple[str, ...], Sequence[str]], fx.GraphModule]
 
 
 __all__ = ["DEFAULT_MARGIN", "FP8Plan", "MAX_ALTERNATIVES", "MAX_LAYER_RELEASES", "METRIC_L2", "METRIC_SCORE",
-           "SAME_ROLES", "choose_fastest", "kept_roles", "linear_layers", "linear_roles", "plan_fp8_keep", "plan_graph",
+           "SAME_ROLES", "choose_fastest", "keep_label", "kept_roles", "linear_layers", "linear_roles", "plan_fp8_keep", "plan_graph",
            "role"]

@@ -63,6 +63,9 @@ def trial_record(t: optuna.trial.FrozenTrial) -> dict:
     row["run_id"] = t.user_attrs.get("run_id")
     row["score"] = t.user_attrs.get("score")
     row["passes"] = t.user_attrs.get("passes", [])
+    # an FP8 graph trial's exact keep-list (what best_config.json rebuilds); its description writes it compactly
+    # (tctune.fp8_plan.keep_label); None for other trials
+    row["fp8_keep"] = t.user_attrs.get("fp8_keep")
     if t.state == optuna.trial.TrialState.FAIL and row["fail_reason"] is None:
         row["fail_reason"] = "trial failed or was interrupted (see the log)"
     return row

@@ -67,3 +67,18 @@ def test_markdown_row_of_a_baseline_answer_and_a_failed_run():
     assert md[2].startswith("| a | 0 | 12 | plain baseline cast_fp16 | fp16 | eager | 64 | 1000 | 1.00× | cast_fp16 (1000) | 3.10 |")
     assert "use it |" in md[2]
     assert md[3].startswith("| b | timeout | 600 | – |")
+
+
+def test_an_fp8_answers_keep_list_is_written_compactly_also_from_an_older_report():
+    from tctune.fp8_plan import keep_label
+
+    rd = _load()
+    keep = ["h.*.attn.c_proj", *(f"h.{i}.mlp.c_fc" for i in (0, 1, 10, 11, 2, 3, 5)), "h.4.attn.c_attn"]
+    old = f"tctune graph fp8 (bf16: {', '.join(keep)}), inductor-cudagraphs"  # as reports wrote it before keep_label
+    new = f"tctune graph fp8 (bf16: {keep_label(keep)}), inductor-cudagraphs"
+    assert new == "tctune graph fp8 (bf16: h.*.attn.c_proj, h.{0-3,5,10,11}.mlp.c_fc, h.4.attn.c_attn), inductor-cudagraphs"
+    for name in (old, new):
+        row = rd.from_report({"best": {"kind": "tctune", "name": name, "params": {"precision": "fp8"}}})
+        assert row["name"] == new
+        assert f"| tctune: {new} | fp8 |" in rd.markdown([{"recipe": "gpt2", **row}])
+    assert rd.short_name("cast_fp16") == "cast_fp16" and rd.short_name(None) is None

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import math
+import random
+import re
 
 import pytest
 import torch
@@ -10,8 +12,8 @@ from torch import nn
 
 import zoo
 from tctune.errors import CandidateRejected, UsageError
-from tctune.fp8_plan import (MAX_ALTERNATIVES, SAME_ROLES, FP8Plan, choose_fastest, kept_roles, linear_roles,
-                              plan_fp8_keep, role)
+from tctune.fp8_plan import (MAX_ALTERNATIVES, SAME_ROLES, FP8Plan, choose_fastest, keep_label, kept_roles,
+                              linear_roles, plan_fp8_keep, role)
 from tctune.hardware import resolve
 from tctune.modelfile import load_model_file
 from tctune.search import InferenceEvaluator, TuneConfig, Tuner
@@ -203,6 +205,75 @@ def test_kept_roles_map_single_layers_to_their_role():
     assert kept_roles([]) == frozenset()
 
 
+def _expand(label: str) -> set[str]:
+    """The entries a :func:`keep_label` string stands for: each ``{…}`` (``a-b``: a to b; ``a,b``: each) expanded."""
+    out = set()
+    for entry in re.split(r", (?![^{]*})", label):
+        m = re.search(r"\{([^}]*)}", entry)
+        if m is None:
+            out.add(entry)
+            continue
+        for run in m.group(1).split(","):
+            a, _, b = run.partition("-")
+            out |= {entry[:m.start()] + str(i) + entry[m.end():] for i in range(int(a), int(b or a) + 1)}
+    return out
+
+
+def test_keep_label_writes_a_roles_layers_as_ranges_in_numeric_order():
+    h = "lm.transformer.h"
+    fc = [f"{h}.{i}.mlp.c_fc" for i in (0, 1, 2, 3, 5, 6, 7, 8, 9)]
+    attn = [f"{h}.{i}.attn.c_attn" for i in sorted(range(21), key=str) if i not in (11, 12, 13, 14, 15, 16, 17)]
+    keep = [f"{h}.*.attn.c_proj", f"{h}.*.mlp.c_proj", *fc, *attn]  # 18, 19, 2, 20 in string order
+
+    label = keep_label(keep)
+
+    assert label == (f"{h}.*.attn.c_proj, {h}.*.mlp.c_proj, {h}.{{0-3,5-9}}.mlp.c_fc, "
+                     f"{h}.{{0-10,18-20}}.attn.c_attn")
+    assert _expand(label) == set(keep)
+
+
+def test_keep_label_single_index_pairs_and_every_layer():
+    assert keep_label(["l.4.q"]) == "l.4.q"  # one layer of its role: the plain path
+    assert keep_label(["l.5.q", "l.4.q", "l.7.q"]) == "l.{4,5,7}.q"  # a run of two is not a range
+    assert keep_label(["l.3.q", "l.*.q", "l.0.q", "l.1.d"]) == "l.*.q, l.1.d"  # every layer: the role's `*`
+    assert keep_label(["l.*.q", "l.*.d"]) == "l.*.q, l.*.d" and keep_label([]) == ""
+
+
+def test_keep_label_leaves_other_entries_as_given():
+    # no layer index, user patterns (fnmatch), an index with a leading zero, a repeat
+    keep = ["lm_head", "l.1.q", "*.output.dense", "l.0?.q", "l.[12].d", "l.01.q", "l.2.q", "layer10x.dense", "lm_head"]
+    assert keep_label(keep) == "lm_head, l.{1,2}.q, *.output.dense, l.0?.q, l.[12].d, l.01.q, layer10x.dense"
+    # several indices: grouped over the last, the groups in numeric order of the others
+    keep = ["s.10.b.1.attn", "s.2.b.0.attn", "s.2.b.3.attn", "s.2.b.1.attn", "s.2.b.2.attn", "s.0.b.2.attn"]
+    assert keep_label(keep) == "s.0.b.2.attn, s.2.b.{0-3}.attn, s.10.b.1.attn"
+    assert _expand(keep_label(keep)) == set(keep)
+
+
+def test_keep_label_is_lossless_on_random_keep_lists():
+    rng = random.Random(0)
+    for _ in range(200):
+        keep = [f"m.{rng.randrange(40)}.{r}" for r in rng.choices(("q", "k", "out"), k=rng.randrange(1, 60))]
+        keep += rng.sample(["m.*.ffn", "head", "m.0.x.1"], rng.randrange(4))
+        rng.shuffle(keep)
+        label = keep_label(keep)
+        assert _expand(label) == set(keep)
+        assert keep_label(label.split(", ")) == label  # a label read back is written the same
+
+
+def test_plan_summary_writes_keep_lists_with_keep_label():
+    layers = {f"l.{i}.{r}": 1.0 for i in range(12) for r in ("q", "d")}
+    keep = tuple(f"l.{i}.q" for i in (0, 1, 2, 3, 5, 10, 11))
+    alt = ("l.*.d",)
+    plan = FP8Plan(keep, 0.01, 0.045, 17 / 24, _roles_of(layers), [{"keep": [], "error": 0.1}],
+                   alternatives=[{"keep": list(keep), "error": 0.01, "fp8_flop_share": 17 / 24},
+                                 {"keep": list(alt), "error": 0.02, "fp8_flop_share": 0.5}],
+                   speeds=[120.0, 100.0])
+    s = plan.summary()
+    assert s.startswith("FP8 keep-list l.{0-3,5,10,11}.q stays bf16; 71% of the linear FLOPs run FP8")
+    assert "(bf16 kept: items/s): l.{0-3,5,10,11}.q: 120; l.*.d: 100" in s and "l.10.q" not in s
+    assert plan.to_dict()["keep"] == list(keep)  # the machine-readable list stays exact
+
+
 def test_alternatives_keeping_the_same_roles_are_collapsed_and_not_timed():
     """The per-layer step leaves keep-lists that differ only in single layers of one role: one alternative, the
     most FP8 FLOPs, and no timing at all."""
@@ -245,7 +316,7 @@ def test_alternatives_keeping_different_roles_are_all_timed():
 
     assert timed == [("l.1.q", "l.2.q"), ("l.*.d",)]  # once per set of roles
     assert plan.keep == ("l.*.d",) and plan.error == pytest.approx(0.04) and plan.speeds == [90.0, 100.0]
-    assert plan.summary().endswith(f"timed (bf16 kept: items/s): l.1.q, l.2.q: 90; l.*.d: 100; 1 more keep-list "
+    assert plan.summary().endswith(f"timed (bf16 kept: items/s): l.{{1,2}}.q: 90; l.*.d: 100; 1 more keep-list "
                                    f"under the aim not timed ({SAME_ROLES})")
     assert plan.to_dict()["collapsed"][0]["into"] == ["l.1.q", "l.2.q"]
 
@@ -426,6 +497,34 @@ def test_fp8_trial_records_its_keep_list_for_the_export(tmp_path):
     metrics = tuner.evaluate(params)
     assert metrics["fp8_keep"] == ["blocks.*.down"] and metrics["max_rel_error"] < 5e-2
     assert "fp8_keep" not in tuner.evaluate({**params, "precision": "bf16"})
+
+
+@zoo.SCALED_MM_ROW
+def test_an_fp8_trials_name_writes_its_keep_list_compactly_and_the_report_keeps_the_exact_list(tmp_path):
+    import optuna
+    from tctune.report import build_report, render_markdown
+
+    keep = ("blocks.2.up", "blocks.0.up", "blocks.1.up", "blocks.1.down")  # single layers, as the per-layer step leaves
+    tuner = _tuner(tmp_path, fp8_keep=keep)
+    params = {"batch_size": 4, "precision": "fp8", "graph_passes": True, "runtime": "eager", "policy": "pure"}
+    metrics = tuner.evaluate(params)
+    assert metrics["description"] == "tctune graph fp8 (bf16: blocks.{0-2}.up, blocks.1.down), eager"
+    assert metrics["fp8_keep"] == list(keep)
+
+    study = optuna.create_study(direction="maximize")
+    dist = {k: optuna.distributions.CategoricalDistribution([v]) for k, v in params.items()}
+    base = dict(params, precision="fp32", graph_passes=False)
+    for p, attrs in ((base, {"throughput": 100.0, "baseline": "fp32_eager", "max_rel_error": 0.0}),
+                     (params, {**metrics, "throughput": 50.0})):  # slower: the report names it as the challenger
+        study.add_trial(optuna.trial.create_trial(params=p, distributions=dist | {
+            k: optuna.distributions.CategoricalDistribution([v]) for k, v in p.items()}, value=attrs["throughput"],
+            user_attrs={"run_id": "r", **attrs}))
+    r = build_report(study, hardware={}, measured_on="cpu", config={"max_error": 0.01, "mode": "infer"},
+                     model={"name": "m", "path": "m.py"}, passes=[], artifacts={}, capture={"ok": True})
+    fp8 = r["trials"][1]
+    assert fp8["description"] == metrics["description"] and fp8["fp8_keep"] == list(keep)
+    assert r["best"]["best_searched"]["description"] == metrics["description"]
+    assert f"The fastest tctune candidate: trial 1 ({metrics['description']})" in render_markdown(r)
 
 
 @zoo.SCALED_MM_ROW

@@ -19,7 +19,7 @@ import torch
 from ..calibration import load_calibration
 from ..capture import Captured
 from ..errors import CandidateRejected, PassError
-from ..fp8_plan import METRIC_SCORE, FP8Plan, choose_fastest, plan_graph
+from ..fp8_plan import METRIC_SCORE, FP8Plan, choose_fastest, keep_label, plan_graph
 from ..measure import (ErrorStats, PooledComparison, check_accuracy, compare, is_oom, precision_mode, release_memory,
                        time_call)
 from ..runtime import Autocast, ChannelsLast, detach_outputs, wrap
@@ -53,7 +53,7 @@ class Candidate:
     module: Callable
     precision: str
     passes: list = field(default_factory=list)  # PassResult objects
-    description: str = ""
+    description: str = ""  # for people: an FP8 keep-list as tctune.fp8_plan.keep_label writes it
     fp8_keep: tuple[str, ...] | None = None  # precision fp8, tctune's graph: the keep-list it was built with
 
 
@@ -145,7 +145,7 @@ class InferenceEvaluator:
             keep, policy = trial.fp8_keep, trial.policy
             label = f"{precision} ({policy})" if precision in ("fp16", "bf16") else precision
             if precision == "fp8":
-                label += f" (bf16: {', '.join(keep)})" if keep else " (every eligible linear)"
+                label += f" (bf16: {keep_label(keep)})" if keep else " (every eligible linear)"
             return Candidate(g.to(self.device), precision, results, f"tctune graph {label}, {runtime}",
                              fp8_keep=keep if precision == "fp8" else None)
         if precision in ("fp16", "bf16"):
@@ -236,7 +236,7 @@ class InferenceEvaluator:
                 timing = time_call(lambda: fn(*inputs), len(inputs[0]), self.device)
             return timing.throughput
         except Exception as exc:  # noqa: BLE001 - one keep-list failing leaves the others
-            log.info("FP8 keep-list %s could not be timed: %s", ", ".join(keep) or "(none)", first_line(exc))
+            log.info("FP8 keep-list %s could not be timed: %s", keep_label(keep) or "(none)", first_line(exc))
             return None
         finally:
             fn = g = None
