@@ -130,6 +130,9 @@ _VALUE_OPS = frozenset(
 )
 #: ``node.meta`` flag on the casts this pass inserts (never taken for the model's own conversions).
 _OWN_CAST = "tctune_cast"
+#: The same flag for callers that insert a cast this pass must not take for one the model wrote (an up-cast
+#: there would make an explicit FP32 value): its output is then typed like an FP32 graph input.
+INSERTED_CAST = _OWN_CAST
 #: ``node.meta`` flag on the casts this pass inserts that are FP32 anchors (a tied table's rows cast up).
 _OWN_ANCHOR = "tctune_cast_anchor"
 

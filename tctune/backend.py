@@ -690,13 +690,18 @@ class _Frozen(torch.nn.Module):
 
     One weight handed in as several inputs (a tied embedding / LM head, where Dynamo does not merge them) is
     one buffer object under each name: ``torch.export`` then reads it through one ``get_attr`` and the passes
-    pad and cast it once (``passes.cast_precision``: tied weights stay one tensor)."""
+    pad and cast it once (``passes.cast_precision``: tied weights stay one tensor).
 
-    def __init__(self, gm: fx.GraphModule, example_inputs: list, inputs: _Inputs) -> None:
+    ``up`` (runtime position -> dtype): runtime tensors cast up to a wider floating dtype on entry
+    (:func:`_entry_casts`); the exported graph still takes them in the dtype they arrive in."""
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: list, inputs: _Inputs,
+                 up: dict[int, torch.dtype] | None = None) -> None:
         super().__init__()
         self.gm = gm
         self.n = len(example_inputs)
         self.inputs = inputs
+        self.up = up or {}  # runtime position -> the wider dtype it is cast to on entry (:func:`_entry_casts`)
         frozen: dict[int, torch.Tensor] = {}
         for i, name in inputs.weights.items():
             self.register_buffer(name, frozen.setdefault(id(example_inputs[i]), example_inputs[i].detach()))
@@ -704,7 +709,7 @@ class _Frozen(torch.nn.Module):
     def forward(self, *runtime: torch.Tensor):
         args: list[Any] = [None] * self.n
         for pos, i in enumerate(self.inputs.runtime):
-            args[i] = runtime[pos]
+            args[i] = runtime[pos].to(self.up[pos]) if pos in self.up else runtime[pos]
         for i, name in self.inputs.weights.items():
             args[i] = getattr(self, name)
         for i, (j, d) in self.inputs.sizes.items():
@@ -732,11 +737,107 @@ def _dynamic_shapes(nodes: list[fx.Node], runtime: list[int]) -> tuple | None:
     return tuple(specs) if any(specs) else None
 
 
+#: Bits of the real floating dtypes :func:`_entry_casts` compares (fp16 and bf16 are equally narrow: neither
+#: holds the other exactly, so neither is cast to the other).
+_FLOAT_BITS = {torch.float16: 16, torch.bfloat16: 16, torch.float32: 32, torch.float64: 64}
+
+
+def _entry_casts(example_inputs: list, runtime: list[int]) -> dict[int, torch.dtype]:
+    """Runtime inputs to cast up on entry: ``{position in runtime: dtype}``.
+
+    A subgraph's inputs need not be in the dtype Dynamo's graph can run in. Under ``output_dtype="compute"`` a
+    subgraph returns its activations in the compute dtype (bf16), and after a graph break the next subgraph
+    receives them beside the model's FP32 parameters: Dynamo traces that frame anyway (its fake-tensor
+    ``linear(bf16, fp32)`` returns FP32 without a dtype check, torch 2.13), but the graph is not runnable as it
+    stands (eager raises "mat1 and mat2 must have the same dtype"), and its re-export fails in the first
+    batched matmul ("expected scalar type torch.bfloat16 but found torch.float32": Longformer's encoder).
+    The backend cannot return FP32 for such outputs instead: a subgraph's outputs are the same whether they go
+    on to the next subgraph or to the user, and the user's are the large ones (logits) ``"compute"`` exists
+    to leave low. So the receiving subgraph takes them as they come: each floating runtime tensor narrower
+    than the widest floating input of the graph (parameters, buffers and runtime tensors: the model's own
+    dtype, FP32) is cast up to it on entry, which is exact (every fp16 / bf16 value is an FP32 value). The
+    graph is then exported as the FP32 model runs it, and the precision passes cast it as they cast any FP32
+    graph; :func:`_drop_round_trips` removes the cast back to the arriving dtype they put after the up-cast,
+    so a bf16 activation read by a bf16 op is read as it came, with no FP32 copy.
+
+    Args:
+        example_inputs: Dynamo's example inputs (tensors, ints, SymInts).
+        runtime: the indices of ``example_inputs`` passed at every call (:class:`_Inputs` ``runtime``).
+
+    Returns:
+        ``{k: dtype}`` for the ``k``-th runtime input; empty when every floating input has the widest dtype
+        (the usual case: one subgraph, or ``output_dtype="fp32"``).
+    """
+    floats = [t.dtype for t in example_inputs if isinstance(t, torch.Tensor) and t.dtype in _FLOAT_BITS]
+    if not floats:
+        return {}
+    wide = max(floats, key=_FLOAT_BITS.__getitem__)
+    out = {}
+    for pos, i in enumerate(runtime):
+        t = example_inputs[i]
+        if isinstance(t, torch.Tensor) and _FLOAT_BITS.get(t.dtype, 99) < _FLOAT_BITS[wide]:
+            out[pos] = wide
+    return out
+
+
+def _mark_entry_casts(exported: fx.GraphModule, up: dict[int, torch.dtype]) -> dict[fx.Node, fx.Node]:
+    """Flag the exported graph's entry up-casts (:func:`_entry_casts`) as casts tctune inserted, so that
+    ``passes.cast_precision`` treats their output as an FP32 graph input, not as an up-cast the model wrote
+    (an explicit FP32 value keeps the ops that read only it in FP32). Returns ``{cast node: placeholder}``."""
+    from passes.cast_precision import INSERTED_CAST
+
+    places = _placeholders(exported)
+    marked: dict[fx.Node, fx.Node] = {}
+    for pos in up:
+        if pos >= len(places):
+            raise RuntimeError(f"exported graph has {len(places)} inputs; entry cast of input {pos} not found")
+        for user in places[pos].users:
+            if user.op == "call_function" and _is_cast_to(user, up[pos]):
+                user.meta[INSERTED_CAST] = True
+                marked[user] = places[pos]
+    return marked
+
+
+def _is_cast_to(node: fx.Node, dtype: torch.dtype) -> bool:
+    """Whether ``node`` is a plain dtype conversion (``aten._to_copy`` / ``aten.to``, no other argument) to
+    ``dtype``."""
+    packet = getattr(node.target, "_overloadpacket", None)
+    if packet not in (torch.ops.aten._to_copy, torch.ops.aten.to):
+        return False
+    kwargs = dict(node.kwargs)
+    given = kwargs.pop("dtype", None)
+    if given is None and len(node.args) >= 2 and isinstance(node.args[1], torch.dtype):
+        given = node.args[1]
+    return given == dtype and len(node.args) <= 2 and not {k for k, v in kwargs.items() if v not in (None, False)}
+
+
+def _drop_round_trips(exported: fx.GraphModule, marked: dict[fx.Node, fx.Node]) -> int:
+    """Read an input as it arrived where the passes cast its entry up-cast straight back to its own dtype
+    (``x.to(float32).to(bfloat16)`` is ``x``, exactly); drop the up-casts left unread. Returns how many readers
+    now take the input itself."""
+    dropped = 0
+    for cast, place in marked.items():
+        val = place.meta.get("val")
+        dtype = getattr(val, "dtype", None)
+        for user in list(cast.users):
+            if user.op == "call_function" and user.args and user.args[0] is cast and _is_cast_to(user, dtype):
+                user.replace_all_uses_with(place)
+                exported.graph.erase_node(user)
+                dropped += 1
+        if not cast.users:
+            exported.graph.erase_node(cast)
+    if dropped or marked:
+        exported.graph.lint()
+        exported.recompile()
+    return dropped
+
+
 def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: SubgraphReport,
                          hw: Any = None) -> Callable:
     inputs = _classify(gm, example_inputs, freeze=not spec.training)
     nodes = _placeholders(gm)
-    wrapper = _Frozen(gm, example_inputs, inputs)
+    up = _entry_casts(example_inputs, inputs.runtime)
+    wrapper = _Frozen(gm, example_inputs, inputs, up)
     runtime_args = tuple(example_inputs[i] for i in inputs.runtime)
     dims = _dynamic_shapes(nodes, inputs.runtime)
     # forward(*runtime): export sees one varargs tuple, so the specs are nested one level.
@@ -756,6 +857,13 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
             raise RuntimeError("the graph mutates its inputs in place; tctune does not rewrite such graphs")
         exported = ep.module()
         _strip_export_checks(exported)
+        marked = _mark_entry_casts(exported, up)
+        if up:
+            report.notes.append(
+                "inputs narrower than the graph's " + str(next(iter(up.values()))).replace("torch.", "")
+                + " cast up on entry (a previous subgraph's compute-dtype outputs): "
+                + ", ".join(f"{nodes[inputs.runtime[k]].name} {str(runtime_args[k].dtype).replace('torch.', '')}"
+                            for k in up))
         report.frozen = sorted(inputs.weights.values())
         t1 = time.perf_counter()
         report.seconds["export"] = round(t1 - t0, 3)
@@ -769,6 +877,7 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
             report.results += run_pipeline(exported, spec, names[cut:], seconds=pass_s)
         else:
             report.results = run_pipeline(exported, spec, names, seconds=pass_s)
+    _drop_round_trips(exported, marked)
     t2 = time.perf_counter()
     report.seconds["passes"] = round(t2 - t1, 3)
     report.pass_seconds = {n: round(v, 4) for n, v in pass_s.items()}
