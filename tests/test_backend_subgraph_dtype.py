@@ -31,8 +31,10 @@ def _fresh():
 
 class _TwoBlocks(nn.Module):
     """Two linear blocks with a graph break between them (``graph_break()`` or a data-dependent ``.item()``).
-    The second block starts with a linear (``first="linear"``) or a LayerNorm (``first="norm"``, a keep-list op
-    under the autocast policy, which reads its input in FP32)."""
+    The second block starts with a linear on the activation transposed to sequence-first, as Longformer's
+    self-attention reads its input (``first="linear"``: a non-contiguous 3-d input, which ``aten.linear`` runs
+    as a batched matmul whose meta function checks dtypes), or with a LayerNorm (``first="norm"``, a keep-list
+    op under the autocast policy, which reads its input in FP32)."""
 
     def __init__(self, brk: str = "graph_break", first: str = "linear") -> None:
         super().__init__()
@@ -49,7 +51,8 @@ class _TwoBlocks(nn.Module):
             torch._dynamo.graph_break()
         elif h.sum().item() < -1.0:  # never true after a relu; Dynamo breaks the graph on .item()
             h = -h
-        h = torch.relu(self.b(self.pre(h)))
+        h = self.pre(h.transpose(0, 1)).transpose(0, 1) if self.first == "linear" else self.pre(h)
+        h = torch.relu(self.b(h))
         return self.c(self.ln(h)) + h[..., :40]
 
 
