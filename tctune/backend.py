@@ -65,6 +65,9 @@ checked before any compile (an unknown key or value raises one ``ValueError`` li
   copy at the graph's end, which on MT5's 250k-class logits was 6.8 ms of a 7.5 ms gap to Inductor at bf16 on
   the H200, benchmarks/NOTES.md). Under ``"compute"`` a graph break hands the Python code between subgraphs
   low-precision tensors, as ``model.to(dt)`` would; the plain-Inductor fallback follows the same contract.
+  The next subgraph takes them as they come: a floating input narrower than the graph's weights is cast up
+  on entry (exact) for the re-export, and read in its own dtype again where the passes compute low
+  (:func:`_entry_casts`; the report's notes name those inputs).
 - ``target``, ``passes``, ``policy``: see :func:`backend`.
 - ``mode``: torch.compile's mode (``"default"``, ``"reduce-overhead"``, ``"max-autotune"``,
   ``"max-autotune-no-cudagraphs"``; any mode ``torch._inductor.list_mode_options()`` knows): the Inductor
@@ -268,7 +271,9 @@ class SubgraphReport:
         policy: the cast policy used (``"autocast"`` or ``"pure"``).
         notes: what the backend decided beyond the passes, one line each: the fp16 calibration
             (``"fp16 calibrated on the first call's inputs: 2 op(s) kept FP32 for overflow"``), a switch to
-            bf16, how a fallback was compiled (``"fallback compiled at bf16, cast like model.to(dt)"``), and
+            bf16, how a fallback was compiled (``"fallback compiled at bf16, cast like model.to(dt)"``), the
+            inputs cast up on entry (``"inputs narrower than the graph's float32 cast up on entry (...):
+            l_hidden_states_ bfloat16"``, :func:`_entry_casts`), and
             each pass the default pipeline left out with its reason (``"fuse_attention not run: Inductor
             matches attention itself; ..."``, :data:`INDUCTOR_SKIPS`).
 
