@@ -818,14 +818,16 @@ def _is_cast_to(node: fx.Node, dtype: torch.dtype) -> bool:
 
 def _drop_round_trips(exported: fx.GraphModule, marked: dict[fx.Node, fx.Node]) -> int:
     """Read an input as it arrived where the passes cast its entry up-cast straight back to its own dtype
-    (``x.to(float32).to(bfloat16)`` is ``x``, exactly); drop the up-casts left unread. Returns how many readers
-    now take the input itself."""
+    (``x.to(float32).to(bfloat16)`` is ``x``, exactly); drop the up-casts left unread. A cast back that is a
+    graph output or is written in place stays (the input itself must not be returned or mutated). Returns how
+    many readers now take the input itself."""
     dropped = 0
     for cast, place in marked.items():
         val = place.meta.get("val")
         dtype = getattr(val, "dtype", None)
         for user in list(cast.users):
-            if user.op == "call_function" and user.args and user.args[0] is cast and _is_cast_to(user, dtype):
+            if (user.op == "call_function" and user.args and user.args[0] is cast and _is_cast_to(user, dtype)
+                    and not any(_returns_or_writes(reader) for reader in user.users)):
                 user.replace_all_uses_with(place)
                 exported.graph.erase_node(user)
                 dropped += 1
@@ -835,6 +837,14 @@ def _drop_round_trips(exported: fx.GraphModule, marked: dict[fx.Node, fx.Node]) 
         exported.graph.lint()
         exported.recompile()
     return dropped
+
+
+def _returns_or_writes(node: fx.Node) -> bool:
+    """Whether ``node`` is the graph's output or an op that writes one of its inputs (an ``add_``, a ``copy_``)."""
+    if node.op == "output":
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
 
 
 def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: SubgraphReport,

@@ -171,3 +171,37 @@ def test_longformer_encoder_subgraph_compiles_through_the_passes():
     assert any(_entry_notes())  # the encoder's subgraph received the embeddings' bf16 output
     assert out.dtype == torch.bfloat16
     assert rel_l2(out.float(), ref) < 3e-2
+
+
+def test_round_trip_dropped_only_where_the_input_itself_is_safe_to_read():
+    """``x.to(float32).to(bfloat16)`` is read as ``x`` by a computing op; a cast back that is returned or written
+    in place stays a copy (the caller's tensor must not come back or change)."""
+    aten = torch.ops.aten
+
+    def graph(reader: str) -> tuple[torch.fx.GraphModule, dict]:
+        g = torch.fx.Graph()
+        x = g.placeholder("x")
+        x.meta["val"] = torch.zeros(2, 3, dtype=torch.bfloat16)
+        up = g.call_function(aten.to.dtype, (x, torch.float32))
+        back = g.call_function(aten._to_copy.default, (up,), {"dtype": torch.bfloat16})
+        if reader == "relu":
+            g.output(g.call_function(aten.relu.default, (back,)))
+        elif reader == "add_":
+            g.call_function(aten.add_.Tensor, (back, 1.0))
+            g.output(back)
+        else:
+            g.output(back)
+        return torch.fx.GraphModule(torch.nn.Module(), g), {up: x}
+
+    gm, marked = graph("relu")
+    assert tb._drop_round_trips(gm, marked) == 1
+    x = torch.randn(2, 3).to(torch.bfloat16)
+    assert torch.equal(gm(x), torch.relu(x))
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [aten.relu.default]
+    for reader in ("output", "add_"):
+        gm, marked = graph(reader)
+        assert tb._drop_round_trips(gm, marked) == 0, reader
+        x = torch.randn(2, 3).to(torch.bfloat16)
+        before = x.clone()
+        out = gm(x)
+        assert out is not x and torch.equal(x, before), reader
