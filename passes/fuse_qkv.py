@@ -23,7 +23,7 @@ piece does not allow (checked on the fake tensors) makes the group a refusal rat
 
 Shared input that is not a row-major ``(tokens, K)`` view. ``aten.linear`` on an input of 3 or more dimensions
 runs ATen's ``matmul``, which folds the leading dimensions into one GEMM of ``(tokens, K) x (K, N)`` only when
-that is a view of the input (each leading stride equals the next stride times the next size) or when the weight
+that is a view of the input (``passes._graph.rows_foldable``) or when the weight
 requires grad (then it copies the input). Otherwise, as for a frozen weight (a ``get_attr`` buffer, which is how
 the backend and export see weights), it runs a *batched* GEMM over the first dimension with the weight broadcast
 (batch stride 0). Longformer's self-attention hands its projections ``hidden_states.transpose(0, 1)``, a
@@ -44,8 +44,8 @@ import operator
 import torch
 from torch import fx, nn
 
-from passes._graph import (copy_meta, fake_eval, fake_from_tensor, finish, get_attr_value, node_arg, op_name,
-                           unique_attr_name)
+from passes._graph import (copy_meta, fake_eval, fake_from_tensor, finish, get_attr_value, layout_note, node_arg,
+                           op_name, rows_foldable, unique_attr_name)
 from passes.base import PassResult, PassSpec, Skip
 
 NAME = "fuse_qkv"
@@ -168,7 +168,7 @@ def _fuse(gm: fx.GraphModule, x: fx.Node, part: list[fx.Node], training: bool) -
     have_outs = all(isinstance(v, torch.Tensor) and getattr(v, "fake_mode", None) is mode for v in out_vals)
     fused_weight = torch.cat(weights).detach()
     fused_bias = torch.cat([get_attr_value(gm, b.target) for b in b_nodes]).detach() if has_bias else None
-    copy = isinstance(x_val, torch.Tensor) and not _foldable(x_val)
+    copy = isinstance(x_val, torch.Tensor) and not rows_foldable(x_val)
     try:
         with mode:
             x_in_val = _CLONE(x_val, memory_format=torch.contiguous_format) if copy else x_val
@@ -217,34 +217,9 @@ def _fuse(gm: fx.GraphModule, x: fx.Node, part: list[fx.Node], training: bool) -
     return fused
 
 
-def _foldable(val: torch.Tensor) -> bool:
-    """Whether ATen's ``matmul`` can fold ``val``'s leading dimensions into GEMM rows without a copy.
-
-    ``val``: the linear's input, ``(*lead, K)``. True for 1-D and 2-D inputs and when every leading stride equals
-    the next stride times the next size (the check of ATen's ``should_fold`` in
-    ``aten/src/ATen/native/LinearAlgebra.cpp``); a stride relation that symbolic sizes cannot prove counts as
-    not foldable (a copy, never a wrong view).
-    """
-    if val.dim() < 3:
-        return True
-    sizes, strides = val.shape, val.stride()
-    for i in range(val.dim() - 2):
-        same = strides[i] == strides[i + 1] * sizes[i + 1]
-        if isinstance(same, torch.SymBool):
-            from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-            same = statically_known_true(same)
-        if not same:
-            return False
-    return True
-
-
 def _copy_note(x: fx.Node) -> str:
     """One line for ``notes["copied_inputs"]``: the shared input's shape and strides."""
-    val = x.meta.get("val")
-    shape = tuple(val.shape) if isinstance(val, torch.Tensor) else "?"
-    strides = tuple(val.stride()) if isinstance(val, torch.Tensor) else "?"
-    return (f"input {x.name} {shape} with strides {strides} is not a row-major (tokens, K) view: copied once "
+    return (f"{layout_note(x)} is not a row-major (tokens, K) view: copied once "
             f"(aten.clone, contiguous) so the fused linear is one GEMM, not a batched GEMM per leading index")
 
 
