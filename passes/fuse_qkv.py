@@ -19,7 +19,10 @@ concatenation is done in the graph (``aten.cat`` of the original parameters, a s
 gradients reach the original parameters.
 
 The pieces of ``split_with_sizes`` are strided views; a user that must ``view`` its input in a way a strided
-piece does not allow (checked on the fake tensors) makes the group a refusal rather than a silent copy.
+piece does not allow (checked on the fake tensors) makes the group a refusal rather than a silent copy. So does
+an ``aten.as_strided`` that reads a linear's output through views, pointwise ops or layout-preserving copies: its
+strides were computed from the linear's own contiguous output at capture and would address other elements of a
+piece (Longformer's ``_chunk`` reads its query and key this way; fused, its FP32 logits were off by up to 0.022).
 
 Shared input that is not a row-major ``(tokens, K)`` view. ``aten.linear`` on an input of 3 or more dimensions
 runs ATen's ``matmul``, which folds the leading dimensions into one GEMM of ``(tokens, K) x (K, N)`` only when
@@ -73,8 +76,9 @@ def fuse_qkv(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         view (see the module docstring) to one line with that input's shape and strides; ``skipped`` has
         every linear left alone with the reason (``"only one linear reads this input"``, ``"bias mismatch
         with sibling linears"``, ``"weight is not a parameter"``, ``"fake-tensor metadata for the fused linear
-        failed: ..."``, ...). Symbolic sizes (a dynamic batch or sequence) are handled; a group whose fake
-        run fails is skipped with the error, never raised.
+        failed: ..."``, ``"<node> reads <linear>'s output through aten.as_strided ..."``, ...). Symbolic
+        sizes (a dynamic batch or sequence) are handled; a group whose fake run fails is skipped with the
+        error, never raised.
     """
     result = PassResult(name=NAME, graph_module=gm)
     groups: dict[str, list[str]] = {}
@@ -147,6 +151,11 @@ def _why_alone(key: tuple, parts: dict[tuple, list[fx.Node]]) -> str:
 
 def _fuse(gm: fx.GraphModule, x: fx.Node, part: list[fx.Node], training: bool) -> fx.Node | str:
     """Rewrite one group; returns the new linear node, or a refusal reason (graph untouched)."""
+    for node in part:
+        reader = _as_strided_reader(node)
+        if reader is not None:
+            return (f"{reader.name} reads {node.name}'s output through aten.{op_name(reader)} with strides fixed "
+                    f"at capture; a split piece of the fused output has other strides")
     graph = gm.graph
     first = part[0]
     w_nodes = [n.args[1] for n in part]
@@ -215,6 +224,37 @@ def _fuse(gm: fx.GraphModule, x: fx.Node, part: list[fx.Node], training: bool) -
     for node in part:
         graph.erase_node(node)
     return fused
+
+
+#: Ops that read memory with strides given as arguments (fixed when the graph was captured).
+_AS_STRIDED = frozenset({"as_strided", "as_strided_", "as_strided_copy", "as_strided_scatter"})
+#: Ops whose output takes its input's layout (besides views and pointwise ops), for ``_as_strided_reader``.
+_SAME_LAYOUT = frozenset({"clone", "_to_copy", "to", "contiguous", "alias", "detach", "type_as"})
+
+
+def _as_strided_reader(node: fx.Node) -> fx.Node | None:
+    """The first ``as_strided`` node that reads ``node``'s value through ops whose output follows their input's
+    layout (views, pointwise ops, copies that preserve the layout), or None.
+
+    Such a reader addresses memory with strides computed from the linear's own contiguous output when the graph
+    was captured (Longformer's ``_chunk`` views its query and key as overlapping chunks this way). A piece of the
+    fused output has the fused row stride, so the same strides would read other elements: the group is refused.
+    """
+    seen: set[fx.Node] = set()
+    todo = list(node.users)
+    while todo:
+        user = todo.pop()
+        if user in seen or user.op != "call_function":
+            continue
+        seen.add(user)
+        name = op_name(user)
+        if name in _AS_STRIDED:
+            return user
+        target = user.target
+        if (target is operator.getitem or name in _SAME_LAYOUT or getattr(target, "is_view", False)
+                or torch.Tag.pointwise in getattr(target, "tags", ())):
+            todo.extend(user.users)
+    return None
 
 
 def _copy_note(x: fx.Node) -> str:
