@@ -19,6 +19,7 @@ import torch
 from passes._graph import deferred_recompile
 from passes.base import DEFAULT_KEEP_LIST, PRECISIONS, PassFailure, PassResult, PassSpec, Skip
 from passes.calibrate import calibrate_ranges, overflow_nodes
+from passes.copy_linear_inputs import copy_linear_inputs
 from passes.cast_fp8 import cast_fp8_linears
 from passes.cast_precision import cast_precision
 from passes.fold_bn import fold_conv_batchnorm
@@ -33,8 +34,10 @@ from passes.simplify_attention_mask import simplify_attention_mask
 #: The default order: fold BN first (fewer ops to cast); fuse hand-written attention into SDPA *before*
 #: simplifying masks (so an all-zero float mask that the fusion hands to SDPA is dropped too); fuse QKV
 #: before padding (the fused N is padded once); pad before the epilogue fusion (which looks through
-#: pad_linear_dims' slice, so padded linears keep their padding and still get the epilogue); cast
-#: precision last (it sees the final set of ops and weights).
+#: pad_linear_dims' slice, so padded linears keep their padding and still get the epilogue); copy strided
+#: linear inputs after fuse_qkv and the padding (a fused group's input and a padded K are already row-major
+#: copies, so nothing is copied twice) and before the epilogue and FP8 rewrites (which reshape the input to
+#: 2-D); cast precision last (it sees the final set of ops and weights).
 PIPELINE: tuple[str, ...] = (
     "fold_conv_batchnorm",
     "fuse_attention",
@@ -43,6 +46,7 @@ PIPELINE: tuple[str, ...] = (
     "pad_linear_dims",
     "pad_matmul_dims",
     "pad_conv_channels",
+    "copy_linear_inputs",
     "fuse_epilogue",
     "cast_fp8_linears",  # precision fp8 only: bf16 cast + FP8 GEMMs (cast_precision then skips)
     "cast_precision",
@@ -56,6 +60,7 @@ PASSES: dict[str, Callable[[torch.fx.GraphModule, PassSpec], PassResult]] = {
     "pad_linear_dims": pad_linear_dims,
     "pad_matmul_dims": pad_matmul_dims,
     "pad_conv_channels": pad_conv_channels,
+    "copy_linear_inputs": copy_linear_inputs,
     "fuse_epilogue": fuse_epilogue,
     "cast_fp8_linears": cast_fp8_linears,
     "cast_precision": cast_precision,
@@ -190,6 +195,7 @@ __all__ = [
     "Skip",
     "cast_fp8_linears",
     "cast_precision",
+    "copy_linear_inputs",
     "fold_conv_batchnorm",
     "fuse_attention",
     "fuse_epilogue",

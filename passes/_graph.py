@@ -152,6 +152,47 @@ def unique_attr_name(gm: fx.GraphModule, target: str) -> str:
     return f"{target}_{i}"
 
 
+def rows_foldable(val: torch.Tensor) -> bool:
+    """Whether ATen's ``matmul`` folds ``val``'s leading dimensions into GEMM rows without a copy.
+
+    ``val``: the left operand of ``aten.linear`` / ``aten.matmul`` with a 2-D right operand, ``(*lead, K)``
+    (a fake or real tensor). True for 1-D and 2-D inputs, and when every leading stride equals the next stride
+    times the next size (the check of ``should_fold`` in ``aten/src/ATen/native/LinearAlgebra.cpp``; K's stride
+    does not matter). Otherwise, when the right operand does not require grad (a frozen weight), ``matmul``
+    runs a GEMM batched over the first dimension with the right operand broadcast (batch stride 0) instead of
+    one ``(tokens, K)`` GEMM.
+
+    A leading dimension of size 1 is not skipped, as ``should_fold`` does not skip it: a bias-free linear on a
+    ``(seq, 1, K)`` transposed view is a batched GEMM of ``seq`` single-row GEMMs there. (``aten.linear`` with
+    a bias on an input that ``is_contiguous()`` ignoring size-1 dimensions takes ``addmm`` directly; for it a
+    False here costs one copy that was not needed, never a wrong result.)
+
+    Symbolic sizes: a stride relation that the sizes cannot prove counts as not foldable (a copy, never a wrong
+    view); ``matmul``'s decomposition (``torch._decomp``) decides the same way (``guard_or_false``), so a False
+    here is a batched GEMM there too.
+    """
+    if val.dim() < 3:
+        return True
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    sizes, strides = val.shape, val.stride()
+    for i in range(val.dim() - 2):
+        same = strides[i] == strides[i + 1] * sizes[i + 1]
+        if isinstance(same, torch.SymBool):
+            same = statically_known_true(same)
+        if not same:
+            return False
+    return True
+
+
+def layout_note(x: fx.Node) -> str:
+    """``"input <name> <shape> with strides <strides>"`` from ``x.meta["val"]`` (``?`` when it has none)."""
+    val = x.meta.get("val")
+    shape = tuple(val.shape) if isinstance(val, torch.Tensor) else "?"
+    strides = tuple(val.stride()) if isinstance(val, torch.Tensor) else "?"
+    return f"input {x.name} {shape} with strides {strides}"
+
+
 def fake_value(value: Any) -> Any:
     """``meta["val"]`` of a node argument (the argument itself when it is not a node)."""
     if isinstance(value, fx.Node):

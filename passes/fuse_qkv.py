@@ -19,11 +19,14 @@ concatenation is done in the graph (``aten.cat`` of the original parameters, a s
 gradients reach the original parameters.
 
 The pieces of ``split_with_sizes`` are strided views; a user that must ``view`` its input in a way a strided
-piece does not allow (checked on the fake tensors) makes the group a refusal rather than a silent copy.
+piece does not allow (checked on the fake tensors) makes the group a refusal rather than a silent copy. So does
+an ``aten.as_strided`` that reads a linear's output through views, pointwise ops or layout-preserving copies: its
+strides were computed from the linear's own contiguous output at capture and would address other elements of a
+piece (Longformer's ``_chunk`` reads its query and key this way; fused, its FP32 logits were off by up to 0.022).
 
 Shared input that is not a row-major ``(tokens, K)`` view. ``aten.linear`` on an input of 3 or more dimensions
 runs ATen's ``matmul``, which folds the leading dimensions into one GEMM of ``(tokens, K) x (K, N)`` only when
-that is a view of the input (each leading stride equals the next stride times the next size) or when the weight
+that is a view of the input (``passes._graph.rows_foldable``) or when the weight
 requires grad (then it copies the input). Otherwise, as for a frozen weight (a ``get_attr`` buffer, which is how
 the backend and export see weights), it runs a *batched* GEMM over the first dimension with the weight broadcast
 (batch stride 0). Longformer's self-attention hands its projections ``hidden_states.transpose(0, 1)``, a
@@ -44,8 +47,8 @@ import operator
 import torch
 from torch import fx, nn
 
-from passes._graph import (copy_meta, fake_eval, fake_from_tensor, finish, get_attr_value, node_arg, op_name,
-                           unique_attr_name)
+from passes._graph import (copy_meta, fake_eval, fake_from_tensor, finish, get_attr_value, layout_note, node_arg,
+                           op_name, rows_foldable, unique_attr_name)
 from passes.base import PassResult, PassSpec, Skip
 
 NAME = "fuse_qkv"
@@ -73,8 +76,9 @@ def fuse_qkv(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         view (see the module docstring) to one line with that input's shape and strides; ``skipped`` has
         every linear left alone with the reason (``"only one linear reads this input"``, ``"bias mismatch
         with sibling linears"``, ``"weight is not a parameter"``, ``"fake-tensor metadata for the fused linear
-        failed: ..."``, ...). Symbolic sizes (a dynamic batch or sequence) are handled; a group whose fake
-        run fails is skipped with the error, never raised.
+        failed: ..."``, ``"<node> reads <linear>'s output through aten.as_strided ..."``, ...). Symbolic
+        sizes (a dynamic batch or sequence) are handled; a group whose fake run fails is skipped with the
+        error, never raised.
     """
     result = PassResult(name=NAME, graph_module=gm)
     groups: dict[str, list[str]] = {}
@@ -147,6 +151,11 @@ def _why_alone(key: tuple, parts: dict[tuple, list[fx.Node]]) -> str:
 
 def _fuse(gm: fx.GraphModule, x: fx.Node, part: list[fx.Node], training: bool) -> fx.Node | str:
     """Rewrite one group; returns the new linear node, or a refusal reason (graph untouched)."""
+    for node in part:
+        reader = _as_strided_reader(node)
+        if reader is not None:
+            return (f"{reader.name} reads {node.name}'s output through aten.{op_name(reader)} with strides fixed "
+                    f"at capture; a split piece of the fused output has other strides")
     graph = gm.graph
     first = part[0]
     w_nodes = [n.args[1] for n in part]
@@ -168,7 +177,7 @@ def _fuse(gm: fx.GraphModule, x: fx.Node, part: list[fx.Node], training: bool) -
     have_outs = all(isinstance(v, torch.Tensor) and getattr(v, "fake_mode", None) is mode for v in out_vals)
     fused_weight = torch.cat(weights).detach()
     fused_bias = torch.cat([get_attr_value(gm, b.target) for b in b_nodes]).detach() if has_bias else None
-    copy = isinstance(x_val, torch.Tensor) and not _foldable(x_val)
+    copy = isinstance(x_val, torch.Tensor) and not rows_foldable(x_val)
     try:
         with mode:
             x_in_val = _CLONE(x_val, memory_format=torch.contiguous_format) if copy else x_val
@@ -217,34 +226,40 @@ def _fuse(gm: fx.GraphModule, x: fx.Node, part: list[fx.Node], training: bool) -
     return fused
 
 
-def _foldable(val: torch.Tensor) -> bool:
-    """Whether ATen's ``matmul`` can fold ``val``'s leading dimensions into GEMM rows without a copy.
+#: Ops that read memory with strides given as arguments (fixed when the graph was captured).
+_AS_STRIDED = frozenset({"as_strided", "as_strided_", "as_strided_copy", "as_strided_scatter"})
+#: Ops whose output takes its input's layout (besides views and pointwise ops), for ``_as_strided_reader``.
+_SAME_LAYOUT = frozenset({"clone", "_to_copy", "to", "contiguous", "alias", "detach", "type_as"})
 
-    ``val``: the linear's input, ``(*lead, K)``. True for 1-D and 2-D inputs and when every leading stride equals
-    the next stride times the next size (the check of ATen's ``should_fold`` in
-    ``aten/src/ATen/native/LinearAlgebra.cpp``); a stride relation that symbolic sizes cannot prove counts as
-    not foldable (a copy, never a wrong view).
+
+def _as_strided_reader(node: fx.Node) -> fx.Node | None:
+    """The first ``as_strided`` node that reads ``node``'s value through ops whose output follows their input's
+    layout (views, pointwise ops, copies that preserve the layout), or None.
+
+    Such a reader addresses memory with strides computed from the linear's own contiguous output when the graph
+    was captured (Longformer's ``_chunk`` views its query and key as overlapping chunks this way). A piece of the
+    fused output has the fused row stride, so the same strides would read other elements: the group is refused.
     """
-    if val.dim() < 3:
-        return True
-    sizes, strides = val.shape, val.stride()
-    for i in range(val.dim() - 2):
-        same = strides[i] == strides[i + 1] * sizes[i + 1]
-        if isinstance(same, torch.SymBool):
-            from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-            same = statically_known_true(same)
-        if not same:
-            return False
-    return True
+    seen: set[fx.Node] = set()
+    todo = list(node.users)
+    while todo:
+        user = todo.pop()
+        if user in seen or user.op != "call_function":
+            continue
+        seen.add(user)
+        name = op_name(user)
+        if name in _AS_STRIDED:
+            return user
+        target = user.target
+        if (target is operator.getitem or name in _SAME_LAYOUT or getattr(target, "is_view", False)
+                or torch.Tag.pointwise in getattr(target, "tags", ())):
+            todo.extend(user.users)
+    return None
 
 
 def _copy_note(x: fx.Node) -> str:
     """One line for ``notes["copied_inputs"]``: the shared input's shape and strides."""
-    val = x.meta.get("val")
-    shape = tuple(val.shape) if isinstance(val, torch.Tensor) else "?"
-    strides = tuple(val.stride()) if isinstance(val, torch.Tensor) else "?"
-    return (f"input {x.name} {shape} with strides {strides} is not a row-major (tokens, K) view: copied once "
+    return (f"{layout_note(x)} is not a row-major (tokens, K) view: copied once "
             f"(aten.clone, contiguous) so the fused linear is one GEMM, not a batched GEMM per leading index")
 
 

@@ -276,3 +276,37 @@ def test_run_pipeline_fusions_low_precision(name, precision):
     assert list(gm.state_dict()) == keys
     zoo.assert_matches_eager(model, gm, entry.example_inputs(5), precision)
     assert all(r.count == 0 for r in run_pipeline(gm, spec))
+
+
+class _ChunkedQKV(nn.Module):
+    """q, k, v of one input, each read in overlapping chunks through ``as_strided`` with strides computed from
+    the projection's output (Longformer's ``_chunk``)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    @staticmethod
+    def _chunk(h: torch.Tensor, w: int) -> torch.Tensor:
+        h = h.view(h.size(0), h.size(1) // (2 * w), 2 * w, h.size(2))
+        size, stride = list(h.size()), list(h.stride())
+        size[1], stride[1] = size[1] * 2 - 1, stride[1] // 2
+        return h.as_strided(size=size, stride=stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k = self._chunk(self.q(x) / 4.0, 2), self._chunk(self.k(x), 2)
+        scores = torch.einsum("bcxd,bcyd->bcxy", q, k)
+        return scores.sum(-1, keepdim=True) * self._chunk(self.v(x), 2)
+
+
+def test_fuse_qkv_refuses_outputs_read_through_as_strided():
+    torch.manual_seed(0)
+    model = _ChunkedQKV().eval()
+    gm = zoo.capture(model, (torch.randn(3, 8, 16),))
+
+    result = fuse_qkv(gm, PassSpec())
+
+    assert result.count == 0 and zoo.count_calls(gm, LINEAR) == 3
+    assert len(result.skipped) == 3
+    assert all("through aten.as_strided with strides fixed at capture" in s.reason for s in result.skipped)
+    zoo.assert_matches_eager(model, gm, (torch.randn(5, 8, 16),), "fp32")
