@@ -147,6 +147,19 @@ def test_parse_batch_sizes():
             parse_batch_sizes(bad)
 
 
+@pytest.mark.parametrize("text,why", [("8,abc", "'abc' is not a positive integer"),
+                                      ("8,0", "'0' is not a positive integer"),
+                                      ("16-abc", "'abc' is not a positive integer"),
+                                      ("-4", "'-4' is not a positive integer"),
+                                      ("256-16", "the range must go up, e.g. 16-256"),
+                                      (" , ", "no batch size given")])
+def test_parse_batch_sizes_names_the_bad_item(text, why):
+    with pytest.raises(UsageError) as err:
+        parse_batch_sizes(text)
+    first, fix = str(err.value).split("\n")
+    assert first == f"invalid --batch-sizes {text.strip()!r}: {why}" and fix.startswith("  fix: a comma list")
+
+
 def test_help_says_the_file_is_executed(capsys):
     with pytest.raises(SystemExit):
         main(["optimize", "--help"])
