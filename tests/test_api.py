@@ -221,6 +221,17 @@ def test_bad_batch_sizes_string_gives_the_commands_message(value, why):
     assert str(info.value) == str(cli.value) and why in str(info.value)
 
 
+def test_submodules_are_attributes_after_a_bare_import():
+    code = ("import sys, tctune\n"
+            "assert 'tctune.backend' not in sys.modules\n"  # lazy: `import tctune` stays fast
+            "assert callable(tctune.backend.backend) and isinstance(tctune.backend.reports, list)\n"
+            "assert 'tctune.backend' in sys.modules and tctune.optimize is tctune.api.optimize\n"
+            "try:\n    tctune.no_such_name\nexcept AttributeError as e:\n    print('ok', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok module 'tctune' has no attribute 'no_such_name'", r.stderr
+
+
 def test_tctune_optimize_is_the_function_after_the_submodule_is_imported():
     code = ("import tctune.optimize, tctune.cli.optimize, inspect\n"
             "from tctune import optimize\n"
