@@ -260,3 +260,45 @@ def test_a_clone_named_tctune_in_the_current_folder_gets_one_clear_error(tmp_pat
     import tctune
 
     assert namespace_error(tctune) is None  # the package itself (e.g. from this repository's root)
+
+
+RAISES_IN_FP32 = ("import torch\n"
+                  "def build_model():\n    return torch.nn.Sequential(torch.nn.Linear(7, 7), torch.nn.LayerNorm(64))\n"
+                  "def example_inputs(b):\n    return (torch.randn(b, 7),)\n")
+
+
+def test_model_that_cannot_run_in_fp32_is_one_error_before_capture_and_trials(tmp_path):
+    """The FP32 model runs once at the smallest searched batch first: an error there is bad input (exit 2, the
+    error and the fix), not a capture warning, trials, and "no configuration qualified"; --out is left as it was."""
+    f = tmp_path / "badln.py"
+    f.write_text(RAISES_IN_FP32)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.json").write_text('{"kept": true}')
+    r = run_cli("optimize", f, "--out", out, "--batch-sizes", "16,8", "--trials", "3")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    err = [line for line in r.stderr.splitlines() if not line.startswith("tctune: no NVIDIA GPU")]
+    assert err[0].startswith("tctune: error: badln.py: the model raised in FP32 at batch 8: RuntimeError: "
+                             "Given normalized_shape=[64]"), r.stderr
+    assert err[1] == "  fix: check build_model and example_inputs: the model must run on example_inputs(8) in FP32"
+    assert len(err) == 2 and "graph passes disabled" not in r.stderr and "qualified" not in r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["report.json"] and (out / "report.json").read_text() == '{"kept": true}'
+
+
+def test_fp32_check_runs_the_smallest_batch_only(tmp_path):
+    """check_fp32_runs passes a model that raises only above the smallest batch (the search handles that), and
+    names the error of one that raises there."""
+    import torch
+
+    from tctune.errors import ModelFileError
+    from tctune.modelfile import load_model_file
+    from tctune.search.loop import check_fp32_runs
+
+    f = tmp_path / "big_only.py"
+    f.write_text("import torch\nclass M(torch.nn.Module):\n    def forward(self, x):\n"
+                 "        if x.shape[0] > 8:\n            raise ValueError('too big')\n        return x * 2\n"
+                 "def build_model():\n    return M()\ndef example_inputs(b):\n    return (torch.randn(b, 4),)\n")
+    mf = load_model_file(f)
+    check_fp32_runs(mf.model(), mf, 8, torch.device("cpu"))
+    with pytest.raises(ModelFileError, match=r"big_only\.py: the model raised in FP32 at batch 16: ValueError: too big"):
+        check_fp32_runs(mf.model(), mf, 16, torch.device("cpu"))
