@@ -173,10 +173,29 @@ FIXED_BATCH = ("import torch\nclass M(torch.nn.Module):\n    def __init__(self):
                "def example_inputs(b):\n    return (torch.randn(b, 8),)\n")
 
 
-def test_nothing_qualifies_names_the_cause_and_exits_1(tmp_path):
-    """Every trial fails (the model only runs at batch 4): the summary says why, not "--max-error"."""
+def test_a_model_that_only_runs_at_another_batch_is_one_error_exit_2(tmp_path):
+    """The model only runs at batch 4, 8 is searched: the up-front FP32 run names the cause; no trial runs."""
     f = tmp_path / "fixed.py"
     f.write_text(FIXED_BATCH)
+    r = run_cli("optimize", f, "--out", tmp_path / "out", "--batch-sizes", "8", "--trials", "4", "--quiet",
+                "--no-export")
+    assert r.returncode == 2 and "the model raised in FP32 at batch 8: RuntimeError" in r.stderr, r.stderr
+    assert "no configuration qualified" not in r.stdout and "Traceback" not in r.stdout + r.stderr
+
+
+OOM_AT_8 = FIXED_BATCH.replace(
+    "return self.fc(x.view(4, -1))",
+    "if x.shape[0] >= 8 and not torch.compiler.is_compiling():\n"
+    "            raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB (simulated)')\n"
+    "        return self.fc(x)")
+
+
+def test_nothing_qualifies_names_the_cause_and_exits_1(tmp_path):
+    """Every trial fails (the model runs out of memory at batch 8, simulated; running out of memory is the search's
+    to find, a lower precision may fit): the summary says why, not "--max-error"."""
+    f = tmp_path / "oom8.py"
+    assert OOM_AT_8 != FIXED_BATCH
+    f.write_text(OOM_AT_8)
     r = run_cli("optimize", f, "--out", tmp_path / "out", "--batch-sizes", "8", "--trials", "4", "--quiet",
                 "--no-export")
     assert r.returncode == 1, r.stdout + r.stderr
