@@ -7,6 +7,9 @@ Public API (the CLI ``tctune`` wraps the same functions)::
 ``tctune.optimize`` is the function :func:`tctune.api.optimize` (a live module or a model file), also after the
 submodule ``tctune.optimize`` (the command's pipeline) has been imported: import that submodule's names with
 ``from tctune.optimize import ...``.
+
+Submodules load on first use: after ``import tctune``, ``tctune.backend.backend(precision="bf16")`` imports
+``tctune.backend`` then.
 """
 from __future__ import annotations
 
@@ -49,7 +52,13 @@ def __getattr__(name):  # lazy: keep `import tctune` (and `tctune --help`) fast
     if name in ("resolve", "detect"):
         from . import hardware
         return getattr(hardware, name)
-    raise AttributeError(name)
+    if not name.startswith("_"):  # a submodule, e.g. `tctune.backend.backend(...)` after a bare `import tctune`
+        import importlib
+        import importlib.util
+
+        if importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["__version__", "optimize", "save", "load", "TunedModule", "TuneConfig", "TrialParams", "resolve", "detect",

@@ -56,6 +56,16 @@ def _names(value) -> tuple[str, ...] | None:
     return tuple(value)
 
 
+def _batch_sizes(value) -> tuple:
+    """``batch_sizes=`` as the command's ``--batch-sizes`` takes it (a string: ``"8,32"``, ``"16-64"``, parsed by
+    the command's own parser, whose message names a bad item), or an int, or a sequence of ints."""
+    if isinstance(value, str):
+        from .cli.common import parse_batch_sizes
+
+        return parse_batch_sizes(value)
+    return (value,) if isinstance(value, int) else tuple(value)
+
+
 def tune_config(options: dict, *, out_dir: str | Path, batch_sizes: tuple[int, ...] | None = None):
     """The ``TuneConfig`` of :func:`optimize`'s keyword ``options`` (:data:`OPTIONS`); ``out_dir`` and
     ``batch_sizes`` are the defaults when the options leave them out.
@@ -80,7 +90,7 @@ def tune_config(options: dict, *, out_dir: str | Path, batch_sizes: tuple[int, .
         elif key == "out":
             value = str(value)
         elif key == "batch_sizes":
-            value = (value,) if isinstance(value, int) else tuple(value)
+            value = _batch_sizes(value)
         elif key == "devices":
             value = None if value is None else ((value,) if isinstance(value, int) else tuple(value))
         elif key == "runtimes":
@@ -106,8 +116,9 @@ def optimize(model, example_inputs=None, /, **options):
             defines ``example_inputs``), or pass a ``TuneConfig`` to get the report dictionary as before.
         **options: the ``tctune optimize`` long flags with ``_`` (:data:`OPTIONS`): ``out`` (the folder for the
             report, study and ONNX files; default: a new folder ``tctune_<name>_*`` in the system's temporary
-            folder for a module, named in a warning and never removed, ``tctune_out/<stem>`` for a file), ``batch_sizes`` (int or
-            sequence), ``trials``, ``timeout`` (s), ``max_error``, ``max_error_fp8``, ``objective``,
+            folder for a module, named in a warning and never removed, ``tctune_out/<stem>`` for a file),
+            ``batch_sizes`` (int, sequence of ints, or a string as ``--batch-sizes`` takes it: ``"8,32"``,
+            ``"16-64"``), ``trials``, ``timeout`` (s), ``max_error``, ``max_error_fp8``, ``objective``,
             ``max_latency_ms``, ``max_memory_mib``, ``fp8_keep`` (``"auto"``, ``"none"``, patterns), ``target``,
             ``storage``, ``devices`` (one GPU for a live module), ``seed``, ``runtimes`` (names or a comma
             list), ``compile_budget`` (s), ``no_prune``, ``no_export``, ``quiet``, ``mode``; and

@@ -79,6 +79,25 @@ def read_config(path: str | Path) -> dict:
     return cfg
 
 
+def check_config_model(cfg: dict, mf, config_path: str | Path) -> None:
+    """Check that the config ``cfg`` (:func:`read_config`) was tuned for the model file ``mf`` (a ``ModelFile``).
+
+    The config names its model by ``"model"`` (the model file's stem, as ``tctune optimize`` writes it) and
+    ``"model_path"`` (the file tuned); it matches when that name, else the stem of ``model_path``, is ``mf.name``.
+    A config naming neither is not checked. Folders are not compared: a tuned file may be moved or copied.
+
+    Raises:
+        UsageError: the config names another model (the message names both, and the fix).
+    """
+    tuned_for = cfg.get("model") or (Path(str(cfg["model_path"])).stem if cfg.get("model_path") else None)
+    if not tuned_for or str(tuned_for) == mf.name:
+        return
+    where = f" ({cfg['model_path']})" if cfg.get("model_path") else ""
+    raise UsageError(f"{config_path} was tuned for the model {tuned_for!r}{where}, not {mf.path.name}: its batch "
+                     f"sizes and precision belong to that model\n  fix: pass the model file the config was tuned "
+                     f"for, or run `tctune optimize {mf.path}` for a config of its own")
+
+
 def config_target(cfg: dict) -> str | None:
     """The hardware to plan the passes for: the config's ``target``, else the GPU it was tuned on, else None."""
     if cfg.get("target"):
@@ -157,7 +176,8 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
         "path", "manifest", "runner", "reason", "seconds", ...build details}}}``.
 
     Raises:
-        UsageError: bad config or formats. ModelFileError: the model file breaks the contract.
+        UsageError: bad config or formats, or a config tuned for another model (:func:`check_config_model`).
+        ModelFileError: the model file breaks the contract.
         ExportError: capture failed, the ONNX batch axis froze, or validation failed (message: cause + fix).
     """
     import torch
@@ -171,11 +191,7 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
     cfg = read_config(config_path)
     formats = tuple(formats)
     mf = load_model_file(model_file)
-    tuned_for = cfg.get("model_path") or cfg.get("model")
-    if tuned_for and Path(str(tuned_for)).stem != mf.name:
-        logging.getLogger("tctune").warning(
-            "%s was tuned for %s, not %s: its batch size and precision may not suit this model "
-            "(run `tctune optimize %s` for a config of its own)", config_path, tuned_for, mf.path.name, mf.path.name)
+    check_config_model(cfg, mf, config_path)
     out = Path(out_dir) if out_dir else Path(config_path).resolve().parent
     out.mkdir(parents=True, exist_ok=True)
     params = cfg["params"]

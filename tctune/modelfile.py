@@ -6,7 +6,8 @@ Contract:
 
 - ``build_model() -> torch.nn.Module`` (required)
 - ``example_inputs(batch_size: int) -> tuple[torch.Tensor, ...]`` (required; batch on dim 0 of every batched
-  tensor; fresh random data is fine, never all zeros for parity checks)
+  tensor; fresh random data is fine, never all zeros for parity checks). A list of tensors is taken as the
+  tuple of the same tensors, and one tensor as a 1-tuple: the model is called ``model(*inputs)`` either way
 - ``example_targets(batch_size)`` and ``loss_fn(output, targets)`` (needed for ``--mode train``)
 - ``score(model) -> float`` (optional: the user's own accuracy metric, higher is better). When given it gates
   the search: it is called with the FP32 model and with each candidate's built module (tctune's graph or the
@@ -92,7 +93,7 @@ class ModelFile:
         The first call also checks the shapes (:meth:`batched_mask`).
 
         Raises:
-            ModelFileError: not a tuple of tensors, dim 0 of a batched tensor is not ``batch_size``, or a
+            ModelFileError: not a tuple of tensors (a list of tensors or one tensor is taken as the tuple), dim 0 of a batched tensor is not ``batch_size``, or a
                 dimension that is not declared dynamic changes between calls.
         """
         mask = self.batched_mask()
@@ -214,7 +215,8 @@ class ModelFile:
         return mask
 
     def _raw(self, batch_size: int) -> tuple:
-        """``example_inputs(batch_size)`` as a tuple of tensors, or a ModelFileError."""
+        """``example_inputs(batch_size)`` as a tuple of tensors (a list becomes the tuple of its tensors, one
+        tensor a 1-tuple), or a ModelFileError."""
         try:
             raw = self.example_inputs(batch_size)
         except Exception as exc:  # the user's code
@@ -228,7 +230,8 @@ class ModelFile:
             got = type(raw).__name__ if not isinstance(raw, (tuple, list)) else (
                 "(" + ", ".join(type(t).__name__ for t in raw) + ")")
             raise ModelFileError(
-                f"{self.path.name}: example_inputs({batch_size}) must return a tuple of tensors, got {got}\n"
+                f"{self.path.name}: example_inputs({batch_size}) must return a tuple of tensors, got {got} (a list "
+                f"of tensors or one tensor is accepted too)\n"
                 f"  expected: {SIGNATURES['example_inputs']}"
             )
         return tuple(raw)

@@ -202,6 +202,36 @@ def test_bad_option_value_names_the_field():
     assert info.value.field == "trials"
 
 
+@pytest.mark.parametrize("value,sizes", [("8,32", (8, 32)), ("16-64", (16, 32, 64)), ([32, 8], (32, 8)), (4, (4,))])
+def test_batch_sizes_take_the_flag_strings_and_lists(value, sizes):
+    from tctune.api import tune_config
+
+    assert tune_config({"batch_sizes": value}, out_dir="unused").batch_sizes == sizes
+
+
+@pytest.mark.parametrize("value,why", [("8,abc", "'abc' is not a positive integer"),
+                                       ("256-16", "the range must go up, e.g. 16-256")])
+def test_bad_batch_sizes_string_gives_the_commands_message(value, why):
+    from tctune.cli.common import parse_batch_sizes
+
+    with pytest.raises(tctune.UsageError) as info:
+        tctune.optimize(torch.nn.Linear(2, 2), (torch.randn(2, 2),), batch_sizes=value)
+    with pytest.raises(tctune.UsageError) as cli:
+        parse_batch_sizes(value)
+    assert str(info.value) == str(cli.value) and why in str(info.value)
+
+
+def test_submodules_are_attributes_after_a_bare_import():
+    code = ("import sys, tctune\n"
+            "assert 'tctune.backend' not in sys.modules\n"  # lazy: `import tctune` stays fast
+            "assert callable(tctune.backend.backend) and isinstance(tctune.backend.reports, list)\n"
+            "assert 'tctune.backend' in sys.modules and tctune.optimize is tctune.api.optimize\n"
+            "try:\n    tctune.no_such_name\nexcept AttributeError as e:\n    print('ok', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok module 'tctune' has no attribute 'no_such_name'", r.stderr
+
+
 def test_tctune_optimize_is_the_function_after_the_submodule_is_imported():
     code = ("import tctune.optimize, tctune.cli.optimize, inspect\n"
             "from tctune import optimize\n"

@@ -147,6 +147,19 @@ def test_parse_batch_sizes():
             parse_batch_sizes(bad)
 
 
+@pytest.mark.parametrize("text,why", [("8,abc", "'abc' is not a positive integer"),
+                                      ("8,0", "'0' is not a positive integer"),
+                                      ("16-abc", "'abc' is not a positive integer"),
+                                      ("-4", "'-4' is not a positive integer"),
+                                      ("256-16", "the range must go up, e.g. 16-256"),
+                                      (" , ", "no batch size given")])
+def test_parse_batch_sizes_names_the_bad_item(text, why):
+    with pytest.raises(UsageError) as err:
+        parse_batch_sizes(text)
+    first, fix = str(err.value).split("\n")
+    assert first == f"invalid --batch-sizes {text.strip()!r}: {why}" and fix.startswith("  fix: a comma list")
+
+
 def test_help_says_the_file_is_executed(capsys):
     with pytest.raises(SystemExit):
         main(["optimize", "--help"])
@@ -160,10 +173,29 @@ FIXED_BATCH = ("import torch\nclass M(torch.nn.Module):\n    def __init__(self):
                "def example_inputs(b):\n    return (torch.randn(b, 8),)\n")
 
 
-def test_nothing_qualifies_names_the_cause_and_exits_1(tmp_path):
-    """Every trial fails (the model only runs at batch 4): the summary says why, not "--max-error"."""
+def test_a_model_that_only_runs_at_another_batch_is_one_error_exit_2(tmp_path):
+    """The model only runs at batch 4, 8 is searched: the up-front FP32 run names the cause; no trial runs."""
     f = tmp_path / "fixed.py"
     f.write_text(FIXED_BATCH)
+    r = run_cli("optimize", f, "--out", tmp_path / "out", "--batch-sizes", "8", "--trials", "4", "--quiet",
+                "--no-export")
+    assert r.returncode == 2 and "the model raised in FP32 at batch 8: RuntimeError" in r.stderr, r.stderr
+    assert "no configuration qualified" not in r.stdout and "Traceback" not in r.stdout + r.stderr
+
+
+OOM_AT_8 = FIXED_BATCH.replace(
+    "return self.fc(x.view(4, -1))",
+    "if x.shape[0] >= 8 and not torch.compiler.is_compiling():\n"
+    "            raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB (simulated)')\n"
+    "        return self.fc(x)")
+
+
+def test_nothing_qualifies_names_the_cause_and_exits_1(tmp_path):
+    """Every trial fails (the model runs out of memory at batch 8, simulated; running out of memory is the search's
+    to find, a lower precision may fit): the summary says why, not "--max-error"."""
+    f = tmp_path / "oom8.py"
+    assert OOM_AT_8 != FIXED_BATCH
+    f.write_text(OOM_AT_8)
     r = run_cli("optimize", f, "--out", tmp_path / "out", "--batch-sizes", "8", "--trials", "4", "--quiet",
                 "--no-export")
     assert r.returncode == 1, r.stdout + r.stderr
@@ -247,3 +279,45 @@ def test_a_clone_named_tctune_in_the_current_folder_gets_one_clear_error(tmp_pat
     import tctune
 
     assert namespace_error(tctune) is None  # the package itself (e.g. from this repository's root)
+
+
+RAISES_IN_FP32 = ("import torch\n"
+                  "def build_model():\n    return torch.nn.Sequential(torch.nn.Linear(7, 7), torch.nn.LayerNorm(64))\n"
+                  "def example_inputs(b):\n    return (torch.randn(b, 7),)\n")
+
+
+def test_model_that_cannot_run_in_fp32_is_one_error_before_capture_and_trials(tmp_path):
+    """The FP32 model runs once at the smallest searched batch first: an error there is bad input (exit 2, the
+    error and the fix), not a capture warning, trials, and "no configuration qualified"; --out is left as it was."""
+    f = tmp_path / "badln.py"
+    f.write_text(RAISES_IN_FP32)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.json").write_text('{"kept": true}')
+    r = run_cli("optimize", f, "--out", out, "--batch-sizes", "16,8", "--trials", "3")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    err = [line for line in r.stderr.splitlines() if not line.startswith("tctune: no NVIDIA GPU")]
+    assert err[0].startswith("tctune: error: badln.py: the model raised in FP32 at batch 8: RuntimeError: "
+                             "Given normalized_shape=[64]"), r.stderr
+    assert err[1] == "  fix: check build_model and example_inputs: the model must run on example_inputs(8) in FP32"
+    assert len(err) == 2 and "graph passes disabled" not in r.stderr and "qualified" not in r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["report.json"] and (out / "report.json").read_text() == '{"kept": true}'
+
+
+def test_fp32_check_runs_the_smallest_batch_only(tmp_path):
+    """check_fp32_runs passes a model that raises only above the smallest batch (the search handles that), and
+    names the error of one that raises there."""
+    import torch
+
+    from tctune.errors import ModelFileError
+    from tctune.modelfile import load_model_file
+    from tctune.search.loop import check_fp32_runs
+
+    f = tmp_path / "big_only.py"
+    f.write_text("import torch\nclass M(torch.nn.Module):\n    def forward(self, x):\n"
+                 "        if x.shape[0] > 8:\n            raise ValueError('too big')\n        return x * 2\n"
+                 "def build_model():\n    return M()\ndef example_inputs(b):\n    return (torch.randn(b, 4),)\n")
+    mf = load_model_file(f)
+    check_fp32_runs(mf.model(), mf, 8, torch.device("cpu"))
+    with pytest.raises(ModelFileError, match=r"big_only\.py: the model raised in FP32 at batch 16: ValueError: too big"):
+        check_fp32_runs(mf.model(), mf, 16, torch.device("cpu"))

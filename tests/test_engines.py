@@ -68,9 +68,10 @@ FROZEN = textwrap.dedent('''
 ''')
 
 
-def _config(path: Path, batch_size: int = 8, batch_sizes=(8, 16), precision: str = "fp32") -> Path:
-    """A best_config.json as ``tctune optimize`` writes it, tuned on this CPU."""
-    cfg = {"model": "m", "hardware": {"name": "CPU (x86_64)", "arch": "cpu", "compute_capability": "",
+def _config(path: Path, batch_size: int = 8, batch_sizes=(8, 16), precision: str = "fp32",
+            model: str = "seed_cnn") -> Path:
+    """A best_config.json as ``tctune optimize`` writes it for the model file named ``model``, tuned on this CPU."""
+    cfg = {"model": model, "hardware": {"name": "CPU (x86_64)", "arch": "cpu", "compute_capability": "",
                                       "source": "cpu", "is_gpu": False},
            "params": {"batch_size": batch_size, "precision": precision, "graph_passes": True},
            "batch_sizes": list(batch_sizes), "passes": [], "tctune_version": "0.1.0"}
@@ -160,7 +161,7 @@ def test_export_bert_records_int_range_from_embedding(tmp_path, capsys):
     pytest.importorskip("transformers")
     model_file = tmp_path / "bert_tiny.py"
     model_file.write_text(BERT_TINY)
-    cfg = _config(tmp_path / "best_config.json", batch_size=4, batch_sizes=(2, 4))
+    cfg = _config(tmp_path / "best_config.json", batch_size=4, batch_sizes=(2, 4), model="bert_tiny")
     rc, stdout, err = _export(capsys, model_file, "--config", cfg, "--format", "onnx", "--out", tmp_path / "out")
     assert rc == 0, err
     manifest = json.loads((tmp_path / "out" / "model.onnx.manifest.json").read_text())
@@ -180,7 +181,7 @@ def test_describe_inputs_without_embedding_uses_max_seen():
 def test_export_frozen_batch_fails_with_clear_message(tmp_path, capsys):
     model_file = tmp_path / "frozen.py"
     model_file.write_text(FROZEN)
-    cfg = _config(tmp_path / "best_config.json")
+    cfg = _config(tmp_path / "best_config.json", model="frozen")
     rc, _, err = _export(capsys, model_file, "--config", cfg, "--format", "onnx", "--out", tmp_path / "out")
     assert rc != 0
     assert "batch" in err and "fix: make the batch dimension dynamic" in err and "Traceback" not in err
@@ -359,3 +360,31 @@ def test_bench_bad_batch_names_its_own_flag(tmp_path, capsys):
     f.write_bytes(b"x")
     assert main(["bench", str(f), "--batch", "0"]) == 2
     assert "invalid --batch '0'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("names", [{"model": "tiny_tx", "model_path": "/runs/tiny_tx.py"},
+                                   {"model_path": "/runs/tiny_tx.py"}])
+def test_export_rejects_a_config_tuned_for_another_model(tmp_path, capsys, names):
+    """A config whose model name (or, without one, the stem of its model_path) is not the model file's stem:
+    one error naming both (exit 2), nothing built; the same file under another folder is accepted."""
+    cfg = json.loads(_config(tmp_path / "best_config.json").read_text())
+    cfg.pop("model")
+    cfg.update(names)
+    (tmp_path / "best_config.json").write_text(json.dumps(cfg))
+    rc, stdout, err = _export(capsys, SEED_CNN, "--config", tmp_path / "best_config.json", "--format", "onnx",
+                              "--out", tmp_path / "out")
+    assert rc == 2 and stdout == ""
+    assert "was tuned for the model 'tiny_tx'" in err and "not seed_cnn.py" in err and "fix: pass the model file" in err
+    assert "Traceback" not in err and not (tmp_path / "out" / "model.onnx").exists()
+
+
+def test_check_config_model_compares_names_not_folders():
+    from tctune.engines import check_config_model
+    from tctune.errors import UsageError
+    from tctune.modelfile import load_model_file
+
+    mf = load_model_file(SEED_CNN)
+    check_config_model({"model": "seed_cnn", "model_path": "/elsewhere/seed_cnn.py"}, mf, "c.json")  # moved: fine
+    check_config_model({}, mf, "c.json")  # a config naming no model is not checked
+    with pytest.raises(UsageError, match=r"tuned for the model 'conv_two' \(/x/conv_two\.py\), not seed_cnn\.py"):
+        check_config_model({"model": "conv_two", "model_path": "/x/conv_two.py"}, mf, "c.json")

@@ -82,3 +82,33 @@ def test_example_inputs_wrong_return(tmp_path, body, match):
 def test_single_tensor_is_accepted_as_tuple(tmp_path):
     mf = load_model_file(write(tmp_path, GOOD.replace("return (torch.randn(batch_size, 4),)", "return torch.randn(batch_size, 4)")))
     assert len(mf.inputs(2)) == 1
+
+
+@pytest.mark.parametrize("ret,n", [("[torch.randn(batch_size, 4), torch.randn(batch_size, 2)]", 2),
+                                   ("torch.randn(batch_size, 4)", 1)])
+def test_example_inputs_list_or_one_tensor_is_taken_as_the_tuple(tmp_path, ret, n):
+    """The contract accepts a list of tensors (the same tuple) or one tensor (a 1-tuple), shapes checked alike."""
+    mf = load_model_file(write(tmp_path, f"""
+        import torch
+        def build_model():
+            return torch.nn.Linear(4, 3)
+        def example_inputs(batch_size):
+            return {ret}
+        """))
+    inputs = mf.inputs(5)
+    assert type(inputs) is tuple and len(inputs) == n and all(t.shape[0] == 5 for t in inputs)
+    assert mf.batched_mask() == (True,) * n
+    assert mf.model()(inputs[0]).shape == (5, 3)
+
+
+def test_example_inputs_list_of_non_tensors_names_what_it_got(tmp_path):
+    mf = load_model_file(write(tmp_path, """
+        import torch
+        def build_model():
+            return torch.nn.Linear(4, 3)
+        def example_inputs(batch_size):
+            return [torch.randn(batch_size, 4), 3]
+        """))
+    with pytest.raises(ModelFileError, match=r"must return a tuple of tensors, got \(Tensor, int\) \(a list of "
+                                             r"tensors or one tensor is accepted too\)"):
+        mf.inputs(5)

@@ -33,29 +33,43 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
     two when LO is one; ``"3-20"`` → 3, 6, 12, 20).
 
     Raises:
-        UsageError: anything else, or a value below 1.
+        UsageError: anything else, or a value below 1; the message names the bad item (``'abc' is not a positive
+            integer``) or the reversed range (``the range must go up, e.g. 16-256``). ``tctune.optimize(batch_sizes=
+            "8,32")`` parses its string with this function too.
     """
     text = text.strip()
-    try:
-        if "-" in text and "," not in text:
-            lo, hi = (int(x) for x in text.split("-", 1))
-            if lo < 1 or hi < lo:
-                raise ValueError
-            sizes, b = [], lo
-            while b <= hi:
-                sizes.append(b)
-                b *= 2
-            if sizes[-1] != hi:
-                sizes.append(hi)
-            return tuple(sizes)
-        sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
-        if not sizes or sizes[0] < 1:
-            raise ValueError
-        return sizes
-    except ValueError:
-        raise UsageError(
-            f"invalid --batch-sizes {text!r}\n  fix: a comma list of positive integers (8,32,128) or a range LO-HI (16-256: doubling from 16, 256 included)"
-        ) from None
+
+    def bad(why: str) -> UsageError:
+        return UsageError(
+            f"invalid --batch-sizes {text!r}: {why}\n  fix: a comma list of positive integers (8,32,128) or a range "
+            "LO-HI (16-256: doubling from 16, 256 included)")
+
+    def positive(token: str) -> int:
+        token = token.strip()
+        if not (token.isascii() and token.isdigit()) or int(token) < 1:
+            raise bad(f"{token!r} is not a positive integer")
+        return int(token)
+
+    if not text:
+        raise bad("no batch size given")
+    if "-" in text and "," not in text:
+        lo_text, hi_text = text.split("-", 1)
+        if not lo_text.strip():  # "-4": a negative number, not a range
+            raise bad(f"{text!r} is not a positive integer")
+        lo, hi = positive(lo_text), positive(hi_text)
+        if hi < lo:
+            raise bad(f"the range must go up, e.g. {hi}-{lo}")
+        sizes, b = [], lo
+        while b <= hi:
+            sizes.append(b)
+            b *= 2
+        if sizes[-1] != hi:
+            sizes.append(hi)
+        return tuple(sizes)
+    tokens = [x for x in text.split(",") if x.strip()]
+    if not tokens:
+        raise bad("no batch size given")
+    return tuple(sorted({positive(x) for x in tokens}))
 
 
 def parse_devices(text: str) -> tuple[int, ...]:

@@ -32,10 +32,10 @@ import torch
 from ..capture import Captured, batch_range, try_capture
 from ..errors import CandidateRejected, ModelFileError, PassError, UsageError
 from ..hardware import HardwareSpec
-from ..measure import precision_mode, release_memory, time_interleaved
+from ..measure import is_oom, precision_mode, release_memory, time_interleaved
 from ..modelfile import ModelFile
 from ..runtime import CUDA_GRAPH_RUNTIMES, RUNTIMES_CPU, RUNTIMES_GPU
-from ..trial import FailureKind, TrialParams, measuring_device
+from ..trial import FailureKind, TrialParams, measuring_device, reference_inputs
 from .config import OBJECTIVES, TuneConfig
 from .baselines import (SIDE_BY_SIDE_BLOCK_S, SIDE_BY_SIDE_ROUNDS, Baseline, ClockMonitor, candidate_params,
                         compile_baseline, plain_baselines, preference)
@@ -61,6 +61,30 @@ BRUTE_FORCE_MAX = 96
 CONFIRM_TOP = 3
 CONFIRM_BAND = 0.05
 
+
+
+def check_fp32_runs(model: torch.nn.Module, mf: ModelFile, batch_size: int, device: torch.device) -> None:
+    """Run the FP32 ``model`` (eval mode) once on the seeded inputs of ``batch_size`` (the smallest batch size
+    searched), before the capture and the trials: a model that cannot run at all is bad input, not a search
+    where no configuration qualifies. A model that raises only at larger batch sizes is the search's to find
+    (those trials fail, the others run); running out of memory here is too (a lower precision may fit).
+
+    Raises:
+        ModelFileError: the model raised (the message names the batch size, the error and the fix).
+    """
+    inputs = reference_inputs(mf, batch_size, device)
+    try:
+        with precision_mode("fp32"), torch.no_grad():
+            model(*inputs)
+    except Exception as exc:  # noqa: BLE001 - any error of the model's own code is reported as its cause
+        release_memory(device)
+        if is_oom(exc):
+            return
+        what = "build_model and example_inputs" if mf.path.suffix == ".py" else "the model and its example inputs"
+        raise ModelFileError(
+            f"{mf.path.name}: the model raised in FP32 at batch {batch_size}: {type(exc).__name__}: "
+            f"{first_line(exc)}\n  fix: check {what}: the model must run on example_inputs({batch_size}) in FP32"
+        ) from exc
 
 
 class Tuner:
@@ -107,6 +131,8 @@ class Tuner:
                         "measure on and --mode infer), so --fp8-keep / --max-error-fp8 have no effect")
         self.model = mf.model().to(self.device)
         self.model.train(training)
+        if not training and not cfg.worker:  # the main process checks; its --devices workers load the same file
+            check_fp32_runs(self.model, mf, min(cfg.batch_sizes), self.device)
         if training:
             self.captured = Captured(None, TRAIN_NO_PASSES)
         else:
