@@ -418,6 +418,9 @@ def render_markdown(r: dict) -> str:
         lines += [f"> **Graph capture failed**, so no graph passes ran: {r['capture']['reason']}", ""]
     lines += ["## Result", ""]
     b, base = r["best"], r["baseline"]
+    if r.get("interrupted"):  # first: every line below is the answer so far, not the search's answer
+        lines += ["**The run was interrupted** (Ctrl-C or a signal) before the search finished: what follows is from "
+                  "the trials that finished, nothing was exported, and running the same command again resumes.", ""]
     if b:
         p = b["params"]
         kind = "the model as written"
@@ -437,7 +440,13 @@ def render_markdown(r: dict) -> str:
         lines.append(f"- Accuracy: {gate_line(b, r['config'])}.")
         why = (b.get("verdict") or {}).get("reason")
         rule = (b.get("verdict") or {}).get("rule")
-        if b.get("kind") == "baseline" or b.get("baseline_wins"):
+        if (b.get("kind") == "baseline" or b.get("baseline_wins")) and (b.get("verdict") or {}).get(
+                "candidates_measured") is False:  # nothing was compared: no win to claim
+            stop = " before the interruption" if r.get("interrupted") else ""
+            lines.append(f"- **No tctune candidate was measured{stop}**: the fastest plain baseline measured so far "
+                         f"is {b.get('label') or b['baseline']} at batch {p['batch_size']}; this is not a comparison "
+                         "with tctune's candidates.")
+        elif b.get("kind") == "baseline" or b.get("baseline_wins"):
             srch = b.get("best_searched")
             lines.append("- **A plain baseline wins. Use it**: "
                          + (why or f"{b['baseline']} was the fastest feasible configuration; nothing tctune searched "
@@ -582,7 +591,9 @@ def render_markdown(r: dict) -> str:
         lines += ["", "**The run was interrupted** (Ctrl-C or a signal): finished trials are kept, "
                       + (f"{r['study']['n_queued_not_run']} queued candidate(s) were not started, "
                          if r["study"].get("n_queued_not_run") else "")
-                      + "nothing was exported; running the same command again resumes."]
+                      + "nothing was exported"
+                      + ("; `best_config.json` holds the answer so far" if r["artifacts"].get("best_config") else "")
+                      + "; running the same command again resumes."]
     elif r["study"].get("n_queued_not_run"):
         lines += ["", f"{r['study']['n_queued_not_run']} queued candidate(s) were not started (--trials or --timeout "
                       "reached); running the command again measures them."]

@@ -209,3 +209,30 @@ def test_preference_order():
     assert ranked == ["fp32_eager", "autocast_bf16", "cast_bf16", "compile_autocast_bf16", None]
     assert preference(101.0, None, 8, 0) < preference(100.0, "fp32_eager", 8, 0)  # faster first
     assert preference(100.0, "fp32_eager", 8, 5) < preference(100.0, "fp32_eager", 32, 1)  # then the smaller batch
+
+
+def test_a_run_stopped_after_the_baselines_claims_no_win():
+    """Only plain baselines finished (an interrupted run): the verdict says no tctune candidate was measured, and
+    report.md's Result starts with the interruption instead of "A plain baseline wins"."""
+    study = optuna.create_study(direction="maximize")
+    p = {"batch_size": 8, "precision": "fp32", "graph_passes": False, "runtime": "eager"}
+    _add(study, p, 100.0, baseline="fp32_eager")
+    fast = _add(study, dict(p, precision="bf16"), 5000.0, baseline="autocast_bf16")
+    v = verdict(study)
+    assert v["candidates_measured"] is False and v["trial"].number == fast
+    assert v["reason"] == ("no tctune candidate was measured; the fastest plain baseline measured so far is "
+                           "autocast bf16 eager at batch 8")
+    report = build_report(study, hardware={}, measured_on="cpu", config={"max_error": 0.01, "mode": "infer"},
+                          model={"name": "m", "path": "m.py"}, passes=[], artifacts={"best_config": "b.json"},
+                          capture={"ok": True}, extra={"interrupted": True})
+    md = render_markdown(report)
+    result = md.split("## Result", 1)[1].strip()
+    assert result.startswith("**The run was interrupted**")
+    assert "A plain baseline wins" not in md
+    assert ("**No tctune candidate was measured before the interruption**: the fastest plain baseline measured so "
+            "far is autocast bf16 eager at batch 8") in result
+    assert "`best_config.json` holds the answer so far" in md
+    # once a candidate was measured (here: slower), the baseline answer is a win again
+    _add(study, dict(p, graph_passes=True), 90.0, description="tctune graph fp32")
+    v = verdict(study)
+    assert v["candidates_measured"] is True and "was the fastest: use it" in v["reason"]

@@ -166,7 +166,8 @@ def verdict(study: optuna.Study) -> dict | None:
     Returns:
         None when no trial is feasible; else ``{"trial": FrozenTrial, "kind": "tctune" | "baseline", "name":
         the baseline's name (e.g. ``cast_fp16``), else the candidate's description, "rule": the rule applied,
-        "reason": one line saying why (e.g. "no tctune candidate was measurably faster than model.half() eager at
+        "candidates_measured": :func:`candidates_measured` (when False the reason says that no tctune candidate was
+        measured, not that a baseline won), "reason": one line saying why (e.g. "no tctune candidate was measurably faster than model.half() eager at
         batch 64 (1.01×, 95 % CI 0.98–1.04, which includes 1.0): use it"; "... beat ..." when the median is not
         above 1.0). For a plain baseline answer the sentence compares at the answer's batch size; a faster
         candidate turned down at another batch size is a second clause naming its own batch and comparison, so
@@ -181,11 +182,13 @@ def verdict(study: optuna.Study) -> dict | None:
     if not ok:
         return None
 
+    measured = candidates_measured(study)
+
     def result(t, rule, reason, challenger=None):
         base = t.user_attrs.get("baseline")
         name = base or t.user_attrs.get("description") or f"tctune trial {t.number}"
         return {"trial": t, "kind": "baseline" if base else "tctune", "name": name, "rule": rule,
-                "reason": reason, "challenger": challenger}
+                "reason": reason, "challenger": challenger, "candidates_measured": measured}
 
     if list(study.directions) == [optuna.study.StudyDirection.MINIMIZE]:
         t = min(ok, key=lambda t: t.values[0])
@@ -204,6 +207,10 @@ def verdict(study: optuna.Study) -> dict | None:
         best = min((t for t in ok if t.number in conf), key=lambda t: _pref(t, conf[t.number]))
     else:
         best = fastest
+    if best.user_attrs.get("baseline") and not measured:
+        return result(best, VERDICT_RULE_NO_CI, "no tctune candidate was measured; the fastest plain baseline "
+                                                f"measured so far is {_label(best.user_attrs['baseline'])} at batch "
+                                                f"{best.params.get('batch_size')}")
     if best.user_attrs.get("baseline"):
         return result(best, VERDICT_RULE_NO_CI, f"{_label(best.user_attrs['baseline'])} at batch "
                                                 f"{best.params.get('batch_size')} was the fastest: use it")
@@ -222,6 +229,15 @@ def verdict(study: optuna.Study) -> dict | None:
                        "ci95": None, "p_value": None, "rounds": None})
     return result(best, VERDICT_RULE_NO_CI, "faster than every plain baseline of the same run at its batch size"
                   if same is not None else "no plain baseline of the same run at its batch size to compare with")
+
+
+def candidates_measured(study: optuna.Study) -> bool:
+    """Whether any tctune candidate (a trial that is not a plain baseline) finished being measured: completed,
+    pruned, or failed with a recorded reason (:func:`counts_as_measured`). False when a run stopped (Ctrl-C, a
+    signal, ``--timeout``) after only plain baselines ran: a baseline answer then wins over nothing."""
+    done = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.FAIL)
+    return any(not t.user_attrs.get("baseline") and t.state in done and counts_as_measured(t)
+               for t in study.get_trials(deepcopy=False))
 
 
 def _pref(t: optuna.trial.FrozenTrial, throughput: float) -> tuple:
@@ -351,10 +367,11 @@ def headline(study: optuna.Study, best: optuna.trial.FrozenTrial | None = None) 
     if v is None or v["trial"].number != best.number:  # a trial the caller chose: described, not judged
         name = best.user_attrs.get("baseline")
         v = {"kind": "baseline" if name else "tctune", "name": name or best.user_attrs.get("description"),
-             "rule": None, "reason": None, "challenger": None}
+             "rule": None, "reason": None, "challenger": None, "candidates_measured": candidates_measured(study)}
     out = _headline_numbers(study, best)
     out.update(kind=v["kind"], name=v["name"],
-               verdict={"rule": v["rule"], "reason": v["reason"], "challenger": v["challenger"]})
+               verdict={"rule": v["rule"], "reason": v["reason"], "challenger": v["challenger"],
+                        "candidates_measured": v["candidates_measured"]})
     if v["kind"] == "baseline":  # the answer is the plain baseline itself: 1.0 by definition
         out["best_baseline"] = {"trial": best.number, "name": v["name"], "batch_size": best.params["batch_size"],
                                 "throughput": out["chosen_throughput"]}
