@@ -146,6 +146,25 @@ def unstable_timing(*rows: dict | None) -> str | None:
     return None
 
 
+def fp32_baseline_entry(trials: list[dict], side_by_side: dict | None, fp32: dict, timing: str) -> dict:
+    """``report.json``'s top-level ``baseline``: FP32 eager at the best's batch size, with the same fields, and the
+    same meaning of each, as its ``baselines`` entry (:func:`baseline_rows`: ``throughput``, ``latency_ms``,
+    ``latency_p99_ms`` from the trial's own first timing, ``side_by_side_throughput`` the median of this run's
+    side-by-side timing or None), plus ``graph_passes: False``, ``compared_throughput`` (items/s: the number the
+    best's ``speedup_vs_fp32_eager`` divides by, ``fp32``'s from :func:`tctune.search.results.headline`),
+    ``compared_on`` ("side-by-side median" or "first timing"), ``timing`` (the headline's), ``first_throughput``
+    (= ``throughput``, the older key) and ``timings`` (each number's field -> which timing it is from)."""
+    row = next(b for b in baseline_rows(trials, side_by_side) if b["trial"] == fp32["trial"])
+    sbs = timing.startswith("side by side")
+    first = "first timing" + (f" (run {row['run_id']})" if row.get("run_id") else "")
+    return {**row, "graph_passes": False, "compared_throughput": fp32["throughput"],
+            "compared_on": "side-by-side median" if sbs else "first timing", "timing": timing,
+            "first_throughput": row["throughput"],
+            "timings": {"throughput": first, "latency_ms": first, "latency_p99_ms": first,
+                        "first_throughput": first, "side_by_side_throughput": "side-by-side median, this run",
+                        "compared_throughput": "side-by-side median, this run" if sbs else first}}
+
+
 def build_report(study: optuna.Study, *, hardware: dict, measured_on: str, config: dict, model: dict,
                  passes: list[dict], artifacts: dict, capture: dict, extra: dict | None = None) -> dict:
     """Assemble the report dictionary (see README, "Output files", for every field)."""
@@ -176,10 +195,7 @@ def build_report(study: optuna.Study, *, hardware: dict, measured_on: str, confi
         best["speedup_vs_baseline"] = head["speedup_vs_fp32_eager"]  # the FP32 eager one (older key)
         f32 = head["fp32_eager"]
         if f32:
-            row = next(r for r in trials if r["number"] == f32["trial"])
-            baseline = {"precision": "fp32", "graph_passes": False, "batch_size": f32["batch_size"],
-                        "throughput": f32["throughput"], "first_throughput": row["throughput"],
-                        "latency_ms": row["latency_ms"], "trial": f32["trial"], "timing": head["timing"]}
+            baseline = fp32_baseline_entry(trials, current_sbs, f32, head["timing"])
         best["accepted_by"] = accepted_by(best, config)
     report = {
         "tctune_version": model.get("tctune_version"),
@@ -478,7 +494,8 @@ def render_markdown(r: dict) -> str:
                          f"{_fmt(bb['throughput'])} items/s): **{_fmt(b['speedup_vs_best_baseline'], '.2f')}×**{stats}.")
         if base:
             lines.append(f"- Against FP32 eager at the same batch ({base['batch_size']}): "
-                         f"{_fmt(b['speedup_vs_baseline'], '.2f')}× ({_fmt(base['throughput'])} items/s).")
+                         f"{_fmt(b['speedup_vs_baseline'], '.2f')}× ({_fmt(base.get('compared_throughput', base['throughput']))} "
+                         f"items/s, {base.get('compared_on', 'same timing')}).")
         anyb = b.get("best_baseline_any_batch")
         if anyb and b.get("speedup_vs_best_baseline_any_batch") is not None:
             lines.append(f"- The fastest plain baseline at any searched batch size: {anyb['name']} at batch "

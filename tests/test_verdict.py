@@ -236,3 +236,21 @@ def test_a_run_stopped_after_the_baselines_claims_no_win():
     _add(study, dict(p, graph_passes=True), 90.0, description="tctune graph fp32")
     v = verdict(study)
     assert v["candidates_measured"] is True and "was the fastest: use it" in v["reason"]
+
+
+def test_the_top_level_baseline_has_the_baselines_entry_fields_each_labelled():
+    """report.json's ``baseline`` is FP32 eager's ``baselines`` entry (first timing: throughput, latency_ms) plus the
+    number the speedup divides by, labelled by its timing; no field mixes two timings unlabelled."""
+    study, fp32, cast, cand = _study(speedup=1.3, noise=0.02)
+    report = _report(study)
+    base = report["baseline"]
+    entry = next(b for b in report["baselines"] if b["trial"] == fp32)
+    assert {k: base[k] for k in entry} == entry  # same fields, same values, same meaning
+    sbs = {e["trial"]: e["throughput"] for e in study.user_attrs["side_by_side"]["entries"]}
+    assert base["throughput"] == 400.0 and base["side_by_side_throughput"] == sbs[fp32]
+    assert base["compared_throughput"] == sbs[fp32] and base["compared_on"] == "side-by-side median"
+    assert report["best"]["speedup_vs_baseline"] == pytest.approx(sbs[cand] / base["compared_throughput"])
+    assert base["timings"]["latency_ms"].startswith("first timing")
+    assert base["timings"]["side_by_side_throughput"].startswith("side-by-side median")
+    line = next(x for x in render_markdown(report).splitlines() if x.startswith("- Against FP32 eager"))
+    assert line.endswith("items/s, side-by-side median).")
