@@ -254,3 +254,47 @@ def test_the_top_level_baseline_has_the_baselines_entry_fields_each_labelled():
     assert base["timings"]["side_by_side_throughput"].startswith("side-by-side median")
     line = next(x for x in render_markdown(report).splitlines() if x.startswith("- Against FP32 eager"))
     assert line.endswith("items/s, side-by-side median).")
+
+
+def _two_baselines(ratio: float, noise: float, rounds: int = 15, seed: int = 1, side_by_side: bool = True):
+    """FP32 eager and autocast bf16 at batch 16, autocast ``ratio``× faster by its median, each per-round (or
+    per-repeat) ms scaled by factors spread over ±``noise``, shuffled independently; one slower tctune candidate."""
+    rng = random.Random(seed)
+    spread = [noise * (2 * i / (rounds - 1) - 1) for i in range(rounds)]
+    f32_ms = [100.0 * (1 + f) for f in rng.sample(spread, rounds)]
+    bf_ms = [100.0 / ratio * (1 + f) for f in rng.sample(spread, rounds)]
+    cand_ms = [150.0 * (1 + f) for f in rng.sample(spread, rounds)]
+    study = optuna.create_study(direction="maximize")
+    p = {"batch_size": 16, "precision": "fp32", "graph_passes": False, "runtime": "eager"}
+    f32 = _add(study, p, 160.0, baseline="fp32_eager", repeats_ms=f32_ms)
+    bf = _add(study, dict(p, precision="bf16"), 160.0 * ratio, baseline="autocast_bf16", repeats_ms=bf_ms)
+    cand = _add(study, dict(p, graph_passes=True), 160.0 / 1.5, description="tctune graph", repeats_ms=cand_ms)
+    if side_by_side:
+        def entry(n, ms):
+            med = sorted(ms)[len(ms) // 2]
+            return {"trial": n, "batch_size": 16, "throughput": 16 / (med / 1e3), "rounds_ms": ms, "error": None}
+        study.set_user_attr("run_id", "r")
+        study.set_user_attr("side_by_side", {"run_id": "r", "after_trial": cand, "entries": [
+            entry(f32, f32_ms), entry(bf, bf_ms), entry(cand, cand_ms)]})
+    return study, f32, bf
+
+
+@pytest.mark.parametrize("side_by_side", [True, False])
+def test_a_lossy_baseline_not_measurably_faster_than_fp32_eager_is_not_recommended(side_by_side):
+    """autocast bf16 is 1.01× FP32 eager by its median but within the noise: FP32 eager is the answer, and the
+    sentence says why (side by side: the CI; without it: the timing repeats overlap)."""
+    study, f32, bf = _two_baselines(1.01, noise=0.3, side_by_side=side_by_side)
+    v = verdict(study)
+    assert v["kind"] == "baseline" and v["trial"].number == f32
+    assert "autocast bf16 eager" in v["reason"] and "not measurably faster than FP32 eager" in v["reason"]
+    if side_by_side:
+        assert "which includes 1.0" in v["reason"] and v["reason"].count("use FP32 eager at batch 16") == 1
+        assert headline(study)["best_baseline"]["trial"] == f32
+
+
+@pytest.mark.parametrize("side_by_side", [True, False])
+def test_a_lossy_baseline_measurably_faster_than_fp32_eager_is_recommended(side_by_side):
+    study, f32, bf = _two_baselines(1.5, noise=0.05, side_by_side=side_by_side)
+    v = verdict(study)
+    assert v["kind"] == "baseline" and v["trial"].number == bf
+    assert "not measurably faster" not in v["reason"]

@@ -207,6 +207,16 @@ def verdict(study: optuna.Study) -> dict | None:
         best = min((t for t in ok if t.number in conf), key=lambda t: _pref(t, conf[t.number]))
     else:
         best = fastest
+    if best.user_attrs.get("baseline"):
+        fastest_base = best
+        best, _ = preferred_baseline(best, ok)
+        if best is not fastest_base:
+            return result(best, VERDICT_RULE_NO_CI, f"{_label(fastest_base.user_attrs['baseline'])} at batch "
+                                                    f"{best.params.get('batch_size')} had the highest throughput but was "
+                                                    f"not measurably faster than {_label(best.user_attrs['baseline'])} "
+                                                    "(the ranges of their timing repeats overlap): use "
+                                                    f"{_label(best.user_attrs['baseline'])}"
+                                                    + ("" if measured else "; no tctune candidate was measured"))
     if best.user_attrs.get("baseline") and not measured:
         return result(best, VERDICT_RULE_NO_CI, "no tctune candidate was measured; the fastest plain baseline "
                                                 f"measured so far is {_label(best.user_attrs['baseline'])} at batch "
@@ -247,6 +257,73 @@ def _pref(t: optuna.trial.FrozenTrial, throughput: float) -> tuple:
     return preference(throughput, t.user_attrs.get("baseline"), t.params.get("batch_size", 0), t.number)
 
 
+#: How one plain baseline is chosen over another at the same batch size (``report.json``'s verdict sentence names
+#: the comparison when the fastest is not the answer).
+BASELINE_CHOICE_RULE = ("among the feasible plain baselines at one batch size, a lower-precision or more complex one "
+                        "(FP32 eager < autocast < model cast < torch.compile) replaces a preferred one only when it is "
+                        "measurably faster: side by side, the bootstrap 95 % CI of its speedup lies above 1.0; "
+                        "without side-by-side rounds for both, its slowest timing repeat is faster than the preferred "
+                        "one's fastest, and without repeats, a higher throughput")
+
+
+def _measurably_faster(inc: optuna.trial.FrozenTrial, ch: optuna.trial.FrozenTrial, rows: dict) -> tuple[bool, dict | None]:
+    """Whether baseline ``ch`` is measurably faster than baseline ``inc`` (same batch size) by
+    :data:`BASELINE_CHOICE_RULE`; the second item is the side-by-side statistics
+    (:func:`tctune.search.baselines.interleaved_speedup`) when both have rounds in ``rows``, else None."""
+    from .baselines import interleaved_speedup
+
+    a, b = rows.get(inc.number), rows.get(ch.number)
+    if a and b and a.get("rounds_ms") and b.get("rounds_ms"):
+        n = min(len(a["rounds_ms"]), len(b["rounds_ms"]))
+        stats = interleaved_speedup(a["rounds_ms"][:n], b["rounds_ms"][:n])
+        return stats["speedup"] > 1.0 and stats["ci95"][0] > 1.0, stats
+    ra, rb = inc.user_attrs.get("repeats_ms"), ch.user_attrs.get("repeats_ms")
+    if ra and rb:  # unpaired repeats of each first timing (ms per call at the same batch size): ranges apart
+        return max(rb) < min(ra), None
+    return ch.user_attrs["throughput"] > inc.user_attrs["throughput"], None
+
+
+def preferred_baseline(fastest: optuna.trial.FrozenTrial, feasible: list, rows: dict | None = None
+                       ) -> tuple[optuna.trial.FrozenTrial, dict | None]:
+    """The plain baseline :data:`BASELINE_CHOICE_RULE` chooses at the batch size of baseline ``fastest``.
+
+    The feasible baselines at that batch size (and, without side-by-side rows, of ``fastest``'s run) are walked in
+    :data:`tctune.search.baselines.BASELINE_PREFERENCE` order (then faster first); each replaces the current choice
+    only when measurably faster than it.
+
+    Args:
+        fastest: the fastest feasible plain baseline (a trial with the ``baseline`` user attribute).
+        feasible: the feasible trials to choose among (others are ignored).
+        rows: the side-by-side entries by trial number (``rounds_ms``: ms per call per round), or None.
+
+    Returns:
+        ``(chosen trial, stats)``: ``stats`` is ``{"speedup", "ci95", "against"}`` of ``fastest`` over the chosen
+        trial when they differ and side-by-side rounds exist for both (else None).
+    """
+    from .baselines import baseline_rank
+
+    rows = rows or {}
+    bs = fastest.params["batch_size"]
+    group = [t for t in feasible if t.user_attrs.get("baseline") and t.params.get("batch_size") == bs
+             and (t.number in rows if fastest.number in rows else
+                  t.user_attrs.get("run_id") == fastest.user_attrs.get("run_id"))]
+    if fastest not in group:
+        group.append(fastest)
+
+    def speed(t):
+        return rows[t.number]["throughput"] if t.number in rows else t.user_attrs["throughput"]
+
+    group.sort(key=lambda t: (baseline_rank(t.user_attrs["baseline"]), -speed(t), t.number))
+    chosen = group[0]
+    for t in group[1:]:
+        if _measurably_faster(chosen, t, rows)[0]:
+            chosen = t
+    if chosen.number == fastest.number:
+        return chosen, None
+    _, stats = _measurably_faster(chosen, fastest, rows)
+    return chosen, stats
+
+
 def _side_by_side_verdict(timed: list, rows: dict, result) -> dict:
     """:func:`verdict` on a side-by-side timing: ``timed`` the feasible timed trials, fastest median first;
     ``rows`` the timing's entries by trial number."""
@@ -284,12 +361,30 @@ def _side_by_side_verdict(timed: list, rows: dict, result) -> dict:
             # size gets its own clause, naming its batch (never one ratio of numbers from two batch sizes).
             name, bs = t.user_attrs["baseline"], t.params["batch_size"]
             if challenger is None and not any(not s.user_attrs.get("baseline") for s in timed):
-                return result(t, VERDICT_RULE, f"no tctune candidate was timed side by side: use {_label(name)} at "
-                                               f"batch {bs}")
+                answer, pref = preferred_baseline(t, timed, rows)
+                return result(answer, VERDICT_RULE, f"no tctune candidate was timed side by side: use "
+                                                    f"{_label(answer.user_attrs['baseline'])} at batch {bs}"
+                              + ("" if pref is None else f" ({_label(name)} was not measurably faster than "
+                                 f"{_label(answer.user_attrs['baseline'])}: "
+                                 f"{pref['speedup']:.2f}×, 95 % CI {pref['ci95'][0]:.2f}–{pref['ci95'][1]:.2f})"))
             here = (challenger if challenger is not None and challenger["against"] == t.number else
                     next((against(s) for s in timed if not s.user_attrs.get("baseline")
                           and s.params["batch_size"] == bs), None))
-            if here is None and challenger is None:
+            answer, pref = preferred_baseline(t, timed, rows)
+            if answer is not t:  # the fastest baseline is not measurably faster than a preferred one at its batch
+                if here is None:
+                    reason = (f"{_label(name)} was the fastest plain baseline side by side at batch {bs} (no tctune "
+                              "candidate was timed there)")
+                else:
+                    reason = (f"no tctune candidate was " + ("measurably faster than " if here["speedup"] > 1.0
+                                                             else "faster than ")
+                              + f"{_label(name)} at batch {bs} ({ci(here)}"
+                              + (", which includes 1.0)" if here["speedup"] > 1.0 else ")"))
+                reason += (f"; use {_label(answer.user_attrs['baseline'])} at batch {bs}: {_label(name)} was not "
+                           f"measurably faster than {_label(answer.user_attrs['baseline'])} ({pref['speedup']:.2f}×, 95 % CI {pref['ci95'][0]:.2f}–"
+                           f"{pref['ci95'][1]:.2f}, which includes 1.0), and plain baselines are preferred in the order "
+                           "FP32 eager, autocast, model cast, torch.compile")
+            elif here is None and challenger is None:
                 reason = (f"use {_label(name)} at batch {bs}: faster side by side than every tctune candidate (none "
                           f"was timed at batch {bs})")
             elif here is None:
@@ -306,7 +401,7 @@ def _side_by_side_verdict(timed: list, rows: dict, result) -> dict:
                            + ("not measurably faster than " if c["speedup"] > 1.0 else "not faster than ")
                            + f"{_label(c['against_name'])} {where(c)} ({ci(c)}"
                            + (", which includes 1.0)" if c["speedup"] > 1.0 else ")"))
-            return result(t, VERDICT_RULE, reason, challenger or here
+            return result(answer, VERDICT_RULE, reason, challenger or here
                           or next(against(s) for s in timed if not s.user_attrs.get("baseline")))
         c = against(t)
         if c is None:
