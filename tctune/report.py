@@ -434,9 +434,15 @@ def render_markdown(r: dict) -> str:
         lines += [f"> **Graph capture failed**, so no graph passes ran: {r['capture']['reason']}", ""]
     lines += ["## Result", ""]
     b, base = r["best"], r["baseline"]
-    if r.get("interrupted"):  # first: every line below is the answer so far, not the search's answer
+    if r.get("interrupted"):  # said once, first: every line below is the answer so far, not the search's answer
         lines += ["**The run was interrupted** (Ctrl-C or a signal) before the search finished: what follows is from "
-                  "the trials that finished, nothing was exported, and running the same command again resumes.", ""]
+                  "the trials that finished (they are kept), "
+                  + (f"{r['study']['n_queued_not_run']} queued candidate(s) were not started, "
+                     if r["study"].get("n_queued_not_run") else "")
+                  + "nothing was exported"
+                  + ("; `best_config.json` holds the answer so far" if (r.get("artifacts") or {}).get("best_config")
+                     else "")
+                  + "; running the same command again resumes.", ""]
     if b:
         p = b["params"]
         kind = "the model as written"
@@ -458,7 +464,7 @@ def render_markdown(r: dict) -> str:
         rule = (b.get("verdict") or {}).get("rule")
         if (b.get("kind") == "baseline" or b.get("baseline_wins")) and (b.get("verdict") or {}).get(
                 "candidates_measured") is False:  # nothing was compared: no win to claim
-            stop = " before the interruption" if r.get("interrupted") else ""
+            stop = " before the run stopped" if r.get("interrupted") else ""
             lines.append(f"- **No tctune candidate was measured{stop}**: the fastest plain baseline measured so far "
                          f"is {b.get('label') or b['baseline']} at batch {p['batch_size']}; this is not a comparison "
                          "with tctune's candidates.")
@@ -604,14 +610,7 @@ def render_markdown(r: dict) -> str:
                      f"{p.get('runtime', 'eager')} | {p.get('batch_size', '–')} | {_fmt(t['throughput'])} | {_fmt(t['latency_ms'])} | "
                      f"{_fmt(t['peak_memory_mib'], '.0f')} | {_rel_error(t)} | {_mismatch(t)} | {_top1(t)} | {_score(t)} | "
                      f"{_fmt(t['setup_s'], '.1f')} | {t['fail_reason'] or ''} |")
-    if r.get("interrupted"):  # said once, here: the queued trials and the missing export are its consequences
-        lines += ["", "**The run was interrupted** (Ctrl-C or a signal): finished trials are kept, "
-                      + (f"{r['study']['n_queued_not_run']} queued candidate(s) were not started, "
-                         if r["study"].get("n_queued_not_run") else "")
-                      + "nothing was exported"
-                      + ("; `best_config.json` holds the answer so far" if r["artifacts"].get("best_config") else "")
-                      + "; running the same command again resumes."]
-    elif r["study"].get("n_queued_not_run"):
+    if not r.get("interrupted") and r["study"].get("n_queued_not_run"):  # (an interruption says it atop the Result)
         lines += ["", f"{r['study']['n_queued_not_run']} queued candidate(s) were not started (--trials or --timeout "
                       "reached); running the command again measures them."]
     a = r["artifacts"]

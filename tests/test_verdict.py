@@ -229,7 +229,7 @@ def test_a_run_stopped_after_the_baselines_claims_no_win():
     result = md.split("## Result", 1)[1].strip()
     assert result.startswith("**The run was interrupted**")
     assert "A plain baseline wins" not in md
-    assert ("**No tctune candidate was measured before the interruption**: the fastest plain baseline measured so "
+    assert ("**No tctune candidate was measured before the run stopped**: the fastest plain baseline measured so "
             "far is autocast bf16 eager at batch 8") in result
     assert "`best_config.json` holds the answer so far" in md
     # once a candidate was measured (here: slower), the baseline answer is a win again
