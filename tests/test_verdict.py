@@ -298,3 +298,33 @@ def test_a_lossy_baseline_measurably_faster_than_fp32_eager_is_recommended(side_
     v = verdict(study)
     assert v["kind"] == "baseline" and v["trial"].number == bf
     assert "not measurably faster" not in v["reason"]
+
+
+def test_a_feasible_candidate_not_timed_at_the_answers_batch_is_named_not_beaten():
+    """A searched trial at batch 128 (e.g. of an earlier run) was not in the side-by-side timing: the sentence says
+    it was not compared instead of "faster than every tctune candidate"."""
+    study, fp32, cast, cand = _study(speedup=1.005, noise=0.05)
+    old = _add(study, {"batch_size": 128, "precision": "bf16", "graph_passes": True, "runtime": "eager"}, 900.0,
+               description="tctune graph bf16", run_id="earlier")
+    other = _with_baseline_at_128(study, 1280.0)
+    v = verdict(study)
+    assert v["trial"].number == other
+    assert v["reason"] == (f"use autocast bf16 eager at batch 128, the fastest plain baseline side by side; the "
+                           f"feasible tctune candidate(s) at batch 128 (trial {old}) were not timed side by side in "
+                           "this run, so they are not compared (numbers of two timings are never divided)")
+
+
+def test_the_side_by_side_timing_includes_a_candidate_at_the_fastest_baselines_batch():
+    """The fastest baseline can be the answer: the fastest feasible searched trial at its batch size (of any run)
+    is timed beside it, even when its first timing is outside the finalists' band."""
+    from types import SimpleNamespace
+
+    from tctune.search.loop import Tuner
+
+    study, fp32, cast, cand = _study(speedup=1.005, noise=0.05)
+    p = {"batch_size": 128, "precision": "bf16", "graph_passes": False, "runtime": "eager"}
+    fast = _add(study, p, 5000.0, baseline="autocast_bf16")
+    slow = _add(study, dict(p, graph_passes=True), 900.0, description="tctune graph bf16", run_id="earlier")
+    numbers = [t.number for t in Tuner.side_by_side_entries(SimpleNamespace(cfg=SimpleNamespace(
+        objective="throughput")), study)]
+    assert fast in numbers and slow in numbers and cand in numbers

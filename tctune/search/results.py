@@ -200,7 +200,7 @@ def verdict(study: optuna.Study) -> dict | None:
     rows = {e["trial"]: e for e in sbs.get("entries") or [] if e.get("throughput") and e.get("rounds_ms")}
     timed = sorted((t for t in ok if t.number in rows), key=lambda t: _pref(t, rows[t.number]["throughput"]))
     if timed and fastest.number <= sbs.get("after_trial", -1):
-        return _side_by_side_verdict(timed, rows, result)
+        return _side_by_side_verdict(timed, rows, result, ok)
     conf = confirmed_throughputs(study)
     chosen = {t.number: conf.get(t.number, t.user_attrs["throughput"]) for t in ok}
     if conf and fastest.number <= study.user_attrs["confirmation"]["after_trial"] and any(t.number in conf for t in ok):
@@ -324,9 +324,10 @@ def preferred_baseline(fastest: optuna.trial.FrozenTrial, feasible: list, rows: 
     return chosen, stats
 
 
-def _side_by_side_verdict(timed: list, rows: dict, result) -> dict:
+def _side_by_side_verdict(timed: list, rows: dict, result, feasible: list = ()) -> dict:
     """:func:`verdict` on a side-by-side timing: ``timed`` the feasible timed trials, fastest median first;
-    ``rows`` the timing's entries by trial number."""
+    ``rows`` the timing's entries by trial number; ``feasible`` every feasible trial (a feasible searched trial
+    that was not timed is named as not compared, never as beaten)."""
     from .baselines import interleaved_speedup
 
     def per_item(t):
@@ -371,6 +372,8 @@ def _side_by_side_verdict(timed: list, rows: dict, result) -> dict:
                     next((against(s) for s in timed if not s.user_attrs.get("baseline")
                           and s.params["batch_size"] == bs), None))
             answer, pref = preferred_baseline(t, timed, rows)
+            untimed = [u for u in feasible if not u.user_attrs.get("baseline") and u.number not in rows
+                       and u.params.get("batch_size") == bs]
             if answer is not t:  # the fastest baseline is not measurably faster than a preferred one at its batch
                 if here is None:
                     reason = (f"{_label(name)} was the fastest plain baseline side by side at batch {bs} (no tctune "
@@ -384,6 +387,11 @@ def _side_by_side_verdict(timed: list, rows: dict, result) -> dict:
                            f"measurably faster than {_label(answer.user_attrs['baseline'])} ({pref['speedup']:.2f}×, 95 % CI {pref['ci95'][0]:.2f}–"
                            f"{pref['ci95'][1]:.2f}, which includes 1.0), and plain baselines are preferred in the order "
                            "FP32 eager, autocast, model cast, torch.compile")
+            elif here is None and untimed:
+                reason = (f"use {_label(name)} at batch {bs}, the fastest plain baseline side by side; the feasible "
+                          f"tctune candidate(s) at batch {bs} (trial {', '.join(str(u.number) for u in untimed)}) "
+                          "were not timed side by side in this run, so they are not compared (numbers of two "
+                          "timings are never divided)")
             elif here is None and challenger is None:
                 reason = (f"use {_label(name)} at batch {bs}: faster side by side than every tctune candidate (none "
                           f"was timed at batch {bs})")
