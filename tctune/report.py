@@ -500,8 +500,9 @@ def render_markdown(r: dict) -> str:
                          f"{_fmt(bb['throughput'])} items/s): **{_fmt(b['speedup_vs_best_baseline'], '.2f')}×**{stats}.")
         if base:
             lines.append(f"- Against FP32 eager at the same batch ({base['batch_size']}): "
-                         f"{_fmt(b['speedup_vs_baseline'], '.2f')}× ({_fmt(base.get('compared_throughput', base['throughput']))} "
-                         f"items/s, {base.get('compared_on', 'same timing')}).")
+                         f"{_fmt(b['speedup_vs_baseline'], '.2f')}× "
+                         f"({_fmt(base.get('compared_throughput', base['throughput']))} items/s, "
+                         f"{base.get('compared_on', 'same timing')}).")
         anyb = b.get("best_baseline_any_batch")
         if anyb and b.get("speedup_vs_best_baseline_any_batch") is not None:
             lines.append(f"- The fastest plain baseline at any searched batch size: {anyb['name']} at batch "

@@ -137,10 +137,14 @@ def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
 #: is the usual "the interval excludes no change" reading of a 95 % interval.
 VERDICT_RULE = ("a tctune candidate wins only when its side-by-side median is faster than the fastest feasible plain "
                 "baseline at the same batch size and the bootstrap 95 % confidence interval of that speedup lies "
-                "above 1.0; otherwise the fastest plain baseline is the answer")
+                "above 1.0; otherwise the fastest plain baseline is the answer, unless it is not measurably "
+                "faster than a preferred one at its batch size by the same rule (FP32 eager < autocast < model "
+                "cast < torch.compile), which is then the answer")
 VERDICT_RULE_NO_CI = ("no side-by-side timing (training, or a run stopped before it): a tctune candidate wins only when "
                       "its throughput is above that of every plain baseline measured in the same run at its batch "
-                      "size (a point estimate, no confidence interval); otherwise that baseline is the answer")
+                      "size (a point estimate, no confidence interval); otherwise that baseline is the answer, "
+                      "unless its timing repeats overlap those of a preferred baseline at its batch size (FP32 eager "
+                      "< autocast < model cast < torch.compile), which is then the answer")
 
 
 def _label(name: str | None) -> str:
@@ -167,8 +171,8 @@ def verdict(study: optuna.Study) -> dict | None:
         None when no trial is feasible; else ``{"trial": FrozenTrial, "kind": "tctune" | "baseline", "name":
         the baseline's name (e.g. ``cast_fp16``), else the candidate's description, "rule": the rule applied,
         "candidates_measured": :func:`candidates_measured` (when False the reason says that no tctune candidate was
-        measured, not that a baseline won), "reason": one line saying why (e.g. "no tctune candidate was measurably faster than model.half() eager at
-        batch 64 (1.01×, 95 % CI 0.98–1.04, which includes 1.0): use it"; "... beat ..." when the median is not
+        measured, not that a baseline won), "reason": one line saying why (e.g. "no tctune candidate was measurably
+        faster than model.half() eager at batch 64 (1.01×, 95 % CI 0.98–1.04, which includes 1.0): use it"; "... beat ..." when the median is not
         above 1.0). For a plain baseline answer the sentence compares at the answer's batch size; a faster
         candidate turned down at another batch size is a second clause naming its own batch and comparison, so
         no ratio mixes two batch sizes. "challenger":
@@ -266,7 +270,8 @@ BASELINE_CHOICE_RULE = ("among the feasible plain baselines at one batch size, a
                         "one's fastest, and without repeats, a higher throughput")
 
 
-def _measurably_faster(inc: optuna.trial.FrozenTrial, ch: optuna.trial.FrozenTrial, rows: dict) -> tuple[bool, dict | None]:
+def _measurably_faster(inc: optuna.trial.FrozenTrial, ch: optuna.trial.FrozenTrial,
+                       rows: dict) -> tuple[bool, dict | None]:
     """Whether baseline ``ch`` is measurably faster than baseline ``inc`` (same batch size) by
     :data:`BASELINE_CHOICE_RULE`; the second item is the side-by-side statistics
     (:func:`tctune.search.baselines.interleaved_speedup`) when both have rounds in ``rows``, else None."""
@@ -383,10 +388,11 @@ def _side_by_side_verdict(timed: list, rows: dict, result, feasible: list = ()) 
                                                              else "faster than ")
                               + f"{_label(name)} at batch {bs} ({ci(here)}"
                               + (", which includes 1.0)" if here["speedup"] > 1.0 else ")"))
-                reason += (f"; use {_label(answer.user_attrs['baseline'])} at batch {bs}: {_label(name)} was not "
-                           f"measurably faster than {_label(answer.user_attrs['baseline'])} ({pref['speedup']:.2f}×, 95 % CI {pref['ci95'][0]:.2f}–"
-                           f"{pref['ci95'][1]:.2f}, which includes 1.0), and plain baselines are preferred in the order "
-                           "FP32 eager, autocast, model cast, torch.compile")
+                pick = _label(answer.user_attrs["baseline"])
+                reason += (f"; use {pick} at batch {bs}: {_label(name)} was not measurably faster than {pick} "
+                           f"({pref['speedup']:.2f}×, 95 % CI {pref['ci95'][0]:.2f}–{pref['ci95'][1]:.2f}, which "
+                           "includes 1.0), and plain baselines are preferred in the order FP32 eager, autocast, model "
+                           "cast, torch.compile")
             elif here is None and untimed:
                 reason = (f"use {_label(name)} at batch {bs}, the fastest plain baseline side by side; the feasible "
                           f"tctune candidate(s) at batch {bs} (trial {', '.join(str(u.number) for u in untimed)}) "
