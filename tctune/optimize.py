@@ -650,6 +650,12 @@ def _optimize(tuner: Tuner, mf, hw: HardwareSpec, cfg: TuneConfig, devices: list
         artifacts = Artifacts(onnx_error="not exported: the run was interrupted (run the command again to resume)",
                               tensorrt_skipped_reason="the run was interrupted",
                               study_db=artifacts.study_db)
+        # The answer so far is recommended in the report: its best_config.json is written as in a finished run
+        # (`tctune export` on it exports it), only the export itself is left to a resumed run.
+        if stages.run("best_config.json", write_best_config, out / "best_config.json", tuner, bt,
+                      list(bt.user_attrs.get("passes") or []), study.study_name, default=False,
+                      params=dict(bt.params)) is not False:
+            artifacts.best_config = str(out / "best_config.json")
     if bt is not None and not tuner.interrupted:
         params = dict(bt.params)
         # The search's answer is on disk before anything that can exhaust memory runs: best_config.json (with the

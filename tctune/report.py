@@ -146,6 +146,25 @@ def unstable_timing(*rows: dict | None) -> str | None:
     return None
 
 
+def fp32_baseline_entry(trials: list[dict], side_by_side: dict | None, fp32: dict, timing: str) -> dict:
+    """``report.json``'s top-level ``baseline``: FP32 eager at the best's batch size, with the same fields, and the
+    same meaning of each, as its ``baselines`` entry (:func:`baseline_rows`: ``throughput``, ``latency_ms``,
+    ``latency_p99_ms`` from the trial's own first timing, ``side_by_side_throughput`` the median of this run's
+    side-by-side timing or None), plus ``graph_passes: False``, ``compared_throughput`` (items/s: the number the
+    best's ``speedup_vs_fp32_eager`` divides by, ``fp32``'s from :func:`tctune.search.results.headline`),
+    ``compared_on`` ("side-by-side median" or "first timing"), ``timing`` (the headline's), ``first_throughput``
+    (= ``throughput``, the older key) and ``timings`` (each number's field -> which timing it is from)."""
+    row = next(b for b in baseline_rows(trials, side_by_side) if b["trial"] == fp32["trial"])
+    sbs = timing.startswith("side by side")
+    first = "first timing" + (f" (run {row['run_id']})" if row.get("run_id") else "")
+    return {**row, "graph_passes": False, "compared_throughput": fp32["throughput"],
+            "compared_on": "side-by-side median" if sbs else "first timing", "timing": timing,
+            "first_throughput": row["throughput"],
+            "timings": {"throughput": first, "latency_ms": first, "latency_p99_ms": first,
+                        "first_throughput": first, "side_by_side_throughput": "side-by-side median, this run",
+                        "compared_throughput": "side-by-side median, this run" if sbs else first}}
+
+
 def build_report(study: optuna.Study, *, hardware: dict, measured_on: str, config: dict, model: dict,
                  passes: list[dict], artifacts: dict, capture: dict, extra: dict | None = None) -> dict:
     """Assemble the report dictionary (see README, "Output files", for every field)."""
@@ -176,10 +195,7 @@ def build_report(study: optuna.Study, *, hardware: dict, measured_on: str, confi
         best["speedup_vs_baseline"] = head["speedup_vs_fp32_eager"]  # the FP32 eager one (older key)
         f32 = head["fp32_eager"]
         if f32:
-            row = next(r for r in trials if r["number"] == f32["trial"])
-            baseline = {"precision": "fp32", "graph_passes": False, "batch_size": f32["batch_size"],
-                        "throughput": f32["throughput"], "first_throughput": row["throughput"],
-                        "latency_ms": row["latency_ms"], "trial": f32["trial"], "timing": head["timing"]}
+            baseline = fp32_baseline_entry(trials, current_sbs, f32, head["timing"])
         best["accepted_by"] = accepted_by(best, config)
     report = {
         "tctune_version": model.get("tctune_version"),
@@ -418,6 +434,15 @@ def render_markdown(r: dict) -> str:
         lines += [f"> **Graph capture failed**, so no graph passes ran: {r['capture']['reason']}", ""]
     lines += ["## Result", ""]
     b, base = r["best"], r["baseline"]
+    if r.get("interrupted"):  # said once, first: every line below is the answer so far, not the search's answer
+        lines += ["**The run was interrupted** (Ctrl-C or a signal) before the search finished: what follows is from "
+                  "the trials that finished (they are kept), "
+                  + (f"{r['study']['n_queued_not_run']} queued candidate(s) were not started, "
+                     if r["study"].get("n_queued_not_run") else "")
+                  + "nothing was exported"
+                  + ("; `best_config.json` holds the answer so far" if (r.get("artifacts") or {}).get("best_config")
+                     else "")
+                  + "; running the same command again resumes.", ""]
     if b:
         p = b["params"]
         kind = "the model as written"
@@ -437,7 +462,13 @@ def render_markdown(r: dict) -> str:
         lines.append(f"- Accuracy: {gate_line(b, r['config'])}.")
         why = (b.get("verdict") or {}).get("reason")
         rule = (b.get("verdict") or {}).get("rule")
-        if b.get("kind") == "baseline" or b.get("baseline_wins"):
+        if (b.get("kind") == "baseline" or b.get("baseline_wins")) and (b.get("verdict") or {}).get(
+                "candidates_measured") is False:  # nothing was compared: no win to claim
+            stop = " before the run stopped" if r.get("interrupted") else ""
+            lines.append(f"- **No tctune candidate was measured{stop}**: the fastest plain baseline measured so far "
+                         f"is {b.get('label') or b['baseline']} at batch {p['batch_size']}; this is not a comparison "
+                         "with tctune's candidates.")
+        elif b.get("kind") == "baseline" or b.get("baseline_wins"):
             srch = b.get("best_searched")
             lines.append("- **A plain baseline wins. Use it**: "
                          + (why or f"{b['baseline']} was the fastest feasible configuration; nothing tctune searched "
@@ -469,7 +500,9 @@ def render_markdown(r: dict) -> str:
                          f"{_fmt(bb['throughput'])} items/s): **{_fmt(b['speedup_vs_best_baseline'], '.2f')}×**{stats}.")
         if base:
             lines.append(f"- Against FP32 eager at the same batch ({base['batch_size']}): "
-                         f"{_fmt(b['speedup_vs_baseline'], '.2f')}× ({_fmt(base['throughput'])} items/s).")
+                         f"{_fmt(b['speedup_vs_baseline'], '.2f')}× "
+                         f"({_fmt(base.get('compared_throughput', base['throughput']))} items/s, "
+                         f"{base.get('compared_on', 'same timing')}).")
         anyb = b.get("best_baseline_any_batch")
         if anyb and b.get("speedup_vs_best_baseline_any_batch") is not None:
             lines.append(f"- The fastest plain baseline at any searched batch size: {anyb['name']} at batch "
@@ -578,12 +611,7 @@ def render_markdown(r: dict) -> str:
                      f"{p.get('runtime', 'eager')} | {p.get('batch_size', '–')} | {_fmt(t['throughput'])} | {_fmt(t['latency_ms'])} | "
                      f"{_fmt(t['peak_memory_mib'], '.0f')} | {_rel_error(t)} | {_mismatch(t)} | {_top1(t)} | {_score(t)} | "
                      f"{_fmt(t['setup_s'], '.1f')} | {t['fail_reason'] or ''} |")
-    if r.get("interrupted"):  # said once, here: the queued trials and the missing export are its consequences
-        lines += ["", "**The run was interrupted** (Ctrl-C or a signal): finished trials are kept, "
-                      + (f"{r['study']['n_queued_not_run']} queued candidate(s) were not started, "
-                         if r["study"].get("n_queued_not_run") else "")
-                      + "nothing was exported; running the same command again resumes."]
-    elif r["study"].get("n_queued_not_run"):
+    if not r.get("interrupted") and r["study"].get("n_queued_not_run"):  # (an interruption says it atop the Result)
         lines += ["", f"{r['study']['n_queued_not_run']} queued candidate(s) were not started (--trials or --timeout "
                       "reached); running the command again measures them."]
     a = r["artifacts"]

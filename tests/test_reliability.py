@@ -209,6 +209,10 @@ def test_ctrl_c_finishes_the_current_trial_then_writes_the_report(tmp_path):
     assert len(states) < 8
     assert any(t["params"]["batch_size"] == 32 for t in report["trials"])
     assert report["interrupted"] is True and "interrupted" in report["artifacts"]["onnx_error"]
+    if report["best"]:  # the answer so far is recommended: its best_config.json is on disk, like a finished run's
+        cfg = json.loads((out / "best_config.json").read_text())
+        assert cfg["recommended"]["trial"] == report["best"]["trial"]
+        assert report["artifacts"]["best_config"] == str(out / "best_config.json")
 
 
 RAISES_AT_32 = HANGS_AT_32.replace(

@@ -209,3 +209,122 @@ def test_preference_order():
     assert ranked == ["fp32_eager", "autocast_bf16", "cast_bf16", "compile_autocast_bf16", None]
     assert preference(101.0, None, 8, 0) < preference(100.0, "fp32_eager", 8, 0)  # faster first
     assert preference(100.0, "fp32_eager", 8, 5) < preference(100.0, "fp32_eager", 32, 1)  # then the smaller batch
+
+
+def test_a_run_stopped_after_the_baselines_claims_no_win():
+    """Only plain baselines finished (an interrupted run): the verdict says no tctune candidate was measured, and
+    report.md's Result starts with the interruption instead of "A plain baseline wins"."""
+    study = optuna.create_study(direction="maximize")
+    p = {"batch_size": 8, "precision": "fp32", "graph_passes": False, "runtime": "eager"}
+    _add(study, p, 100.0, baseline="fp32_eager")
+    fast = _add(study, dict(p, precision="bf16"), 5000.0, baseline="autocast_bf16")
+    v = verdict(study)
+    assert v["candidates_measured"] is False and v["trial"].number == fast
+    assert v["reason"] == ("no tctune candidate was measured; the fastest plain baseline measured so far is "
+                           "autocast bf16 eager at batch 8")
+    report = build_report(study, hardware={}, measured_on="cpu", config={"max_error": 0.01, "mode": "infer"},
+                          model={"name": "m", "path": "m.py"}, passes=[], artifacts={"best_config": "b.json"},
+                          capture={"ok": True}, extra={"interrupted": True})
+    md = render_markdown(report)
+    result = md.split("## Result", 1)[1].strip()
+    assert result.startswith("**The run was interrupted**")
+    assert "A plain baseline wins" not in md
+    assert ("**No tctune candidate was measured before the run stopped**: the fastest plain baseline measured so "
+            "far is autocast bf16 eager at batch 8") in result
+    assert "`best_config.json` holds the answer so far" in md
+    # once a candidate was measured (here: slower), the baseline answer is a win again
+    _add(study, dict(p, graph_passes=True), 90.0, description="tctune graph fp32")
+    v = verdict(study)
+    assert v["candidates_measured"] is True and "was the fastest: use it" in v["reason"]
+
+
+def test_the_top_level_baseline_has_the_baselines_entry_fields_each_labelled():
+    """report.json's ``baseline`` is FP32 eager's ``baselines`` entry (first timing: throughput, latency_ms) plus the
+    number the speedup divides by, labelled by its timing; no field mixes two timings unlabelled."""
+    study, fp32, cast, cand = _study(speedup=1.3, noise=0.02)
+    report = _report(study)
+    base = report["baseline"]
+    entry = next(b for b in report["baselines"] if b["trial"] == fp32)
+    assert {k: base[k] for k in entry} == entry  # same fields, same values, same meaning
+    sbs = {e["trial"]: e["throughput"] for e in study.user_attrs["side_by_side"]["entries"]}
+    assert base["throughput"] == 400.0 and base["side_by_side_throughput"] == sbs[fp32]
+    assert base["compared_throughput"] == sbs[fp32] and base["compared_on"] == "side-by-side median"
+    assert report["best"]["speedup_vs_baseline"] == pytest.approx(sbs[cand] / base["compared_throughput"])
+    assert base["timings"]["latency_ms"].startswith("first timing")
+    assert base["timings"]["side_by_side_throughput"].startswith("side-by-side median")
+    line = next(x for x in render_markdown(report).splitlines() if x.startswith("- Against FP32 eager"))
+    assert line.endswith("items/s, side-by-side median).")
+
+
+def _two_baselines(ratio: float, noise: float, rounds: int = 15, seed: int = 1, side_by_side: bool = True):
+    """FP32 eager and autocast bf16 at batch 16, autocast ``ratio``× faster by its median, each per-round (or
+    per-repeat) ms scaled by factors spread over ±``noise``, shuffled independently; one slower tctune candidate."""
+    rng = random.Random(seed)
+    spread = [noise * (2 * i / (rounds - 1) - 1) for i in range(rounds)]
+    f32_ms = [100.0 * (1 + f) for f in rng.sample(spread, rounds)]
+    bf_ms = [100.0 / ratio * (1 + f) for f in rng.sample(spread, rounds)]
+    cand_ms = [150.0 * (1 + f) for f in rng.sample(spread, rounds)]
+    study = optuna.create_study(direction="maximize")
+    p = {"batch_size": 16, "precision": "fp32", "graph_passes": False, "runtime": "eager"}
+    f32 = _add(study, p, 160.0, baseline="fp32_eager", repeats_ms=f32_ms)
+    bf = _add(study, dict(p, precision="bf16"), 160.0 * ratio, baseline="autocast_bf16", repeats_ms=bf_ms)
+    cand = _add(study, dict(p, graph_passes=True), 160.0 / 1.5, description="tctune graph", repeats_ms=cand_ms)
+    if side_by_side:
+        def entry(n, ms):
+            med = sorted(ms)[len(ms) // 2]
+            return {"trial": n, "batch_size": 16, "throughput": 16 / (med / 1e3), "rounds_ms": ms, "error": None}
+        study.set_user_attr("run_id", "r")
+        study.set_user_attr("side_by_side", {"run_id": "r", "after_trial": cand, "entries": [
+            entry(f32, f32_ms), entry(bf, bf_ms), entry(cand, cand_ms)]})
+    return study, f32, bf
+
+
+@pytest.mark.parametrize("side_by_side", [True, False])
+def test_a_lossy_baseline_not_measurably_faster_than_fp32_eager_is_not_recommended(side_by_side):
+    """autocast bf16 is 1.01× FP32 eager by its median but within the noise: FP32 eager is the answer, and the
+    sentence says why (side by side: the CI; without it: the timing repeats overlap)."""
+    study, f32, bf = _two_baselines(1.01, noise=0.3, side_by_side=side_by_side)
+    v = verdict(study)
+    assert v["kind"] == "baseline" and v["trial"].number == f32
+    assert "autocast bf16 eager" in v["reason"] and "not measurably faster than FP32 eager" in v["reason"]
+    if side_by_side:
+        assert "which includes 1.0" in v["reason"] and v["reason"].count("use FP32 eager at batch 16") == 1
+        assert headline(study)["best_baseline"]["trial"] == f32
+
+
+@pytest.mark.parametrize("side_by_side", [True, False])
+def test_a_lossy_baseline_measurably_faster_than_fp32_eager_is_recommended(side_by_side):
+    study, f32, bf = _two_baselines(1.5, noise=0.05, side_by_side=side_by_side)
+    v = verdict(study)
+    assert v["kind"] == "baseline" and v["trial"].number == bf
+    assert "not measurably faster" not in v["reason"]
+
+
+def test_a_feasible_candidate_not_timed_at_the_answers_batch_is_named_not_beaten():
+    """A searched trial at batch 128 (e.g. of an earlier run) was not in the side-by-side timing: the sentence says
+    it was not compared instead of "faster than every tctune candidate"."""
+    study, fp32, cast, cand = _study(speedup=1.005, noise=0.05)
+    old = _add(study, {"batch_size": 128, "precision": "bf16", "graph_passes": True, "runtime": "eager"}, 900.0,
+               description="tctune graph bf16", run_id="earlier")
+    other = _with_baseline_at_128(study, 1280.0)
+    v = verdict(study)
+    assert v["trial"].number == other
+    assert v["reason"] == (f"use autocast bf16 eager at batch 128, the fastest plain baseline side by side; the "
+                           f"feasible tctune candidate(s) at batch 128 (trial {old}) were not timed side by side in "
+                           "this run, so they are not compared (numbers of two timings are never divided)")
+
+
+def test_the_side_by_side_timing_includes_a_candidate_at_the_fastest_baselines_batch():
+    """The fastest baseline can be the answer: the fastest feasible searched trial at its batch size (of any run)
+    is timed beside it, even when its first timing is outside the finalists' band."""
+    from types import SimpleNamespace
+
+    from tctune.search.loop import Tuner
+
+    study, fp32, cast, cand = _study(speedup=1.005, noise=0.05)
+    p = {"batch_size": 128, "precision": "bf16", "graph_passes": False, "runtime": "eager"}
+    fast = _add(study, p, 5000.0, baseline="autocast_bf16")
+    slow = _add(study, dict(p, graph_passes=True), 900.0, description="tctune graph bf16", run_id="earlier")
+    numbers = [t.number for t in Tuner.side_by_side_entries(SimpleNamespace(cfg=SimpleNamespace(
+        objective="throughput")), study)]
+    assert fast in numbers and slow in numbers and cand in numbers

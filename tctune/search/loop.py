@@ -506,8 +506,10 @@ class Tuner:
         """The trials :meth:`side_by_side` times: the finalists (throughput: the feasible trials within
         ``CONFIRM_BAND`` of the fastest, at most ``CONFIRM_TOP``, baselines included; other objectives: the
         best trial) and the fastest feasible searched (not baseline) trial, then at each of their batch sizes
-        the two fastest feasible baselines and FP32 eager, then the fastest feasible baseline at any batch size;
-        each once, chosen by the trials' own timings. Every entry that can win has its batch size's baselines
+        the two fastest feasible baselines and FP32 eager, then the fastest feasible baseline at any batch size and
+        the fastest feasible searched trial at its batch size (a study resumed from an earlier run included: its
+        trials are re-timed here, so no verdict divides numbers of two runs); each once, chosen by the trials' own
+        timings. Every entry that can win has its batch size's baselines
         beside it."""
         ok = sorted((t for t in study.get_trials(deepcopy=False) if is_feasible(t)),
                     key=lambda t: -t.user_attrs["throughput"])
@@ -528,6 +530,9 @@ class Tuner:
                     and "throughput" in t.user_attrs]
             entries += fp32[-1:]
         entries += base[:1]
+        if base:  # the fastest baseline can be the answer: the fastest searched candidate at its batch size beside it
+            bs = base[0].params["batch_size"]
+            entries += [t for t in ok if not t.user_attrs.get("baseline") and t.params["batch_size"] == bs][:1]
         seen, out = set(), []
         for t in entries:
             if t.number not in seen:

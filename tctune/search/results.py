@@ -137,10 +137,14 @@ def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
 #: is the usual "the interval excludes no change" reading of a 95 % interval.
 VERDICT_RULE = ("a tctune candidate wins only when its side-by-side median is faster than the fastest feasible plain "
                 "baseline at the same batch size and the bootstrap 95 % confidence interval of that speedup lies "
-                "above 1.0; otherwise the fastest plain baseline is the answer")
+                "above 1.0; otherwise the fastest plain baseline is the answer, unless it is not measurably "
+                "faster than a preferred one at its batch size by the same rule (FP32 eager < autocast < model "
+                "cast < torch.compile), which is then the answer")
 VERDICT_RULE_NO_CI = ("no side-by-side timing (training, or a run stopped before it): a tctune candidate wins only when "
                       "its throughput is above that of every plain baseline measured in the same run at its batch "
-                      "size (a point estimate, no confidence interval); otherwise that baseline is the answer")
+                      "size (a point estimate, no confidence interval); otherwise that baseline is the answer, "
+                      "unless its timing repeats overlap those of a preferred baseline at its batch size (FP32 eager "
+                      "< autocast < model cast < torch.compile), which is then the answer")
 
 
 def _label(name: str | None) -> str:
@@ -166,8 +170,9 @@ def verdict(study: optuna.Study) -> dict | None:
     Returns:
         None when no trial is feasible; else ``{"trial": FrozenTrial, "kind": "tctune" | "baseline", "name":
         the baseline's name (e.g. ``cast_fp16``), else the candidate's description, "rule": the rule applied,
-        "reason": one line saying why (e.g. "no tctune candidate was measurably faster than model.half() eager at
-        batch 64 (1.01×, 95 % CI 0.98–1.04, which includes 1.0): use it"; "... beat ..." when the median is not
+        "candidates_measured": :func:`candidates_measured` (when False the reason says that no tctune candidate was
+        measured, not that a baseline won), "reason": one line saying why (e.g. "no tctune candidate was measurably
+        faster than model.half() eager at batch 64 (1.01×, 95 % CI 0.98–1.04, which includes 1.0): use it"; "... beat ..." when the median is not
         above 1.0). For a plain baseline answer the sentence compares at the answer's batch size; a faster
         candidate turned down at another batch size is a second clause naming its own batch and comparison, so
         no ratio mixes two batch sizes. "challenger":
@@ -181,11 +186,13 @@ def verdict(study: optuna.Study) -> dict | None:
     if not ok:
         return None
 
+    measured = candidates_measured(study)
+
     def result(t, rule, reason, challenger=None):
         base = t.user_attrs.get("baseline")
         name = base or t.user_attrs.get("description") or f"tctune trial {t.number}"
         return {"trial": t, "kind": "baseline" if base else "tctune", "name": name, "rule": rule,
-                "reason": reason, "challenger": challenger}
+                "reason": reason, "challenger": challenger, "candidates_measured": measured}
 
     if list(study.directions) == [optuna.study.StudyDirection.MINIMIZE]:
         t = min(ok, key=lambda t: t.values[0])
@@ -197,13 +204,27 @@ def verdict(study: optuna.Study) -> dict | None:
     rows = {e["trial"]: e for e in sbs.get("entries") or [] if e.get("throughput") and e.get("rounds_ms")}
     timed = sorted((t for t in ok if t.number in rows), key=lambda t: _pref(t, rows[t.number]["throughput"]))
     if timed and fastest.number <= sbs.get("after_trial", -1):
-        return _side_by_side_verdict(timed, rows, result)
+        return _side_by_side_verdict(timed, rows, result, ok)
     conf = confirmed_throughputs(study)
     chosen = {t.number: conf.get(t.number, t.user_attrs["throughput"]) for t in ok}
     if conf and fastest.number <= study.user_attrs["confirmation"]["after_trial"] and any(t.number in conf for t in ok):
         best = min((t for t in ok if t.number in conf), key=lambda t: _pref(t, conf[t.number]))
     else:
         best = fastest
+    if best.user_attrs.get("baseline"):
+        fastest_base = best
+        best, _ = preferred_baseline(best, ok)
+        if best is not fastest_base:
+            return result(best, VERDICT_RULE_NO_CI, f"{_label(fastest_base.user_attrs['baseline'])} at batch "
+                                                    f"{best.params.get('batch_size')} had the highest throughput but was "
+                                                    f"not measurably faster than {_label(best.user_attrs['baseline'])} "
+                                                    "(the ranges of their timing repeats overlap): use "
+                                                    f"{_label(best.user_attrs['baseline'])}"
+                                                    + ("" if measured else "; no tctune candidate was measured"))
+    if best.user_attrs.get("baseline") and not measured:
+        return result(best, VERDICT_RULE_NO_CI, "no tctune candidate was measured; the fastest plain baseline "
+                                                f"measured so far is {_label(best.user_attrs['baseline'])} at batch "
+                                                f"{best.params.get('batch_size')}")
     if best.user_attrs.get("baseline"):
         return result(best, VERDICT_RULE_NO_CI, f"{_label(best.user_attrs['baseline'])} at batch "
                                                 f"{best.params.get('batch_size')} was the fastest: use it")
@@ -224,6 +245,15 @@ def verdict(study: optuna.Study) -> dict | None:
                   if same is not None else "no plain baseline of the same run at its batch size to compare with")
 
 
+def candidates_measured(study: optuna.Study) -> bool:
+    """Whether any tctune candidate (a trial that is not a plain baseline) finished being measured: completed,
+    pruned, or failed with a recorded reason (:func:`counts_as_measured`). False when a run stopped (Ctrl-C, a
+    signal, ``--timeout``) after only plain baselines ran: a baseline answer then wins over nothing."""
+    done = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.FAIL)
+    return any(not t.user_attrs.get("baseline") and t.state in done and counts_as_measured(t)
+               for t in study.get_trials(deepcopy=False))
+
+
 def _pref(t: optuna.trial.FrozenTrial, throughput: float) -> tuple:
     """:func:`tctune.search.baselines.preference` of trial ``t`` at ``throughput``: best first, ties deterministic."""
     from .baselines import preference
@@ -231,9 +261,78 @@ def _pref(t: optuna.trial.FrozenTrial, throughput: float) -> tuple:
     return preference(throughput, t.user_attrs.get("baseline"), t.params.get("batch_size", 0), t.number)
 
 
-def _side_by_side_verdict(timed: list, rows: dict, result) -> dict:
+#: How one plain baseline is chosen over another at the same batch size (``report.json``'s verdict sentence names
+#: the comparison when the fastest is not the answer).
+BASELINE_CHOICE_RULE = ("among the feasible plain baselines at one batch size, a lower-precision or more complex one "
+                        "(FP32 eager < autocast < model cast < torch.compile) replaces a preferred one only when it is "
+                        "measurably faster: side by side, the bootstrap 95 % CI of its speedup lies above 1.0; "
+                        "without side-by-side rounds for both, its slowest timing repeat is faster than the preferred "
+                        "one's fastest, and without repeats, a higher throughput")
+
+
+def _measurably_faster(inc: optuna.trial.FrozenTrial, ch: optuna.trial.FrozenTrial,
+                       rows: dict) -> tuple[bool, dict | None]:
+    """Whether baseline ``ch`` is measurably faster than baseline ``inc`` (same batch size) by
+    :data:`BASELINE_CHOICE_RULE`; the second item is the side-by-side statistics
+    (:func:`tctune.search.baselines.interleaved_speedup`) when both have rounds in ``rows``, else None."""
+    from .baselines import interleaved_speedup
+
+    a, b = rows.get(inc.number), rows.get(ch.number)
+    if a and b and a.get("rounds_ms") and b.get("rounds_ms"):
+        n = min(len(a["rounds_ms"]), len(b["rounds_ms"]))
+        stats = interleaved_speedup(a["rounds_ms"][:n], b["rounds_ms"][:n])
+        return stats["speedup"] > 1.0 and stats["ci95"][0] > 1.0, stats
+    ra, rb = inc.user_attrs.get("repeats_ms"), ch.user_attrs.get("repeats_ms")
+    if ra and rb:  # unpaired repeats of each first timing (ms per call at the same batch size): ranges apart
+        return max(rb) < min(ra), None
+    return ch.user_attrs["throughput"] > inc.user_attrs["throughput"], None
+
+
+def preferred_baseline(fastest: optuna.trial.FrozenTrial, feasible: list, rows: dict | None = None
+                       ) -> tuple[optuna.trial.FrozenTrial, dict | None]:
+    """The plain baseline :data:`BASELINE_CHOICE_RULE` chooses at the batch size of baseline ``fastest``.
+
+    The feasible baselines at that batch size (and, without side-by-side rows, of ``fastest``'s run) are walked in
+    :data:`tctune.search.baselines.BASELINE_PREFERENCE` order (then faster first); each replaces the current choice
+    only when measurably faster than it.
+
+    Args:
+        fastest: the fastest feasible plain baseline (a trial with the ``baseline`` user attribute).
+        feasible: the feasible trials to choose among (others are ignored).
+        rows: the side-by-side entries by trial number (``rounds_ms``: ms per call per round), or None.
+
+    Returns:
+        ``(chosen trial, stats)``: ``stats`` is ``{"speedup", "ci95", "against"}`` of ``fastest`` over the chosen
+        trial when they differ and side-by-side rounds exist for both (else None).
+    """
+    from .baselines import baseline_rank
+
+    rows = rows or {}
+    bs = fastest.params["batch_size"]
+    group = [t for t in feasible if t.user_attrs.get("baseline") and t.params.get("batch_size") == bs
+             and (t.number in rows if fastest.number in rows else
+                  t.user_attrs.get("run_id") == fastest.user_attrs.get("run_id"))]
+    if fastest not in group:
+        group.append(fastest)
+
+    def speed(t):
+        return rows[t.number]["throughput"] if t.number in rows else t.user_attrs["throughput"]
+
+    group.sort(key=lambda t: (baseline_rank(t.user_attrs["baseline"]), -speed(t), t.number))
+    chosen = group[0]
+    for t in group[1:]:
+        if _measurably_faster(chosen, t, rows)[0]:
+            chosen = t
+    if chosen.number == fastest.number:
+        return chosen, None
+    _, stats = _measurably_faster(chosen, fastest, rows)
+    return chosen, stats
+
+
+def _side_by_side_verdict(timed: list, rows: dict, result, feasible: list = ()) -> dict:
     """:func:`verdict` on a side-by-side timing: ``timed`` the feasible timed trials, fastest median first;
-    ``rows`` the timing's entries by trial number."""
+    ``rows`` the timing's entries by trial number; ``feasible`` every feasible trial (a feasible searched trial
+    that was not timed is named as not compared, never as beaten)."""
     from .baselines import interleaved_speedup
 
     def per_item(t):
@@ -268,12 +367,38 @@ def _side_by_side_verdict(timed: list, rows: dict, result) -> dict:
             # size gets its own clause, naming its batch (never one ratio of numbers from two batch sizes).
             name, bs = t.user_attrs["baseline"], t.params["batch_size"]
             if challenger is None and not any(not s.user_attrs.get("baseline") for s in timed):
-                return result(t, VERDICT_RULE, f"no tctune candidate was timed side by side: use {_label(name)} at "
-                                               f"batch {bs}")
+                answer, pref = preferred_baseline(t, timed, rows)
+                return result(answer, VERDICT_RULE, f"no tctune candidate was timed side by side: use "
+                                                    f"{_label(answer.user_attrs['baseline'])} at batch {bs}"
+                              + ("" if pref is None else f" ({_label(name)} was not measurably faster than "
+                                 f"{_label(answer.user_attrs['baseline'])}: "
+                                 f"{pref['speedup']:.2f}×, 95 % CI {pref['ci95'][0]:.2f}–{pref['ci95'][1]:.2f})"))
             here = (challenger if challenger is not None and challenger["against"] == t.number else
                     next((against(s) for s in timed if not s.user_attrs.get("baseline")
                           and s.params["batch_size"] == bs), None))
-            if here is None and challenger is None:
+            answer, pref = preferred_baseline(t, timed, rows)
+            untimed = [u for u in feasible if not u.user_attrs.get("baseline") and u.number not in rows
+                       and u.params.get("batch_size") == bs]
+            if answer is not t:  # the fastest baseline is not measurably faster than a preferred one at its batch
+                if here is None:
+                    reason = (f"{_label(name)} was the fastest plain baseline side by side at batch {bs} (no tctune "
+                              "candidate was timed there)")
+                else:
+                    reason = (f"no tctune candidate was " + ("measurably faster than " if here["speedup"] > 1.0
+                                                             else "faster than ")
+                              + f"{_label(name)} at batch {bs} ({ci(here)}"
+                              + (", which includes 1.0)" if here["speedup"] > 1.0 else ")"))
+                pick = _label(answer.user_attrs["baseline"])
+                reason += (f"; use {pick} at batch {bs}: {_label(name)} was not measurably faster than {pick} "
+                           f"({pref['speedup']:.2f}×, 95 % CI {pref['ci95'][0]:.2f}–{pref['ci95'][1]:.2f}, which "
+                           "includes 1.0), and plain baselines are preferred in the order FP32 eager, autocast, model "
+                           "cast, torch.compile")
+            elif here is None and untimed:
+                reason = (f"use {_label(name)} at batch {bs}, the fastest plain baseline side by side; the feasible "
+                          f"tctune candidate(s) at batch {bs} (trial {', '.join(str(u.number) for u in untimed)}) "
+                          "were not timed side by side in this run, so they are not compared (numbers of two "
+                          "timings are never divided)")
+            elif here is None and challenger is None:
                 reason = (f"use {_label(name)} at batch {bs}: faster side by side than every tctune candidate (none "
                           f"was timed at batch {bs})")
             elif here is None:
@@ -290,7 +415,7 @@ def _side_by_side_verdict(timed: list, rows: dict, result) -> dict:
                            + ("not measurably faster than " if c["speedup"] > 1.0 else "not faster than ")
                            + f"{_label(c['against_name'])} {where(c)} ({ci(c)}"
                            + (", which includes 1.0)" if c["speedup"] > 1.0 else ")"))
-            return result(t, VERDICT_RULE, reason, challenger or here
+            return result(answer, VERDICT_RULE, reason, challenger or here
                           or next(against(s) for s in timed if not s.user_attrs.get("baseline")))
         c = against(t)
         if c is None:
@@ -351,10 +476,11 @@ def headline(study: optuna.Study, best: optuna.trial.FrozenTrial | None = None) 
     if v is None or v["trial"].number != best.number:  # a trial the caller chose: described, not judged
         name = best.user_attrs.get("baseline")
         v = {"kind": "baseline" if name else "tctune", "name": name or best.user_attrs.get("description"),
-             "rule": None, "reason": None, "challenger": None}
+             "rule": None, "reason": None, "challenger": None, "candidates_measured": candidates_measured(study)}
     out = _headline_numbers(study, best)
     out.update(kind=v["kind"], name=v["name"],
-               verdict={"rule": v["rule"], "reason": v["reason"], "challenger": v["challenger"]})
+               verdict={"rule": v["rule"], "reason": v["reason"], "challenger": v["challenger"],
+                        "candidates_measured": v["candidates_measured"]})
     if v["kind"] == "baseline":  # the answer is the plain baseline itself: 1.0 by definition
         out["best_baseline"] = {"trial": best.number, "name": v["name"], "batch_size": best.params["batch_size"],
                                 "throughput": out["chosen_throughput"]}
