@@ -384,7 +384,7 @@ def _side_by_side_verdict(timed: list, rows: dict, result, feasible: list = ()) 
                     reason = (f"{_label(name)} was the fastest plain baseline side by side at batch {bs} (no tctune "
                               "candidate was timed there)")
                 else:
-                    reason = (f"no tctune candidate was " + ("measurably faster than " if here["speedup"] > 1.0
+                    reason = ("no tctune candidate was " + ("measurably faster than " if here["speedup"] > 1.0
                                                              else "faster than ")
                               + f"{_label(name)} at batch {bs} ({ci(here)}"
                               + (", which includes 1.0)" if here["speedup"] > 1.0 else ")"))
