@@ -12,15 +12,7 @@ from passes.pad_linear import GRAPH_OUTPUT_REASON
 from zoo import TOLERANCES, ZOO, flat_outputs, rel_l2
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    patch = torch._inductor.config.patch(compile_threads=1)  # no worker pool on this two-core machine
-    patch.__enter__()
-    torch._dynamo.reset()
-    tb.reset()
-    yield
-    torch._dynamo.reset()
-    patch.__exit__(None, None, None)
+from zoo import fresh_backend as _fresh  # noqa: E402,F401 - autouse: every test starts with no compiled graph
 
 
 def _assert_close_bf16(got, ref) -> None:

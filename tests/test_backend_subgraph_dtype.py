@@ -18,15 +18,7 @@ import tctune.backend as tb
 from zoo import rel_l2
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    patch = torch._inductor.config.patch(compile_threads=1)  # no worker pool on this two-core machine
-    patch.__enter__()
-    torch._dynamo.reset()
-    tb.reset()
-    yield
-    torch._dynamo.reset()
-    patch.__exit__(None, None, None)
+from zoo import fresh_backend as _fresh  # noqa: E402,F401 - autouse: every test starts with no compiled graph
 
 
 class _TwoBlocks(nn.Module):

@@ -200,15 +200,7 @@ def test_pipeline_copies_a_fused_group_once_and_the_lone_linear_once():
     zoo.assert_matches_eager(model, gm, (torch.randn(5, 10, 16),), "fp32")
 
 
-@pytest.fixture()
-def _fresh_backend():
-    patch = torch._inductor.config.patch(compile_threads=1)  # no worker pool on this two-core machine
-    patch.__enter__()
-    torch._dynamo.reset()
-    tb.reset()
-    yield
-    torch._dynamo.reset()
-    patch.__exit__(None, None, None)
+from zoo import fresh_backend_on_request  # noqa: E402,F401 - the _fresh_backend fixture
 
 
 def test_backend_copies_a_lone_transposed_input(_fresh_backend):

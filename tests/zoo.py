@@ -548,3 +548,23 @@ def build_model():
 def example_inputs(batch_size):
     return (torch.randn(batch_size, 24),)
 '''
+
+
+def _fresh_backend_state():
+    """Each test starts and ends with no compiled graph and no backend report, and Inductor compiles in this
+    process (no compile worker pool on a two-core CI machine)."""
+    import tctune.backend as tb
+
+    patch = torch._inductor.config.patch(compile_threads=1)
+    patch.__enter__()
+    torch._dynamo.reset()
+    tb.reset()
+    yield
+    torch._dynamo.reset()
+    patch.__exit__(None, None, None)
+
+
+#: Import into a test module as ``from zoo import fresh_backend as _fresh`` to run every test of it fresh.
+fresh_backend = pytest.fixture(autouse=True, name="_fresh")(_fresh_backend_state)
+#: The same, on request only: import it, then ``def test_x(_fresh_backend): ...``.
+fresh_backend_on_request = pytest.fixture(name="_fresh_backend")(_fresh_backend_state)
