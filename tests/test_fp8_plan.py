@@ -524,7 +524,8 @@ def test_an_fp8_trials_name_writes_its_keep_list_compactly_and_the_report_keeps_
     fp8 = r["trials"][1]
     assert fp8["description"] == metrics["description"] and fp8["fp8_keep"] == list(keep)
     assert r["best"]["best_searched"]["description"] == metrics["description"]
-    assert f"The fastest tctune candidate: trial 1 ({metrics['description']})" in render_markdown(r)
+    assert f"The fastest tctune candidate: trial 1 at batch {params['batch_size']} ({metrics['description']})" \
+        in render_markdown(r)
 
 
 @zoo.SCALED_MM_ROW
