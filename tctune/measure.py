@@ -562,7 +562,7 @@ class PooledComparison:
                 lg[3] += valid
         rest = compare([x for x in outs if not isinstance(x, torch.Tensor)],
                        [x for x in refs if not isinstance(x, torch.Tensor)])
-        self._other = rest if self._other is None else _worst_of(self._other, rest)
+        self._other = rest if self._other is None else worst_stats(self._other, rest)
         self.batches += 1
         self.rows += keep or 0
 
@@ -600,10 +600,15 @@ class PooledComparison:
         return st
 
 
-def _worst_of(a: ErrorStats, b: ErrorStats) -> ErrorStats:
-    """The worst of two comparisons of the same outputs (largest errors and rates, summed counts)."""
+def worst_stats(a: ErrorStats, b: ErrorStats) -> ErrorStats:
+    """The element-wise worst of two comparisons of one candidate (e.g. random inputs and a real batch): the
+    largest errors, mismatch rate, KL divergence and unchecked count, the lowest top-1 agreement, summed
+    NaN/inf and mismatch counts; output counts are ``a``'s (the same model)."""
     def mx(x, y):
         return y if x is None else x if y is None else max(x, y)
+
+    def mn(x, y):
+        return y if x is None else x if y is None else min(x, y)
 
     out = dataclasses.replace(a)
     out.max_abs_error = max(a.max_abs_error, b.max_abs_error)
@@ -611,7 +616,10 @@ def _worst_of(a: ErrorStats, b: ErrorStats) -> ErrorStats:
     out.nonfinite = a.nonfinite + b.nonfinite
     out.mismatched = a.mismatched + b.mismatched
     out.mismatch_rate = mx(a.mismatch_rate, b.mismatch_rate)
+    out.top1_agreement = mn(a.top1_agreement, b.top1_agreement)
+    out.kl_divergence = mx(a.kl_divergence, b.kl_divergence)
     out.unchecked_outputs = max(a.unchecked_outputs, b.unchecked_outputs)
+    out.fp64_ratio = mx(a.fp64_ratio, b.fp64_ratio)
     return out
 
 

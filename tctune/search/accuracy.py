@@ -28,7 +28,7 @@ from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence
 import torch
 
 from ..errors import CandidateRejected, ModelFileError
-from ..measure import ErrorStats, precision_mode
+from ..measure import precision_mode, worst_stats
 from ..trial import FailureKind, TrialParams, reference_inputs
 
 
@@ -221,27 +221,8 @@ class CheckSet:
                 yield chunk, count, source
 
 
-def worst(a: ErrorStats, b: ErrorStats) -> ErrorStats:
-    """The element-wise worst of two comparisons of one candidate (e.g. random inputs and a real batch): the
-    largest errors, mismatch rate, KL divergence and unchecked count, the lowest top-1 agreement, summed
-    NaN/inf and mismatch counts; output counts are ``a``'s (the same model)."""
-    def mx(x, y):
-        return y if x is None else x if y is None else max(x, y)
-
-    def mn(x, y):
-        return y if x is None else x if y is None else min(x, y)
-
-    out = replace(a)
-    out.max_abs_error = max(a.max_abs_error, b.max_abs_error)
-    out.rel_l2_error = max(a.rel_l2_error, b.rel_l2_error)
-    out.nonfinite = a.nonfinite + b.nonfinite
-    out.mismatched = a.mismatched + b.mismatched
-    out.mismatch_rate = mx(a.mismatch_rate, b.mismatch_rate)
-    out.top1_agreement = mn(a.top1_agreement, b.top1_agreement)
-    out.kl_divergence = mx(a.kl_divergence, b.kl_divergence)
-    out.unchecked_outputs = max(a.unchecked_outputs, b.unchecked_outputs)
-    out.fp64_ratio = mx(a.fp64_ratio, b.fp64_ratio)
-    return out
+#: The element-wise worst of two comparisons of one candidate (:func:`tctune.measure.worst_stats`).
+worst = worst_stats
 
 
 __all__ = ["CheckSet", "ScoreGate", "format_score", "graph_key", "worst"]
