@@ -29,26 +29,8 @@ from tctune.search.baselines import CastModel
 LOW = {onnx.TensorProto.FLOAT16: torch.float16, onnx.TensorProto.BFLOAT16: torch.bfloat16}
 
 
-class TwoHeads(torch.nn.Module):
-    """Dict and nested-tuple outputs, a non-persistent buffer, an embedding tied to the output projection."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(50, 32)
-        self.body = torch.nn.Linear(32, 32)
-        self.head = torch.nn.Linear(32, 50, bias=False)
-        self.head.weight = self.emb.weight
-        self.register_buffer("scale", torch.tensor(0.75), persistent=False)
-        self.register_buffer("shift", torch.linspace(-1, 1, 32))
-
-    def forward(self, ids, feats):
-        h = torch.relu(self.body(self.emb(ids) + feats)) * self.scale + self.shift
-        return {"logits": self.head(h), "extra": (h.sum(-1), h.mean(dim=(1, 2)))}
-
-
-def _inputs(b: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 50, (b, 6), generator=g), torch.randn(b, 6, 32, generator=g)
+from zoo import TwoHeads  # noqa: E402 - dict / nested-tuple outputs, buffers, a tied embedding
+from zoo import two_heads_inputs as _inputs  # noqa: E402
 
 
 def _leaves(out):

@@ -568,3 +568,26 @@ def _fresh_backend_state():
 fresh_backend = pytest.fixture(autouse=True, name="_fresh")(_fresh_backend_state)
 #: The same, on request only: import it, then ``def test_x(_fresh_backend): ...``.
 fresh_backend_on_request = pytest.fixture(name="_fresh_backend")(_fresh_backend_state)
+
+
+class TwoHeads(torch.nn.Module):
+    """Dict and nested-tuple outputs, a non-persistent buffer, an embedding tied to the output projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 32)
+        self.body = torch.nn.Linear(32, 32)
+        self.head = torch.nn.Linear(32, 50, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.tensor(0.75), persistent=False)
+        self.register_buffer("shift", torch.linspace(-1, 1, 32))
+
+    def forward(self, ids, feats):
+        h = torch.relu(self.body(self.emb(ids) + feats)) * self.scale + self.shift
+        return {"logits": self.head(h), "extra": (h.sum(-1), h.mean(dim=(1, 2)))}
+
+
+def two_heads_inputs(b: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded inputs of :class:`TwoHeads`: token ids (b, 6) int64 in [0, 50) and features (b, 6, 32) float32."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 50, (b, 6), generator=g), torch.randn(b, 6, 32, generator=g)
