@@ -20,6 +20,7 @@ from passes._graph import deferred_recompile
 from passes.base import DEFAULT_KEEP_LIST, PRECISIONS, PassFailure, PassResult, PassSpec, Skip
 from passes.calibrate import calibrate_ranges, overflow_nodes
 from passes.copy_linear_inputs import copy_linear_inputs
+from passes.dense_attention_inputs import dense_attention_inputs
 from passes.cast_fp8 import cast_fp8_linears
 from passes.cast_precision import cast_precision
 from passes.fold_bn import fold_conv_batchnorm
@@ -32,7 +33,8 @@ from passes.pad_matmul import pad_matmul_dims
 from passes.simplify_attention_mask import simplify_attention_mask
 
 #: The default order: fold BN first (fewer ops to cast); fuse hand-written attention into SDPA *before*
-#: simplifying masks (so an all-zero float mask that the fusion hands to SDPA is dropped too); fuse QKV
+#: simplifying masks (so an all-zero float mask that the fusion hands to SDPA is dropped too); give SDPA's
+#: remaining inputs a stride-1 last dimension after that (a dropped mask needs no copy); fuse QKV
 #: before padding (the fused N is padded once); pad before the epilogue fusion (which looks through
 #: pad_linear_dims' slice, so padded linears keep their padding and still get the epilogue); copy strided
 #: linear inputs after fuse_qkv and the padding (a fused group's input and a padded K are already row-major
@@ -42,6 +44,7 @@ PIPELINE: tuple[str, ...] = (
     "fold_conv_batchnorm",
     "fuse_attention",
     "simplify_attention_mask",
+    "dense_attention_inputs",
     "fuse_qkv",
     "pad_linear_dims",
     "pad_matmul_dims",
@@ -56,6 +59,7 @@ PASSES: dict[str, Callable[[torch.fx.GraphModule, PassSpec], PassResult]] = {
     "fold_conv_batchnorm": fold_conv_batchnorm,
     "fuse_attention": fuse_attention,
     "simplify_attention_mask": simplify_attention_mask,
+    "dense_attention_inputs": dense_attention_inputs,
     "fuse_qkv": fuse_qkv,
     "pad_linear_dims": pad_linear_dims,
     "pad_matmul_dims": pad_matmul_dims,
@@ -196,6 +200,7 @@ __all__ = [
     "cast_fp8_linears",
     "cast_precision",
     "copy_linear_inputs",
+    "dense_attention_inputs",
     "fold_conv_batchnorm",
     "fuse_attention",
     "fuse_epilogue",

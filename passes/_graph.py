@@ -185,6 +185,40 @@ def rows_foldable(val: torch.Tensor) -> bool:
     return True
 
 
+def known_equal(a: Any, b: Any) -> bool:
+    """Whether sizes / strides ``a`` and ``b`` (ints or SymInts) are provably equal; False when unknown."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    try:
+        return bool(statically_known_true(a == b))
+    except Exception:  # noqa: BLE001 - an undecidable relation counts as not equal
+        return False
+
+
+def dense_last_dim(graph: fx.Graph, x: fx.Node) -> fx.Node | None:
+    """A contiguous copy of ``x`` (``aten.clone(x, memory_format=contiguous_format)``, inserted at ``graph``'s
+    insertion point, with ``meta["val"]``) when ``x``'s last dimension may not have stride 1; None when it
+    provably has (or is of size 1, or ``x`` has no tensor metadata, or is 0-d).
+
+    Why: CUDA's fused SDPA kernels (flash, memory-efficient, cuDNN) require stride 1 in the last dimension of
+    q, k, v and the attention mask ("All fused kernels require the last dimension of the input to have stride
+    1", ``sdp_utils``); otherwise PyTorch runs the math fallback, which computes fp16 / bf16 attention as two
+    FP32 GEMMs plus a materialized softmax. The copy costs one pass over the tensor.
+    """
+    val = x.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() == 0:
+        return None
+    if known_equal(val.stride(-1), 1) or known_equal(val.shape[-1], 1):
+        return None
+    clone = torch.ops.aten.clone.default
+    dense = graph.call_function(clone, (x,), {"memory_format": torch.contiguous_format})
+    new_val = fake_eval(clone, dense.args, dense.kwargs)
+    copy_meta(x, dense, new_val if new_val is not None else val)
+    return dense
+
+
 def layout_note(x: fx.Node) -> str:
     """``"input <name> <shape> with strides <strides>"`` from ``x.meta["val"]`` (``?`` when it has none)."""
     val = x.meta.get("val")

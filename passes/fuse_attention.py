@@ -40,7 +40,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from passes._graph import copy_meta, fake_eval, finish, op_name
+from passes._graph import copy_meta, dense_last_dim, fake_eval, finish, op_name
 from passes.base import PassResult, PassSpec, Skip
 
 NAME = "fuse_attention"
@@ -108,24 +108,17 @@ def fuse_attention(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
 
 
 def _dense_last_dim(gm: fx.GraphModule, x: fx.Node, made: list[str]) -> fx.Node:
-    """``x``, or a contiguous copy of it when its last dimension may not have stride 1 (inserted at the
-    graph's insertion point; ``x``'s name is appended to ``made``).
+    """``x``, or a contiguous copy of it when its last dimension may not have stride 1
+    (:func:`passes._graph.dense_last_dim`; ``x``'s name is appended to ``made``).
 
-    CUDA's fused SDPA kernels (flash, memory-efficient, cuDNN) all require stride 1 in the last dimension of
-    q, k and v; otherwise PyTorch runs the math fallback, which computes fp16/bf16 inputs as two FP32 GEMMs
-    plus a materialized softmax (``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp`` is off by
-    default). A hand-written attention whose heads come from ``reshape(...).permute(...)`` of a fused QKV
-    projection (timm's Visformer: q of shape ``(B, H, N, D)`` with strides ``(.., .., 1, N)``) hits exactly
-    that; the model's own fused path calls ``q.contiguous()`` for the same reason.
+    A hand-written attention whose heads come from ``reshape(...).permute(...)`` of a fused QKV projection
+    (timm's Visformer: q of shape ``(B, H, N, D)`` with strides ``(.., .., 1, N)``) would otherwise hand SDPA
+    views that only its math fallback takes; the model's own fused path calls ``q.contiguous()`` for the same
+    reason.
     """
-    val = x.meta.get("val")
-    if not isinstance(val, torch.Tensor) or val.dim() == 0:
+    dense = dense_last_dim(gm.graph, x)
+    if dense is None:
         return x
-    if _same(val.stride(-1), 1) or _same(val.shape[-1], 1):
-        return x
-    dense = gm.graph.call_function(torch.ops.aten.clone.default, (x,), {"memory_format": torch.contiguous_format})
-    new_val = fake_eval(torch.ops.aten.clone.default, dense.args, dense.kwargs)
-    copy_meta(x, dense, new_val if new_val is not None else val)
     made.append(x.name)
     return dense
 
