@@ -146,6 +146,31 @@ def unstable_timing(*rows: dict | None) -> str | None:
     return None
 
 
+def timing_warning(r: dict) -> str | None:
+    """The one ``report.md`` line warning that the best's speedup over FP32 eager rests on noisy timing, or None.
+
+    Both checks read the repeats of the best and of its FP32 eager baseline (:func:`base_trial`): **Unstable
+    timing** when :func:`unstable_timing` finds them untrustworthy (it names why), else **Within measurement
+    noise** when their relative spread (:func:`measurement_noise`) is at least the distance of
+    ``speedup_vs_baseline`` from 1.0 (not when the best is that baseline). One line: an unstable timing is also
+    within its noise, and the spread is stated once."""
+    b = r.get("best")
+    if not b:
+        return None
+    base_row = base_trial(r)
+    shaky = unstable_timing(b, base_row)
+    if shaky:
+        return (f"**Unstable timing** ({shaky}): the machine was busy while measuring; the speedups above are not "
+                "reliable. Measure again on an idle machine.")
+    noise = measurement_noise(b, base_row)
+    if ((base_row or {}).get("number") != b.get("trial") and noise is not None  # not when best = baseline
+            and b.get("speedup_vs_baseline") and abs(b["speedup_vs_baseline"] - 1) <= noise):
+        return (f"**Within measurement noise**: the repeats of the best (trial {b.get('trial')}) and of its FP32 "
+                f"eager baseline (trial {(base_row or {}).get('number')}) spread by up to {noise:.0%}, more than the "
+                "difference between them. Measure on a quiet machine (or more repeats) before relying on this speedup.")
+    return None
+
+
 def fp32_baseline_entry(trials: list[dict], side_by_side: dict | None, fp32: dict, timing: str) -> dict:
     """``report.json``'s top-level ``baseline``: FP32 eager at the best's batch size, with the same fields, and the
     same meaning of each, as its ``baselines`` entry (:func:`baseline_rows`: ``throughput``, ``latency_ms``,
@@ -510,6 +535,9 @@ def render_markdown(r: dict) -> str:
                          f"{_fmt(b['speedup_vs_best_baseline_any_batch'], '.2f')}× it).")
         if b.get("timing"):
             lines.append(f"- Timings compared: {b['timing']}" + (f" (run {b['run_id']})" if b.get("run_id") else "") + ".")
+        noisy = timing_warning(r)
+        if noisy:  # once, beside the speedups and the timing they come from
+            lines.append(f"- {noisy}")
         if b.get("speedup_note"):
             lines.append(f"- {b['speedup_note']}.")
         conf = (r.get("confirmation") or {}).get("runs") or {}
@@ -524,18 +552,6 @@ def render_markdown(r: dict) -> str:
         if (p["precision"] == "fp32" and not p.get("graph_passes") and p.get("runtime", "eager") == "eager"
                 and not b.get("baseline_wins")):
             lines.append("- Nothing beat plain FP32 eager here: **keep FP32**.")
-        base_row = base_trial(r)
-        noise = measurement_noise(b, base_row)
-        if ((base_row or {}).get("number") != b.get("trial") and noise is not None  # not when best = baseline
-                and b.get("speedup_vs_baseline") and abs(b["speedup_vs_baseline"] - 1) <= noise):
-            lines.append(f"- **Within measurement noise**: the repeats of the best (trial {b.get('trial')}) and of its FP32 "
-                         f"eager baseline (trial {(base_row or {}).get('number')}) spread by up to {noise:.0%}, more than the "
-                         "difference between them. Measure on a quiet machine (or more repeats) before relying on "
-                         "this speedup.")
-        shaky = unstable_timing(b, base_row)
-        if shaky:
-            lines.append(f"- **Unstable timing** ({shaky}): the machine was busy while measuring; the speedup above "
-                         "is not reliable. Measure again on an idle machine.")
         if p.get("graph_passes") and r["passes"] and all(ps["changed"] == 0 for ps in r["passes"]):
             lines.append("- The passes changed nothing in this graph: any difference from the model as written "
                          "is the runtime or measurement noise.")
