@@ -681,6 +681,61 @@ def render_markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def console_summary(report: dict, out: str | Path) -> str:
+    """The one-paragraph winner summary ``tctune optimize`` prints and ``tctune.optimize(...)`` prints unless
+    ``quiet``: the best configuration (precision, graph, runtime, batch, items/s, relative error), the exported
+    graph, the accuracy gate that accepted it, the verdict when a plain baseline wins, its speedups over the
+    fastest plain baseline and FP32 eager at the same batch (with the 95 % CI when there is one), an unstable
+    timing, TensorRT's skip reason, and the path of ``report.md`` with the study's counts. Plain text, lines
+    joined by newlines; ``out`` is the run's output folder. With no qualifying configuration: why (the two most
+    common failure reasons)."""
+    out = Path(out)
+    b, base = report.get("best"), report.get("baseline")
+    lines = []
+    if b:
+        p = b["params"]
+        what = 'tctune graph' if p.get('graph_passes') else 'model as written'
+        if b.get("baseline"):
+            what = f"plain baseline {b['baseline']}"
+        chosen = b.get("chosen_throughput") or b["throughput"]  # the number the choice was made on
+        lines.append(f"best: {p['precision']}, {what}, {p.get('runtime', 'eager')}, batch {p['batch_size']}: "
+                     f"{chosen:.4g} items/s" + (f" ({b['chosen_on']})" if b.get("chosen_on") else "")
+                     + f", rel. error {b['max_rel_error']:.2e}")
+        exp = exported_line(report)
+        if exp:
+            lines.append(f"      exported: {exp.replace('**', '')}")
+        if b.get("accepted_by"):
+            lines.append(f"      {gate_line(b, report.get('config', {}))}")
+        if report.get("config", {}).get("objective") == "latency" and b.get("latency_p99_ms") is not None:
+            lines.append(f"      p99 latency {b['latency_p99_ms']:.4g} ms per batch (the objective)")
+        why = (b.get("verdict") or {}).get("reason")
+        if b.get("kind") == "baseline" or b.get("baseline_wins"):
+            lines.append(f"      a plain baseline wins ({b['baseline']}): "
+                         + (why or f"use {b['baseline']} (nothing tctune searched beat it here)"))
+        bb = b.get("best_baseline")
+        if bb and b.get("speedup_vs_best_baseline") is not None and not b.get("baseline_wins"):
+            ci = b.get("speedup_ci95")
+            lines.append(f"      {b['speedup_vs_best_baseline']:.2f}x the fastest plain baseline at the same batch "
+                         f"({bb['name']}, {bb['throughput']:.4g} items/s"
+                         + (f"; 95% CI {ci[0]:.2f}-{ci[1]:.2f}x" if ci else "") + ")")
+        elif b.get("speedup_note"):
+            lines.append(f"      {b['speedup_note']}")
+        if base and b.get("speedup_vs_baseline"):
+            lines.append(f"      {b['speedup_vs_baseline']:.2f}x FP32 eager at the same batch ({base['throughput']:.4g} items/s)")
+            shaky = unstable_timing(b, base_trial(report))
+            if shaky:
+                lines.append(f"      unstable timing ({shaky}): not a reliable speedup; measure on an idle machine")
+    else:
+        lines.append(f"no configuration qualified: {failure_summary(report.get('trials', []))}")
+    a = report.get("artifacts", {})
+    if report.get("interrupted"):
+        lines.append("interrupted: finished trials are kept, nothing was exported; run the same command again to resume")
+    elif a.get("tensorrt_skipped_reason"):
+        lines.append(f"TensorRT: {a['tensorrt_skipped_reason']}")
+    lines.append(f"report: {out / 'report.md'}  (the study: {study_counts(report['study'], report.get('trials'))})")
+    return "\n".join(lines)
+
+
 def write_report(report: dict, out_dir: str | Path) -> tuple[Path, Path]:
     """Write ``report.json`` and ``report.md`` atomically; returns their paths."""
     out = Path(out_dir)
