@@ -21,7 +21,7 @@ import optuna
 import torch
 
 from . import __version__
-from .errors import ExportError, UsageError
+from .errors import ERROR_LOG, ExportError, UsageError, append_error_log
 from .hardware import HardwareSpec, resolve
 from .measure import precision_mode
 from .modelfile import ModelFile, load_model_file
@@ -354,9 +354,6 @@ def export_best(tuner: Tuner, params: dict, out: Path,
     return artifacts, passes
 
 
-#: The file in the output folder that holds the full text (traceback, C++ backtrace) of every error a stage
-#: after the trials raised; the console and ``report.json``'s ``post_errors`` carry one line each.
-ERROR_LOG = "tctune_errors.log"
 #: After the best configuration fails to export, at most this many next-best feasible trials are tried.
 FALLBACK_TRIES = 3
 
@@ -382,17 +379,12 @@ class PostStages:
 
     def record(self, stage: str, exc: BaseException) -> dict:
         """Record ``exc`` raised in ``stage``; returns its ``post_errors`` entry."""
-        import traceback
-        from datetime import datetime, timezone
-
         entry = {"stage": stage, "error": f"{type(exc).__name__}: {first_line(exc)}", "log": str(self.log_path)}
         first = next((e for e in self.errors if e["error"] == entry["error"]), None)
         if first is not None:  # the same text again (e.g. every fallback export): said once on the console
             entry["same_as"] = first["stage"]
         try:
-            with open(self.log_path, "a", encoding="utf-8") as handle:
-                handle.write(f"=== {datetime.now(timezone.utc).isoformat(timespec='seconds')} stage {stage}\n")
-                handle.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)) + "\n")
+            append_error_log(self.out, stage, exc)
         except OSError as err:  # the one line still reaches the report
             entry["log"] = None
             log.debug("cannot write %s: %s", self.log_path, err)
