@@ -429,7 +429,18 @@ def write_best_config(path: Path, tuner: Tuner, trial_attrs, passes: list[dict],
     ``best.kind`` / ``best.name`` when it is the recommended trial), plus ``label`` for a baseline (what a user
     calls it: ``"model.half() eager"``, ``"torch.compile(model.half())"``, ``tctune.search.baselines.baseline_label``).
     A trial that cast the model as a whole has ``model_cast: true`` (``tctune export`` then rebuilds the cast
-    model's graph, :func:`tctune.deploy.cast_export_graphs`, with the file's ``output_dtype``)."""
+    model's graph, :func:`tctune.deploy.cast_export_graphs`, with the file's ``output_dtype``).
+
+    The other keys: ``model``, ``model_path``, ``hardware`` (``HardwareSpec.to_dict``), ``params`` (the searched
+    parameters), ``fp8_keep`` (precision fp8 only: the exact keep-list), ``calibration`` (fp16 overflow
+    calibration, :attr:`tctune.trial.TrialParams.calibration`: ``true`` keeps in FP32 each node of tctune's fp16
+    graph whose FP32 activations exceed 65504 / 2 in absolute value (``passes.calibrate.overflow_nodes``) on the
+    seeded reference inputs and the real batches; ``tctune export`` reruns that analysis on the same inputs, the
+    real ones read again from ``calibration_folder`` or ``calibration_inputs()``; ``false`` casts those nodes
+    too; no effect at other precisions or on the model as written; a search always writes ``true``),
+    ``output_dtype``, ``batch_sizes`` (the searched ones, sorted), ``throughput`` (items/s, the trial's first
+    timing), ``max_rel_error``, ``passes`` (names), ``study``, ``tctune_version``, ``calibration_folder``
+    (``--calibration``'s folder as an absolute path, or None)."""
     from .search.baselines import baseline_label
 
     params = dict(trial_attrs.params) if params is None else params
