@@ -55,4 +55,4 @@ def test_the_calibration_key_says_what_it_does():
     said = re.search(r"`calibration` \(([^)]*(?:\([^)]*\)[^)]*)*)\)", row)
     assert said and "fp16 overflow calibration" in said.group(1), row
     assert "65504" in row and "tctune export" in row  # what it keeps in FP32, and that the export repeats it
-    assert "``calibration`` (fp16 overflow calibration" in write_best_config.__doc__
+    assert "``calibration`` (fp16 overflow calibration" in " ".join(write_best_config.__doc__.split())
