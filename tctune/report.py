@@ -529,7 +529,17 @@ def render_markdown(r: dict) -> str:
                          f"({_fmt(base.get('compared_throughput', base['throughput']))} items/s, "
                          f"{base.get('compared_on', 'same timing')}).")
         anyb = b.get("best_baseline_any_batch")
-        if anyb and b.get("speedup_vs_best_baseline_any_batch") is not None:
+        over = (anyb or {}).get("over_best")
+        if over and not over.get("measurably_faster"):  # faster by its numbers, passed over by the verdict
+            ci = over.get("ci95")
+            how = (f"95 % CI {ci[0]:.2f}–{ci[1]:.2f}, which includes 1.0" if ci
+                   else "its timing repeats overlap the answer's")
+            lines.append(f"- The fastest plain baseline at any searched batch size: {anyb['name']} at batch "
+                         f"{anyb['batch_size']}, {_fmt(anyb['throughput'])} items/s, {_fmt(over['speedup'], '.2f')}× "
+                         f"the answer ({how}): not measurably faster, so {b.get('label') or b.get('name')} "
+                         "stays the answer (plain baselines are preferred in the order FP32 eager, autocast, model "
+                         "cast, torch.compile).")
+        elif anyb and b.get("speedup_vs_best_baseline_any_batch") is not None:
             lines.append(f"- The fastest plain baseline at any searched batch size: {anyb['name']} at batch "
                          f"{anyb['batch_size']}, {_fmt(anyb['throughput'])} items/s (the best is "
                          f"{_fmt(b['speedup_vs_best_baseline_any_batch'], '.2f')}× it).")
