@@ -220,8 +220,9 @@ def _tuned(optimized, cfg, keep_low: bool | None):
     from .report import console_summary
     from .tuned import from_search
 
-    if not cfg.quiet and optimized.report.get("best"):  # (no winner: from_search raises, saying why)
-        print(console_summary(optimized.report, cfg.out_dir), flush=True)
+    report = getattr(optimized, "report", None) or {}
+    if not cfg.quiet and report.get("best"):  # (no winner: from_search raises, saying why)
+        print(console_summary(report, cfg.out_dir), flush=True)
     return _with_out_dir(from_search(optimized, keep_low), cfg.out_dir)
 
 
