@@ -136,8 +136,10 @@ def optimize(model, example_inputs=None, /, **options):
     Returns:
         A :class:`tctune.tuned.TunedModule` running the winning configuration, with ``.report`` (the
         ``report.json`` dictionary, also written to ``out``), ``.config`` (``TrialParams``) and ``.out_dir``
-        (the folder the search wrote to: ``out``, or the temporary folder chosen for it). With a model
-        path and a ``TuneConfig``: the report dictionary (the command line's call).
+        (the folder the search wrote to: ``out``, or the temporary folder chosen for it); unless ``quiet``,
+        the winner summary ``tctune optimize`` prints (:func:`tctune.report.console_summary`) is printed to stdout
+        first. With a model path and a ``TuneConfig``: the report dictionary (the command line's call, which
+        prints the summary itself).
 
     Raises:
         TypeError: an unknown option.
@@ -147,7 +149,6 @@ def optimize(model, example_inputs=None, /, **options):
     """
     from .optimize import optimize as optimize_file, optimize_model
     from .search import TuneConfig
-    from .tuned import from_search
 
     keep_low = options.pop("keep_low_precision_outputs", None)
     if keep_low is not None:
@@ -176,7 +177,7 @@ def optimize(model, example_inputs=None, /, **options):
         cfg = tune_config(options, out_dir=Path("tctune_out") / mf.name)
         if folder is not None:  # a folder of real batches, like --calibration PATH
             cfg = dataclasses.replace(cfg, calibration=str(folder))
-        return _with_out_dir(from_search(optimize_model(mf, cfg), keep_low), cfg.out_dir)
+        return _tuned(optimize_model(mf, cfg), cfg, keep_low)
     return _optimize_module(model, example_inputs, options, keep_low)
 
 
@@ -184,7 +185,6 @@ def _optimize_module(model: torch.nn.Module, example_inputs: tuple | Callable | 
                      keep_low: bool):
     from .modelfile import ModelFile, example_batch
     from .optimize import optimize_model
-    from .tuned import from_search
 
     if example_inputs is None:
         raise UsageError("tctune.optimize(model, example_inputs): example inputs are needed to run the model\n"
@@ -211,7 +211,19 @@ def _optimize_module(model: torch.nn.Module, example_inputs: tuple | Callable | 
     if cfg.devices and len(cfg.devices) > 1:
         raise UsageError("several devices start worker processes that load a model file; a live module cannot be "
                          "sent to them\n  fix: one device, or a model file", field="devices")
-    return _with_out_dir(from_search(optimize_model(mf, cfg), keep_low), cfg.out_dir)
+    return _tuned(optimize_model(mf, cfg), cfg, keep_low)
+
+
+def _tuned(optimized, cfg, keep_low: bool | None):
+    """The :class:`~tctune.tuned.TunedModule` of a finished search; unless ``cfg.quiet``, the winner summary
+    ``tctune optimize`` prints (:func:`tctune.report.console_summary`) goes to stdout first."""
+    from .report import console_summary
+    from .tuned import from_search
+
+    report = getattr(optimized, "report", None) or {}
+    if not cfg.quiet and report.get("best"):  # (no winner: from_search raises, saying why)
+        print(console_summary(report, cfg.out_dir), flush=True)
+    return _with_out_dir(from_search(optimized, keep_low), cfg.out_dir)
 
 
 def _with_out_dir(tuned, out_dir) -> Any:

@@ -106,6 +106,9 @@ __all__ = ["backend", "tctune_backend", "BackendConfig", "SubgraphReport", "last
 #: The pass results of the most recent subgraph tctune compiled (``[]`` after a fallback).
 last_results: list[PassResult] = []
 #: One report per subgraph compiled since the last :func:`reset` (most recent last, at most 256 kept).
+#: ``torch._dynamo.reset()`` empties it too, through Dynamo's reset of the backends of the ``torch.compile``
+#: calls made since its previous reset (each tctune backend has ``.reset``); a module compiled before an
+#: earlier ``torch._dynamo.reset()`` that compiles again is not among them, so call :func:`reset` to be sure.
 reports: list["SubgraphReport"] = []
 _MAX_REPORTS = 256
 #: Fallback reasons already warned about (each distinct reason is logged as a warning once).
@@ -372,6 +375,7 @@ def backend(
     def tctune(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
         return _compile(gm, example_inputs, _with_call_options(cfg, kwargs))
 
+    tctune.reset = reset  # called by torch._dynamo.reset() (Dynamo resets a backend that has .reset)
     return tctune
 
 
@@ -410,6 +414,9 @@ def tctune_backend(gm: fx.GraphModule, example_inputs: list, **options: Any) -> 
         opts["mode"] = mode
     _check_keys(opts)
     return backend(**opts)(gm, example_inputs)
+
+
+tctune_backend.reset = reset  # called by torch._dynamo.reset(), as for backend(...)'s compilers
 
 
 # ------------------------------------------------------------------------------------------------ internals

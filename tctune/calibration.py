@@ -11,7 +11,10 @@ Real batches are used beside the seeded random inputs of ``example_inputs``:
 Folder format (one file = one batch = one tuple of input tensors, read in sorted file-name order):
 
 - ``.safetensors`` (read with ``safetensors.torch.load_file``) or ``.npz`` (``numpy.load(allow_pickle=False)``:
-  object arrays are refused, nothing is unpickled). Other files in the folder are ignored.
+  object arrays are refused, nothing is unpickled); the suffix in any case (``.NPZ``). Other entries of the folder
+  (files of other suffixes, subfolders) are not read and are named in one warning of the ``tctune`` logger;
+  hidden entries (a name starting with ``.``, e.g. ``.DS_Store``) are skipped without one. A folder without a
+  batch file is an error that names what it holds.
 - Keys ``input_0``, ``input_1``, ... (the position in ``example_inputs``' tuple), or the names of the model's
   ``forward`` parameters (``input_ids``, ``attention_mask``, ...).
 - Each tensor has the dtype and rank of the matching ``example_inputs`` tensor; dim 0 is the batch (any size,
@@ -24,6 +27,8 @@ and dtypes, before the search starts.
 from __future__ import annotations
 
 import inspect
+import logging
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -32,6 +37,8 @@ import torch
 
 from .errors import ModelFileError, UsageError
 
+log = logging.getLogger("tctune")
+
 #: File suffixes read from a calibration folder.
 SUFFIXES = (".safetensors", ".npz")
 #: The ``fix:`` lines of the errors on bad real batches (:func:`check_batch`, :func:`load_calibration`).
@@ -39,6 +46,12 @@ FIX_KEYS = "name the arrays input_0, input_1, ... in the order of example_inputs
 FIX_BATCH = "make each batch a tuple with one tensor per example_inputs tensor, in the same order"
 FIX_SHAPES = ("give each tensor the shape example_inputs(B) gives it, with any batch size B in dim 0 (other "
               "dimensions as in example_inputs), or leave this batch out")
+#: The ``fix:`` line of the error on a batch file that cannot be read (``{want}``: :func:`expected`).
+FIX_FILE = ("a batch file holds one numeric array per input, named input_0, input_1, ... ({want}): write it with "
+            "numpy.savez(path, input_0=x0, ...) or safetensors.torch.save_file({{'input_0': x0, ...}}, path), "
+            "or move the file out of the folder")
+#: How many ignored folder entries a message names before it says "and N more".
+NAMED_IGNORED = 8
 
 
 @dataclass
@@ -71,15 +84,73 @@ def expected(example: Sequence[torch.Tensor]) -> str:
                      for i, t in enumerate(example))
 
 
-def _read_file(path: Path) -> dict[str, torch.Tensor]:
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
+class _Unreadable(Exception):
+    """A batch file that cannot be read; the message is the cause in plain words."""
 
-        return dict(load_file(str(path)))
+
+#: The first bytes of a zip archive (an ``.npz`` is one: a local file header, or an empty archive's end record).
+_ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
+#: The first bytes of a single ``.npy`` array (``numpy.save``).
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__
+
+
+def _read_npz(path: Path) -> dict[str, torch.Tensor]:
     import numpy as np
 
-    with np.load(path, allow_pickle=False) as data:
-        return {k: torch.from_numpy(np.ascontiguousarray(data[k])) for k in data.files}
+    with path.open("rb") as fh:
+        head = fh.read(8)
+    if head.startswith(_NPY_MAGIC):
+        raise _Unreadable("it is a single .npy array (numpy.save), not an .npz archive of named arrays")
+    if head[:4] not in _ZIP_MAGIC:
+        raise _Unreadable(f"it is not an .npz archive (a zip of .npy arrays): it starts with the bytes {head[:4]!r}, "
+                          "so it is another format or was damaged")
+    try:
+        data = np.load(path, allow_pickle=False)
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
+        raise _Unreadable(f"it is a damaged .npz (zip) archive, e.g. truncated while written ({_first_line(exc)})") from None
+    out = {}
+    with data:
+        for k in data.files:
+            try:
+                arr = data[k]
+            except ValueError as exc:
+                if "allow_pickle" in str(exc) or "Object arrays" in str(exc):
+                    raise _Unreadable(f"its array {k!r} holds Python objects (dtype object), which are refused: "
+                                      "reading them would unpickle them, which can run code") from None
+                raise _Unreadable(f"its array {k!r} cannot be read ({_first_line(exc)})") from None
+            except (zipfile.BadZipFile, EOFError, OSError) as exc:
+                raise _Unreadable(f"its array {k!r} is damaged, e.g. truncated while written ({_first_line(exc)})") from None
+            try:
+                out[k] = torch.from_numpy(np.ascontiguousarray(arr))
+            except TypeError:
+                raise _Unreadable(f"its array {k!r} has dtype {arr.dtype}, which is not a tensor dtype (numbers "
+                                  "and bools only)") from None
+    return out
+
+
+def _read_file(path: Path) -> dict[str, torch.Tensor]:
+    """The named tensors of one batch file; raises :class:`_Unreadable` with the cause when it cannot be read."""
+    if path.stat().st_size == 0:
+        raise _Unreadable("the file is empty (0 bytes)")
+    if path.suffix.lower() == ".safetensors":
+        from safetensors.torch import load_file
+
+        try:
+            return dict(load_file(str(path)))
+        except Exception as exc:  # noqa: BLE001 - safetensors' own error class; any damage
+            raise _Unreadable(f"it is not a valid safetensors file ({_first_line(exc)})") from None
+    return _read_npz(path)
+
+
+def _named(entries: Sequence[Path]) -> str:
+    names = [e.name + ("/" if e.is_dir() else "") for e in entries]
+    more = len(names) - NAMED_IGNORED
+    return ", ".join(names[:NAMED_IGNORED]) + (f" and {more} more" if more > 0 else "")
 
 
 def read_folder(folder: str | Path, example: Sequence[torch.Tensor], names: Sequence[str] = ()) -> list[CalibrationBatch]:
@@ -94,27 +165,34 @@ def read_folder(folder: str | Path, example: Sequence[torch.Tensor], names: Sequ
         One :class:`CalibrationBatch` per file (on the CPU, ``reference`` None).
 
     Raises:
-        UsageError (field ``calibration``): no such folder, no batch file in it, or a file that cannot be read,
-            has other keys, or holds a tensor of another dtype or rank than ``example`` (the message names the
-            file and the expected inputs).
+        UsageError (field ``calibration``): no such folder, no batch file in it (the message names what the
+            folder holds), or a file that cannot be read (the message names the file and the cause: empty, not an
+            ``.npz`` / safetensors file, a damaged archive, an object array), has other keys, or holds a tensor of
+            another dtype or rank than ``example`` (the message names the file and the expected inputs).
+
+    Other entries of the folder are named in one warning (``tctune`` logger); hidden ones are skipped.
     """
     p = Path(folder).expanduser()
     want = expected(example)
     if not p.is_dir():
         raise UsageError(f"calibration {p}: not a folder\n  fix: a folder of .safetensors or .npz files, one batch "
                          f"each, with keys input_0, input_1, ... ({want})", field="calibration")
-    files = sorted(f for f in p.iterdir() if f.suffix in SUFFIXES and f.is_file())
+    entries = sorted(e for e in p.iterdir() if not e.name.startswith("."))
+    files = [f for f in entries if f.suffix.lower() in SUFFIXES and f.is_file()]
+    ignored = [e for e in entries if e not in files]
     if not files:
-        raise UsageError(f"calibration {p} holds no .safetensors or .npz file\n  fix: one file per batch, with keys "
-                         f"input_0, input_1, ... ({want})", field="calibration")
+        held = f" (it holds {_named(ignored)}, none of them a batch file)" if ignored else " (it is empty)"
+        raise UsageError(f"calibration {p} holds no .safetensors or .npz file{held}\n  fix: put one .safetensors or "
+                         f".npz file per batch in it, with keys input_0, input_1, ... ({want})", field="calibration")
+    if ignored:
+        log.warning("calibration %s: not read (not .safetensors / .npz batch files): %s", p, _named(ignored))
     out = []
     for f in files:
         try:
             data = _read_file(f)
-        except Exception as exc:  # noqa: BLE001 - a corrupt file, pickled object arrays, ...
-            raise UsageError(f"calibration file {f}: cannot be read ({type(exc).__name__}: "
-                             f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''})\n  fix: write it with "
-                             "numpy.savez (numeric arrays only: no pickled objects) or safetensors.torch.save_file",
+        except (_Unreadable, OSError) as exc:
+            cause = str(exc) if isinstance(exc, _Unreadable) else _first_line(exc)
+            raise UsageError(f"calibration file {f}: cannot be read: {cause}\n  fix: {FIX_FILE.format(want=want)}",
                              field="calibration") from None
         out.append(CalibrationBatch(f.name, _order(data, example, names, f)))
     for b in out:
@@ -236,5 +314,5 @@ def load_calibration(mf, folder: str | Path | None, model: torch.nn.Module, devi
     return batches
 
 
-__all__ = ["CalibrationBatch", "FIX_BATCH", "FIX_KEYS", "FIX_SHAPES", "SUFFIXES", "check_batch", "expected", "from_model_file", "input_names",
+__all__ = ["CalibrationBatch", "FIX_BATCH", "FIX_FILE", "FIX_KEYS", "FIX_SHAPES", "SUFFIXES", "check_batch", "expected", "from_model_file", "input_names",
            "load_calibration", "read_folder"]

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .errors import ExportError, UsageError
+from .errors import ExportError, UsageError, append_error_log
 
 log = logging.getLogger("tctune")
 
@@ -172,13 +172,18 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
 
     Returns:
         ``{"out": str, "model", "precision", "hardware", "batch_sizes": {"min", "opt", "max"}, "batch_range_note":
-        why ``min`` is above 1 or None, "formats": {fmt: {"status": "built" | "reused" | "skipped",
-        "path", "manifest", "runner", "reason", "seconds", ...build details}}}``.
+        why ``min`` is above 1 or None, "formats": {fmt: {"status": "built" | "reused" | "skipped" | "failed",
+        "path", "manifest", "runner", "reason", "seconds", "files", ...build details}}}``. ``files``: every
+        file this call wrote for the format (the artifact, its manifest, the FP32 twin ``model.fp32.onnx`` and
+        its manifest when written, ``runner.py``; empty when reused). A failed AOTInductor package does not stop
+        the call: its entry has ``error`` (one line) and ``log`` (``out/tctune_errors.log``, holding the full
+        traceback).
 
     Raises:
         UsageError: bad config or formats, or a config tuned for another model (:func:`check_config_model`).
         ModelFileError: the model file breaks the contract.
-        ExportError: capture failed, the ONNX batch axis froze, or validation failed (message: cause + fix).
+        ExportError: capture failed, the ONNX batch axis froze, or the ONNX validation failed (message: cause +
+            fix).
     """
     import torch
 
@@ -238,7 +243,7 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
         if hit is None:
             return False
         results[fmt] = {"status": "reused", "path": str(path), "manifest": str(path) + ".manifest.json",
-                        "runner": str(out / "runner.py"), **(hit.get("result") or {})}
+                        "runner": str(out / "runner.py"), **(hit.get("result") or {}), "files": []}
         return True
 
     def finish(fmt: str, key: dict, info: dict, started: float, **manifest_extra) -> None:
@@ -254,8 +259,12 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
             twin = Path(info["onnx_fp32"])
             qdq = {"qdq": "float8e4m3fn"} if fp8 is not None else {}
             write_runner(twin, {**manifest, "artifact": twin.name, "precision": "fp32", **qdq})
+        files = [str(path), str(path) + ".manifest.json"]
+        if fmt == "onnx" and info.get("onnx_fp32") and Path(info["onnx_fp32"]) != path:
+            files += [str(twin), str(twin) + ".manifest.json"]
         results[fmt] = {"status": "built", "path": str(path), "manifest": str(path) + ".manifest.json",
-                        "runner": str(runner), "seconds": round(time.perf_counter() - started, 2), **info}
+                        "runner": str(runner), "seconds": round(time.perf_counter() - started, 2), **info,
+                        "files": files + [str(runner)]}
 
     onnx_inputs = None
     if "onnx" in formats or "tensorrt" in formats:
@@ -292,19 +301,38 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
             from .export.aoti import export_aoti
             from .export.onnx import plan_validation
 
-            started = time.perf_counter()
-            check, limited = plan_validation((tuned, lo if tuned != lo else lo + 1),
-                                             _output_bytes_per_item(graph, make_inputs, lo), smallest=lo)
-            if limited:  # its comparison holds float64 host copies of the outputs, as the ONNX validation does
-                log.info("AOTInductor validation: %s", limited)
-            info = export_aoti(graph, make_inputs, out / ARTIFACT_NAMES["aoti"], (check * 2)[:max(2, len(check))])
-            if info["aoti_error"]:
-                raise ExportError(f"the AOTInductor package {ARTIFACT_NAMES['aoti']} does not match PyTorch: "
-                                  f"{info['aoti_error']}")
-            info["aoti_validation_limited"] = limited
-            finish("aoti", key, _summary(info, "aoti"), started, device=info["aoti_device"])
+            started, since = time.perf_counter(), time.time()
+            try:
+                check, limited = plan_validation((tuned, lo if tuned != lo else lo + 1),
+                                                 _output_bytes_per_item(graph, make_inputs, lo), smallest=lo)
+                if limited:  # its comparison holds float64 host copies of the outputs, as the ONNX validation does
+                    log.info("AOTInductor validation: %s", limited)
+                info = export_aoti(graph, make_inputs, out / ARTIFACT_NAMES["aoti"], (check * 2)[:max(2, len(check))])
+                if info["aoti_error"]:
+                    raise ExportError(f"the AOTInductor package {ARTIFACT_NAMES['aoti']} does not match PyTorch: "
+                                      f"{info['aoti_error']}")
+                info["aoti_validation_limited"] = limited
+                finish("aoti", key, _summary(info, "aoti"), started, device=info["aoti_device"])
+            except Exception as exc:  # noqa: BLE001 - recorded: the other formats' files stay reported
+                results["aoti"] = _failed(out, "aoti", exc, out / ARTIFACT_NAMES["aoti"], since)
     return {"out": str(out), "model": mf.name, "precision": precision, "hardware": hw.name,
             "batch_sizes": sizes, "batch_range_note": lo_note, "formats": results}
+
+
+def _failed(out: Path, fmt: str, exc: BaseException, path: Path, since: float) -> dict[str, Any]:
+    """The result entry of a format whose build raised ``exc``: ``status "failed"``, ``error`` (type and first
+    line), ``log`` (``out/tctune_errors.log``, where the full traceback was appended; None when it cannot be
+    written) and ``files`` (``path`` when this build, started at wall-clock time ``since``, left it: a package
+    kept unvalidated)."""
+    error = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+    try:
+        where = append_error_log(out, f"export {fmt}", exc)
+    except OSError as err:
+        log.debug("cannot write the error log in %s: %s", out, err)
+        where = None
+    left = path.exists() and path.stat().st_mtime >= since
+    return {"status": "failed", "error": error, "log": where, "path": str(path) if left else None,
+            "files": [str(path)] if left else []}
 
 
 def _smallest_batch(mf, device, searched) -> tuple[int, str | None]:

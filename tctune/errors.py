@@ -5,6 +5,13 @@ message alone (no traceback unless ``--debug``) and exits non-zero.
 """
 from __future__ import annotations
 
+import os
+
+#: The file in an output folder that holds the full text (traceback, C++ backtrace) of each error a stage
+#: recorded instead of stopping on it (``tctune optimize``'s stages after the trials, ``tctune export``'s
+#: AOTInductor package); the console and the report carry one line each.
+ERROR_LOG = "tctune_errors.log"
+
 
 class TctuneError(Exception):
     """Root of every error tctune raises on purpose."""
@@ -54,3 +61,20 @@ class UsageError(TctuneError):
     def __init__(self, message: str = "", field: str | None = None):
         super().__init__(message)
         self.field = field
+
+
+def append_error_log(folder: str | os.PathLike, stage: str, exc: BaseException) -> str:
+    """Append ``exc``'s full traceback (chained causes included) to ``folder/``:data:`ERROR_LOG` under a
+    ``=== <UTC time> stage <stage>`` header; returns the file's path.
+
+    Raises:
+        OSError: the file cannot be written (the caller keeps its one-line message).
+    """
+    import traceback
+    from datetime import datetime, timezone
+
+    path = os.path.join(os.fspath(folder), ERROR_LOG)
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(f"=== {datetime.now(timezone.utc).isoformat(timespec='seconds')} stage {stage}\n")
+        handle.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)) + "\n")
+    return path

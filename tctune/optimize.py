@@ -21,7 +21,7 @@ import optuna
 import torch
 
 from . import __version__
-from .errors import ExportError, UsageError
+from .errors import ERROR_LOG, ExportError, UsageError, append_error_log
 from .hardware import HardwareSpec, resolve
 from .measure import precision_mode
 from .modelfile import ModelFile, load_model_file
@@ -354,9 +354,6 @@ def export_best(tuner: Tuner, params: dict, out: Path,
     return artifacts, passes
 
 
-#: The file in the output folder that holds the full text (traceback, C++ backtrace) of every error a stage
-#: after the trials raised; the console and ``report.json``'s ``post_errors`` carry one line each.
-ERROR_LOG = "tctune_errors.log"
 #: After the best configuration fails to export, at most this many next-best feasible trials are tried.
 FALLBACK_TRIES = 3
 
@@ -382,17 +379,12 @@ class PostStages:
 
     def record(self, stage: str, exc: BaseException) -> dict:
         """Record ``exc`` raised in ``stage``; returns its ``post_errors`` entry."""
-        import traceback
-        from datetime import datetime, timezone
-
         entry = {"stage": stage, "error": f"{type(exc).__name__}: {first_line(exc)}", "log": str(self.log_path)}
         first = next((e for e in self.errors if e["error"] == entry["error"]), None)
         if first is not None:  # the same text again (e.g. every fallback export): said once on the console
             entry["same_as"] = first["stage"]
         try:
-            with open(self.log_path, "a", encoding="utf-8") as handle:
-                handle.write(f"=== {datetime.now(timezone.utc).isoformat(timespec='seconds')} stage {stage}\n")
-                handle.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)) + "\n")
+            append_error_log(self.out, stage, exc)
         except OSError as err:  # the one line still reaches the report
             entry["log"] = None
             log.debug("cannot write %s: %s", self.log_path, err)
@@ -437,7 +429,18 @@ def write_best_config(path: Path, tuner: Tuner, trial_attrs, passes: list[dict],
     ``best.kind`` / ``best.name`` when it is the recommended trial), plus ``label`` for a baseline (what a user
     calls it: ``"model.half() eager"``, ``"torch.compile(model.half())"``, ``tctune.search.baselines.baseline_label``).
     A trial that cast the model as a whole has ``model_cast: true`` (``tctune export`` then rebuilds the cast
-    model's graph, :func:`tctune.deploy.cast_export_graphs`, with the file's ``output_dtype``)."""
+    model's graph, :func:`tctune.deploy.cast_export_graphs`, with the file's ``output_dtype``).
+
+    The other keys: ``model``, ``model_path``, ``hardware`` (``HardwareSpec.to_dict``), ``params`` (the searched
+    parameters), ``fp8_keep`` (precision fp8 only: the exact keep-list), ``calibration`` (fp16 overflow
+    calibration, :attr:`tctune.trial.TrialParams.calibration`: ``true`` keeps in FP32 each node of tctune's fp16
+    graph whose FP32 activations exceed 65504 / 2 in absolute value (``passes.calibrate.overflow_nodes``) on the
+    seeded reference inputs and the real batches; ``tctune export`` reruns that analysis on the same inputs, the
+    real ones read again from ``calibration_folder`` or ``calibration_inputs()``; ``false`` casts those nodes
+    too; no effect at other precisions or on the model as written; a search always writes ``true``),
+    ``output_dtype``, ``batch_sizes`` (the searched ones, sorted), ``throughput`` (items/s, the trial's first
+    timing), ``max_rel_error``, ``passes`` (names), ``study``, ``tctune_version``, ``calibration_folder``
+    (``--calibration``'s folder as an absolute path, or None)."""
     from .search.baselines import baseline_label
 
     params = dict(trial_attrs.params) if params is None else params

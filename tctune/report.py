@@ -146,6 +146,31 @@ def unstable_timing(*rows: dict | None) -> str | None:
     return None
 
 
+def timing_warning(r: dict) -> str | None:
+    """The one ``report.md`` line warning that the best's speedup over FP32 eager rests on noisy timing, or None.
+
+    Both checks read the repeats of the best and of its FP32 eager baseline (:func:`base_trial`): **Unstable
+    timing** when :func:`unstable_timing` finds them untrustworthy (it names why), else **Within measurement
+    noise** when their relative spread (:func:`measurement_noise`) is at least the distance of
+    ``speedup_vs_baseline`` from 1.0 (not when the best is that baseline). One line: an unstable timing is also
+    within its noise, and the spread is stated once."""
+    b = r.get("best")
+    if not b:
+        return None
+    base_row = base_trial(r)
+    shaky = unstable_timing(b, base_row)
+    if shaky:
+        return (f"**Unstable timing** ({shaky}): the machine was busy while measuring; the speedups above are not "
+                "reliable. Measure again on an idle machine.")
+    noise = measurement_noise(b, base_row)
+    if ((base_row or {}).get("number") != b.get("trial") and noise is not None  # not when best = baseline
+            and b.get("speedup_vs_baseline") and abs(b["speedup_vs_baseline"] - 1) <= noise):
+        return (f"**Within measurement noise**: the repeats of the best (trial {b.get('trial')}) and of its FP32 "
+                f"eager baseline (trial {(base_row or {}).get('number')}) spread by up to {noise:.0%}, more than the "
+                "difference between them. Measure on a quiet machine (or more repeats) before relying on this speedup.")
+    return None
+
+
 def fp32_baseline_entry(trials: list[dict], side_by_side: dict | None, fp32: dict, timing: str) -> dict:
     """``report.json``'s top-level ``baseline``: FP32 eager at the best's batch size, with the same fields, and the
     same meaning of each, as its ``baselines`` entry (:func:`baseline_rows`: ``throughput``, ``latency_ms``,
@@ -504,12 +529,25 @@ def render_markdown(r: dict) -> str:
                          f"({_fmt(base.get('compared_throughput', base['throughput']))} items/s, "
                          f"{base.get('compared_on', 'same timing')}).")
         anyb = b.get("best_baseline_any_batch")
-        if anyb and b.get("speedup_vs_best_baseline_any_batch") is not None:
+        over = (anyb or {}).get("over_best")
+        if over and not over.get("measurably_faster"):  # faster by its numbers, passed over by the verdict
+            ci = over.get("ci95")
+            how = (f"95 % CI {ci[0]:.2f}–{ci[1]:.2f}, which includes 1.0" if ci
+                   else "its timing repeats overlap the answer's")
+            lines.append(f"- The fastest plain baseline at any searched batch size: {anyb['name']} at batch "
+                         f"{anyb['batch_size']}, {_fmt(anyb['throughput'])} items/s, {_fmt(over['speedup'], '.2f')}× "
+                         f"the answer ({how}): not measurably faster, so {b.get('label') or b.get('name')} "
+                         "stays the answer (plain baselines are preferred in the order FP32 eager, autocast, model "
+                         "cast, torch.compile).")
+        elif anyb and b.get("speedup_vs_best_baseline_any_batch") is not None:
             lines.append(f"- The fastest plain baseline at any searched batch size: {anyb['name']} at batch "
                          f"{anyb['batch_size']}, {_fmt(anyb['throughput'])} items/s (the best is "
                          f"{_fmt(b['speedup_vs_best_baseline_any_batch'], '.2f')}× it).")
         if b.get("timing"):
             lines.append(f"- Timings compared: {b['timing']}" + (f" (run {b['run_id']})" if b.get("run_id") else "") + ".")
+        noisy = timing_warning(r)
+        if noisy:  # once, beside the speedups and the timing they come from
+            lines.append(f"- {noisy}")
         if b.get("speedup_note"):
             lines.append(f"- {b['speedup_note']}.")
         conf = (r.get("confirmation") or {}).get("runs") or {}
@@ -524,18 +562,6 @@ def render_markdown(r: dict) -> str:
         if (p["precision"] == "fp32" and not p.get("graph_passes") and p.get("runtime", "eager") == "eager"
                 and not b.get("baseline_wins")):
             lines.append("- Nothing beat plain FP32 eager here: **keep FP32**.")
-        base_row = base_trial(r)
-        noise = measurement_noise(b, base_row)
-        if ((base_row or {}).get("number") != b.get("trial") and noise is not None  # not when best = baseline
-                and b.get("speedup_vs_baseline") and abs(b["speedup_vs_baseline"] - 1) <= noise):
-            lines.append(f"- **Within measurement noise**: the repeats of the best (trial {b.get('trial')}) and of its FP32 "
-                         f"eager baseline (trial {(base_row or {}).get('number')}) spread by up to {noise:.0%}, more than the "
-                         "difference between them. Measure on a quiet machine (or more repeats) before relying on "
-                         "this speedup.")
-        shaky = unstable_timing(b, base_row)
-        if shaky:
-            lines.append(f"- **Unstable timing** ({shaky}): the machine was busy while measuring; the speedup above "
-                         "is not reliable. Measure again on an idle machine.")
         if p.get("graph_passes") and r["passes"] and all(ps["changed"] == 0 for ps in r["passes"]):
             lines.append("- The passes changed nothing in this graph: any difference from the model as written "
                          "is the runtime or measurement noise.")
@@ -663,6 +689,61 @@ def render_markdown(r: dict) -> str:
             lines.append(f"- {', '.join(e['stage'] for e in es)}: {error}"
                          + (f" (full text: `{es[0]['log']}`)" if es[0].get("log") else ""))
     return "\n".join(lines) + "\n"
+
+
+def console_summary(report: dict, out: str | Path) -> str:
+    """The one-paragraph winner summary ``tctune optimize`` prints and ``tctune.optimize(...)`` prints unless
+    ``quiet``: the best configuration (precision, graph, runtime, batch, items/s, relative error), the exported
+    graph, the accuracy gate that accepted it, the verdict when a plain baseline wins, its speedups over the
+    fastest plain baseline and FP32 eager at the same batch (with the 95 % CI when there is one), an unstable
+    timing, TensorRT's skip reason, and the path of ``report.md`` with the study's counts. Plain text, lines
+    joined by newlines; ``out`` is the run's output folder. With no qualifying configuration: why (the two most
+    common failure reasons)."""
+    out = Path(out)
+    b, base = report.get("best"), report.get("baseline")
+    lines = []
+    if b:
+        p = b["params"]
+        what = 'tctune graph' if p.get('graph_passes') else 'model as written'
+        if b.get("baseline"):
+            what = f"plain baseline {b['baseline']}"
+        chosen = b.get("chosen_throughput") or b["throughput"]  # the number the choice was made on
+        lines.append(f"best: {p['precision']}, {what}, {p.get('runtime', 'eager')}, batch {p['batch_size']}: "
+                     f"{chosen:.4g} items/s" + (f" ({b['chosen_on']})" if b.get("chosen_on") else "")
+                     + f", rel. error {b['max_rel_error']:.2e}")
+        exp = exported_line(report)
+        if exp:
+            lines.append(f"      exported: {exp.replace('**', '')}")
+        if b.get("accepted_by"):
+            lines.append(f"      {gate_line(b, report.get('config', {}))}")
+        if report.get("config", {}).get("objective") == "latency" and b.get("latency_p99_ms") is not None:
+            lines.append(f"      p99 latency {b['latency_p99_ms']:.4g} ms per batch (the objective)")
+        why = (b.get("verdict") or {}).get("reason")
+        if b.get("kind") == "baseline" or b.get("baseline_wins"):
+            lines.append(f"      a plain baseline wins ({b['baseline']}): "
+                         + (why or f"use {b['baseline']} (nothing tctune searched beat it here)"))
+        bb = b.get("best_baseline")
+        if bb and b.get("speedup_vs_best_baseline") is not None and not b.get("baseline_wins"):
+            ci = b.get("speedup_ci95")
+            lines.append(f"      {b['speedup_vs_best_baseline']:.2f}x the fastest plain baseline at the same batch "
+                         f"({bb['name']}, {bb['throughput']:.4g} items/s"
+                         + (f"; 95% CI {ci[0]:.2f}-{ci[1]:.2f}x" if ci else "") + ")")
+        elif b.get("speedup_note"):
+            lines.append(f"      {b['speedup_note']}")
+        if base and b.get("speedup_vs_baseline"):
+            lines.append(f"      {b['speedup_vs_baseline']:.2f}x FP32 eager at the same batch ({base['throughput']:.4g} items/s)")
+            shaky = unstable_timing(b, base_trial(report))
+            if shaky:
+                lines.append(f"      unstable timing ({shaky}): not a reliable speedup; measure on an idle machine")
+    else:
+        lines.append(f"no configuration qualified: {failure_summary(report.get('trials', []))}")
+    a = report.get("artifacts", {})
+    if report.get("interrupted"):
+        lines.append("interrupted: finished trials are kept, nothing was exported; run the same command again to resume")
+    elif a.get("tensorrt_skipped_reason"):
+        lines.append(f"TensorRT: {a['tensorrt_skipped_reason']}")
+    lines.append(f"report: {out / 'report.md'}  (the study: {study_counts(report['study'], report.get('trials'))})")
+    return "\n".join(lines)
 
 
 def write_report(report: dict, out_dir: str | Path) -> tuple[Path, Path]:

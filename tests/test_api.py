@@ -424,3 +424,19 @@ def test_api_accuracy_options_reach_the_config():
 
     cfg = tune_config({"min_score_ratio": 0.98, "max_mismatch_rate": 0.01, "min_score": 0.5}, out_dir="unused")
     assert (cfg.min_score_ratio, cfg.max_mismatch_rate, cfg.min_score) == (0.98, 0.01, 0.5)
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_the_winner_summary_is_printed_as_the_command_prints_it_unless_quiet(tmp_path, capsys, quiet):
+    from tctune.cli.optimize import _summary
+
+    model = torch.nn.Sequential(torch.nn.Linear(12, 3))
+    tuned = tctune.optimize(model, (torch.randn(3, 12),), trials=1, runtimes="eager", no_export=True, quiet=quiet,
+                            out=tmp_path / "o")
+    printed = capsys.readouterr().out
+    summary = _summary(tuned.report, tmp_path / "o")  # the command's summary of the same report
+    assert summary.startswith("best: ") and f"report: {tmp_path / 'o' / 'report.md'}" in summary
+    if quiet:
+        assert "best: " not in printed and "report: " not in printed
+    else:
+        assert printed.count(summary) == 1, printed

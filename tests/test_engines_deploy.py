@@ -58,3 +58,55 @@ def test_export_manifest_carries_deploy_and_tensorrt_builds_from_it(tmp_path, mo
         assert main(["bench", str(out / "model.fp32.onnx"), "--iters", "1", "--warmup", "0"]) == 0
     else:
         assert not (out / "model.fp32.onnx").exists()
+
+
+def test_export_console_lists_the_fp32_twin_and_every_file_written(tmp_path, capsys):
+    pytest.importorskip("onnxruntime")
+    model = tmp_path / "conv.py"
+    model.write_text(CONV)
+    out = tmp_path / "out"
+    rc = main(["export", str(model), "--config", str(_config(tmp_path / "best_config.json", "bf16")),
+               "--format", "onnx", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    manifest = json.loads((out / "model.onnx.manifest.json").read_text())
+    twin = manifest["result"]["onnx_fp32"]
+    if not twin:  # this onnxruntime runs the bf16 file itself: no twin to name
+        pytest.skip("onnxruntime's CPU provider ran the bf16 ONNX file here: no model.fp32.onnx was written")
+    assert f"also {out / 'model.fp32.onnx'}: the same graph in FP32" in text, text
+    assert "deploy: tensorrt runs model.onnx, onnxruntime-cpu runs model.fp32.onnx (" in text, text
+    written = next(line for line in text.splitlines() if line.strip().startswith("written:"))
+    names = written.split("written:")[1].split(" (in ")[0].strip().split(", ")
+    assert sorted(names) == sorted(p.name for p in out.iterdir()), (names, list(out.iterdir()))  # every file
+
+
+def test_export_aoti_failure_keeps_the_other_formats_and_names_the_full_error(tmp_path, capsys, monkeypatch):
+    import tctune.export.aoti as aoti
+    from tctune.errors import ExportError
+
+    def broken(*a, **k):  # a compile error whose detail (the compiler's output) is on later lines
+        try:
+            raise RuntimeError("C++ compile error\n/tmp/x.cpp:12: error: 'foo' was not declared in this scope")
+        except RuntimeError as exc:
+            raise ExportError("AOTInductor could not compile model.pt2: C++ compile error") from exc
+
+    monkeypatch.setattr(aoti, "export_aoti", broken)
+    model = tmp_path / "conv.py"
+    model.write_text(CONV)
+    out = tmp_path / "out"
+    rc = main(["export", str(model), "--config", str(_config(tmp_path / "best_config.json", "fp32")),
+               "--format", "onnx,aoti", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 1  # a format failed: scripts see it
+    log = out / "tctune_errors.log"
+    assert "  aoti      failed: ExportError: AOTInductor could not compile model.pt2: C++ compile error" in text, text
+    assert f"full error: {log}" in text
+    full = log.read_text()
+    assert "stage export aoti" in full and "'foo' was not declared in this scope" in full  # the whole chain
+    assert "  onnx      built" in text and (out / "model.onnx").exists()  # the ONNX file is still reported
+    assert "model.onnx, model.onnx.manifest.json, runner.py" in text and "model.pt2" not in text.split("written:")[1]
+    capsys.readouterr()
+    rc = main(["export", str(model), "--config", str(tmp_path / "best_config.json"), "--format", "aoti",
+               "--out", str(out), "--json"])
+    entry = json.loads(capsys.readouterr().out)["formats"]["aoti"]
+    assert rc == 1 and entry["status"] == "failed" and entry["log"] == str(log) and entry["files"] == []

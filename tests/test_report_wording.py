@@ -96,3 +96,41 @@ def test_trial_params_repr_shows_calibration_only_where_it_applies():
     fp8 = TrialParams(batch_size=8, precision="fp8", graph_passes=True, fp8_keep=("lm_head",))
     assert "fp8_keep=('lm_head',)" in repr(fp8) and "calibration" not in repr(fp8)
     assert TrialParams.from_dict(TrialParams(batch_size=8, precision="fp16").to_dict()).calibration is True
+
+
+def _noisy_study(repeats_ms, speedups=(1.0, 1.01, 1.02)):
+    """FP32 eager (trial 0), autocast bf16 (trial 1) and a tctune graph (trial 2), all at batch 8 and with the
+    same repeats; throughputs 100 x ``speedups``."""
+    study = optuna.create_study(direction="maximize")
+    for i, sp in enumerate(speedups):
+        params = {"batch_size": 8, "precision": "fp32" if i == 0 else "bf16", "graph_passes": i > 1,
+                  "runtime": "eager"}
+        dist = {k: optuna.distributions.CategoricalDistribution([v]) for k, v in params.items()}
+        med = sorted(repeats_ms)[len(repeats_ms) // 2]
+        attrs = {"run_id": "r", "max_rel_error": 1e-3 * i, "float_outputs": 1, "description": f"trial {i}",
+                 "repeats_ms": list(repeats_ms), "latency_ms": med, "latency_p50_ms": med, "throughput": 100.0 * sp}
+        if i < 2:
+            attrs["baseline"] = ("fp32_eager", "autocast_bf16")[i]
+        study.add_trial(optuna.trial.create_trial(params=params, distributions=dist, value=100.0 * sp,
+                                                  user_attrs=attrs))
+    study.set_user_attr("run_id", "r")
+    return study
+
+
+@pytest.mark.parametrize("repeats,warning", [
+    ([10.0, 18.0, 9.0, 25.0, 11.0], "**Unstable timing** (repeats spread by 145% of their median)"),
+    ([10.0, 10.2, 9.9, 10.1, 10.0], "**Within measurement noise**: the repeats of the best (trial 2) and of its FP32 "
+                                    "eager baseline (trial 0) spread by up to 3%"),
+])
+def test_a_noisy_timing_is_warned_about_once_beside_the_speedups(repeats, warning):
+    md = render_markdown(_report(_noisy_study(repeats)))
+    result = md.split("## Result")[1].split("\n## ")[0]
+    assert md.count("spread by") == 1 and warning in result, result  # the spread is stated once
+    lines = result.splitlines()
+    at = next(i for i, line in enumerate(lines) if warning in line)
+    assert lines[at - 1].startswith("- Timings compared:")  # right after the speedups and their timing
+
+
+def test_a_steady_timing_gets_no_noise_warning():
+    md = render_markdown(_report(_noisy_study([10.0, 10.02, 9.99, 10.01, 10.0], speedups=(1.0, 1.1, 1.3))))
+    assert "spread by" not in md and "Unstable timing" not in md

@@ -328,3 +328,35 @@ def test_the_side_by_side_timing_includes_a_candidate_at_the_fastest_baselines_b
     numbers = [t.number for t in Tuner.side_by_side_entries(SimpleNamespace(cfg=SimpleNamespace(
         objective="throughput")), study)]
     assert fast in numbers and slow in numbers and cand in numbers
+
+
+@pytest.mark.parametrize("side_by_side", [True, False])
+def test_the_any_batch_line_agrees_with_a_verdict_that_kept_fp32_eager(side_by_side):
+    """autocast bf16 is faster by its median but not measurably: the line about the fastest baseline at any batch
+    says so (its speedup over the answer, >= 1.0, and why it is not the answer), never "the best is 0.99× it"."""
+    study, f32, bf = _two_baselines(1.01, noise=0.3, side_by_side=side_by_side)
+    if side_by_side:
+        sbs = study.user_attrs["side_by_side"]
+        sbs.update(rounds=15, block_s=0.05, clocks={"available": False, "reason": "test"})
+        study.set_user_attr("side_by_side", sbs)
+    report = _report(study)
+    best = report["best"]
+    assert best["trial"] == f32 and best["best_baseline_any_batch"]["trial"] == bf
+    over = best["best_baseline_any_batch"]["over_best"]
+    assert over["measurably_faster"] is False and over["speedup"] > 1.0
+    assert (over["ci95"] is not None and over["ci95"][0] <= 1.0 < over["ci95"][1]) == side_by_side
+    line = next(x for x in render_markdown(report).splitlines()
+                if x.startswith("- The fastest plain baseline at any searched batch size"))
+    assert f"autocast_bf16 at batch 16, {best['best_baseline_any_batch']['throughput']:.4g} items/s, " in line
+    assert f"{over['speedup']:.2f}× the answer (" in line and "not measurably faster, so FP32 eager stays the answer" in line
+    assert ("which includes 1.0" in line) == side_by_side and "× it)" not in line
+    assert not any(f"{r:.2f}×" in line for r in (0.97, 0.98, 0.99))  # no ratio below 1.0
+
+
+def test_the_any_batch_line_of_a_measurably_faster_winner_is_unchanged():
+    study, f32, bf = _two_baselines(1.5, noise=0.05, side_by_side=False)
+    best = _report(study)["best"]
+    assert best["trial"] == bf and "over_best" not in (best["best_baseline_any_batch"] or {})
+    line = next(x for x in render_markdown(_report(study)).splitlines()
+                if x.startswith("- The fastest plain baseline at any searched batch size"))
+    assert line.endswith("(the best is 1.00× it).")

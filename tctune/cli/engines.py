@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from ..engines import FORMATS, bench_artifact, export_artifacts
 from ..errors import ExportError, UsageError
@@ -13,10 +14,13 @@ The model file is executed as `python model.py` would execute it: only export fi
 CONFIG is the best_config.json that `tctune optimize` wrote; its params (batch_size, precision,
 graph_passes), batch_sizes and hardware decide the graph passes and the batch sizes validated.
 
-Outputs in OUT (default: the config's folder): model.onnx, model.engine (TensorRT installed only),
-model.pt2, a <artifact>.manifest.json beside each, and runner.py (standalone: `python runner.py
-model.onnx --batch 8` needs only onnxruntime and numpy). An artifact whose manifest has the same cache
-key (graph + weights, precision, shapes, compute capability, torch/onnx/TensorRT versions) is reused.
+Outputs in OUT (default: the config's folder): model.onnx (and model.fp32.onnx, the same graph in FP32,
+when onnxruntime cannot run the fp16/bf16 file), model.engine (TensorRT installed only), model.pt2, a
+<artifact>.manifest.json beside each, and runner.py (standalone: `python runner.py model.onnx --batch 8`
+needs only onnxruntime and numpy); the console lists every file written. An artifact whose manifest has
+the same cache key (graph + weights, precision, shapes, compute capability, torch/onnx/TensorRT versions)
+is reused. A failed AOTInductor package is reported with the file holding its full error
+(OUT/tctune_errors.log); the other formats are still written, and the exit status is 1.
 
 examples:
   tctune export recipes/seed_cnn.py --config tctune_out/seed_cnn/best_config.json
@@ -84,27 +88,55 @@ def parse_formats(text: str) -> tuple[str, ...]:
 def _cmd_export(args) -> int:
     formats = parse_formats(args.format)
     result = export_artifacts(args.model_file, args.config, formats, args.out, force=args.force)
+    failed = any(r.get("status") == "failed" for r in result["formats"].values())
     if args.json:
         print(json.dumps(result, indent=2, default=str))
-        return 0
-    print(f"{result['model']}: {result['precision']} on {result['hardware']}, batch "
-          f"{result['batch_sizes']['min']}/{result['batch_sizes']['opt']}/{result['batch_sizes']['max']} "
-          f"(min/tuned/max) -> {result['out']}")
+        return 1 if failed else 0
+    print(export_summary(result, formats))
+    return 1 if failed else 0
+
+
+def export_summary(result: dict, formats) -> str:
+    """The console text of ``tctune export``: one line per format (built / reused / skipped / failed, the path,
+    the validation's max abs error), the FP32 twin ``model.fp32.onnx`` with which file deploys where, a failed
+    format's one-line error and the file with its full text, the runner command, and every file written."""
+    pad = " " * 12
+    lines = [f"{result['model']}: {result['precision']} on {result['hardware']}, batch "
+             f"{result['batch_sizes']['min']}/{result['batch_sizes']['opt']}/{result['batch_sizes']['max']} "
+             f"(min/tuned/max) -> {result['out']}"]
     for fmt in formats:
         r = result["formats"].get(fmt, {})
         if r.get("status") == "skipped":
-            print(f"  {fmt:9s} skipped: {r.get('reason')}")
+            lines.append(f"  {fmt:9s} skipped: {r.get('reason')}")
+            continue
+        if r.get("status") == "failed":
+            lines.append(f"  {fmt:9s} failed: {r.get('error')}")
+            lines.append(f"{pad}full error: {r['log']}" if r.get("log") else
+                         f"{pad}full error: not written (the output folder is not writable); rerun with --debug")
+            if r.get("path"):
+                lines.append(f"{pad}kept, not validated: {r['path']}")
             continue
         err = r.get(f"{fmt}_max_abs_error")
         detail = f", max abs error vs PyTorch {err:.2e}" if isinstance(err, float) else ""
-        took = f" in {r['seconds']:.1f} s" if "seconds" in r and r["status"] == "built" else ""
-        print(f"  {fmt:9s} {r.get('status')}{took}: {r.get('path')}{detail}")
+        took = f" in {r['seconds']:.1f} s" if "seconds" in r and str(r.get("status")).startswith("built") else ""
+        lines.append(f"  {fmt:9s} {r.get('status')}{took}: {r.get('path')}{detail}")
+        twin = r.get("onnx_fp32") if fmt == "onnx" else None
+        if twin and Path(twin).name != Path(str(r.get("path"))).name:
+            terr = r.get("onnx_fp32_max_abs_error")
+            lines.append(f"{pad}also {twin}: the same graph in FP32"
+                         + (f", max abs error vs PyTorch {terr:.2e}" if isinstance(terr, float) else ""))
+        if fmt == "onnx" and (twin or r.get("onnx_error")) and r.get("deploy") is not None:
+            where = ", ".join(f"{rt} runs {name}" for rt, name in r["deploy"].items()) or "no file validated"
+            lines.append(f"{pad}deploy: {where}" + (f" ({r['deploy_reason']})" if r.get("deploy_reason") else ""))
         if fmt == "onnx" and r.get("onnx_note"):
-            print(f"  {'':9s} note: {r['onnx_note']}")
+            lines.append(f"{pad}note: {r['onnx_note']}")
     runners = {r.get("runner") for r in result["formats"].values() if r.get("runner")}
     for runner in sorted(runners):
-        print(f"  runner:   python {runner} [ARTIFACT] --batch N --iters N")
-    return 0
+        lines.append(f"  runner:   python {runner} [ARTIFACT] --batch N --iters N")
+    written = list(dict.fromkeys(f for r in result["formats"].values() for f in r.get("files") or []))
+    if written:
+        lines.append(f"  written:  {', '.join(Path(f).name for f in written)} (in {result['out']})")
+    return "\n".join(lines)
 
 
 def _bench_in_child(artifact: str, args) -> list[dict]:

@@ -119,60 +119,10 @@ def register(sub) -> str:
 
 
 def _summary(report: dict, out: Path) -> str:
-    b, base = report.get("best"), report.get("baseline")
-    lines = []
-    if b:
-        p = b["params"]
-        what = 'tctune graph' if p.get('graph_passes') else 'model as written'
-        if b.get("baseline"):
-            what = f"plain baseline {b['baseline']}"
-        chosen = b.get("chosen_throughput") or b["throughput"]  # the number the choice was made on
-        lines.append(f"best: {p['precision']}, {what}, {p.get('runtime', 'eager')}, batch {p['batch_size']}: "
-                     f"{chosen:.4g} items/s" + (f" ({b['chosen_on']})" if b.get("chosen_on") else "")
-                     + f", rel. error {b['max_rel_error']:.2e}")
-        from ..report import exported_line
+    """The winner summary printed after a run (:func:`tctune.report.console_summary`)."""
+    from ..report import console_summary
 
-        exp = exported_line(report)
-        if exp:
-            lines.append(f"      exported: {exp.replace('**', '')}")
-        if b.get("accepted_by"):
-            from ..report import gate_line
-
-            lines.append(f"      {gate_line(b, report.get('config', {}))}")
-        if report.get("config", {}).get("objective") == "latency" and b.get("latency_p99_ms") is not None:
-            lines.append(f"      p99 latency {b['latency_p99_ms']:.4g} ms per batch (the objective)")
-        why = (b.get("verdict") or {}).get("reason")
-        if b.get("kind") == "baseline" or b.get("baseline_wins"):
-            lines.append(f"      a plain baseline wins ({b['baseline']}): "
-                         + (why or f"use {b['baseline']} (nothing tctune searched beat it here)"))
-        bb = b.get("best_baseline")
-        if bb and b.get("speedup_vs_best_baseline") is not None and not b.get("baseline_wins"):
-            ci = b.get("speedup_ci95")
-            lines.append(f"      {b['speedup_vs_best_baseline']:.2f}x the fastest plain baseline at the same batch "
-                         f"({bb['name']}, {bb['throughput']:.4g} items/s"
-                         + (f"; 95% CI {ci[0]:.2f}-{ci[1]:.2f}x" if ci else "") + ")")
-        elif b.get("speedup_note"):
-            lines.append(f"      {b['speedup_note']}")
-        if base and b.get("speedup_vs_baseline"):
-            lines.append(f"      {b['speedup_vs_baseline']:.2f}x FP32 eager at the same batch ({base['throughput']:.4g} items/s)")
-            from ..report import base_trial, unstable_timing
-
-            shaky = unstable_timing(b, base_trial(report))
-            if shaky:
-                lines.append(f"      unstable timing ({shaky}): not a reliable speedup; measure on an idle machine")
-    else:
-        from ..report import failure_summary
-
-        lines.append(f"no configuration qualified: {failure_summary(report.get('trials', []))}")
-    a = report.get("artifacts", {})
-    if report.get("interrupted"):
-        lines.append("interrupted: finished trials are kept, nothing was exported; run the same command again to resume")
-    elif a.get("tensorrt_skipped_reason"):
-        lines.append(f"TensorRT: {a['tensorrt_skipped_reason']}")
-    from ..report import study_counts
-
-    lines.append(f"report: {out / 'report.md'}  (the study: {study_counts(report['study'], report.get('trials'))})")
-    return "\n".join(lines)
+    return console_summary(report, out)
 
 
 def config_from_args(args) -> "TuneConfig":

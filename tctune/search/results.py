@@ -486,7 +486,29 @@ def headline(study: optuna.Study, best: optuna.trial.FrozenTrial | None = None) 
                                 "throughput": out["chosen_throughput"]}
         out["speedup_vs_best_baseline"] = 1.0
         out["speedup_ci95"] = out["speedup_p_value"] = out["speedup_rounds"] = None
+        _passed_over(study, best, out)
     return out
+
+
+def _passed_over(study: optuna.Study, best: optuna.trial.FrozenTrial, out: dict) -> None:
+    """When the answer is a plain baseline and the fastest plain baseline at any batch size is another one at the
+    same batch, faster by its numbers (``speedup_vs_best_baseline_any_batch`` below 1.0) but not measurably faster
+    by :data:`BASELINE_CHOICE_RULE` (:func:`preferred_baseline` passed it over), add ``over_best`` to
+    ``out["best_baseline_any_batch"]``: ``{"speedup"`` (its throughput over the answer's, >= 1.0), ``"ci95"``
+    (side-by-side bootstrap 95 % CI, or None), ``"measurably_faster": False}``, so the report states the
+    comparison the verdict made instead of a ratio below 1.0."""
+    anyb, ratio = out.get("best_baseline_any_batch"), out.get("speedup_vs_best_baseline_any_batch")
+    if (not anyb or anyb["trial"] == best.number or ratio is None or ratio >= 1.0
+            or anyb["batch_size"] != best.params["batch_size"]):
+        return
+    sbs = study.user_attrs.get("side_by_side") or {}
+    rows = ({e["trial"]: e for e in sbs.get("entries") or [] if e.get("throughput")}
+            if out.get("timing", "").startswith("side by side") else {})
+    other = next(t for t in study.get_trials(deepcopy=False) if t.number == anyb["trial"])
+    faster, stats = _measurably_faster(best, other, rows)
+    if not faster:
+        anyb["over_best"] = {"speedup": 1.0 / ratio, "ci95": stats["ci95"] if stats else None,
+                             "measurably_faster": False}
 
 
 def _headline_numbers(study: optuna.Study, best: optuna.trial.FrozenTrial) -> dict:
