@@ -112,7 +112,11 @@ def test_side_by_side_entries_structure_and_headline_fields(pruned_run):
     by_trial = {e["trial"]: e for e in sbs["entries"]}
     assert best["trial"] in by_trial and best["chosen_on"] == "side-by-side median"
     assert best["chosen_throughput"] == by_trial[best["trial"]]["throughput"]
-    assert best["chosen_throughput"] == max(e["throughput"] for e in sbs["entries"])
+    fastest = max(sbs["entries"], key=lambda e: e["throughput"])
+    if best["chosen_throughput"] != fastest["throughput"]:
+        # BASELINE_CHOICE_RULE: a preferred plain baseline stays the answer over a plain baseline that is faster by
+        # median but not measurably faster (a noisy host); a tctune candidate is never passed over.
+        assert best["baseline_wins"] and fastest["baseline"], (best, fastest)
     assert best["timing"] == "side by side, this run"
     assert best["speedup_vs_fp32_eager"] == best["speedup_vs_baseline"]
     bb = best["best_baseline"]
