@@ -942,21 +942,32 @@ def _runtime_caller(compiled: Callable, runtime: list[int]) -> Callable:
     """The callable handed back to Dynamo: called with all of Dynamo's graph inputs (runtime tensors, the
     lifted weights, sizes), it calls ``compiled`` with the runtime tensors only (the weights are stored in the
     compiled graph, the sizes read from the tensors' shapes): an index or one ``operator.itemgetter`` per
-    call, no list built."""
+    call, no list built.
+
+    Inductor's compiled function comes wrapped in ``torch._dynamo.disable`` (its frames must not be traced).
+    Dynamo wraps what a backend returns in ``disable`` too, unwrapping a callable that already is one; a closure
+    around the disabled function would be entered through two such wrappers per call. So the closure calls the
+    unwrapped function and is itself wrapped once: one wrapper per call, as for plain Inductor, and no frame of
+    it traced when it is called on its own."""
+    inner = compiled
+    if getattr(compiled, "_torchdynamo_disable", False):
+        from torch._dynamo.eval_frame import innermost_fn
+
+        inner = innermost_fn(compiled)
     if len(runtime) == 1:
         (only,) = runtime
 
         def run(*args: Any):
-            return compiled(args[only])
+            return inner(args[only])
     elif not runtime:
         def run(*args: Any):
-            return compiled()
+            return inner()
     else:
         pick = operator.itemgetter(*runtime)
 
         def run(*args: Any):
-            return compiled(*pick(args))
-    return run
+            return inner(*pick(args))
+    return torch._dynamo.disable(run) if inner is not compiled else run
 
 
 def _spec_children(spec: Any) -> list:
