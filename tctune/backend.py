@@ -20,7 +20,10 @@ into ``aten.t`` + ``aten.addmm`` there. So each Dynamo subgraph is **re-exported
 3. The rewritten ``GraphModule`` goes to Inductor's ``compile_fx``, which runs AOT autograd (backward
    included in training) and code generation. Its AOTAutograd cache key must be picklable and the same in
    every process (:func:`_strip_export_checks`, :func:`_stable_cache_key`), or each warm-cache compile redoes
-   AOT tracing that plain ``torch.compile`` loads from its cache (issue #7).
+   AOT tracing that plain ``torch.compile`` loads from its cache (issue #7). Per call, the compiled callable
+   runs what plain Inductor's runs plus one Python function picking the runtime tensors
+   (:func:`_runtime_caller`): frozen weights no node reads are deleted first (:func:`_drop_unused_weights`),
+   and the graph gets a plain FX codegen (:func:`_plain_codegen`), so Inductor wraps no pytree code around it.
 
 Any exception in tctune's part (export, passes) is logged as a warning on the ``tctune`` logger with its
 reason (once per distinct reason), recorded in the :class:`SubgraphReport`, and that subgraph is compiled by
