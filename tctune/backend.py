@@ -1022,18 +1022,20 @@ def _plain_codegen(gm: fx.GraphModule) -> bool:
 
 
 def _drop_unused_weights(gm: fx.GraphModule) -> list[str]:
-    """Delete the parameters and buffers of ``gm`` that no ``get_attr`` node reads (frozen weights a pass
-    replaced, such as the separate Q/K/V weights ``fuse_qkv`` concatenated).
+    """Delete the parameters and buffers of ``gm`` that no ``get_attr`` node reads, directly or through its
+    module (frozen weights a pass replaced, such as the separate Q/K/V weights ``fuse_qkv`` concatenated).
 
     Inductor's ``compile_fx`` lifts *every* parameter and buffer of the module to a graph input
     (``aot_module_simplified``), so an unread one is still gathered and passed on every call. Returns the
     names deleted."""
-    read = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    # A get_attr of a submodule (a higher-order op's branch) or a call_module reads every weight under it.
+    read = {str(n.target) for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
     names = [n for n, _ in gm.named_parameters(remove_duplicate=False)]
     names += [n for n, _ in gm.named_buffers(remove_duplicate=False)]
     dropped = []
     for name in names:
-        if name in read or any(r.startswith(name + ".") for r in read):
+        parts = name.split(".")
+        if any(".".join(parts[:k]) in read for k in range(1, len(parts) + 1)):
             continue
         owner_name, _, attr = name.rpartition(".")
         owner = gm.get_submodule(owner_name) if owner_name else gm

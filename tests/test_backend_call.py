@@ -178,6 +178,24 @@ def test_drop_unused_weights_keeps_read_names_of_a_shared_tensor():
     torch.testing.assert_close(gm(x), want, rtol=0, atol=0)
 
 
+class _CallsSub(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sub = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.sub(x)
+
+
+def test_drop_unused_weights_keeps_the_weights_of_a_called_module():
+    """A ``call_module`` node reads its module's weights without a ``get_attr``: they stay."""
+    gm = fx.symbolic_trace(_CallsSub())
+    x = torch.randn(2, 4)
+    want = gm(x)
+    assert tb._drop_unused_weights(gm) == []
+    torch.testing.assert_close(gm(x), want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("runtime", [[], [2], [0, 3], [3, 1, 4]])
 def test_runtime_caller_passes_the_runtime_inputs_in_order(runtime):
     """The callable Dynamo calls with all its graph inputs hands the compiled graph the runtime ones, in order."""
