@@ -20,7 +20,10 @@ into ``aten.t`` + ``aten.addmm`` there. So each Dynamo subgraph is **re-exported
 3. The rewritten ``GraphModule`` goes to Inductor's ``compile_fx``, which runs AOT autograd (backward
    included in training) and code generation. Its AOTAutograd cache key must be picklable and the same in
    every process (:func:`_strip_export_checks`, :func:`_stable_cache_key`), or each warm-cache compile redoes
-   AOT tracing that plain ``torch.compile`` loads from its cache (issue #7).
+   AOT tracing that plain ``torch.compile`` loads from its cache (issue #7). Per call, the compiled callable
+   runs what plain Inductor's runs plus one Python function picking the runtime tensors
+   (:func:`_runtime_caller`): frozen weights no node reads are deleted first (:func:`_drop_unused_weights`),
+   and the graph gets a plain FX codegen (:func:`_plain_codegen`), so Inductor wraps no pytree code around it.
 
 Any exception in tctune's part (export, passes) is logged as a warning on the ``tctune`` logger with its
 reason (once per distinct reason), recorded in the :class:`SubgraphReport`, and that subgraph is compiled by
@@ -87,6 +90,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -905,13 +909,12 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
     report.pass_seconds = {n: round(v, 4) for n, v in pass_s.items()}
     for r in report.results:
         logger.debug("tctune pass %s: %d rewrites, %d skipped", r.name, r.count, len(r.skipped))
+    _drop_unused_weights(exported)
+    _plain_codegen(exported)
     _stable_cache_key(exported)
     compiled = inductor_compile(exported, list(runtime_args), cfg.config_patches())
     report.seconds["inductor"] = round(time.perf_counter() - t2, 3)
-    runtime = inputs.runtime
-
-    def run(*args: Any):
-        return compiled(*[args[i] for i in runtime])
+    run = _runtime_caller(compiled, inputs.runtime)
 
     # Only once tctune's graph compiled: a fallback runs no pass, so it has none to explain.
     report.notes.extend(f"{n} not run: {why}" for n, why in cfg.left_out().items())
@@ -943,6 +946,111 @@ def _calibrate_fp16(exported: fx.GraphModule, runtime_args: tuple, spec, report:
                    "device: activations beyond 65504 become inf")
     report.notes.append("fp16 uncalibrated: no real inputs, no bf16 on this device")
     return spec
+
+
+def _runtime_caller(compiled: Callable, runtime: list[int]) -> Callable:
+    """The callable handed back to Dynamo: called with all of Dynamo's graph inputs (runtime tensors, the
+    lifted weights, sizes), it calls ``compiled`` with the runtime tensors only (the weights are stored in the
+    compiled graph, the sizes read from the tensors' shapes): an index or one ``operator.itemgetter`` per
+    call, no list built.
+
+    Inductor's compiled function comes wrapped in ``torch._dynamo.disable`` (its frames must not be traced).
+    Dynamo wraps what a backend returns in ``disable`` too, unwrapping a callable that already is one; a closure
+    around the disabled function would be entered through two such wrappers per call. So the closure calls the
+    unwrapped function and is itself wrapped once: one wrapper per call, as for plain Inductor, and no frame of
+    it traced when it is called on its own."""
+    inner = compiled
+    if getattr(compiled, "_torchdynamo_disable", False):
+        from torch._dynamo.eval_frame import innermost_fn
+
+        inner = innermost_fn(compiled)
+    if len(runtime) == 1:
+        (only,) = runtime
+
+        def run(*args: Any):
+            return inner(args[only])
+    elif not runtime:
+        def run(*args: Any):
+            return inner()
+    else:
+        pick = operator.itemgetter(*runtime)
+
+        def run(*args: Any):
+            return inner(*pick(args))
+    return torch._dynamo.disable(run) if inner is not compiled else run
+
+
+def _spec_children(spec: Any) -> list:
+    """A pytree ``TreeSpec``'s child specs (``child(i)`` where it exists: ``children_specs`` is deprecated in
+    torch 2.13)."""
+    if callable(getattr(spec, "child", None)):
+        return [spec.child(i) for i in range(spec.num_children)]
+    return list(spec.children_specs)
+
+
+def _plain_codegen(gm: fx.GraphModule) -> bool:
+    """Give ``gm`` (``ep.module()``) a plain FX ``CodeGen`` where its pytree input/output specs are flat.
+
+    ``ep.module()`` generates its ``forward`` with ``_PyTreeCodeGen``: inputs flattened and outputs unflattened
+    with ``torch.utils._pytree`` at every call. Inductor's ``compile_fx`` cannot compile that code, so for such
+    a graph it compiles a plain copy and wraps the result in a function that runs the pytree flatten /
+    unflatten around every call (``torch._inductor.compile_fx.handle_dynamo_export_graph``, torch 2.11-2.13).
+    A Dynamo subgraph takes flat tensors and returns a flat tuple, so both are identities here: with a plain
+    ``CodeGen`` and a tuple output, Inductor returns its compiled function itself. Measured on the CPU (two
+    shared cores, median of 9 blocks of 3000 calls of a two-linear graph): the wrapper cost 3.6 us per call
+    (benchmarks/NOTES.md).
+
+    Returns:
+        True when the codegen was replaced; False (graph unchanged) when there is no pytree codegen or a spec
+        is nested (e.g. keyword inputs), which the pytree code must still handle.
+    """
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if info is None:
+        return False
+
+    def flat(spec: Any, kinds: tuple) -> bool:
+        return spec is None or (spec.type in kinds and all(c.is_leaf() for c in _spec_children(spec)))
+
+    in_spec, out_spec = info.in_spec, info.out_spec
+    if in_spec is not None:  # ((args...), {kwargs}) from ep.module(): flat args, no kwargs
+        if in_spec.type is not tuple or in_spec.num_children != 2:
+            return False
+        args_spec, kwargs_spec = _spec_children(in_spec)
+        if not flat(args_spec, (tuple,)) or kwargs_spec.num_children:
+            return False
+    if not flat(out_spec, (tuple,)):
+        return False
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    returned = output.args[0]
+    output.args = (tuple(returned) if isinstance(returned, (tuple, list)) else (returned,),)
+    gm.graph._codegen = fx.graph.CodeGen()
+    gm.recompile()
+    return True
+
+
+def _drop_unused_weights(gm: fx.GraphModule) -> list[str]:
+    """Delete the parameters and buffers of ``gm`` that no ``get_attr`` node reads, directly or through its
+    module (frozen weights a pass replaced, such as the separate Q/K/V weights ``fuse_qkv`` concatenated).
+
+    Inductor's ``compile_fx`` lifts *every* parameter and buffer of the module to a graph input
+    (``aot_module_simplified``), so an unread one is still gathered and passed on every call. Returns the
+    names deleted."""
+    # A get_attr of a submodule (a higher-order op's branch) or a call_module reads every weight under it.
+    read = {str(n.target) for n in gm.graph.nodes if n.op in ("get_attr", "call_module")}
+    names = [n for n, _ in gm.named_parameters(remove_duplicate=False)]
+    names += [n for n, _ in gm.named_buffers(remove_duplicate=False)]
+    dropped = []
+    for name in names:
+        parts = name.split(".")
+        if any(".".join(parts[:k]) in read for k in range(1, len(parts) + 1)):
+            continue
+        owner_name, _, attr = name.rpartition(".")
+        owner = gm.get_submodule(owner_name) if owner_name else gm
+        owner._parameters.pop(attr, None)
+        owner._buffers.pop(attr, None)
+        owner._non_persistent_buffers_set.discard(attr)
+        dropped.append(name)
+    return dropped
 
 
 def _stable_cache_key(gm: fx.GraphModule) -> None:

@@ -284,7 +284,9 @@ def test_backend_graph_is_cacheable_by_aot_autograd(tmp_path, monkeypatch):
     assert aot["autograd_cache_bypass"] == 0, dict(aot)
     assert aot["autograd_cache_miss"] + aot["autograd_cache_hit"] >= 1, dict(aot)
     (gm,) = seen
-    assert len(dict(gm.named_buffers())) > len(rep.frozen)
+    # The passes' own buffers (fused QKV weight and bias) are there; the frozen weights they replaced are not
+    # (tb._drop_unused_weights: an unread weight would be one more graph input per call).
+    assert set(dict(gm.named_buffers())) - set(rep.frozen)
     assert not any(m._non_persistent_buffers_set for m in gm.modules())
 
 
