@@ -16,14 +16,17 @@ passes would have nothing to do; at 132 every feed-forward linear (GPT-2's Conv1
 compiled on one seeded batch of fresh random
 inputs (token ids uniform over the vocabulary, features N(0, 1), never zeros) and compared with FP32 eager on
 that batch and on a second one, every output (``zoo.parity_error``: max |tctune - eager| / max |eager| per
-floating output, other outputs exactly) within ``zoo.FP32_PARITY_TOL``. A fallback (tctune's passes did not
+floating output, other outputs exactly) within ``zoo.FP32_PARITY_TOL`` (1e-5), or, where FP32 eager is itself
+further from a float64 run of the model, within ``zoo.FP32_ROUNDING_FACTOR`` (4) times that distance
+(``zoo.parity_limit``: rounding of two FP32 evaluations, not a rewrite). A fallback (tctune's passes did not
 run on a subgraph) fails the model with its reason.
 
-Which models: :data:`FAMILIES`, one per architecture (the first Hugging Face entry of each config class, every
-TIMM / torchvision entry), runs by default: about a minute and a half on two CPU cores. The other Hugging Face
-entries (another head on an architecture already covered) are marked ``slow`` and run only with
-``TCTUNE_ZOO_PARITY_ALL=1`` (the whole set: about two minutes more). Models that cannot be built here (timm /
-torchvision not installed, a class missing in this transformers) are skipped with the reason.
+Which models: :data:`FAMILIES`, one per Hugging Face architecture (the first entry of each config class, 36
+models), runs by default: about 100 s of CPU time on two cores. The rest (:data:`OTHERS`: the other heads on
+those architectures, and the TIMM / torchvision models, which the zoo builds at full size only) are marked
+``slow`` and run only with ``TCTUNE_ZOO_PARITY_ALL=1``: the 19 other heads take about 40 s more, the 24 vision
+models (timm and torchvision are not in the test extras) about 10 minutes. Models that cannot be built here
+(timm / torchvision not installed, a class missing in this transformers) are skipped with the reason.
 ``test_structural_passes_fire_over_the_zoo`` prints the per-model table (model, passes fired, max relative
 error) and asserts that the rewrites under test fired. ``fuse_epilogue`` fires here only for ReLU epilogues
 (the tanh-GELU epilogue needs CUDA tensors); ``fuse_attention`` is not in the backend's default pipeline.
@@ -72,14 +75,15 @@ zoo = _load_zoo()
 
 
 def _families() -> tuple[list[str], list[str]]:
-    """(one entry per architecture, the rest): per Hugging Face config class its first entry in the suite's
-    order; every TIMM and torchvision entry is its own architecture."""
+    """(the default set, the rest): per Hugging Face config class its first entry in the suite's order; the
+    rest are the other heads on those architectures and the TIMM / torchvision models, which the zoo builds at
+    full size only (no tiny configs: 6 to 180 s each on two CPU cores)."""
     first: list[str] = []
     rest: list[str] = []
     seen: set[str] = set()
     for name, entry in zoo.all_entries().items():
         if entry.suite != "huggingface":
-            first.append(name)
+            rest.append(name)
             continue
         config = zoo.hf_spec(name)[0]
         (rest if config in seen else first).append(name)
@@ -94,7 +98,8 @@ FAMILIES, OTHERS = _families()
 class Parity:
     """One model's parity run: ``status`` ok or skipped (``reason``), the rewrites per pass (``fired``), the
     worst ``max_rel_err`` over outputs and input batches, the first ``mismatch`` (structure, dtype, an integer
-    output), the backend's ``fallbacks``, Dynamo ``subgraphs`` and wall ``seconds``."""
+    output), the backend's ``fallbacks``, Dynamo ``subgraphs``, wall ``seconds``; above the fixed limit, FP32
+    eager's own distance from float64 on the worst batch (``rounding``) and the ``limit`` it allows."""
 
     name: str
     status: str = "ok"
@@ -105,6 +110,8 @@ class Parity:
     fallbacks: list = field(default_factory=list)
     subgraphs: int = 0
     seconds: float = 0.0
+    rounding: float | None = None
+    limit: float = zoo.FP32_PARITY_TOL
 
 
 def _run_graph(gm, example_inputs, config_patches):
@@ -134,10 +141,15 @@ def check_parity(model: torch.nn.Module, batches: list[tuple], name: str = "mode
         compiled = torch.compile(model, backend=tb.backend(**zoo.parity_options(DTYPE, target=TARGET)))
         outs = [compiled(*b) for b in batches]
         reports = list(tb.reports)
-    for out, ref in zip(outs, refs):
+    worst = 0
+    for i, (out, ref) in enumerate(zip(outs, refs)):
         par = zoo.parity_error(out, ref)
-        res.max_rel_err = max(res.max_rel_err, par["max_rel_err"])
+        if par["max_rel_err"] > res.max_rel_err:
+            res.max_rel_err, worst = par["max_rel_err"], i
         res.mismatch = res.mismatch or par["mismatch"]
+    if res.mismatch is None and res.max_rel_err > zoo.FP32_PARITY_TOL:  # rounding, or a wrong rewrite?
+        res.rounding = zoo.float64_distance(model, batches[worst], refs[worst])
+        res.limit = zoo.parity_limit(res.rounding)
     res.fired = zoo.fired_passes(reports)
     res.fallbacks = [r.fallback.splitlines()[0][:300] for r in reports if r.fallback]
     res.subgraphs = len(reports)
@@ -176,14 +188,15 @@ def _assert_parity(res: Parity) -> None:
     where = f"{res.name}: passes fired {res.fired}"
     assert not res.fallbacks, f"{where}; tctune fell back to plain Inductor (passes not checked): {res.fallbacks}"
     assert res.mismatch is None, f"{where}; {res.mismatch}"
-    assert res.max_rel_err <= zoo.FP32_PARITY_TOL, (
-        f"{where}; FP32 output differs from eager by {res.max_rel_err:.3g} of its scale "
-        f"(limit {zoo.FP32_PARITY_TOL:g}): a rewrite changed what the graph computes")
+    assert res.max_rel_err <= res.limit, (
+        f"{where}; FP32 output differs from eager by {res.max_rel_err:.3g} of its scale (limit {res.limit:.3g}; "
+        f"FP32 eager's own distance from float64: {res.rounding}): a rewrite changed what the graph computes")
 
 
 def _params() -> list:
     slow = [pytest.mark.slow, pytest.mark.skipif(os.environ.get(ALL_ENV) != "1", reason=(
-        f"another head on an architecture FAMILIES covers; set {ALL_ENV}=1 to check every zoo model"))]
+        f"another head on an architecture FAMILIES covers, or a full-size vision model; set {ALL_ENV}=1 to check "
+        "every zoo model"))]
     return [pytest.param(n, id=n) for n in FAMILIES] + [pytest.param(n, id=n, marks=slow) for n in OTHERS]
 
 
@@ -221,6 +234,8 @@ def test_structural_passes_fire_over_the_zoo():
             total[k] = total.get(k, 0) + v
     assert set(total) <= set(zoo.structural_passes())  # nothing cast
     assert {"fuse_qkv", "pad_linear_dims", "pad_matmul_dims", "simplify_attention_mask"} <= set(total), total
+    if any(zoo.all_entries()[r.name].suite != "huggingface" for r in ran):  # CNNs ran: BN folds, conv padding
+        assert {"fold_conv_batchnorm", "pad_conv_channels"} <= set(total), total
     for r in ran:
         _assert_parity(r)
 
