@@ -554,3 +554,22 @@ def test_tctune_fp32_variant_writes_parity_into_the_row(tmp_path, monkeypatch):
     latest = json.loads(out.read_text())
     assert latest["models"]["BertForMaskedLM"]["fp32_parity_ok"] is True
     assert latest["summary"]["fp32_parity_checked"] == 1 and latest["summary"]["fp32_parity_over_tol"] == []
+
+
+def test_parity_limit_follows_fp32_eagers_own_rounding():
+    assert zoo.parity_limit(None) == zoo.FP32_PARITY_TOL
+    assert zoo.parity_limit(1e-7) == zoo.FP32_PARITY_TOL  # the fixed limit is the floor
+    assert zoo.parity_limit(7.5e-6) == pytest.approx(zoo.FP32_ROUNDING_FACTOR * 7.5e-6)
+    torch.manual_seed(0)
+    deep = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)]).eval()
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        ref = deep(x)
+    d = zoo.float64_distance(deep, (x,), ref)
+    assert 0 < d < 1e-5  # FP32 rounding of six 64-wide GEMMs, against the float64 run
+    assert zoo.float64_distance(deep, (x,), ref + 1e-2 * ref.abs().max()) > 1e-3  # not rounding
+    row = _parity_row("m", 2e-5)
+    assert zoo.summarize(row)["fp32_parity_ok"] is False  # over 1e-5, no float64 check recorded
+    row["variants"]["tctune_fp32"].update(fp32_rounding_err=7.5e-6, fp32_parity_limit=zoo.parity_limit(7.5e-6))
+    s = zoo.summarize(row)
+    assert s["fp32_parity_ok"] is True and s["fp32_rounding_err"] == 7.5e-6
