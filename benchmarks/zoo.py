@@ -45,7 +45,22 @@ Variants (``--variants``), on the same seeded inputs, each in ``torch.no_grad``:
                    "output_dtype": "compute"})``: outputs left in dt, the contract of ``torch.compile(model.to(dt))``
                    it is compared with (:data:`TCTUNE_OUTPUT_DTYPE`; recorded as each row's ``output_dtype``)
 ``tctune_cg``      that compiled callable captured as one CUDA graph
+``tctune_fp32``    optional (``--variants +tctune_fp32``; one more compile per model, so not in the default):
+                   ``torch.compile(fp32 model, backend="tctune", options=parity_options(dt))``: every structural
+                   pass of the backend's default pipeline as it plans at dt (padding to dt's alignment), the
+                   cast passes left out, so the graph computes in FP32 (:func:`parity_options`). Run last,
+                   after a Dynamo reset; not timed
 =================  ======================================================================================
+
+FP32 parity (``tctune_fp32``). The accuracy rule below compares bf16 errors, and bf16 noise on random weights
+hides an FP32-level error of a wrong rewrite (fuse_qkv on Longformer's ``as_strided`` chunks: 2.2e-2 at FP32).
+``tctune_fp32`` is compared with ``fp32_eager`` on every output (:func:`parity_error`: max |out - ref| / max
+|ref| per floating output, other outputs exactly) and recorded as ``fp32_parity_rel_err`` in the variant (above
+:data:`FP32_PARITY_TOL`, also FP32 eager's own distance from a float64 run, ``fp32_rounding_err``, and the
+limit it allows, :func:`parity_limit`), with
+``row["tctune_fp32"]`` giving the rewrites per pass (``fired``) and fallbacks; the summary counts the models
+over their limit (``fp32_parity_over_tol``). tests/test_zoo_parity.py runs the same check on the CPU
+at ``--tiny`` sizes, executing the rewritten graphs without Inductor.
 
 CUDA graphs: both sides are captured the same way, by this script (``torch.cuda.CUDAGraph`` around one call of
 the compiled callable after three warm-up calls on a side stream; each replay first copies the inputs into the
@@ -87,7 +102,7 @@ for a model measured twice), writes ``--merge-out`` (default ``benchmarks/result
     {"device", "date", "torch", "dtype", "models": {NAME: {"suite", "batch_size", "dtype", "output_dtype", "status",
      "tctune_ok", "fallbacks", "speedup_vs_inductor", "speedup_vs_inductor_cg", "accuracy_consistent",
      "rel_err", "eager_rel_err", "inductor_rel_err", "compile_s", "inductor_compile_s",
-     "optimize_speedup_vs_best_baseline", ...}}}
+     "optimize_speedup_vs_best_baseline", "fp32_parity_rel_err", "fp32_parity_ok", ...}}}
 
 and prints a markdown table for benchmarks/RESULTS.md. ``tctune_ok``: the tctune variant ran and none of its
 subgraphs fell back. ``accuracy_consistent``: tctune's relative error <= 2 x that of ``model.to(dt)`` eager +
@@ -245,6 +260,25 @@ _CONFIG_PREFIX = {"DebertaV2": "DebertaV2", "BlenderbotSmall": "BlenderbotSmall"
 OPTIMIZE_DEFAULT = ("BertForMaskedLM", "GPT2ForSequenceClassification", "T5Small", "resnet50", "vit_b_16")
 
 VARIANTS = ("fp32_eager", "eager", "eager_cg", "inductor", "inductor_cg", "tctune", "tctune_cg")
+#: Variants measured only when named in ``--variants`` (one more compile per model; see the module docstring).
+OPTIONAL_VARIANTS = ("tctune_fp32",)
+ALL_VARIANTS = VARIANTS + OPTIONAL_VARIANTS
+#: FP32 parity limit of ``tctune_fp32``: max |tctune - FP32 eager| / max |FP32 eager| per floating output, or,
+#: for a model whose FP32 eager output is itself far from a float64 run, :data:`FP32_ROUNDING_FACTOR` x that
+#: distance (:func:`parity_limit`). Rewrites that keep the arithmetic (concatenated weights, zero padding, folded
+#: masks, copies) change an FP32 output by rounding only; folding BN into conv weights rounds the folded weights
+#: once more. Measured on the CPU by tests/test_zoo_parity.py (the backend's structural passes planned for
+#: sm_90, the rewritten graph run eagerly, batch 2): the 55 tiny Hugging Face models at most 3.8e-7 (Gemma 3);
+#: of the 24 TIMM / torchvision models at full size all but one at most 3.0e-6 (mobilenetv3_large_100, 46 BN
+#: folds: FP32 eager is 2.2e-6 from float64 there, tctune's graph 1.4e-6). A wrong rewrite is far above:
+#: fuse_qkv on Longformer's as_strided chunks (its refusal turned off) gave 3.9e-4 on the tiny Longformer on the
+#: CPU and 2.2e-2 at full size.
+FP32_PARITY_TOL = 1e-5
+#: Above :data:`FP32_PARITY_TOL`, the limit is this many times FP32 eager's own distance from a float64 run of
+#: the model (:func:`float64_distance`): two FP32 evaluations of one function, each within e of the exact value,
+#: differ by at most 2e; 4 leaves tctune's rounding up to three times eager's. visformer_small (random weights,
+#: 4 BN folds, CPU): FP32 eager 7.5e-6 from float64, tctune 1.1e-5, the two 1.08e-5 apart: rounding.
+FP32_ROUNDING_FACTOR = 4.0
 #: The tctune variant's output contract (the backend's ``output_dtype``): its baseline ``torch.compile(model.to(dt))``
 #: returns dt outputs, so tctune's are left in dt too ("compute") instead of the backend's default FP32 up-cast.
 #: Rows written before this key (no ``output_dtype`` in ``row["tctune"]["options"]``) ran the default, "fp32".
@@ -801,6 +835,130 @@ def rel_err(out, ref, chunk: int = 1 << 24) -> dict:
     return {"rel_err": math.sqrt(num) / max(math.sqrt(den), 1e-30), "nonfinite": nonfinite}
 
 
+def _max_rel_chunked(o, r, chunk: int) -> tuple[float, int]:
+    """(max |o - r| / max |r| in float64 over chunks, elements where exactly one of o, r is finite or both are
+    non-finite and differ)."""
+    import torch
+
+    o, r = o.reshape(-1), r.reshape(-1)
+    diff = scale = 0.0
+    bad = 0
+    for i in range(0, o.numel(), chunk):
+        a, b = o[i:i + chunk].double(), r[i:i + chunk].double()
+        fa, fb = torch.isfinite(a), torch.isfinite(b)
+        both = fa & fb
+        bad += int((fa != fb).sum()) + int((~fa & ~fb & ~((a == b) | (a.isnan() & b.isnan()))).sum())
+        if bool(both.any()):
+            diff = max(diff, float((a[both] - b[both]).abs().max()))
+            scale = max(scale, float(b[both].abs().max()))
+    return diff / max(scale, 1e-30), bad
+
+
+def parity_error(out, ref, chunk: int = 1 << 24) -> dict:
+    """How far ``out`` is from ``ref`` on every output: the FP32 parity measure of ``tctune_fp32``.
+
+    Both are flattened with ``torch.utils._pytree`` (tuples, lists, dicts, Hugging Face ``ModelOutput``s). A
+    floating tensor's error is max |out - ref| / max |ref| (its scale), in float64 over chunks of ``chunk``
+    elements on the tensors' device; non-finite values must sit where ``ref`` has the same one. Any other
+    tensor (integer, bool) and any non-tensor leaf must be equal exactly.
+
+    Returns:
+        ``{"max_rel_err": float (the worst output; inf on any mismatch below), "outputs": number of leaves,
+        "worst_output": its index, "mismatch": None or one line naming the first output that differs in
+        structure, shape, dtype, non-finite positions or (non-floating) value}``.
+    """
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    got, got_spec = tree_flatten(out)
+    want, want_spec = tree_flatten(ref)
+    res: dict = {"max_rel_err": 0.0, "outputs": len(want), "worst_output": None, "mismatch": None}
+
+    def fail(i: int, why: str) -> dict:
+        res.update(max_rel_err=math.inf, worst_output=i, mismatch=f"output {i}: {why}")
+        return res
+
+    if len(got) != len(want) or str(got_spec) != str(want_spec):
+        return fail(0, f"structure differs ({len(got)} leaves, expected {len(want)})")
+    for i, (o, r) in enumerate(zip(got, want)):
+        if not isinstance(r, torch.Tensor) or not isinstance(o, torch.Tensor):
+            if type(o) is not type(r) or o != r:
+                return fail(i, f"{o!r} != {r!r}")
+            continue
+        if o.shape != r.shape or o.dtype != r.dtype:
+            return fail(i, f"{tuple(o.shape)} {o.dtype}, expected {tuple(r.shape)} {r.dtype}")
+        if not r.is_floating_point() and not r.is_complex():
+            differ = int((o != r).sum())
+            if differ:
+                return fail(i, f"{differ} of {r.numel()} {r.dtype} elements differ (compared exactly)")
+            continue
+        if r.is_complex():
+            o, r = torch.view_as_real(o), torch.view_as_real(r)
+        err, bad = _max_rel_chunked(o.detach(), r.detach(), chunk)
+        if bad:
+            return fail(i, f"{bad} non-finite value(s) where the reference differs")
+        if res["worst_output"] is None or err > res["max_rel_err"]:
+            res.update(max_rel_err=err, worst_output=i)
+    return res
+
+
+def float64_distance(model, inputs: tuple, ref) -> float | None:
+    """FP32 eager's own rounding error: :func:`parity_error` of ``ref`` (the FP32 model's output on ``inputs``)
+    against a float64 copy of ``model`` run on ``inputs`` cast to float64 (the exact value, to FP32's
+    precision). None when the float64 run fails (an op without a float64 kernel) or its outputs differ in
+    structure or in a non-floating output."""
+    import torch
+
+    try:
+        with torch.no_grad():
+            exact = copy.deepcopy(model).double()(*[x.double() if x.is_floating_point() else x for x in inputs])
+    except Exception:  # noqa: BLE001 - no float64 run: the fixed limit stands
+        return None
+    from torch.utils._pytree import tree_map
+
+    exact = tree_map(lambda t: t.to(dtype=torch.float32) if isinstance(t, torch.Tensor) and t.dtype ==
+                     torch.float64 else t, exact)
+    res = parity_error(ref, exact)
+    return None if res["mismatch"] else res["max_rel_err"]
+
+
+def parity_limit(fp32_rounding: float | None) -> float:
+    """The FP32 parity limit: :data:`FP32_PARITY_TOL`, or :data:`FP32_ROUNDING_FACTOR` x FP32 eager's distance
+    from float64 (:func:`float64_distance`) when that is larger (None: not measured)."""
+    return max(FP32_PARITY_TOL, FP32_ROUNDING_FACTOR * (fp32_rounding or 0.0))
+
+
+def structural_passes() -> tuple[str, ...]:
+    """The tctune backend's default pipeline (``tctune.backend.BACKEND_PIPELINE``) without the passes that cast
+    (``passes.CASTS``): every rewrite that must keep an FP32 graph's values (fold BN, simplify masks, fuse QKV,
+    padding, input copies, epilogue fusion)."""
+    import tctune.backend as tb
+    from passes import CASTS
+
+    return tuple(n for n in tb.BACKEND_PIPELINE if n not in CASTS)
+
+
+def parity_options(dtype: str, target: str | None = None) -> dict:
+    """The tctune backend options of ``tctune_fp32``: ``precision`` ``dtype`` (so each pass plans as it does at
+    dt: padding to dt's Tensor Core alignment, dt's padding rules) with ``passes`` :func:`structural_passes`,
+    so nothing is cast and the graph computes in FP32. ``target``: plan for this GPU (``"sm_90"``) when the
+    inputs are on the CPU (the CPU test); None: the GPU the inputs are on."""
+    opts = {"precision": dtype, "policy": "pure", "passes": structural_passes()}
+    if target is not None:
+        opts["target"] = target
+    return opts
+
+
+def fired_passes(reports) -> dict[str, int]:
+    """Rewrites per pass name summed over backend ``SubgraphReport``s (passes that rewrote nothing left out)."""
+    fired: dict[str, int] = {}
+    for rep in reports:
+        for r in rep.results:
+            if r.count:
+                fired[r.name] = fired.get(r.name, 0) + r.count
+    return fired
+
+
 def _sync(cuda: bool) -> None:
     if cuda:
         import torch
@@ -1003,7 +1161,7 @@ def measure_model(entry: Entry, args: argparse.Namespace) -> dict:
     model = built.model
     inputs = built.make_inputs(batch, args.device, 1234)
     low_inputs = tuple(x.to(dt) if x.is_floating_point() else x for x in inputs)
-    wanted = [v for v in VARIANTS if v in args.variants]
+    wanted = [v for v in ALL_VARIANTS if v in args.variants]
     outs: dict = {}
     fns: dict[str, tuple[Callable, tuple]] = {}
 
@@ -1038,6 +1196,12 @@ def measure_model(entry: Entry, args: argparse.Namespace) -> dict:
             outs[name] = out  # the reference; other outputs are compared now and dropped
         elif "fp32_eager" in outs:
             v.update(rel_err(out, outs["fp32_eager"]))
+            if name == "tctune_fp32":  # every output, against the FP32 model's (parity_error)
+                par = parity_error(out, outs["fp32_eager"])
+                v.update(fp32_parity_rel_err=par["max_rel_err"], fp32_parity_mismatch=par["mismatch"])
+                if par["mismatch"] is None and par["max_rel_err"] > FP32_PARITY_TOL:  # rounding, or a rewrite?
+                    v["fp32_rounding_err"] = float64_distance(model, call_args, outs["fp32_eager"])
+                    v["fp32_parity_limit"] = parity_limit(v["fp32_rounding_err"])
         del out
         return True
 
@@ -1109,6 +1273,21 @@ def measure_model(entry: Entry, args: argparse.Namespace) -> dict:
         record("inductor_cg", lambda: cuda_graph(fns["inductor"][0], low_inputs), low_inputs, needs="inductor")
         fns.pop("inductor", None), fns.pop("tctune", None)
         timed("inductor_cg", "tctune_cg")
+        fns.clear()
+        if "tctune_fp32" in wanted:  # last: the Dynamo reset below invalidates the compiled callables above
+            import tctune.backend as tb
+
+            torch._dynamo.reset()
+            tb.reset()
+            backend = "tctune" if "tctune" in torch._dynamo.list_backends() else tb.tctune_backend
+            popts = parity_options(args.dtype)
+            record("tctune_fp32", lambda: torch.compile(model, backend=backend, options=popts), inputs)
+            reports = list(tb.reports)
+            row["tctune_fp32"] = {"options": {**popts, "passes": list(popts["passes"])}, "subgraphs": len(reports),
+                                  "tol": FP32_PARITY_TOL, "fired": fired_passes(reports),
+                                  "fallbacks": [(r.fallback.strip().splitlines() or [""])[0][:300]
+                                                for r in reports if r.fallback]}
+            fns.clear()
     if cuda:
         row["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     row.update(status="ok", current=None, finished=_dt.datetime.now().isoformat(timespec="seconds"),
@@ -1268,6 +1447,7 @@ def summarize(row: dict, opt: dict | None = None) -> dict:
         "items_per_s": {n: round(x["items_per_s"], 2) for n, x in v.items() if x.get("ok") and x.get("items_per_s")},
         "errors": {n: x["error"] for n, x in v.items() if x.get("error")},
         "optimize_speedup_vs_best_baseline": None,
+        **fp32_parity_fields(row),
     }
     if opt:
         s["optimize_speedup_vs_best_baseline"] = opt.get("speedup_vs_best_baseline")
@@ -1275,6 +1455,24 @@ def summarize(row: dict, opt: dict | None = None) -> dict:
                                                  "confirmed_throughput", "best_plain", "speedup_vs_fp32_eager",
                                                  "optimize_speedup_source", "wall_s")}
     return s
+
+
+def fp32_parity_fields(row: dict) -> dict:
+    """The ``tctune_fp32`` variant's summary: ``fp32_parity_rel_err`` (max relative error of every output against
+    FP32 eager, :func:`parity_error`), ``fp32_parity_ok`` (within the limit, no output mismatch and no fallback;
+    None when the variant did not run or failed: its error is in ``errors``), ``fp32_parity_limit``
+    (:data:`FP32_PARITY_TOL`, or :func:`parity_limit` of ``fp32_rounding_err``, FP32 eager's distance from a
+    float64 run, measured when the error is above the fixed limit),
+    ``fp32_parity_fired`` (rewrites per structural pass) and ``fp32_parity_fallbacks``."""
+    v = (row.get("variants") or {}).get("tctune_fp32") or {}
+    info = row.get("tctune_fp32") or {}
+    err = v.get("fp32_parity_rel_err") if v.get("ok") else None
+    fallbacks = info.get("fallbacks") or []
+    limit = v.get("fp32_parity_limit") or info.get("tol", FP32_PARITY_TOL)
+    ok = None if err is None else bool(err <= limit and not v.get("fp32_parity_mismatch") and not fallbacks)
+    return {"fp32_parity_rel_err": err, "fp32_parity_ok": ok, "fp32_parity_limit": limit if v else None,
+            "fp32_rounding_err": v.get("fp32_rounding_err"), "fp32_parity_fired": info.get("fired"),
+            "fp32_parity_fallbacks": fallbacks, "fp32_parity_mismatch": v.get("fp32_parity_mismatch")}
 
 
 def _row_rank(row: dict) -> tuple:
@@ -1337,6 +1535,10 @@ def overall(models: dict[str, dict]) -> dict:
         "median_compile_ratio": statistics.median(ratios) if ratios else None,
         "geomean_optimize_speedup_vs_best_baseline": geomean(m.get("optimize_speedup_vs_best_baseline")
                                                              for m in models.values()),
+        "fp32_parity_checked": sum(m.get("fp32_parity_ok") is not None for m in ok),
+        "fp32_parity_over_tol": sorted(n for n, m in models.items() if m.get("fp32_parity_ok") is False),
+        "fp32_parity_max_rel_err": max((m["fp32_parity_rel_err"] for m in ok if m.get("fp32_parity_rel_err")
+                                        is not None), default=None),
     }
 
 
@@ -1349,13 +1551,13 @@ def markdown(latest: dict) -> str:
     lines = [f"Device {latest.get('device')}, torch {latest.get('torch')}, transformers {latest.get('transformers')}, "
              f"timm {latest.get('timm')}, dtype {latest.get('dtype')}, merged {latest.get('date')}.", "",
              "| model | suite | batch | tctune / Inductor | with CUDA graphs | rel. err tctune (eager dt) | consistent "
-             "| fallbacks | compile s tctune / Inductor | optimize vs best baseline |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| fallbacks | compile s tctune / Inductor | optimize vs best baseline | FP32 parity |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, m in sorted(latest["models"].items(), key=lambda kv: (kv[1].get("suite") or "", kv[0])):
         if m.get("status") != "ok":
             why = m.get("reason") or m.get("status")
             lines.append(f"| {name} | {m.get('suite')} | {m.get('batch_size')} | {m.get('status')}: {why} "
-                         "| | | | | | |")
+                         "| | | | | | | |")
             continue
         acc = {True: "yes", False: "**no**", None: "–"}[m.get("accuracy_consistent")]
         rel = f"{_f(m.get('rel_err'), '.1e')} ({_f(m.get('eager_rel_err'), '.1e')})"
@@ -1364,7 +1566,7 @@ def markdown(latest: dict) -> str:
         lines.append(f"| {name} | {m.get('suite')} | {m.get('batch_size')} | {speed} "
                      f"| {_f(m.get('speedup_vs_inductor_cg'))} | {rel} | {acc} | {len(m.get('fallbacks') or [])} "
                      f"| {_f(m.get('compile_s'), '.1f')} / {_f(m.get('inductor_compile_s'), '.1f')} "
-                     f"| {_f(m.get('optimize_speedup_vs_best_baseline'))} |")
+                     f"| {_f(m.get('optimize_speedup_vs_best_baseline'))} | {_parity_cell(m)} |")
     s = latest.get("summary") or overall(latest["models"])
     lines += ["", f"- Geomean tctune / Inductor: **{_f(s['geomean_speedup_vs_inductor'])}×** over {s['n_speedup']} "
               f"models (lowest {_f(s['min_speedup_vs_inductor'])}×); with CUDA graphs on both sides "
@@ -1378,22 +1580,41 @@ def markdown(latest: dict) -> str:
               f"{_f(s['median_compile_ratio'])}×.",
               f"- Not built: {len(s['not_built'])}" + (f" ({', '.join(s['not_built'])})" if s["not_built"] else "")
               + "."]
+    if s.get("fp32_parity_checked"):
+        over = s.get("fp32_parity_over_tol") or []
+        lines.append(f"- FP32 parity (`tctune_fp32`: the backend's structural passes, nothing cast, against FP32 "
+                     f"eager; max relative error of every output ≤ {FP32_PARITY_TOL:g}, or ≤ "
+                     f"{FP32_ROUNDING_FACTOR:g} × FP32 eager's own distance from float64 where that is larger): "
+                     f"{s['fp32_parity_checked'] - len(over)} of {s['fp32_parity_checked']} checked models within, "
+                     f"worst {_f(s.get('fp32_parity_max_rel_err'), '.1e')}"
+                     + (f"; **over**: {', '.join(over)}" if over else "") + ".")
     if s.get("geomean_optimize_speedup_vs_best_baseline"):
         lines.append(f"- `tctune optimize` vs the best plain baseline of its own search: geomean "
                      f"{_f(s['geomean_optimize_speedup_vs_best_baseline'])}×.")
     return "\n".join(lines)
 
 
+def _parity_cell(m: dict) -> str:
+    """The FP32 parity column: the error, bold when over the limit or with a mismatch / fallback; – not run."""
+    err, ok = m.get("fp32_parity_rel_err"), m.get("fp32_parity_ok")
+    if ok is None:
+        return "–"
+    text = _f(err, ".1e") + ("" if not m.get("fp32_parity_fallbacks") else " (fallback)")
+    return text if ok else f"**{text}**"
+
+
 def short_table(rows: list[dict]) -> str:
     """A compact plain-text table of this call's rows (status, speedups, errors, compile seconds)."""
-    head = f"{'model':<40} {'status':<10} {'tct/ind':>7} {'cg':>6} {'rel tct':>8} {'rel eag':>8} {'fb':>3} {'comp s':>11}"
+    head = (f"{'model':<40} {'status':<10} {'tct/ind':>7} {'cg':>6} {'rel tct':>8} {'rel eag':>8} {'fb':>3} "
+            f"{'comp s':>11} {'fp32 par':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         s = summarize(r)
         lines.append(f"{r['name'][:40]:<40} {str(r.get('status'))[:10]:<10} {_f(s['speedup_vs_inductor']):>7} "
                      f"{_f(s['speedup_vs_inductor_cg']):>6} {_f(s['rel_err'], '.1e'):>8} "
                      f"{_f(s['eager_rel_err'], '.1e'):>8} {len(s['fallbacks']):>3} "
-                     f"{_f(s['compile_s'], '.0f'):>5}/{_f(s['inductor_compile_s'], '.0f'):<5}")
+                     f"{_f(s['compile_s'], '.0f'):>5}/{_f(s['inductor_compile_s'], '.0f'):<5} "
+                     f"{_f(s['fp32_parity_rel_err'], '.1e'):>8}")
     return "\n".join(lines)
 
 
@@ -1591,8 +1812,12 @@ def _parser() -> argparse.ArgumentParser:
     sel.add_argument("--slice", help="i/n: run every n-th model of the selection starting at the i-th (1-based)")
     sel.add_argument("--list", action="store_true", help="print the selected models with batch sizes and exit")
     sel.add_argument("--variants", default=",".join(VARIANTS),
-                     help=f"comma-separated variants to measure (default all: {','.join(VARIANTS)}); fp32_eager, the "
-                          "reference of every error, is always added")
+                     help=f"comma-separated variants to measure (default: {','.join(VARIANTS)}); fp32_eager, the "
+                          "reference of every error, is always added. Optional, not in the default (one more "
+                          "compile per model): tctune_fp32, the FP32 parity check of tctune's structural passes "
+                          "(fp32_parity_rel_err in each row, a column and a count of models over "
+                          f"{FP32_PARITY_TOL:g} in the summary). A leading + adds to the default: "
+                          "--variants +tctune_fp32"),
     sel.add_argument("--no-variants", action="store_true", help="skip the variant measurement (with --optimize)")
     sel.add_argument("--optimize", help="comma-separated models (or 'default': "
                      f"{','.join(OPTIMIZE_DEFAULT)}) to also run `tctune optimize` on, when selected")
@@ -1647,10 +1872,13 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(latest))
         print(f"\nwrote {args.merge_out} ({len(latest['models'])} models)")
         return 0
-    args.variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
-    bad = [v for v in args.variants if v not in VARIANTS]
+    extra = args.variants.startswith("+")
+    args.variants = tuple(v.strip() for v in args.variants.lstrip("+").split(",") if v.strip())
+    if extra:
+        args.variants = VARIANTS + tuple(v for v in args.variants if v not in VARIANTS)
+    bad = [v for v in args.variants if v not in ALL_VARIANTS]
     if bad:
-        p.error(f"--variants: unknown {bad}; choose from {','.join(VARIANTS)}")
+        p.error(f"--variants: unknown {bad}; choose from {','.join(ALL_VARIANTS)}")
     if "fp32_eager" not in args.variants:
         args.variants = ("fp32_eager", *args.variants)  # the reference of every error
     if args.scale <= 0:

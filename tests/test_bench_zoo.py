@@ -484,3 +484,92 @@ def test_two_processes_share_one_gpu_slot_pair_and_record_the_lock(tmp_path, mon
         assert r["gpu_lock"]["sections"] == 2 and r["gpu_lock"]["wait_s"] >= 0  # fp32_eager and eager timings
     started = [dt.datetime.fromisoformat(r["started"]) for r in rows]
     assert abs((started[1] - started[0]).total_seconds()) < 5
+
+
+# ------------------------------------------------------------------------------------------------ FP32 parity
+
+
+def _parity_row(name, err, mismatch=None, fallbacks=(), ok=True):
+    row = _row(name, tct=300.0, ind=250.0)
+    row["variants"]["tctune_fp32"] = ({"ok": True, "rel_err": err, "fp32_parity_rel_err": err,
+                                       "fp32_parity_mismatch": mismatch} if ok else
+                                      {"ok": False, "error": "RuntimeError: boom"})
+    row["tctune_fp32"] = {"tol": zoo.FP32_PARITY_TOL, "fired": {"fuse_qkv": 2}, "fallbacks": list(fallbacks)}
+    return row
+
+
+def test_fp32_parity_summary_flags_models_over_the_limit(tmp_path, capsys):
+    fine = zoo.summarize(_parity_row("a", 3e-7))
+    assert fine["fp32_parity_ok"] is True and fine["fp32_parity_rel_err"] == 3e-7
+    assert fine["fp32_parity_fired"] == {"fuse_qkv": 2}
+    assert zoo.summarize(_parity_row("b", 2.2e-2))["fp32_parity_ok"] is False
+    assert zoo.summarize(_parity_row("c", 0.0, mismatch="output 1: 3 of 8 torch.int64 elements differ"))[
+        "fp32_parity_ok"] is False
+    assert zoo.summarize(_parity_row("d", 0.0, fallbacks=["RuntimeError: x"]))["fp32_parity_ok"] is False
+    assert zoo.summarize(_parity_row("e", None, ok=False))["fp32_parity_ok"] is None
+    assert zoo.summarize(_row("f", tct=300.0, ind=250.0))["fp32_parity_ok"] is None  # variant not requested
+    _write_rows(tmp_path, [_parity_row("BertForMaskedLM", 3e-7), _parity_row("AllenaiLongformerBase", 2.2e-2),
+                           _row("resnet50", suite="torchvision", tct=110.0, ind=100.0)])
+    out = tmp_path / "latest.json"
+    assert zoo.main(["--merge", str(tmp_path), "--merge-out", str(out)]) == 0
+    s = json.loads(out.read_text())["summary"]
+    assert s["fp32_parity_checked"] == 2 and s["fp32_parity_over_tol"] == ["AllenaiLongformerBase"]
+    assert s["fp32_parity_max_rel_err"] == 2.2e-2
+    table = capsys.readouterr().out
+    assert "| **2.2e-02** |" in table and "| 3.0e-07 |" in table
+    assert "1 of 2 checked models within, worst 2.2e-02; **over**: AllenaiLongformerBase." in table
+
+
+def test_variants_option_adds_the_optional_parity_variant():
+    with pytest.raises(SystemExit):
+        zoo.main(["--models", "zoo_test_mlp", "--variants", "tctune_nope", "--device", "cpu", "--list"])
+    assert "tctune_fp32" not in zoo.VARIANTS and "tctune_fp32" in zoo.ALL_VARIANTS  # optional: not a default
+    opts = zoo.parity_options("bf16", target="sm_90")
+    assert opts["precision"] == "bf16" and opts["target"] == "sm_90"
+    assert not {"cast_precision", "cast_fp8_linears"} & set(opts["passes"])
+    assert {"fuse_qkv", "pad_linear_dims", "fold_conv_batchnorm"} <= set(opts["passes"])
+
+
+def test_tctune_fp32_variant_writes_parity_into_the_row(tmp_path, monkeypatch):
+    """The worker path on the CPU at --tiny: the variant's row fields, then the merged summary. Inductor's code
+    generation is replaced by running tctune's rewritten graph (its C++ compile is not what is tested)."""
+    pytest.importorskip("transformers")
+    import tctune.backend as tb
+
+    monkeypatch.setattr(tb, "inductor_compile", lambda gm, example_inputs, config_patches: gm.forward)
+    assert zoo.main(["--worker", "BertForMaskedLM", "--tiny", "--scale", "0.0625", "--device", "cpu",
+                     "--variants", "fp32_eager,tctune_fp32", "--repeats", "1", "--repeat-s", "0.001",
+                     "--out", str(tmp_path)]) == 0
+    row = json.loads(zoo.row_path(tmp_path, "BertForMaskedLM").read_text())
+    assert row["status"] == "ok", row.get("reason")
+    v = row["variants"]["tctune_fp32"]
+    assert v["ok"] is True, v.get("error")
+    assert v["fp32_parity_rel_err"] <= zoo.FP32_PARITY_TOL and v["fp32_parity_mismatch"] is None
+    info = row["tctune_fp32"]
+    assert info["fallbacks"] == [] and info["fired"].get("fuse_qkv", 0) >= 1
+    assert info["options"]["passes"] == list(zoo.structural_passes())
+    assert row["variants"]["tctune"]["skipped"].startswith("not requested")
+    out = tmp_path / "latest.json"
+    zoo.main(["--merge", str(tmp_path), "--merge-out", str(out)])
+    latest = json.loads(out.read_text())
+    assert latest["models"]["BertForMaskedLM"]["fp32_parity_ok"] is True
+    assert latest["summary"]["fp32_parity_checked"] == 1 and latest["summary"]["fp32_parity_over_tol"] == []
+
+
+def test_parity_limit_follows_fp32_eagers_own_rounding():
+    assert zoo.parity_limit(None) == zoo.FP32_PARITY_TOL
+    assert zoo.parity_limit(1e-7) == zoo.FP32_PARITY_TOL  # the fixed limit is the floor
+    assert zoo.parity_limit(7.5e-6) == pytest.approx(zoo.FP32_ROUNDING_FACTOR * 7.5e-6)
+    torch.manual_seed(0)
+    deep = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)]).eval()
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        ref = deep(x)
+    d = zoo.float64_distance(deep, (x,), ref)
+    assert 0 < d < 1e-5  # FP32 rounding of six 64-wide GEMMs, against the float64 run
+    assert zoo.float64_distance(deep, (x,), ref + 1e-2 * ref.abs().max()) > 1e-3  # not rounding
+    row = _parity_row("m", 2e-5)
+    assert zoo.summarize(row)["fp32_parity_ok"] is False  # over 1e-5, no float64 check recorded
+    row["variants"]["tctune_fp32"].update(fp32_rounding_err=7.5e-6, fp32_parity_limit=zoo.parity_limit(7.5e-6))
+    s = zoo.summarize(row)
+    assert s["fp32_parity_ok"] is True and s["fp32_rounding_err"] == 7.5e-6
