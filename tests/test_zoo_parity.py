@@ -112,6 +112,7 @@ class Parity:
     seconds: float = 0.0
     rounding: float | None = None
     limit: float = zoo.FP32_PARITY_TOL
+    reports: list = field(default_factory=list)  # the backend's SubgraphReports (tb.reports empties on reset)
 
 
 def _run_graph(gm, example_inputs, config_patches):
@@ -150,6 +151,7 @@ def check_parity(model: torch.nn.Module, batches: list[tuple], name: str = "mode
     if res.mismatch is None and res.max_rel_err > zoo.FP32_PARITY_TOL:  # rounding, or a wrong rewrite?
         res.rounding = zoo.float64_distance(model, batches[worst], refs[worst])
         res.limit = zoo.parity_limit(res.rounding)
+    res.reports = reports
     res.fired = zoo.fired_passes(reports)
     res.fallbacks = [r.fallback.splitlines()[0][:300] for r in reports if r.fallback]
     res.subgraphs = len(reports)
@@ -277,7 +279,7 @@ def test_fuse_qkv_refuses_the_strided_reads_and_parity_holds():
     res = check_parity(model, batches, "StridedQK")
     _assert_parity(res)
     assert "fuse_qkv" not in res.fired
-    skipped = [s.reason for rep in tb.reports for r in rep.results if r.name == "fuse_qkv" for s in r.skipped]
+    skipped = [s.reason for rep in res.reports for r in rep.results if r.name == "fuse_qkv" for s in r.skipped]
     assert any("as_strided" in why for why in skipped), skipped
 
 
