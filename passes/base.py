@@ -134,6 +134,11 @@ class PassSpec:
             the graph's end (an MT5 logits tensor of 250k classes took 6.8 ms to up-cast on the H200, bf16,
             ``tctune.backend`` against ``torch.compile(model.to(torch.bfloat16))``, benchmarks/NOTES.md).
             Outputs the original graph returned in a low or non-FP32 dtype are restored either way.
+        fp8_fast_accum: at precision ``"fp8"``, ``cast_fp8_linears`` calls ``torch._scaled_mm`` with
+            ``use_fast_accum=True``: on Hopper (sm_90) cuBLASLt / CUTLASS then accumulate the FP8 products in the
+            Tensor Cores' reduced-precision accumulator without periodic promotion to FP32, faster and less
+            precise (DeepSeek-V3 technical report, section 3.3.2: about 14 bits of accumulation precision on
+            H800). False (the default): full-precision accumulation. Ignored at other precisions.
     """
 
     precision: str = "fp32"
@@ -148,6 +153,7 @@ class PassSpec:
     fp8_keep: tuple = ()
     pad_graph_outputs: bool = True
     restore_output_dtypes: bool = True
+    fp8_fast_accum: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in _DTYPES:
@@ -161,6 +167,8 @@ class PassSpec:
             raise ValueError(f"pad_graph_outputs must be True or False, got {self.pad_graph_outputs!r}")
         if not isinstance(self.restore_output_dtypes, bool):
             raise ValueError(f"restore_output_dtypes must be True or False, got {self.restore_output_dtypes!r}")
+        if not isinstance(self.fp8_fast_accum, bool):
+            raise ValueError(f"fp8_fast_accum must be True or False, got {self.fp8_fast_accum!r}")
 
     @property
     def dtype(self) -> torch.dtype:
