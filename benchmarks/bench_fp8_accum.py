@@ -20,11 +20,14 @@ interleaved (``benchmarks/zoo.py``'s ``time_interleaved``: two warm-up calls, on
 ``--repeats`` blocks of CUDA-event-timed calls, the order reversed every other repeat), median ms per batch.
 With ``--cudagraphs`` every compiled variant is captured as one CUDA graph first (``zoo.cuda_graph``), both
 sides alike. Error: relative L2 against FP32 eager on the same inputs (``zoo.rel_err``, float64), for each
-variant. The backend's subgraph reports say whether FP8 ran (``cast_fp8_linears`` rewrites) or it fell back.
+variant. The backend's subgraph reports say whether FP8 ran (``cast_fp8_linears`` rewrites, and the
+``use_fast_accum`` they were built with) or it fell back. Each ``torch.compile`` call is its own backend
+callable, so Dynamo's BACKEND_MATCH guard keeps one compiled graph per variant (checked on the CPU, torch 2.13,
+``TORCH_LOGS=recompiles``).
 
 Writes ``OUT/fp8_accum.json`` (``{"device", "torch", "date", "args", "models": {name: {"batch", "seq",
 "variants": {variant: {"ok", "error", "compile_s", "ms", "items_per_s", "repeats_ms", "rel_err", "nonfinite",
-"fp8_gemms", "fallbacks"}}, "fast_vs_full", "fp8_vs_inductor_bf16", "fast_vs_inductor_bf16"}}}``) and
+"fp8_gemms", "fast_accum_in_graph", "fallbacks"}}, "fast_vs_full", "fp8_vs_inductor_bf16", "fast_vs_inductor_bf16"}}}``) and
 ``OUT/fp8_accum.md`` (one table row per model and variant).
 
 Usage::
@@ -200,7 +203,8 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
     fns = {}
     for v in VARIANTS:
         row = {"ok": False, "error": None, "compile_s": None, "ms": None, "items_per_s": None, "repeats_ms": [],
-               "rel_err": None, "nonfinite": None, "fp8_gemms": None, "fallbacks": []}
+               "rel_err": None, "nonfinite": None, "fp8_gemms": None, "fast_accum_in_graph": None,
+               "fallbacks": []}
         variants[v] = row
         tb.reset()
         try:
@@ -217,6 +221,9 @@ def run_model(name: str, args: argparse.Namespace) -> dict:
             row.update(zoo.rel_err(out.float(), ref))
             if v != "inductor_bf16":
                 row["fp8_gemms"] = sum(r.count("cast_fp8_linears") for r in tb.reports)
+                flags = {res.notes.get("fast_accum") for r in tb.reports for res in r.results
+                         if res.name == "cast_fp8_linears" and res.count}
+                row["fast_accum_in_graph"] = flags.pop() if len(flags) == 1 else None  # what the GEMMs were built with
                 row["fallbacks"] = sorted({r.fallback for r in tb.reports if r.fallback})
             fns[v] = (fn, (ids,))
             row["ok"] = True

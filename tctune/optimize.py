@@ -262,7 +262,8 @@ def export_best(tuner: Tuner, params: dict, out: Path,
         artifacts.onnx_error = f"not exported: the model could not be captured ({tuner.captured.reason})"
         artifacts.tensorrt_skipped_reason = "no ONNX to build from"
         return artifacts, []
-    trial = tuner.trial_params(params, fp8_keep, fp8_fast_accum)
+    trial = (tuner.trial_params(params, fp8_keep) if fp8_fast_accum is None else
+             tuner.trial_params(params, fp8_keep, fp8_fast_accum))
     export_precision = trial.precision
     if model_cast:  # the model cast as a whole won: its graph, not tctune's graph at its precision
         if not tuner.cfg.export:
