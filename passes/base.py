@@ -135,10 +135,11 @@ class PassSpec:
             ``tctune.backend`` against ``torch.compile(model.to(torch.bfloat16))``, benchmarks/NOTES.md).
             Outputs the original graph returned in a low or non-FP32 dtype are restored either way.
         fp8_fast_accum: at precision ``"fp8"``, ``cast_fp8_linears`` calls ``torch._scaled_mm`` with
-            ``use_fast_accum=True``: on Hopper (sm_90) cuBLASLt / CUTLASS then accumulate the FP8 products in the
-            Tensor Cores' reduced-precision accumulator without periodic promotion to FP32, faster and less
-            precise (DeepSeek-V3 technical report, section 3.3.2: about 14 bits of accumulation precision on
-            H800). False (the default): full-precision accumulation. Ignored at other precisions.
+            ``use_fast_accum=True``: the GEMM's intermediate sums are then not periodically promoted to higher
+            precision, "faster but at the cost of lower accuracy" on some GPUs (cuBLAS documentation,
+            ``CUBLASLT_MATMUL_DESC_FAST_ACCUM``; Hopper's FP8 Tensor Core accumulator keeps about 14 bits, DeepSeek-V3
+            technical report, section 3.3.2). False (the default): full-precision accumulation. Ignored at other
+            precisions.
     """
 
     precision: str = "fp32"
