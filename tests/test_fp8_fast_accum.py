@@ -301,6 +301,12 @@ def test_a_slower_or_too_inaccurate_fast_graph_is_not_used(tmp_path, monkeypatch
 
 
 @zoo.SCALED_MM_ROW
+def test_the_cpu_says_the_flag_has_no_effect(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="tctune"):
+        _tuner(tmp_path, (False,), fp8_fast_accum="on")
+    assert "--fp8-keep / --max-error-fp8 / --fp8-fast-accum have no effect" in caplog.text
+
+
 def test_pinned_on_or_off_builds_without_a_check(tmp_path, monkeypatch):
     monkeypatch.setattr(InferenceEvaluator, "_check_fast_accum", lambda *a: pytest.fail("pinned: nothing to check"))
     for choices in ((True,), (False,)):

@@ -138,9 +138,9 @@ class Tuner:
                                 "%d micro-batch(es), %d samples", cfg.effective_batch, bs, steps, steps * bs)
         if "fp8" not in precisions and (cfg.fp8_keep is not None or cfg.max_error_fp8 != TuneConfig.max_error_fp8
                                         or cfg.fp8_fast_accum != TuneConfig.fp8_fast_accum):
+            fast = " / --fp8-fast-accum" if cfg.fp8_fast_accum != TuneConfig.fp8_fast_accum else ""
             log.warning("precision fp8 is not searched here (it needs FP8 Tensor Cores, sm_89 or newer, a GPU to "
-                        "measure on and --mode infer), so --fp8-keep / --max-error-fp8 / --fp8-fast-accum have no "
-                        "effect")
+                        "measure on and --mode infer), so --fp8-keep / --max-error-fp8%s have no effect", fast)
         self.model = mf.model().to(self.device)
         self.model.train(training)
         if not training and not cfg.worker:  # the main process checks; its --devices workers load the same file
