@@ -27,7 +27,8 @@ callable, so Dynamo's BACKEND_MATCH guard keeps one compiled graph per variant (
 
 Writes ``OUT/fp8_accum.json`` (``{"device", "torch", "date", "args", "models": {name: {"batch", "seq",
 "variants": {variant: {"ok", "error", "compile_s", "ms", "items_per_s", "repeats_ms", "rel_err", "nonfinite",
-"fp8_gemms", "fast_accum_in_graph", "fallbacks"}}, "fast_vs_full", "fp8_vs_inductor_bf16", "fast_vs_inductor_bf16"}}}``) and
+"fp8_gemms", "fast_accum_in_graph", "fallbacks"}}, "fast_vs_full", "fp8_vs_inductor_bf16",
+"fast_vs_inductor_bf16"}}}``) and
 ``OUT/fp8_accum.md`` (one table row per model and variant).
 
 Usage::

@@ -89,8 +89,9 @@ def cast_fp8_linears(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
     Returns:
         A ``PassResult`` named ``"cast_fp8_linears"``: ``count`` is the number of linears rewritten, ``changed``
         their (former) node names; ``skipped`` the linears left in bf16 with the reason (``"K=61 not a
-        multiple of 16 (FP8 GEMMs need 16)"``); ``notes``: ``scaling``, ``fast_accum`` (bool), ``fp8_weights`` (weight -> its FP8
-        buffer names) and ``cast_precision`` (the bf16 cast's own result, or why it did not run again).
+        multiple of 16 (FP8 GEMMs need 16)"``); ``notes``: ``scaling``, ``fast_accum`` (bool), ``fp8_weights``
+        (weight -> its FP8 buffer names) and ``cast_precision`` (the bf16 cast's own result, or why it did not
+        run again).
     """
     result = PassResult(name=NAME, graph_module=gm)
     if spec.precision != "fp8":

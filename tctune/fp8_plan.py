@@ -603,7 +603,8 @@ def choose_fast_accum(keep: Sequence[str], target: float, error_fast: Callable[[
     return FastAccumCheck(True, keep, err, target, f"{within}; {timed}", error_full, metric, speeds)
 
 
-def graph_error(g: fx.GraphModule, inputs: tuple, ref: Any, score_of: Callable[[fx.GraphModule], float] | None = None) -> float:
+def graph_error(g: fx.GraphModule, inputs: tuple, ref: Any,
+                score_of: Callable[[fx.GraphModule], float] | None = None) -> float:
     """The error of the FP8 graph ``g`` (on the inputs' device) on ``inputs`` against the FP32 outputs ``ref``: its
     relative L2 error (largest over outputs), or ``score_of(g)`` (a score shortfall) when given; ``math.inf``
     when an output on ``inputs`` is NaN/inf. Raises whatever the forward raises."""
