@@ -655,7 +655,8 @@ def plan_graph(build: Callable[[tuple[str, ...], Sequence[str]], fx.GraphModule]
     def error_of(keep: tuple[str, ...]) -> float:
         g = build(keep, PIPELINE).to(device)
         try:
-            return graph_error(g, inputs, ref, None if score_of is None else (lambda graph: score_of(tuple(keep), graph)))
+            scored = None if score_of is None else (lambda graph: score_of(tuple(keep), graph))
+            return graph_error(g, inputs, ref, scored)
         finally:
             g = None
             release_memory(device)
@@ -664,6 +665,7 @@ def plan_graph(build: Callable[[tuple[str, ...], Sequence[str]], fx.GraphModule]
                          metric=METRIC_L2 if score_of is None else METRIC_SCORE)
 
 
-__all__ = ["DEFAULT_MARGIN", "FAST_ACCUM_MIN_GAIN", "FP8Plan", "FastAccumCheck", "choose_fast_accum", "graph_error", "MAX_ALTERNATIVES", "MAX_LAYER_RELEASES", "METRIC_L2", "METRIC_SCORE",
+__all__ = ["DEFAULT_MARGIN", "FAST_ACCUM_MIN_GAIN", "FP8Plan", "FastAccumCheck", "choose_fast_accum", "graph_error",
+           "MAX_ALTERNATIVES", "MAX_LAYER_RELEASES", "METRIC_L2", "METRIC_SCORE",
            "SAME_ROLES", "choose_fastest", "keep_label", "kept_roles", "linear_layers", "linear_roles", "plan_fp8_keep", "plan_graph",
            "role"]

@@ -178,8 +178,8 @@ def apply_passes(gm: torch.fx.GraphModule, hw, precision: str, names: Sequence[s
 
 def build_trial_graph(gm: torch.fx.GraphModule, hw, trial: TrialParams, calibration: Sequence[tuple] | None,
                       names: Sequence[str] = PIPELINE, output_dtype: str = "fp32") -> tuple[torch.fx.GraphModule, list]:
-    """The graph trial ``trial`` measures (its precision, policy, FP8 keep-list and fast accumulation; at fp16 the overflow
-    calibration on ``calibration`` when ``trial.calibration``). ``names``: the passes (the engines drop
+    """The graph trial ``trial`` measures (its precision, policy, FP8 keep-list and fast accumulation; at fp16 the
+    overflow calibration on ``calibration`` when ``trial.calibration``). ``names``: the passes (the engines drop
     ``fuse_epilogue``, which has no ONNX translation and fires on CUDA graphs only). ``output_dtype``: the
     output contract (:data:`OUTPUT_DTYPES`; the search passes ``TuneConfig.output_dtype``; the engines keep
     ``"fp32"``, the dtypes their runners hand to numpy, which has no bfloat16).

@@ -42,7 +42,8 @@ def _row(ms, err=1e-2, gemms=None, error=None, fallbacks=()):
 
 def test_ratios_and_table():
     b = _load()
-    variants = {"inductor_bf16": _row(10.0), "tctune_fp8": _row(8.0, 3e-2, 48), "tctune_fp8_fast": _row(7.5, 3.2e-2, 48)}
+    variants = {"inductor_bf16": _row(10.0), "tctune_fp8": _row(8.0, 3e-2, 48),
+                "tctune_fp8_fast": _row(7.5, 3.2e-2, 48)}
     s = b.summarize(variants)
     assert s == {"fast_vs_full": pytest.approx(8.0 / 7.5, abs=1e-4), "fp8_vs_inductor_bf16": 1.25,
                  "fast_vs_inductor_bf16": pytest.approx(10 / 7.5, abs=1e-4)}

@@ -268,7 +268,8 @@ class InferenceEvaluator:
             if gate is not None:
                 gate.reference(self.model)
             limit = self.cfg.max_error_fp8 if gate is None else gate.allowed_shortfall
-            target, metric, error_full, speed_full = DEFAULT_MARGIN * limit, METRIC_L2 if gate is None else METRIC_SCORE, None, None
+            target, metric = DEFAULT_MARGIN * limit, METRIC_L2 if gate is None else METRIC_SCORE
+            error_full = speed_full = None
 
         def error_of(fast: bool) -> float:
             g, _ = apply_passes(self.captured.graph_module, self.hw, "fp8", policy=policy, fp8_keep=keep,
