@@ -134,6 +134,12 @@ class PassSpec:
             the graph's end (an MT5 logits tensor of 250k classes took 6.8 ms to up-cast on the H200, bf16,
             ``tctune.backend`` against ``torch.compile(model.to(torch.bfloat16))``, benchmarks/NOTES.md).
             Outputs the original graph returned in a low or non-FP32 dtype are restored either way.
+        fp8_fast_accum: at precision ``"fp8"``, ``cast_fp8_linears`` calls ``torch._scaled_mm`` with
+            ``use_fast_accum=True``: the GEMM's intermediate sums are then not periodically promoted to higher
+            precision, "faster but at the cost of lower accuracy" on some GPUs (cuBLAS documentation,
+            ``CUBLASLT_MATMUL_DESC_FAST_ACCUM``; Hopper's FP8 Tensor Core accumulator keeps about 14 bits, DeepSeek-V3
+            technical report, section 3.3.2). False (the default): full-precision accumulation. Ignored at other
+            precisions.
     """
 
     precision: str = "fp32"
@@ -148,6 +154,7 @@ class PassSpec:
     fp8_keep: tuple = ()
     pad_graph_outputs: bool = True
     restore_output_dtypes: bool = True
+    fp8_fast_accum: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in _DTYPES:
@@ -161,6 +168,8 @@ class PassSpec:
             raise ValueError(f"pad_graph_outputs must be True or False, got {self.pad_graph_outputs!r}")
         if not isinstance(self.restore_output_dtypes, bool):
             raise ValueError(f"restore_output_dtypes must be True or False, got {self.restore_output_dtypes!r}")
+        if not isinstance(self.fp8_fast_accum, bool):
+            raise ValueError(f"fp8_fast_accum must be True or False, got {self.fp8_fast_accum!r}")
 
     @property
     def dtype(self) -> torch.dtype:

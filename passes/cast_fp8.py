@@ -28,6 +28,8 @@ What, at ``spec.precision == "fp8"`` (any other precision: one ``"<graph>"`` ski
    and stored as new *non-persistent* buffers ``<weight>_fp8`` / ``<weight>_fp8_scale``: ``state_dict`` keys
    are unchanged (the original parameter stays on the module, stored bf16, unused by the graph).
    With ``spec.fp8_scaling == "tensor"`` both scales are one fp32 scalar (0-dim) per tensor instead.
+   ``use_fast_accum`` is ``spec.fp8_fast_accum`` (False by default: full-precision accumulation; True: Hopper's
+   faster reduced-precision accumulation, chosen per model by ``tctune``'s search when the accuracy limit holds).
    The bias (bf16) goes into ``_scaled_mm``'s epilogue: checked on the H200 with torch 2.11 (sm_90) for both
    row-wise and tensor-wise scales; ``_scaled_mm`` requires a bf16 bias for a bf16 output.
 
@@ -59,8 +61,6 @@ from passes.fp8_numerics import (AMAX_EPS, FP8_DTYPE, FP8_MAX, OUT_DTYPE, Weight
 
 NAME = "cast_fp8_linears"
 
-#: ``_scaled_mm``'s ``use_fast_accum`` (Hopper: faster, less precise accumulation); off for accuracy.
-USE_FAST_ACCUM = False
 #: ``node.meta`` flag on every node this pass created.
 FP8_FLAG = "tctune_fp8"
 
@@ -83,13 +83,15 @@ def cast_fp8_linears(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
     Args:
         gm: an ATen-level graph module from ``torch.export`` (mutated in place).
         spec: target facts; ``spec.precision`` must be ``"fp8"`` (else one ``"<graph>"`` skip),
-            ``spec.fp8_scaling`` picks ``"row"`` or ``"tensor"`` scales, ``spec.training`` skips every linear.
+            ``spec.fp8_scaling`` picks ``"row"`` or ``"tensor"`` scales, ``spec.training`` skips every linear,
+            ``spec.fp8_fast_accum`` is every ``_scaled_mm``'s ``use_fast_accum``.
 
     Returns:
         A ``PassResult`` named ``"cast_fp8_linears"``: ``count`` is the number of linears rewritten, ``changed``
         their (former) node names; ``skipped`` the linears left in bf16 with the reason (``"K=61 not a
-        multiple of 16 (FP8 GEMMs need 16)"``); ``notes``: ``scaling``, ``fp8_weights`` (weight -> its FP8
-        buffer names) and ``cast_precision`` (the bf16 cast's own result, or why it did not run again).
+        multiple of 16 (FP8 GEMMs need 16)"``); ``notes``: ``scaling``, ``fast_accum`` (bool), ``fp8_weights``
+        (weight -> its FP8 buffer names) and ``cast_precision`` (the bf16 cast's own result, or why it did not
+        run again).
     """
     result = PassResult(name=NAME, graph_module=gm)
     if spec.precision != "fp8":
@@ -133,11 +135,12 @@ def cast_fp8_linears(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
             fp8_weights[w_node.target] = list(quantized[key])
             if gemm.kn:
                 kn_weights.append(w_node.target)
-        _rewrite(gm, node, gemm, *quantized[key], scaling)
+        _rewrite(gm, node, gemm, *quantized[key], scaling, spec.fp8_fast_accum)
         result.changed.append(node.name)
         result.count += 1
 
     result.notes["scaling"] = scaling
+    result.notes["fast_accum"] = spec.fp8_fast_accum
     if fp8_weights:
         result.notes["fp8_weights"] = fp8_weights
     if kn_weights:
@@ -202,7 +205,8 @@ def _store_fp8_weight(gm: fx.GraphModule, target: str, weight: torch.Tensor, sca
     return names[0], names[1]
 
 
-def _rewrite(gm: fx.GraphModule, node: fx.Node, gemm: WeightGemm, w8_name: str, sw_name: str, scaling: str) -> None:
+def _rewrite(gm: fx.GraphModule, node: fx.Node, gemm: WeightGemm, w8_name: str, sw_name: str, scaling: str,
+             fast_accum: bool = False) -> None:
     """Replace the GEMM ``node`` by dynamic activation quantization + ``aten._scaled_mm`` (module docstring)."""
     graph = gm.graph
     x, w_node, bias = gemm.x, gemm.weight, gemm.bias
@@ -254,7 +258,7 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, gemm: WeightGemm, w8_name: str, 
             b_val = bias.meta.get("val")
             if b_val is None or b_val.dtype != OUT_DTYPE:
                 bias = op(_CAST, (bias,), {"dtype": OUT_DTYPE})
-        kwargs = {"bias": bias, "out_dtype": OUT_DTYPE, "use_fast_accum": USE_FAST_ACCUM}
+        kwargs = {"bias": bias, "out_dtype": OUT_DTYPE, "use_fast_accum": fast_accum}
         y = op(_SCALED_MM, (x8, w8_t, scale_x, scale_w), kwargs)
         if ndim != 2:
             y = op(aten.view.default, (y, [*lead, n]))

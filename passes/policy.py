@@ -21,7 +21,7 @@ PURE_KEEP_LIST = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_nd", "ms
 
 def pass_spec(hw, precision: str, *, training: bool = False, policy: str = "autocast",
               fp8_keep: Iterable[str] = (), pad_graph_outputs: bool = True,
-              restore_output_dtypes: bool = True) -> PassSpec:
+              restore_output_dtypes: bool = True, fp8_fast_accum: bool = False) -> PassSpec:
     """The plain facts the graph passes need for one candidate.
 
     Args:
@@ -37,6 +37,8 @@ def pass_spec(hw, precision: str, *, training: bool = False, policy: str = "auto
         restore_output_dtypes: ``PassSpec.restore_output_dtypes``: False leaves the graph's floating outputs in
             the dtype they were computed in (the ``"compute"`` output contract) instead of casting them back to
             the FP32 model's dtypes.
+        fp8_fast_accum: at precision fp8, ``PassSpec.fp8_fast_accum`` (``torch._scaled_mm``'s ``use_fast_accum``);
+            ignored (False) at other precisions.
 
     Raises:
         ValueError: ``policy`` is not in :data:`POLICIES`, or ``precision`` is not one PassSpec accepts.
@@ -48,7 +50,8 @@ def pass_spec(hw, precision: str, *, training: bool = False, policy: str = "auto
     extra = {"keep_list": PURE_KEEP_LIST, "residual_fp32": False} if policy == "pure" else {}
     spec = PassSpec(precision=precision, alignment=dict(hw.alignment), arch=hw.arch, training=training,
                     fp8_scaling=scaling, pad_graph_outputs=pad_graph_outputs,
-                    restore_output_dtypes=restore_output_dtypes, **extra)
+                    restore_output_dtypes=restore_output_dtypes,
+                    fp8_fast_accum=bool(fp8_fast_accum) and precision == "fp8", **extra)
     keep = tuple(fp8_keep)
     return dataclasses.replace(spec, fp8_keep=keep) if keep else spec
 

@@ -60,6 +60,10 @@ checked before any compile (an unknown key or value raises one ``ValueError`` li
   bf16, with the reason in ``SubgraphReport.notes``.
 - ``fp8_keep``: at ``"fp8"``, ``fnmatch`` patterns of module paths whose linears stay bf16 (e.g.
   ``("*.output.dense", "classifier")``); ignored at other precisions.
+- ``fp8_fast_accum``: at ``"fp8"``, True runs every FP8 GEMM with ``torch._scaled_mm``'s fast accumulation
+  (``PassSpec.fp8_fast_accum``: Hopper's faster, less precise accumulation); False (default): full precision.
+  The backend does not measure, so it never turns it on by itself (``tctune optimize`` decides it by
+  measurement); ignored at other precisions.
 - ``pad``: False turns off all three padding passes (``pad_linear_dims``, ``pad_matmul_dims``,
   ``pad_conv_channels``).
 - ``output_dtype``: ``"fp32"`` (default: a ``torch.compile`` backend keeps the module's contract, so floating
@@ -121,7 +125,8 @@ _warned: set[str] = set()
 _CAST_PASSES = ("cast_fp8_linears", "cast_precision")
 _LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
-_OPTION_KEYS = ("precision", "pad", "target", "passes", "policy", "mode", "inductor", "fp8_keep", "output_dtype")
+_OPTION_KEYS = ("precision", "pad", "target", "passes", "policy", "mode", "inductor", "fp8_keep", "output_dtype",
+                "fp8_fast_accum")
 #: Output-dtype contracts (``tctune.trial.OUTPUT_DTYPES``; not imported: this module imports ``passes`` only).
 _OUTPUT_DTYPES = ("compute", "fp32")
 _PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")
@@ -207,6 +212,7 @@ class BackendConfig:
         fp8_keep: at ``"fp8"``, module-path patterns whose linears stay bf16.
         output_dtype: ``"fp32"`` (floating outputs in the FP32 model's dtypes) or ``"compute"`` (left in the
             dtype they are computed in, as ``torch.compile(model.to(dt))`` returns them).
+        fp8_fast_accum: at ``"fp8"``, ``torch._scaled_mm``'s fast accumulation (default False).
     """
 
     precision: str | None = None
@@ -218,6 +224,7 @@ class BackendConfig:
     inductor: dict | None = None
     fp8_keep: tuple[str, ...] = ()
     output_dtype: str = "fp32"
+    fp8_fast_accum: bool = False
 
     def __post_init__(self) -> None:
         if self.precision is not None and self.precision not in _PRECISIONS:
@@ -231,6 +238,8 @@ class BackendConfig:
         if not all(isinstance(p, str) for p in (self.fp8_keep or ())):
             raise ValueError(f"fp8_keep must be a list of fnmatch patterns (str), got {self.fp8_keep!r}")
         object.__setattr__(self, "fp8_keep", tuple(self.fp8_keep or ()))
+        if not isinstance(self.fp8_fast_accum, bool):
+            raise ValueError(f"fp8_fast_accum must be True or False, got {self.fp8_fast_accum!r}")
         inductor_patches(self.mode, self.inductor)  # raises on an unknown mode or Inductor key
         if not isinstance(self.pad, bool):
             raise ValueError(f"pad must be True or False, got {self.pad!r}")
@@ -332,6 +341,7 @@ def backend(
     inductor: dict | None = None,
     fp8_keep: Sequence[str] = (),
     output_dtype: str = "fp32",
+    fp8_fast_accum: bool = False,
 ) -> Callable[[fx.GraphModule, list], Callable]:
     """A ``torch.compile`` backend with these settings: ``torch.compile(m, backend=backend(precision="bf16"))``.
 
@@ -351,6 +361,7 @@ def backend(
         fp8_keep: at ``"fp8"``, ``fnmatch`` patterns of module paths whose linears stay bf16.
         output_dtype: ``"fp32"`` (default: floating outputs in the FP32 model's dtypes) or ``"compute"``
             (outputs left in the compute precision, the contract of ``torch.compile(model.to(dt))``).
+        fp8_fast_accum: at ``"fp8"``, ``torch._scaled_mm``'s fast accumulation (faster on Hopper, less precise).
 
     Returns:
         ``compiler(gm, example_inputs) -> callable``, the signature Dynamo expects of a backend.
@@ -364,7 +375,7 @@ def backend(
     cfg = BackendConfig(precision=precision, pad=pad, target=target, passes=passes, policy=policy, mode=mode,
                         inductor=dict(inductor) if isinstance(inductor, dict) else inductor,
                         fp8_keep=fp8_keep if isinstance(fp8_keep, str) else tuple(fp8_keep or ()),
-                        output_dtype=output_dtype)
+                        output_dtype=output_dtype, fp8_fast_accum=fp8_fast_accum)
     unknown = [n for n in cfg.pass_names() if n not in PASSES]
     if unknown:
         raise ValueError(f"unknown pass(es) {unknown}; known passes: {sorted(PASSES)}")
@@ -457,7 +468,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, cfg: BackendConfig) -> Ca
                         "weights stay graph inputs")
         compiled = _compile_with_passes(gm, example_inputs,
                                         _spec_for(hw, training, cfg.policy, report.precision, cfg.fp8_keep,
-                                                  cfg.output_dtype),
+                                                  cfg.output_dtype, cfg.fp8_fast_accum),
                                         cfg, report, hw)
     except Exception as exc:  # noqa: BLE001 - never break the user's compile
         reason = f"{type(exc).__name__}: {exc}"
@@ -470,14 +481,14 @@ def _compile(gm: fx.GraphModule, example_inputs: list, cfg: BackendConfig) -> Ca
 
 
 def _spec_for(hw, training: bool, policy: str, precision: str, fp8_keep: Sequence[str] = (),
-              output_dtype: str = "fp32"):
+              output_dtype: str = "fp32", fp8_fast_accum: bool = False):
     """The passes' ``PassSpec`` for one subgraph (the one place the backend asks the hardware for it).
 
     ``pad_graph_outputs=False``: Inductor runs the graph, where padding the N of a returned linear measured
     slower (``passes.pad_linear``'s module docstring). ``restore_output_dtypes`` follows ``output_dtype``."""
     return pass_spec(hw, precision, training=training, policy=policy, pad_graph_outputs=False,
                      fp8_keep=fp8_keep if precision == "fp8" else (),
-                     restore_output_dtypes=output_dtype == "fp32")
+                     restore_output_dtypes=output_dtype == "fp32", fp8_fast_accum=fp8_fast_accum)
 
 
 def _fp8_or_bf16(report: SubgraphReport, hw, on_gpu: bool, training: bool) -> None:

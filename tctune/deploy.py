@@ -56,12 +56,14 @@ def export_graphs(gm: torch.fx.GraphModule, hw, trial: TrialParams, calibration:
     """
     if trial.precision == "fp8":
         # torch._scaled_mm has no ONNX translation: model.onnx is the bf16 twin with every FP8 linear as float8
-        # QuantizeLinear/DequantizeLinear (tctune/export/onnx_fp8.py).
+        # QuantizeLinear/DequantizeLinear (tctune/export/onnx_fp8.py). The graph (AOTInductor's source) keeps the
+        # trial's _scaled_mm fast accumulation; ONNX Q/DQ has no such switch (the engine chooses its accumulation).
         from passes.policy import pass_spec
 
         from .export.onnx_fp8 import build_fp8_graphs
 
-        fp8 = build_fp8_graphs(gm, pass_spec(hw, "fp8", policy=trial.policy, fp8_keep=trial.fp8_keep), names)
+        fp8 = build_fp8_graphs(gm, pass_spec(hw, "fp8", policy=trial.policy, fp8_keep=trial.fp8_keep,
+                                               fp8_fast_accum=trial.fp8_fast_accum), names)
         return ExportGraphs(fp8.fp8, fp8.bf16, fp8, list(fp8.results))
     g, results = build_trial_graph(gm, hw, trial, calibration, names)
     return ExportGraphs(g, g, None, results)

@@ -72,6 +72,9 @@ def read_config(path: str | Path) -> dict:
     if keep is not None and (not isinstance(keep, list) or not all(isinstance(k, str) and k for k in keep)):
         raise UsageError(f"{p}: fp8_keep must be a list of module-path patterns (as `tctune optimize` writes it), "
                          f"got {keep!r}\n{fix}")
+    if not isinstance(cfg.get("fp8_fast_accum", False), bool):
+        raise UsageError(f"{p}: fp8_fast_accum must be true or false (as `tctune optimize` writes it), "
+                         f"got {cfg['fp8_fast_accum']!r}\n{fix}")
     sizes = cfg.get("batch_sizes") or [params["batch_size"]]
     if not isinstance(sizes, list) or not all(isinstance(b, int) and b >= 1 for b in sizes):
         raise UsageError(f"{p}: batch_sizes must be a list of positive ints, got {sizes!r}\n{fix}")

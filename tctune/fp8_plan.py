@@ -36,6 +36,13 @@ a task metric (``score(model)``, higher is better), the score shortfall ``1 - sc
 (:class:`tctune.search.accuracy.ScoreGate.shortfall`) against the allowed shortfall (0.01 for the default
 "99 % of FP32" rule): the same greedy, release and per-layer steps, with ``FP8Plan.metric`` saying which.
 
+8. Fast accumulation (``torch._scaled_mm``'s ``use_fast_accum``, Hopper's faster, less precise FP8
+   accumulation): where the study may choose it (``tctune.search.space.fp8_fast_accum_choices``), the chosen
+   keep-list's FP8 graph is built once more with it, its error measured the same way against the same aim, and,
+   when under the aim, timed against the same graph without it; it is kept when at least ``FAST_ACCUM_MIN_GAIN``
+   faster (:func:`choose_fast_accum`, :class:`FastAccumCheck`). One more graph and one or two more compiles per
+   study, against doubling the FP8 candidates the sampler would have to try as a searched parameter.
+
 The margin (default 0.9) leaves room for the candidate's own check on its batch, which the search still
 makes on fresh inputs: the plan is advice, the measured error decides.
 """
@@ -58,6 +65,10 @@ MAX_ALTERNATIVES = 3
 MAX_LAYER_RELEASES = 32
 #: Why a keep-list under the aim is not timed (``FP8Plan.collapsed``; :func:`choose_fastest` says why).
 SAME_ROLES = "same roles kept in bf16 as a keep-list with more FP8 FLOPs"
+#: The least throughput gain (a fraction) for which fast accumulation is kept: 1 %. A chosen threshold, not a
+#: measurement: a smaller gain is hard to tell from the noise of two single timings and does not pay for the
+#: extra rounding error; revisit with ``benchmarks/bench_fp8_accum.py``'s H200 numbers.
+FAST_ACCUM_MIN_GAIN = 0.01
 #: ``FP8Plan.metric`` values.
 METRIC_L2 = "relative L2"
 METRIC_SCORE = "score shortfall"
@@ -499,6 +510,113 @@ def _share_of(units: dict[str, float], keep) -> float:
     return sum(v for u, v in units.items() if not any(u == k or fnmatchcase(u, k) for k in keep)) / sum(units.values())
 
 
+@dataclass
+class FastAccumCheck:
+    """Whether a study's FP8 candidates use ``torch._scaled_mm``'s fast accumulation, and why (step 8.).
+
+    Attributes:
+        kept: True when the FP8 candidates are built with ``use_fast_accum=True``.
+        keep: the FP8 keep-list the check was made with.
+        error: the error of the FP8 graph with fast accumulation (``metric``), None when it could not run.
+        error_full: the same graph's error with full-precision accumulation when known, else None.
+        target: the aim both were held to (the FP8 plan's, ``margin * limit``).
+        metric: :data:`METRIC_L2` or :data:`METRIC_SCORE`.
+        speeds: measured throughput (items/s) ``{"full": .., "fast": ..}`` (None: failed), empty when not timed.
+        reason: one line: what was measured and the decision.
+        reused_from / policy: as ``FP8Plan`` (one check per study, reused by the other cast policies).
+    """
+
+    kept: bool
+    keep: tuple[str, ...]
+    error: float | None
+    target: float
+    reason: str
+    error_full: float | None = None
+    metric: str = METRIC_L2
+    speeds: dict = field(default_factory=dict)
+    reused_from: str | None = None
+    policy: str | None = None
+
+    def reused(self, policy: str) -> "FastAccumCheck":
+        """This decision for another cast policy's FP8 graphs (the accumulation is the GEMMs', whatever the
+        policy does around them; each trial's own accuracy check still decides)."""
+        return replace(self, reused_from=self.policy or "another", policy=policy)
+
+    def summary(self) -> str:
+        """One line for the report and the log."""
+        where = f"; checked under the {self.reused_from} policy and reused" if self.reused_from else ""
+        return f"fast accumulation {'on' if self.kept else 'off'}: {self.reason}{where}"
+
+    def to_dict(self) -> dict:
+        return {"summary": self.summary(), "kept": self.kept, "keep": list(self.keep), "error": self.error,
+                "error_full": self.error_full, "target": self.target, "metric": self.metric,
+                "speeds": dict(self.speeds), "reused_from": self.reused_from}
+
+
+def choose_fast_accum(keep: Sequence[str], target: float, error_fast: Callable[[], float],
+                      throughput_of: Callable[[bool], float | None], *, error_full: float | None = None,
+                      speed_full: float | None = None, metric: str = METRIC_L2,
+                      min_gain: float = FAST_ACCUM_MIN_GAIN) -> FastAccumCheck:
+    """Decide fast accumulation for the FP8 graph with keep-list ``keep``: kept when its error is within
+    ``target`` (the accuracy contract's aim, as for the keep-list) and it runs at least ``min_gain`` faster.
+
+    Args:
+        keep: the chosen FP8 keep-list (recorded in the result).
+        target: the error the FP8 plan aims at (``margin * limit``; relative L2 or score shortfall).
+        error_fast: measures the error of the graph with fast accumulation (NaN/inf count as over the aim); an
+            exception it raises rejects fast accumulation with its first line.
+        throughput_of: ``throughput_of(fast_accum)`` -> items/s of the graph through the search's fastest runtime,
+            None when it failed; called with True, and with False unless ``speed_full`` is given.
+        error_full: the full-accumulation graph's error when already measured (for the record only).
+        speed_full: its throughput when already timed (the plan's alternatives), so it is not compiled again.
+        metric: what the errors are (:data:`METRIC_L2` or :data:`METRIC_SCORE`).
+        min_gain: the least gain (fraction) that keeps it, :data:`FAST_ACCUM_MIN_GAIN`.
+
+    Returns:
+        A :class:`FastAccumCheck`; nothing is timed when the error is over the aim.
+    """
+    keep = tuple(keep)
+    what = "error" if metric == METRIC_L2 else "score shortfall"
+    try:
+        err = error_fast()
+    except Exception as exc:  # noqa: BLE001 - a graph that cannot run keeps full accumulation
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return FastAccumCheck(False, keep, None, target, f"its FP8 graph failed to run ({first})",
+                              error_full, metric)
+    full = f" (full accumulation: {error_full:.2e})" if error_full is not None else ""
+    if not err <= target:
+        return FastAccumCheck(False, keep, err, target, f"{what} {err:.2e}{full} is over the aim {target:.2e}",
+                              error_full, metric)
+    full_speed = speed_full if speed_full else throughput_of(False)
+    fast_speed = throughput_of(True)
+    speeds = {"full": full_speed, "fast": fast_speed}
+    within = f"{what} {err:.2e}{full}, aim {target:.2e}"
+    if not fast_speed or not full_speed:
+        failed = "with" if not fast_speed else "without"
+        return FastAccumCheck(False, keep, err, target, f"{within}; the graph {failed} it could not be timed",
+                              error_full, metric, speeds)
+    ratio = fast_speed / full_speed
+    timed = f"{fast_speed:,.0f} against {full_speed:,.0f} items/s ({ratio:.3f}x)"
+    if ratio < 1 + min_gain:
+        return FastAccumCheck(False, keep, err, target, f"{within}; {timed}, under the {min_gain:.0%} gain that "
+                                                        "keeps it", error_full, metric, speeds)
+    return FastAccumCheck(True, keep, err, target, f"{within}; {timed}", error_full, metric, speeds)
+
+
+def graph_error(g: fx.GraphModule, inputs: tuple, ref: Any,
+                score_of: Callable[[fx.GraphModule], float] | None = None) -> float:
+    """The error of the FP8 graph ``g`` (on the inputs' device) on ``inputs`` against the FP32 outputs ``ref``: its
+    relative L2 error (largest over outputs), or ``score_of(g)`` (a score shortfall) when given; ``math.inf``
+    when an output on ``inputs`` is NaN/inf. Raises whatever the forward raises."""
+    from .measure import compare, precision_mode
+
+    with precision_mode("fp8"), torch.inference_mode():
+        err = compare(g(*inputs), ref)
+    if err.nonfinite:
+        return math.inf
+    return err.rel_l2_error if score_of is None else score_of(g)
+
+
 def plan_graph(build: Callable[[tuple[str, ...], Sequence[str]], fx.GraphModule], inputs: tuple, ref: Any,
                max_error: float, *, device: torch.device | None = None, margin: float = DEFAULT_MARGIN,
                score_of: Callable[[tuple[str, ...], fx.GraphModule], float] | None = None,
@@ -525,7 +643,7 @@ def plan_graph(build: Callable[[tuple[str, ...], Sequence[str]], fx.GraphModule]
     """
     from passes import PIPELINE
 
-    from .measure import compare, precision_mode, release_memory
+    from .measure import release_memory
 
     before = PIPELINE[:PIPELINE.index("cast_fp8_linears")]
     base = build((), before)
@@ -537,11 +655,8 @@ def plan_graph(build: Callable[[tuple[str, ...], Sequence[str]], fx.GraphModule]
     def error_of(keep: tuple[str, ...]) -> float:
         g = build(keep, PIPELINE).to(device)
         try:
-            with precision_mode("fp8"), torch.inference_mode():
-                err = compare(g(*inputs), ref)
-            if err.nonfinite:
-                return math.inf
-            return err.rel_l2_error if score_of is None else score_of(tuple(keep), g)
+            scored = None if score_of is None else (lambda graph: score_of(tuple(keep), graph))
+            return graph_error(g, inputs, ref, scored)
         finally:
             g = None
             release_memory(device)
@@ -550,6 +665,7 @@ def plan_graph(build: Callable[[tuple[str, ...], Sequence[str]], fx.GraphModule]
                          metric=METRIC_L2 if score_of is None else METRIC_SCORE)
 
 
-__all__ = ["DEFAULT_MARGIN", "FP8Plan", "MAX_ALTERNATIVES", "MAX_LAYER_RELEASES", "METRIC_L2", "METRIC_SCORE",
+__all__ = ["DEFAULT_MARGIN", "FAST_ACCUM_MIN_GAIN", "FP8Plan", "FastAccumCheck", "choose_fast_accum", "graph_error",
+           "MAX_ALTERNATIVES", "MAX_LAYER_RELEASES", "METRIC_L2", "METRIC_SCORE",
            "SAME_ROLES", "choose_fastest", "keep_label", "kept_roles", "linear_layers", "linear_roles", "plan_fp8_keep", "plan_graph",
            "role"]

@@ -29,6 +29,7 @@ from .report import build_report, write_atomic, write_report
 from .deploy import (BF16_OUTPUTS_NOTE, Artifacts, as_written_export_graphs, cast_export_graphs, cast_onnx_out_dtype,
                      claim_batch_from, export_graphs, exports_as_written, smallest_batch)
 from .search import TuneConfig, Tuner, best_trial, is_feasible
+from .search.loop import recorded_fp8
 from .search.results import confirmed_throughputs, first_line
 from .search.storage import StudyLock
 from .search.train import check_trainable
@@ -193,9 +194,15 @@ def batch_range_entry(tuner: Tuner, graph: torch.nn.Module, lo: int, note: str |
             "validated": sorted(validated), "note": note}
 
 
+#: ``onnx_note``'s sentence for an FP8 winner measured with ``torch._scaled_mm``'s fast accumulation.
+FAST_ACCUM_ONNX_NOTE = ("The search measured FP8 GEMMs with fast accumulation (torch._scaled_mm use_fast_accum); "
+                        "the ONNX Q/DQ graph has no such switch and TensorRT chooses its own accumulation, so an "
+                        "engine's numerics and speed may differ from the measured graph's (AOTInductor keeps it).")
+
+
 def export_best(tuner: Tuner, params: dict, out: Path,
                 fp8_keep: list[str] | None = None, warn: bool = True,
-                model_cast: bool = False) -> tuple[Artifacts, list[dict]]:
+                model_cast: bool = False, fp8_fast_accum: bool | None = None) -> tuple[Artifacts, list[dict]]:
     """Export the best configuration's graph (passes at its precision) to ONNX, and TensorRT if importable.
 
     When the best is a plain baseline that cast the model as a whole (``model_cast``: its ``model_cast`` user
@@ -233,6 +240,10 @@ def export_best(tuner: Tuner, params: dict, out: Path,
     Args:
         fp8_keep: the FP8 keep-list the best trial was measured with (its ``fp8_keep`` user attribute), so the
             export is that graph even when this process planned none (a resumed study); None: ask the tuner.
+        fp8_fast_accum: the fast accumulation the best trial was measured with (its ``fp8_fast_accum`` user
+            attribute; None: False with a recorded ``fp8_keep``, else ask the tuner). The PyTorch graph (and so an
+            AOTInductor export) keeps it; the FP8 ONNX file cannot (Q/DQ has no accumulation switch; TensorRT
+            chooses its own), and ``onnx_note`` says so when it was on.
         warn: log an ONNX export failure as a warning (False: at debug level, for a caller that reports it
             itself, as :func:`export_fallback` does).
 
@@ -251,7 +262,8 @@ def export_best(tuner: Tuner, params: dict, out: Path,
         artifacts.onnx_error = f"not exported: the model could not be captured ({tuner.captured.reason})"
         artifacts.tensorrt_skipped_reason = "no ONNX to build from"
         return artifacts, []
-    trial = tuner.trial_params(params, fp8_keep)
+    trial = (tuner.trial_params(params, fp8_keep) if fp8_fast_accum is None else
+             tuner.trial_params(params, fp8_keep, fp8_fast_accum))
     export_precision = trial.precision
     if model_cast:  # the model cast as a whole won: its graph, not tctune's graph at its precision
         if not tuner.cfg.export:
@@ -332,6 +344,8 @@ def export_best(tuner: Tuner, params: dict, out: Path,
             except ExportError as exc:
                 artifacts.onnx_fp32_error = str(exc)
         artifacts.update(deployment(artifacts.to_dict()))
+        if trial.fp8_fast_accum and artifacts.onnx:
+            artifacts.onnx_note = " ".join(filter(None, (artifacts.onnx_note, FAST_ACCUM_ONNX_NOTE)))
     write_onnx_runners(tuner, params, artifacts, g)
     ok, reason = tensorrt_available()
     trt_source = (artifacts.deploy or {}).get("tensorrt")
@@ -444,7 +458,7 @@ def write_best_config(path: Path, tuner: Tuner, trial_attrs, passes: list[dict],
     from .search.baselines import baseline_label
 
     params = dict(trial_attrs.params) if params is None else params
-    trial = tuner.trial_params(params, trial_attrs.user_attrs.get("fp8_keep"))
+    trial = tuner.trial_params(params, **recorded_fp8(trial_attrs))
     name = trial_attrs.user_attrs.get("baseline")
     recommended = {"kind": "baseline" if name else "tctune", "name": name, "trial": trial_attrs.number}
     if name:
@@ -484,7 +498,7 @@ def export_fallback(tuner: Tuner, study: optuna.Study, best, why: str, out: Path
         created = not folder.exists()
         folder.mkdir(parents=True, exist_ok=True)
         got = stages.run(f"export (fallback trial {t.number})", export_best, tuner, dict(t.params), folder,
-                         fp8_keep=t.user_attrs.get("fp8_keep"), warn=False,
+                         **recorded_fp8(t), warn=False,
                          model_cast=bool(t.user_attrs.get("model_cast")))
         if got is None or not exported(got[0]):
             errors.append(stages.errors[-1]["error"] if got is None else (got[0].onnx_error or "no ONNX file written"))
@@ -609,6 +623,8 @@ def _optimize(tuner: Tuner, mf, hw: HardwareSpec, cfg: TuneConfig, devices: list
             capture=tuner.captured.info(),
             extra={"plots": plots, "workers": worker_status, "interrupted": tuner.interrupted,
                    "fp8_plans": {policy: plan.to_dict() for policy, plan in tuner.fp8_plans.items()},
+                   "fp8_fast_accum": {policy: check.to_dict() for policy, check in
+                                      getattr(tuner.evaluator, "fast_accum_checks", {}).items()},
                    "post_errors": stages.errors, "unfinished_stage": unfinished, **accuracy_extra(tuner)},
         )
         write_report(report, out)
@@ -669,7 +685,7 @@ def _optimize(tuner: Tuner, mf, hw: HardwareSpec, cfg: TuneConfig, devices: list
             artifacts.best_config = str(out / "best_config.json")
         export_state = "in progress"
         provisional(study, "export")
-        got = stages.run("export", export_best, tuner, params, out, fp8_keep=bt.user_attrs.get("fp8_keep"),
+        got = stages.run("export", export_best, tuner, params, out, **recorded_fp8(bt),
                          warn=False,  # a failure is said once, by export_fallback
                          model_cast=bool(bt.user_attrs.get("model_cast")))  # model.half() won: its own graph
         best_config = artifacts.best_config

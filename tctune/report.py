@@ -66,6 +66,7 @@ def trial_record(t: optuna.trial.FrozenTrial) -> dict:
     # an FP8 graph trial's exact keep-list (what best_config.json rebuilds); its description writes it compactly
     # (tctune.fp8_plan.keep_label); None for other trials
     row["fp8_keep"] = t.user_attrs.get("fp8_keep")
+    row["fp8_fast_accum"] = t.user_attrs.get("fp8_fast_accum")  # the same trials: torch._scaled_mm's use_fast_accum
     if t.state == optuna.trial.TrialState.FAIL and row["fail_reason"] is None:
         row["fail_reason"] = "trial failed or was interrupted (see the log)"
     return row
@@ -616,6 +617,10 @@ def render_markdown(r: dict) -> str:
         lines += ["", "## FP8 keep-list (which linears stay bf16 at precision fp8)", ""]
         for policy, plan in sorted(r["fp8_plans"].items()):
             lines.append(f"- {policy} policy: {plan['summary']}")
+    if r.get("fp8_fast_accum"):
+        lines += ["", "## FP8 fast accumulation (torch._scaled_mm use_fast_accum)", ""]
+        for policy, check in sorted(r["fp8_fast_accum"].items()):
+            lines.append(f"- {policy} policy: {check['summary']}")
     lines += ["", "## Graph passes (at the best precision)", ""]
     if r["passes"] and b and not b["params"].get("graph_passes"):
         lines += ["The best configuration runs the model as written; these are the passes its exported graph carries.", ""]

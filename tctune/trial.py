@@ -55,6 +55,9 @@ class TrialParams:
             (``INPUT_SEED + batch_size``) and on the run's real batches (``--calibration`` or the model file's
             ``calibration_inputs()``, :mod:`tctune.calibration`) in FP32. True by default: the seeded reference
             inputs exist without real data; it has no effect elsewhere and the repr shows it only where it applies.
+        fp8_fast_accum: at precision fp8, tctune's FP8 GEMMs use ``torch._scaled_mm``'s fast accumulation
+            (``passes.base.PassSpec.fp8_fast_accum``); always False below fp8. Resolved per trial like
+            ``fp8_keep`` (``TuneConfig.fp8_fast_accum``), not one of :attr:`SEARCHED`.
     """
 
     batch_size: int
@@ -65,6 +68,7 @@ class TrialParams:
     memory_format: str = "contiguous"
     fp8_keep: tuple[str, ...] = ()
     calibration: bool = True
+    fp8_fast_accum: bool = False
 
     #: The keys Optuna searches (a trial's ``params``); the others are resolved per trial.
     SEARCHED = ("batch_size", "precision", "graph_passes", "runtime", "policy", "memory_format")
@@ -78,12 +82,17 @@ class TrialParams:
             raise UsageError(f"memory_format must be one of {', '.join(MEMORY_FORMATS)}, got {self.memory_format!r}",
                              field="memory_format")
         object.__setattr__(self, "fp8_keep", tuple(self.fp8_keep or ()) if self.precision == "fp8" else ())
+        if not isinstance(self.fp8_fast_accum, bool):
+            raise UsageError(f"fp8_fast_accum must be true or false, got {self.fp8_fast_accum!r}",
+                             field="fp8_fast_accum")
+        object.__setattr__(self, "fp8_fast_accum", self.fp8_fast_accum and self.precision == "fp8")
 
     @classmethod
-    def from_params(cls, params: dict, fp8_keep: Iterable[str] | None = None, calibration: bool = True) -> "TrialParams":
+    def from_params(cls, params: dict, fp8_keep: Iterable[str] | None = None, calibration: bool = True,
+                    fp8_fast_accum: bool = False) -> "TrialParams":
         """From a trial's ``params`` (only the searched keys; absent ones take their defaults)."""
         known = {k: params[k] for k in cls.SEARCHED if k in params}
-        return cls(**known, fp8_keep=tuple(fp8_keep or ()), calibration=calibration)
+        return cls(**known, fp8_keep=tuple(fp8_keep or ()), calibration=calibration, fp8_fast_accum=fp8_fast_accum)
 
     def to_dict(self) -> dict:
         """Every field, JSON-ready (``fp8_keep`` as a list)."""
@@ -99,25 +108,32 @@ class TrialParams:
 
     def to_config(self, searched: dict) -> dict:
         """The ``best_config.json`` keys for this trial: ``params`` (the searched ``searched`` dict as Optuna
-        stored it), ``fp8_keep`` (precision fp8 only) and ``calibration``."""
+        stored it), ``fp8_keep`` and ``fp8_fast_accum`` (precision fp8 only) and ``calibration``."""
         out: dict[str, Any] = {"params": dict(searched), "calibration": self.calibration}
         if self.precision == "fp8":
             out["fp8_keep"] = list(self.fp8_keep)
+            out["fp8_fast_accum"] = self.fp8_fast_accum
         return out
 
     @classmethod
     def from_config(cls, cfg: dict) -> "TrialParams":
-        """From a ``best_config.json`` (:meth:`to_config`; a file without ``calibration`` was calibrated)."""
-        return cls.from_params(cfg["params"], cfg.get("fp8_keep"), bool(cfg.get("calibration", True)))
+        """From a ``best_config.json`` (:meth:`to_config`; a file without ``calibration`` was calibrated, one
+        without ``fp8_fast_accum`` measured full-precision accumulation).
+
+        Raises:
+            UsageError: ``fp8_fast_accum`` is not a bool."""
+        return cls.from_params(cfg["params"], cfg.get("fp8_keep"), bool(cfg.get("calibration", True)),
+                               cfg.get("fp8_fast_accum", False))
 
     def but(self, **changes) -> "TrialParams":
         return replace(self, **changes)
 
     def __repr__(self) -> str:
-        """Every field that applies to this trial: ``fp8_keep`` only at fp8, ``calibration`` only for tctune's
-        graph at fp16 (the one build it changes), so a repr never suggests a calibration that did not run."""
+        """Every field that applies to this trial: ``fp8_keep`` and ``fp8_fast_accum`` only at fp8, ``calibration``
+        only for tctune's graph at fp16 (the one build it changes), so a repr never suggests a calibration that did
+        not run."""
         shown = [f for f in fields(self)
-                 if (f.name != "fp8_keep" or self.precision == "fp8")
+                 if (f.name not in ("fp8_keep", "fp8_fast_accum") or self.precision == "fp8")
                  and (f.name != "calibration" or (self.precision == "fp16" and self.graph_passes))]
         return f"TrialParams({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
 
@@ -139,8 +155,9 @@ def reference_inputs(mf, batch_size: int, device) -> tuple:
 def apply_passes(gm: torch.fx.GraphModule, hw, precision: str, names: Sequence[str] = PIPELINE,
                  calibration: Sequence[tuple] | None = None, policy: str = "autocast",
                  fp8_keep: Iterable[str] = (), training: bool = False,
-                 output_dtype: str = "fp32") -> tuple[torch.fx.GraphModule, list]:
+                 output_dtype: str = "fp32", fp8_fast_accum: bool = False) -> tuple[torch.fx.GraphModule, list]:
     """``passes.build_graph`` for a hardware target (``hw``: a ``tctune.hardware.HardwareSpec``); ``gm`` untouched.
+    ``fp8_fast_accum``: at precision fp8, ``torch._scaled_mm``'s fast accumulation (``PassSpec.fp8_fast_accum``).
     ``output_dtype`` (:data:`OUTPUT_DTYPES`): ``"fp32"`` casts the graph's outputs back to the FP32 model's
     dtypes; ``"compute"`` leaves floating outputs in their computed dtype (``PassSpec.restore_output_dtypes``).
 
@@ -152,7 +169,7 @@ def apply_passes(gm: torch.fx.GraphModule, hw, precision: str, names: Sequence[s
         raise UsageError(f"output_dtype must be one of {', '.join(OUTPUT_DTYPES)}, got {output_dtype!r}",
                          field="output_dtype")
     spec = pass_spec(hw, precision, training=training, policy=policy, fp8_keep=fp8_keep,
-                     restore_output_dtypes=output_dtype == "fp32")
+                     restore_output_dtypes=output_dtype == "fp32", fp8_fast_accum=fp8_fast_accum)
     try:
         return build_graph(gm, spec, names, calibration)
     except PassFailure as exc:
@@ -161,8 +178,8 @@ def apply_passes(gm: torch.fx.GraphModule, hw, precision: str, names: Sequence[s
 
 def build_trial_graph(gm: torch.fx.GraphModule, hw, trial: TrialParams, calibration: Sequence[tuple] | None,
                       names: Sequence[str] = PIPELINE, output_dtype: str = "fp32") -> tuple[torch.fx.GraphModule, list]:
-    """The graph trial ``trial`` measures (its precision, policy, FP8 keep-list; at fp16 the overflow
-    calibration on ``calibration`` when ``trial.calibration``). ``names``: the passes (the engines drop
+    """The graph trial ``trial`` measures (its precision, policy, FP8 keep-list and fast accumulation; at fp16 the
+    overflow calibration on ``calibration`` when ``trial.calibration``). ``names``: the passes (the engines drop
     ``fuse_epilogue``, which has no ONNX translation and fires on CUDA graphs only). ``output_dtype``: the
     output contract (:data:`OUTPUT_DTYPES`; the search passes ``TuneConfig.output_dtype``; the engines keep
     ``"fp32"``, the dtypes their runners hand to numpy, which has no bfloat16).
@@ -172,7 +189,7 @@ def build_trial_graph(gm: torch.fx.GraphModule, hw, trial: TrialParams, calibrat
         UsageError: an unknown ``output_dtype``.
     """
     return apply_passes(gm, hw, trial.precision, names, calibration if trial.calibration else None,
-                        trial.policy, trial.fp8_keep, output_dtype=output_dtype)
+                        trial.policy, trial.fp8_keep, output_dtype=output_dtype, fp8_fast_accum=trial.fp8_fast_accum)
 
 
 __all__ = ["FailureKind", "INPUT_SEED", "MEMORY_FORMATS", "OUTPUT_DTYPES", "TrialParams", "apply_passes", "build_trial_graph",

@@ -311,7 +311,9 @@ def from_search(optimized, keep_low_precision_outputs: bool | None = None) -> Tu
         raise UsageError(f"no configuration qualified, so there is no tuned module: {why}\n  fix: see the report in "
                          f"{tuner.cfg.out_dir}; raise max_error or widen the search")
     params = dict(bt.params)
-    trial = tuner.trial_params(params, bt.user_attrs.get("fp8_keep"))
+    from .search.loop import recorded_fp8
+
+    trial = tuner.trial_params(params, **recorded_fp8(bt))
     inputs, ref = tuner.reference(trial.batch_size)
     output_dtype = getattr(tuner.cfg, "output_dtype", "fp32")
     if keep_low_precision_outputs is None:

@@ -520,10 +520,10 @@ def _no_planning(policy, batch):
     raise AssertionError("export must rebuild the keep-list the best trial recorded, not plan a new one")
 
 
-def test_optimize_export_best_fp8_writes_qdq_onnx(tmp_path):
+def _export_tuner(tmp_path):
+    """A stand-in for the Tuner ``export_best`` asks (real keep-list / fast-accumulation resolvers), and params."""
     from tctune.hardware import resolve
     from tctune.modelfile import load_model_file
-    from tctune.optimize import export_best
 
     model_file = tmp_path / "net.py"
     model_file.write_text(MODEL_FILE)
@@ -546,8 +546,16 @@ def test_optimize_export_best_fp8_writes_qdq_onnx(tmp_path):
                                       calibration_inputs=lambda batch: [reference(batch)[0]])
     from tctune.search import InferenceEvaluator
     tuner.keep_for = lambda p, recorded=None: InferenceEvaluator.keep_for(tuner, p, recorded)  # the real resolver
-    tuner.trial_params = lambda p, recorded=None: InferenceEvaluator.trial_params(tuner, p, recorded)  # on this fake
+    tuner.trial_params = lambda p, recorded=None, fast=None: InferenceEvaluator.trial_params(tuner, p, recorded, fast)
+    tuner.fast_accum_for = lambda p, keep=None, fast=None: InferenceEvaluator.fast_accum_for(tuner, p, keep, fast)
     params = {"precision": "fp8", "batch_size": 4, "policy": "autocast", "graph_passes": True}
+    return tuner, params
+
+
+def test_optimize_export_best_fp8_writes_qdq_onnx(tmp_path):
+    from tctune.optimize import export_best
+
+    tuner, params = _export_tuner(tmp_path)
     artifacts, passes = export_best(tuner, params, tmp_path, fp8_keep=[])  # the best trial's recorded keep-list
     artifacts = artifacts.to_dict()  # as report.json holds it
     assert artifacts["onnx"] == str(tmp_path / "model.onnx")
@@ -569,3 +577,18 @@ def test_optimize_export_best_fp8_writes_qdq_onnx(tmp_path):
     assert any(p["name"] == "cast_fp8_linears" and p["changed"] == 3 for p in passes)
     if scaled_mm_works("cpu", "row"):
         assert artifacts["onnx_error"] is None and artifacts["onnx_max_rel_l2_error"] <= FP8_TOL
+
+
+def test_export_of_a_fast_accum_winner_keeps_it_in_the_graph_and_says_onnx_cannot(tmp_path):
+    """The best trial's recorded fast accumulation rebuilds its PyTorch graph (AOTInductor's source) with it; the
+    Q/DQ ONNX file has no such switch, and its note says so."""
+    from tctune.optimize import FAST_ACCUM_ONNX_NOTE, export_best
+
+    tuner, params = _export_tuner(tmp_path)
+    artifacts, passes = export_best(tuner, params, tmp_path, fp8_keep=[], fp8_fast_accum=True)
+    fp8 = next(p for p in passes if p["name"] == "cast_fp8_linears")
+    assert fp8["changed"] == 3 and fp8["notes"]["fast_accum"] is True
+    artifacts = artifacts.to_dict()
+    assert artifacts["onnx"] and FAST_ACCUM_ONNX_NOTE in artifacts["onnx_note"]
+    assert "static per-tensor" in artifacts["onnx_note"]
+    assert tuner.trial_params(params, []).fp8_fast_accum is False  # a keep-list recorded alone: measured without it

@@ -97,6 +97,13 @@ def register(sub) -> str:
                         "then timing up to three keep-lists whose error is under 0.9 x --max-error-fp8 and keeping "
                         "the fastest; none: every eligible linear in FP8; or comma-separated fnmatch patterns on "
                         "module paths, e.g. '*.output.dense,lm_head'")
+    o.add_argument("--fp8-fast-accum", default="auto", choices=("auto", "on", "off"),
+                   help="torch._scaled_mm's fast accumulation for the FP8 GEMMs (Hopper: faster, less precise "
+                        "accumulation). auto (default): on Ada/Hopper, once the FP8 keep-list is chosen, its graph "
+                        "is checked with fast accumulation against 0.9 x --max-error-fp8 (or the score limit) and "
+                        "timed, and kept when at least 1%% faster; on: always; off: never. The FP8 ONNX/TensorRT "
+                        "export has no such switch (TensorRT chooses its own accumulation); the PyTorch graph and "
+                        "AOTInductor keep it")
     o.add_argument("--target", metavar="NAME", help="plan for this GPU (sm_XX, h100, a100, ...): its alignment; measuring stays on this machine")
     o.add_argument("--storage", metavar="URL", help="Optuna storage URL to share a study (default: sqlite file OUT/study.db)")
     o.add_argument("--devices", metavar="LIST",
@@ -145,7 +152,8 @@ def config_from_args(args) -> "TuneConfig":
                       max_latency_ms=args.max_latency_ms, max_memory_mib=args.max_memory_mib,
                       fp8_keep=parse_fp8_keep(args.fp8_keep), min_score_ratio=args.min_score_ratio,
                       min_score=args.min_score, max_mismatch_rate=args.max_mismatch_rate,
-                      calibration=args.calibration, output_dtype=args.output_dtype)
+                      calibration=args.calibration, output_dtype=args.output_dtype,
+                      fp8_fast_accum=args.fp8_fast_accum)
 
 
 def run(args) -> int:

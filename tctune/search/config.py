@@ -9,6 +9,9 @@ from ..errors import UsageError
 
 #: Study directions per objective: throughput (items/s), p99 latency (ms), peak memory (MiB).
 OBJECTIVES = {"throughput": ("maximize",), "latency": ("minimize",), "pareto": ("maximize", "minimize", "minimize")}
+#: ``TuneConfig.fp8_fast_accum`` values: ``auto`` (tried where it can help, kept when faster within the limit),
+#: ``on`` (every FP8 candidate), ``off`` (none).
+FP8_FAST_ACCUM_MODES = ("auto", "on", "off")
 
 @dataclass(frozen=True)
 class TuneConfig:
@@ -61,6 +64,11 @@ class TuneConfig:
             against the FP32 reference is computed in float64 after the timed calls. The tuned module
             (``tctune.optimize``) returns outputs under the same contract; exported engines keep FP32 outputs.
             Training steps (``mode="train"``) return no outputs to the caller and ignore it.
+        fp8_fast_accum: ``torch._scaled_mm``'s fast accumulation for tctune's FP8 candidates
+            (:data:`FP8_FAST_ACCUM_MODES`). ``"auto"`` (default): on Ada / Hopper, once the FP8 keep-list is chosen,
+            the same FP8 graph with fast accumulation is checked against the FP8 accuracy limit (the plan's aim,
+            0.9 × ``max_error_fp8`` or of the allowed score shortfall) and timed, and kept when faster
+            (:func:`tctune.fp8_plan.choose_fast_accum`); ``"on"``: always; ``"off"``: never.
     """
 
     out_dir: str
@@ -90,6 +98,7 @@ class TuneConfig:
     max_mismatch_rate: float = 0.0
     calibration: str | None = None
     output_dtype: str = "compute"
+    fp8_fast_accum: str = "auto"
 
     def __post_init__(self) -> None:
         """Raises UsageError naming the bad field (``err.field``, e.g. ``"trials"``) and what it must be."""
@@ -140,6 +149,9 @@ class TuneConfig:
         if self.output_dtype not in OUTPUT_DTYPES:
             raise bad("output_dtype", f"must be one of {', '.join(OUTPUT_DTYPES)} (compute: outputs in the candidate's "
                                       f"compute precision; fp32: the FP32 model's dtypes), got {self.output_dtype!r}")
+        if self.fp8_fast_accum not in FP8_FAST_ACCUM_MODES:
+            raise bad("fp8_fast_accum", f"must be one of {', '.join(FP8_FAST_ACCUM_MODES)} (auto: tried and kept "
+                                        f"when faster within the FP8 limit), got {self.fp8_fast_accum!r}")
         if self.calibration is not None and (not isinstance(self.calibration, str) or not self.calibration.strip()):
             raise bad("calibration", f"must be the path of a folder of input batches, got {self.calibration!r}")
 

@@ -19,7 +19,8 @@ import torch
 from ..calibration import load_calibration
 from ..capture import Captured
 from ..errors import CandidateRejected, PassError
-from ..fp8_plan import METRIC_SCORE, FP8Plan, choose_fastest, keep_label, plan_graph
+from ..fp8_plan import (DEFAULT_MARGIN, METRIC_L2, METRIC_SCORE, FastAccumCheck, FP8Plan, choose_fast_accum,
+                        choose_fastest, graph_error, keep_label, plan_graph)
 from ..measure import (ErrorStats, PooledComparison, check_accuracy, compare, is_oom, precision_mode, release_memory,
                        time_call)
 from ..runtime import Autocast, ChannelsLast, detach_outputs, wrap
@@ -55,6 +56,7 @@ class Candidate:
     passes: list = field(default_factory=list)  # PassResult objects
     description: str = ""  # for people: an FP8 keep-list as tctune.fp8_plan.keep_label writes it
     fp8_keep: tuple[str, ...] | None = None  # precision fp8, tctune's graph: the keep-list it was built with
+    fp8_fast_accum: bool | None = None  # precision fp8, tctune's graph: _scaled_mm's use_fast_accum
 
 
 class InferenceEvaluator:
@@ -66,6 +68,8 @@ class InferenceEvaluator:
         model: the FP32 eval-mode model on ``device`` (the reference, and the model-as-written candidates).
         captured: the capture of ``model`` (``tctune.capture.try_capture``).
         fastest_runtime: the runtime FP8 keep-lists are timed through (None: eager).
+        fp8_fast_accum: the fast-accumulation values FP8 candidates may take (``SearchSpace.fp8_fast_accum``):
+            one value is used as is; ``(False, True)`` is decided once per study (:meth:`fp8_fast_accum`).
 
     Accuracy (see :mod:`tctune.search.accuracy`): each candidate is compared with the FP32 model on the seeded
     random inputs of every searched batch size, run at its own batch size (:class:`~tctune.search.accuracy.CheckSet`;
@@ -81,9 +85,11 @@ class InferenceEvaluator:
     """
 
     def __init__(self, cfg: TuneConfig, mf, hw, device: torch.device, model: torch.nn.Module, captured: Captured,
-                 fastest_runtime: str | None = None):
+                 fastest_runtime: str | None = None, fp8_fast_accum: Sequence[bool] = (False,)):
         self.cfg, self.mf, self.hw, self.device, self.model, self.captured = cfg, mf, hw, device, model, captured
         self.fastest_compiled_runtime = fastest_runtime
+        self.fp8_fast_accum_choices = tuple(fp8_fast_accum)
+        self.fast_accum_checks: dict[str, FastAccumCheck] = {}  # policy -> fast-accumulation decision (auto)
         self._refs: dict[int, tuple[tuple, Any]] = {}
         self.compile_over_budget: str | None = None
         self.fp8_plans: dict[str, FP8Plan] = {}  # policy -> planned FP8 keep-list (when --fp8-keep is auto)
@@ -118,27 +124,35 @@ class InferenceEvaluator:
             self._refs[batch_size] = (inputs, ref)
         return self._refs[batch_size]
 
-    def build(self, params: dict, fp8_keep: Sequence[str] | None = None) -> Candidate:
+    def build(self, params: dict, fp8_keep: Sequence[str] | None = None,
+              fp8_fast_accum: bool | None = None) -> Candidate:
         """The candidate for trial ``params`` before its runtime wrapper (``batch_size``, ``precision``,
         ``graph_passes``, ``policy``, ``memory_format``; ``runtime`` is applied by :meth:`evaluate`).
-        ``fp8_keep``: see :meth:`keep_for` (a trial's recorded ``fp8_keep``, rebuilt)."""
-        cand = self._build(params, fp8_keep)
+        ``fp8_keep`` / ``fp8_fast_accum``: see :meth:`keep_for` / :meth:`fast_accum_for` (a trial's recorded
+        values, rebuilt)."""
+        cand = self._build(params, fp8_keep, fp8_fast_accum)
         if params.get("memory_format") == "channels_last":
             module = cand.module if params["graph_passes"] else copy.deepcopy(cand.module)  # never the reference
             cand.module = ChannelsLast(module.to(memory_format=torch.channels_last))
             cand.description += ", channels-last"
         return cand
 
-    def trial_params(self, params: dict, fp8_keep: Sequence[str] | None = None) -> TrialParams:
-        """The typed parameters of trial ``params`` with its FP8 keep-list resolved (:meth:`keep_for`)."""
-        keep = self.keep_for(params, fp8_keep) if params.get("graph_passes") else ()
-        return TrialParams.from_params(params, keep)
+    def trial_params(self, params: dict, fp8_keep: Sequence[str] | None = None,
+                     fp8_fast_accum: bool | None = None) -> TrialParams:
+        """The typed parameters of trial ``params`` with its FP8 keep-list and fast accumulation resolved
+        (:meth:`keep_for`, :meth:`fast_accum_for`)."""
+        if not params.get("graph_passes"):
+            return TrialParams.from_params(params, ())
+        keep = self.keep_for(params, fp8_keep)  # first: the fast-accumulation check times the chosen keep-list
+        fast = self.fast_accum_for(params, fp8_keep, fp8_fast_accum)
+        return TrialParams.from_params(params, keep, fp8_fast_accum=fast)
 
-    def _build(self, params: dict, fp8_keep: Sequence[str] | None = None) -> Candidate:
+    def _build(self, params: dict, fp8_keep: Sequence[str] | None = None,
+               fp8_fast_accum: bool | None = None) -> Candidate:
         precision = params["precision"]
         runtime = params.get("runtime", "eager")
         if params["graph_passes"]:
-            trial = self.trial_params(params, fp8_keep)
+            trial = self.trial_params(params, fp8_keep, fp8_fast_accum)
             g, results = build_trial_graph(self.captured.graph_module, self.hw, trial,
                                            self.calibration_inputs(trial.batch_size),
                                            output_dtype=self.cfg.output_dtype)
@@ -146,8 +160,11 @@ class InferenceEvaluator:
             label = f"{precision} ({policy})" if precision in ("fp16", "bf16") else precision
             if precision == "fp8":
                 label += f" (bf16: {keep_label(keep)})" if keep else " (every eligible linear)"
+                if trial.fp8_fast_accum:
+                    label += ", fast accumulation"
             return Candidate(g.to(self.device), precision, results, f"tctune graph {label}, {runtime}",
-                             fp8_keep=keep if precision == "fp8" else None)
+                             fp8_keep=keep if precision == "fp8" else None,
+                             fp8_fast_accum=trial.fp8_fast_accum if precision == "fp8" else None)
         if precision in ("fp16", "bf16"):
             dtype = torch.float16 if precision == "fp16" else torch.bfloat16
             # Outputs follow the run's contract (TuneConfig.output_dtype): "compute" returns them as the plain
@@ -195,6 +212,89 @@ class InferenceEvaluator:
             raise CandidateRejected(plan.reason, FailureKind.ACCURACY)
         return plan.keep
 
+    def fast_accum_for(self, params: dict, recorded_keep: Sequence[str] | None = None,
+                       recorded: bool | None = None) -> bool:
+        """Whether the FP8 graph of trial ``params`` uses ``torch._scaled_mm``'s fast accumulation: False below
+        precision fp8; ``recorded`` (a finished trial's ``fp8_fast_accum`` user attribute) when given; False when
+        only a keep-list was recorded (a trial measured before fast accumulation was a choice); else
+        :meth:`fp8_fast_accum`."""
+        if params["precision"] != "fp8":
+            return False
+        if recorded is not None:
+            return bool(recorded)
+        if recorded_keep is not None:
+            return False
+        return self.fp8_fast_accum(params.get("policy", "autocast"), params["batch_size"])
+
+    def fp8_fast_accum(self, policy: str, batch_size: int) -> bool:
+        """Fast accumulation for graph candidates with ``policy``: the single value of
+        ``SearchSpace.fp8_fast_accum`` (``--fp8-fast-accum on`` / ``off``, or a GPU where ``auto`` does not try
+        it), else decided once per study (a later policy reuses it, :meth:`FastAccumCheck.reused`) by
+        :func:`tctune.fp8_plan.choose_fast_accum` on the keep-list of :meth:`fp8_keep`, at ``batch_size``'s
+        reference inputs, held to the FP8 plan's aim (0.9 × ``--max-error-fp8``, or of the allowed score
+        shortfall) and timed through the search's fastest runtime.
+
+        Raises:
+            CandidateRejected: the FP8 plan found no usable keep-list (its reason).
+        """
+        choices = self.fp8_fast_accum_choices
+        if len(choices) == 1:
+            return bool(choices[0])
+        if policy not in self.fast_accum_checks:
+            first = next((c for c in self.fast_accum_checks.values() if c.reused_from is None), None)
+            if first is not None:
+                self.fast_accum_checks[policy] = first.reused(policy)
+            else:
+                keep = self.fp8_keep(policy, batch_size)
+                check = self._check_fast_accum(policy, batch_size, keep)
+                check.policy = policy
+                self.fast_accum_checks[policy] = check
+            log.info("FP8 (%s policy): %s", policy, self.fast_accum_checks[policy].summary())
+        return self.fast_accum_checks[policy].kept
+
+    def _check_fast_accum(self, policy: str, batch_size: int, keep: tuple[str, ...]) -> FastAccumCheck:
+        """:func:`tctune.fp8_plan.choose_fast_accum` for the FP8 graph of ``policy`` with ``keep``: the planned
+        aim, error and timing when this policy's plan chose ``keep``, else (``--fp8-keep`` given) the aim from
+        the limit and both errors measured here."""
+        inputs, ref = self.reference(batch_size)
+        plan = self.fp8_plans.get(policy)
+        planned = plan is not None and plan.usable and tuple(plan.keep) == tuple(keep)
+        gate = self.score_gate
+        if planned:
+            target, metric, error_full = plan.target, plan.metric, plan.error
+            speed_full = next((v for a, v in zip(plan.alternatives, plan.speeds)
+                               if sorted(a["keep"]) == sorted(keep)), None)
+        else:
+            if gate is not None:
+                gate.reference(self.model)
+            limit = self.cfg.max_error_fp8 if gate is None else gate.allowed_shortfall
+            target, metric = DEFAULT_MARGIN * limit, METRIC_L2 if gate is None else METRIC_SCORE
+            error_full = speed_full = None
+
+        def error_of(fast: bool) -> float:
+            g, _ = apply_passes(self.captured.graph_module, self.hw, "fp8", policy=policy, fp8_keep=keep,
+                                output_dtype=self.cfg.output_dtype, fp8_fast_accum=fast)
+            g = g.to(self.device)
+            score_of = None
+            if gate is not None:
+                key = (graph_key(TrialParams(batch_size=1, precision="fp8", graph_passes=True, policy=policy,
+                                             fp8_keep=keep, fp8_fast_accum=fast)), False)  # evaluate()'s key
+                score_of = lambda graph: gate.shortfall(gate.score(key, graph, "fp8")[0])  # noqa: E731
+            try:
+                return graph_error(g, inputs, ref, score_of)
+            finally:
+                g = None
+                release_memory(self.device)
+
+        if error_full is None:
+            try:
+                error_full = error_of(False)
+            except Exception as exc:  # noqa: BLE001 - for the record only; the fast graph's own run decides
+                log.info("FP8 graph without fast accumulation could not be checked: %s", first_line(exc))
+        return choose_fast_accum(keep, target, lambda: error_of(True),
+                                 lambda fast: self._fp8_throughput(policy, keep, inputs, fast_accum=fast),
+                                 error_full=error_full, speed_full=speed_full, metric=metric)
+
     def _plan_fp8(self, policy: str, batch_size: int) -> FP8Plan:
         inputs, ref = self.reference(batch_size)
         limit, score_of = self.cfg.max_error_fp8, None
@@ -223,14 +323,16 @@ class InferenceEvaluator:
             raise rejection(exc, self.device, batch_size, "FP8 keep-list planning") from exc
         return choose_fastest(plan, lambda keep: self._fp8_throughput(policy, keep, inputs))
 
-    def _fp8_throughput(self, policy: str, keep: tuple[str, ...], inputs: tuple) -> float | None:
-        """Throughput (items/s) of the FP8 graph with ``keep`` through the fastest runtime searched
-        (``SearchSpace.fastest_compiled_runtime``; eager when none is compiled), or None when it fails (logged)."""
+    def _fp8_throughput(self, policy: str, keep: tuple[str, ...], inputs: tuple,
+                        fast_accum: bool = False) -> float | None:
+        """Throughput (items/s) of the FP8 graph with ``keep`` (and ``fast_accum``) through the fastest runtime
+        searched (``SearchSpace.fastest_compiled_runtime``; eager when none is compiled), or None when it fails
+        (logged)."""
         runtime = self.fastest_compiled_runtime or "eager"
         fn = None
         try:
             g, _ = apply_passes(self.captured.graph_module, self.hw, "fp8", policy=policy, fp8_keep=keep,
-                                output_dtype=self.cfg.output_dtype)
+                                output_dtype=self.cfg.output_dtype, fp8_fast_accum=fast_accum)
             with precision_mode("fp8"):
                 fn, _ = wrap(g.to(self.device), runtime, inputs)
                 timing = time_call(lambda: fn(*inputs), len(inputs[0]), self.device)
@@ -242,7 +344,8 @@ class InferenceEvaluator:
             fn = g = None
             release_memory(self.device)
 
-    def runnable(self, params: dict, fp8_keep: Sequence[str] | None = None) -> tuple[Callable[[], Any], int, str]:
+    def runnable(self, params: dict, fp8_keep: Sequence[str] | None = None,
+                 fp8_fast_accum: bool | None = None) -> tuple[Callable[[], Any], int, str]:
         """Trial ``params`` built and wrapped for its runtime, ready to time: ``(call, batch_size, precision)``
         where ``call()`` runs one batch on the reference inputs, to be called under
         ``tctune.measure.precision_mode(precision)`` (the side-by-side comparison). ``params`` may hold
@@ -255,7 +358,7 @@ class InferenceEvaluator:
         runtime = params.get("runtime", "eager")
         inputs, _ = self.reference(bs)
         try:
-            cand = self.build(params, fp8_keep)
+            cand = self.build(params, fp8_keep, fp8_fast_accum)
             with precision_mode(cand.precision):
                 fn, _ = wrap(cand.module, runtime, inputs)
             return (lambda: fn(*inputs)), bs, cand.precision
@@ -264,8 +367,10 @@ class InferenceEvaluator:
         except Exception as exc:
             raise rejection(exc, self.device, bs, f"{runtime} rebuild") from exc
 
-    def evaluate(self, params: dict, on_repeat=None, fp8_keep: Sequence[str] | None = None) -> dict:
-        """Build, check and time one candidate; returns the trial's metrics (``fp8_keep``: see :meth:`build`).
+    def evaluate(self, params: dict, on_repeat=None, fp8_keep: Sequence[str] | None = None,
+                 fp8_fast_accum: bool | None = None) -> dict:
+        """Build, check and time one candidate; returns the trial's metrics (``fp8_keep``, ``fp8_fast_accum``: see
+        :meth:`build`; an FP8 graph trial records both).
 
         Raises:
             CandidateRejected: out of memory, NaN/inf outputs, or a broken rewrite.
@@ -277,7 +382,7 @@ class InferenceEvaluator:
             self.score_gate.reference(self.model)  # the FP32 score first: a broken score() stops the run here
         release_memory(self.device)  # what earlier candidates left (CUDA graph pools, compiled code)
         held = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-        cand = self.build(params, fp8_keep)
+        cand = self.build(params, fp8_keep, fp8_fast_accum)
         # Peak memory is reported per candidate: the peak during its run, minus what tctune itself holds
         # (references for other batch sizes, the FP32 model), plus the inputs and, for the model as written,
         # its weights, which the candidate uses but which were allocated before it.
@@ -296,7 +401,8 @@ class InferenceEvaluator:
                 with torch.inference_mode():
                     out = detach_outputs(fn(*inputs))
             # the model cast as a whole and autocast share their TrialParams (precision, no passes): not their graph
-            key = (graph_key(self.trial_params(params, cand.fp8_keep)), bool(params.get("model_cast")))
+            key = (graph_key(self.trial_params(params, cand.fp8_keep, cand.fp8_fast_accum)),
+                   bool(params.get("model_cast")))
             # a CUDA graph replays the kernels of the runtime it wraps: the same numerics, checked once
             numerics = "eager" if runtime == "cudagraphs" else runtime.removesuffix("-cudagraphs")
             checked, check_rows, check_bs = self._check_rows((key, numerics), fn, cand.precision, bs, out, ref)
@@ -326,7 +432,8 @@ class InferenceEvaluator:
         peak = None
         if timing.peak_memory_mib is not None:
             peak = timing.peak_memory_mib - (held - own) / 2**20
-        extra = {} if cand.fp8_keep is None else {"fp8_keep": list(cand.fp8_keep)}  # export rebuilds this graph
+        extra = ({} if cand.fp8_keep is None else  # export rebuilds this graph
+                 {"fp8_keep": list(cand.fp8_keep), "fp8_fast_accum": bool(cand.fp8_fast_accum)})
         extra.update(check_rows=check_rows, check_batch_size=check_bs)
         extra.update(scored)
         if self.calibration:

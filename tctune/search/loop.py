@@ -42,7 +42,7 @@ from .baselines import (SIDE_BY_SIDE_BLOCK_S, SIDE_BY_SIDE_ROUNDS, Baseline, Clo
 from .evaluate import Evaluator, InferenceEvaluator
 from .results import (best_trial, confirmed_throughputs, constraint_checks, counts_as_measured, fail, failure_kind, first_line,
                       is_feasible, objective_values)
-from .space import SearchSpace
+from .space import SearchSpace, fp8_fast_accum_choices
 from .storage import fail_interrupted, measured, open_study, retry_interrupted
 from .train import TrainingEvaluator
 
@@ -87,6 +87,16 @@ def check_fp32_runs(model: torch.nn.Module, mf: ModelFile, batch_size: int, devi
         ) from exc
 
 
+def recorded_fp8(t) -> dict:
+    """The FP8 build choices finished trial ``t`` recorded, as keyword arguments of ``evaluate`` / ``runnable`` /
+    ``trial_params``: ``fp8_keep`` (its user attribute, None when absent) and ``fp8_fast_accum`` when recorded
+    (a trial recorded before fast accumulation was a choice ran without it)."""
+    out = {"fp8_keep": t.user_attrs.get("fp8_keep")}
+    if t.user_attrs.get("fp8_fast_accum") is not None:
+        out["fp8_fast_accum"] = bool(t.user_attrs["fp8_fast_accum"])
+    return out
+
+
 class Tuner:
     """Runs the study for one model file on one hardware spec.
 
@@ -126,9 +136,11 @@ class Tuner:
                     steps = -(-cfg.effective_batch // bs)
                     log.warning("--effective-batch %d is not a multiple of batch size %d: its optimizer steps take "
                                 "%d micro-batch(es), %d samples", cfg.effective_batch, bs, steps, steps * bs)
-        if "fp8" not in precisions and (cfg.fp8_keep is not None or cfg.max_error_fp8 != TuneConfig.max_error_fp8):
+        if "fp8" not in precisions and (cfg.fp8_keep is not None or cfg.max_error_fp8 != TuneConfig.max_error_fp8
+                                        or cfg.fp8_fast_accum != TuneConfig.fp8_fast_accum):
+            fast = " / --fp8-fast-accum" if cfg.fp8_fast_accum != TuneConfig.fp8_fast_accum else ""
             log.warning("precision fp8 is not searched here (it needs FP8 Tensor Cores, sm_89 or newer, a GPU to "
-                        "measure on and --mode infer), so --fp8-keep / --max-error-fp8 have no effect")
+                        "measure on and --mode infer), so --fp8-keep / --max-error-fp8%s have no effect", fast)
         self.model = mf.model().to(self.device)
         self.model.train(training)
         if not training and not cfg.worker:  # the main process checks; its --devices workers load the same file
@@ -145,11 +157,13 @@ class Tuner:
             batch_sizes=tuple(cfg.batch_sizes), precisions=tuple(precisions), runtimes=runtimes,
             graph=self.captured.ok, mode=cfg.mode,
             policy=on_gpu_infer and self.captured.ok and any(p in ("fp16", "bf16") for p in precisions),
-            memory_format=on_gpu_infer and any(isinstance(m, torch.nn.Conv2d) for m in self.model.modules()))
+            memory_format=on_gpu_infer and any(isinstance(m, torch.nn.Conv2d) for m in self.model.modules()),
+            fp8_fast_accum=fp8_fast_accum_choices(precisions, hw.arch, cfg.fp8_fast_accum))
         self.evaluator: Evaluator = (
             TrainingEvaluator(cfg, mf, self.device, self.model) if training else
             InferenceEvaluator(cfg, mf, hw, self.device, self.model, self.captured,
-                               self.search_space.fastest_compiled_runtime))
+                               self.search_space.fastest_compiled_runtime,
+                               fp8_fast_accum=self.search_space.fp8_fast_accum))
         self._opened = False
         self.interrupted = False
         #: Tags every trial this process measures (user attribute ``run_id``) and its side-by-side timing.
@@ -188,17 +202,26 @@ class Tuner:
         """The evaluator's seeded inputs (and reference) at ``batch_size``."""
         return self.evaluator.reference(batch_size)
 
-    def trial_params(self, params: dict, fp8_keep: Sequence[str] | None = None) -> TrialParams:
-        """Trial ``params`` typed, with the FP8 keep-list it is built with resolved (a recorded one as given)."""
-        return self.evaluator.trial_params(params, fp8_keep)
+    def trial_params(self, params: dict, fp8_keep: Sequence[str] | None = None,
+                     fp8_fast_accum: bool | None = None) -> TrialParams:
+        """Trial ``params`` typed, with the FP8 keep-list and fast accumulation it is built with resolved (recorded
+        ones as given: a trial's ``fp8_keep`` / ``fp8_fast_accum`` user attributes)."""
+        if fp8_fast_accum is None:  # the training evaluator has no FP8 (and no fast-accumulation argument)
+            return self.evaluator.trial_params(params, fp8_keep)
+        return self.evaluator.trial_params(params, fp8_keep, fp8_fast_accum)
 
-    def build(self, params: dict, fp8_keep: Sequence[str] | None = None):
+    def build(self, params: dict, fp8_keep: Sequence[str] | None = None, fp8_fast_accum: bool | None = None):
         """The candidate of trial ``params`` (inference: its module before the runtime wrapper)."""
-        return self.evaluator.build(params, fp8_keep)
+        if fp8_fast_accum is None:
+            return self.evaluator.build(params, fp8_keep)
+        return self.evaluator.build(params, fp8_keep, fp8_fast_accum)
 
-    def evaluate(self, params: dict, on_repeat=None, fp8_keep: Sequence[str] | None = None) -> dict:
+    def evaluate(self, params: dict, on_repeat=None, fp8_keep: Sequence[str] | None = None,
+                 fp8_fast_accum: bool | None = None) -> dict:
         """Build, check and time one candidate (the evaluator's; trials and the finalists' re-measure)."""
-        return self.evaluator.evaluate(params, on_repeat=on_repeat, fp8_keep=fp8_keep)
+        if fp8_fast_accum is None:
+            return self.evaluator.evaluate(params, on_repeat=on_repeat, fp8_keep=fp8_keep)
+        return self.evaluator.evaluate(params, on_repeat=on_repeat, fp8_keep=fp8_keep, fp8_fast_accum=fp8_fast_accum)
 
     measured = staticmethod(measured)
     fail_interrupted = staticmethod(fail_interrupted)
@@ -567,7 +590,7 @@ class Tuner:
             rows[t.number] = row
             try:
                 fn, bs, precision = self.evaluator.runnable(candidate_params(t.params, t.user_attrs),
-                                                            fp8_keep=t.user_attrs.get("fp8_keep"))
+                                                            **recorded_fp8(t))
                 fns[t.number] = fn
                 contexts[t.number] = (lambda p=precision: precision_mode(p))
             except CandidateRejected as exc:
@@ -624,7 +647,7 @@ class Tuner:
         for t in top:
             again = None
             try:  # the graph this trial measured (its keep-list), even if a resumed run plans anew
-                again = self.evaluate(dict(t.params), fp8_keep=t.user_attrs.get("fp8_keep"))["throughput"]
+                again = self.evaluate(dict(t.params), **recorded_fp8(t))["throughput"]
             except CandidateRejected as exc:  # the first timing stands; a programming error is not swallowed
                 log.info("trial %d could not be re-measured: %s", t.number, first_line(exc))
             runs[str(t.number)] = [*(runs.get(str(t.number)) or [t.user_attrs["throughput"]]), again]

@@ -7,6 +7,36 @@ from passes.policy import POLICIES
 
 from ..trial import MEMORY_FORMATS
 
+#: Architectures (``HardwareSpec.arch``) where ``--fp8-fast-accum auto`` tries ``torch._scaled_mm``'s fast
+#: accumulation: FP8 Tensor Cores with the reduced-precision accumulator it skips promoting from (sm_89, sm_90).
+#: Blackwell is left out of ``auto`` (not measured there); ``on`` still applies it.
+FAST_ACCUM_ARCHS = ("Ada", "Hopper")
+
+
+def fp8_fast_accum_choices(precisions, arch: str, mode: str = "auto") -> tuple[bool, ...]:
+    """The values of ``use_fast_accum`` a study's FP8 candidates may take (``SearchSpace.fp8_fast_accum``).
+
+    Args:
+        precisions: the precisions searched (``HardwareSpec.search_precisions``).
+        arch: the target's architecture name (``"Hopper"``, ``"Ampere"``, ``"cpu"``...).
+        mode: ``TuneConfig.fp8_fast_accum`` (``"auto"``, ``"on"``, ``"off"``).
+
+    Returns:
+        ``(False,)`` when fp8 is not searched or ``mode`` is ``"off"``; ``(True,)`` for ``"on"``; for ``"auto"``
+        ``(False, True)`` on :data:`FAST_ACCUM_ARCHS` (the FP8 plan decides, :func:`tctune.fp8_plan.choose_fast_accum`),
+        else ``(False,)``.
+
+    Raises:
+        ValueError: an unknown ``mode``.
+    """
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"mode must be auto, on or off, got {mode!r}")
+    if "fp8" not in precisions or mode == "off":
+        return (False,)
+    if mode == "on":
+        return (True,)
+    return (False, True) if arch in FAST_ACCUM_ARCHS else (False,)
+
 
 @dataclass(frozen=True)
 class SearchSpace:
@@ -20,6 +50,10 @@ class SearchSpace:
         policy: the cast policy is searched (``passes.policy.POLICIES``): on a GPU, for the fp16/bf16 graph.
         memory_format: channels-last is searched (conv nets on a GPU).
         mode: ``infer`` or ``train``.
+        fp8_fast_accum: the ``torch._scaled_mm`` fast-accumulation values FP8 candidates may take
+            (:func:`fp8_fast_accum_choices`). Not an Optuna parameter (not in :meth:`space`, so study names are
+            unchanged): with two choices the FP8 plan checks and times the chosen keep-list with fast accumulation
+            once and every FP8 candidate of the study uses its answer, as it uses the planned keep-list.
     """
 
     batch_sizes: tuple[int, ...]
@@ -29,6 +63,7 @@ class SearchSpace:
     policy: bool = False
     memory_format: bool = False
     mode: str = "infer"
+    fp8_fast_accum: tuple[bool, ...] = (False,)
 
     @property
     def pass_choices(self) -> list[bool]:
@@ -91,4 +126,4 @@ class SearchSpace:
         return out
 
 
-__all__ = ["SearchSpace"]
+__all__ = ["FAST_ACCUM_ARCHS", "SearchSpace", "fp8_fast_accum_choices"]
