@@ -446,7 +446,8 @@ def write_best_config(path: Path, tuner: Tuner, trial_attrs, passes: list[dict],
     model's graph, :func:`tctune.deploy.cast_export_graphs`, with the file's ``output_dtype``).
 
     The other keys: ``model``, ``model_path``, ``hardware`` (``HardwareSpec.to_dict``), ``params`` (the searched
-    parameters), ``fp8_keep`` (precision fp8 only: the exact keep-list), ``calibration`` (fp16 overflow
+    parameters), ``fp8_keep`` (precision fp8 only: the exact keep-list), ``fp8_fast_accum`` (precision fp8 only:
+    whether the FP8 GEMMs use ``torch._scaled_mm``'s fast accumulation), ``calibration`` (fp16 overflow
     calibration, :attr:`tctune.trial.TrialParams.calibration`: ``true`` keeps in FP32 each node of tctune's fp16
     graph whose FP32 activations exceed 65504 / 2 in absolute value (``passes.calibrate.overflow_nodes``) on the
     seeded reference inputs and the real batches; ``tctune export`` reruns that analysis on the same inputs, the

@@ -19,10 +19,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def _written(tmp_path, precision: str, baseline: str | None, cast: bool = False) -> dict:
     """The best_config.json write_best_config writes for one trial, on a tuner with only what it reads."""
     tuner = SimpleNamespace(
-        trial_params=lambda params, keep=None: TrialParams.from_params(params, keep or ("lm_head",)),
+        trial_params=lambda params, fp8_keep=None, fp8_fast_accum=False: TrialParams.from_params(
+            params, fp8_keep or ("lm_head",), fp8_fast_accum=fp8_fast_accum),
         mf=SimpleNamespace(name="m", path=tmp_path / "m.py"), hw=resolve("h100"),
         cfg=SimpleNamespace(output_dtype="compute", batch_sizes=(8, 32), calibration=str(tmp_path / "calib")))
-    attrs = {"throughput": 123.0, "max_rel_error": 1e-3, "fp8_keep": ["lm_head"]}
+    attrs = {"throughput": 123.0, "max_rel_error": 1e-3, "fp8_keep": ["lm_head"], "fp8_fast_accum": True}
     if baseline:
         attrs["baseline"] = baseline
     if cast:
