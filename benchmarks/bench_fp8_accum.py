@@ -183,7 +183,11 @@ def _variant_fn(name: str, model, args, policy: str, keep: list[str]):
         return torch.compile(copy.deepcopy(model).to(torch.bfloat16))
     opts = {"precision": "fp8", "policy": policy, "fp8_keep": keep, "output_dtype": "compute",
             "fp8_fast_accum": name == "tctune_fp8_fast"}
-    return torch.compile(copy.deepcopy(model), backend="tctune", options=opts)
+    import tctune.backend as tb
+
+    # The registered name needs tctune installed (its entry point); the function works from a checkout too.
+    backend = "tctune" if "tctune" in torch._dynamo.list_backends() else tb.tctune_backend
+    return torch.compile(copy.deepcopy(model), backend=backend, options=opts)
 
 
 def run_model(name: str, args: argparse.Namespace) -> dict:
