@@ -2,28 +2,19 @@
 tried on every backend, the remedies it proposes, and the table."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
+from zoo import load_benchmark
 
 
-def _load(name: str, path: Path):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = sys.modules[name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
-why = _load("tctune_bench_sdpa_why", ROOT / "benchmarks" / "sdpa_why.py")
+
+why = load_benchmark("sdpa_why")
 
 
 class _TwoBiases(nn.Module):

@@ -2,7 +2,6 @@
 the subprocess runner's timeout and budget paths, and a tiny end-to-end dry run (no GPU, no timm)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -13,18 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from zoo import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[1]
 ZOO_PATH = ROOT / "benchmarks" / "zoo.py"
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("tctune_bench_zoo", ZOO_PATH)
-    mod = sys.modules["tctune_bench_zoo"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-zoo = _load()
+zoo = load_benchmark("zoo")
 
 
 # ------------------------------------------------------------------------------------------------ lists

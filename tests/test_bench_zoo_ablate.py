@@ -2,27 +2,18 @@
 the best-removal rule, the table, and a tiny end-to-end run through the per-model subprocess (no GPU)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from zoo import load_benchmark
 
 
-def _load(name: str, path: Path):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = sys.modules[name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
-zoo = _load("tctune_bench_zoo", ROOT / "benchmarks" / "zoo.py")
-abl = _load("tctune_bench_zoo_ablate", ROOT / "benchmarks" / "zoo_ablate.py")
+
+zoo = load_benchmark("zoo")
+abl = load_benchmark("zoo_ablate")
 
 
 class _R:

@@ -3,27 +3,18 @@ normalisation that matches Inductor's kernels across compiles, the per-category 
 end-to-end run through the per-model subprocess (no GPU: CPU operators stand in for kernels)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from zoo import load_benchmark
 
 
-def _load(name: str, path: Path):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = sys.modules[name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
-zoo = _load("tctune_bench_zoo", ROOT / "benchmarks" / "zoo.py")
-prof = _load("tctune_bench_zoo_profile", ROOT / "benchmarks" / "zoo_profile.py")
+
+zoo = load_benchmark("zoo")
+prof = load_benchmark("zoo_profile")
 
 
 @pytest.mark.parametrize("name, cat", [

@@ -35,20 +35,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import os
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
 
 import tctune.backend as tb
+from zoo import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
 TARGET = "sm_90"
 DTYPE = "bf16"
 BATCH = 2
@@ -62,16 +60,7 @@ FFN_KEYS = ("intermediate_size", "d_ff", "n_inner", "encoder_ffn_dim", "decoder_
             "hidden_dim")
 
 
-def _load_zoo():
-    name = "tctune_bench_zoo"  # the name tests/test_bench_zoo.py loads it under: one module object
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "zoo.py")
-        mod = sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-zoo = _load_zoo()
+zoo = load_benchmark("zoo")
 
 
 def _families() -> tuple[list[str], list[str]]:

@@ -5,12 +5,16 @@ are chosen to exercise the passes (odd widths for padding, conv + BN for folding
 the keep-list) while staying fast on two CPU cores. Beside the models: ``capture`` (as tctune captures),
 ``ALIGNMENT`` (the Tensor Core alignment the pass tests use), ``call_targets`` / ``count_calls`` (what a
 graph calls), ``rel_l2`` and ``assert_matches_eager`` (parity), and the ``SCALED_MM_ROW`` /
-``SCALED_MM_TENSOR`` skip marks for tests that run ``torch._scaled_mm`` on this CPU.
+``SCALED_MM_TENSOR`` skip marks for tests that run ``torch._scaled_mm`` on this CPU, and ``load_benchmark`` (a
+script of ``benchmarks/`` as a module, once per process).
 """
 from __future__ import annotations
 
+import importlib.util
 import math
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -29,6 +33,23 @@ SCALED_MM_ROW = pytest.mark.skipif(not scaled_mm_works("cpu", "row"),
                                    reason="torch._scaled_mm with row-wise scales does not run on this CPU torch")
 SCALED_MM_TENSOR = pytest.mark.skipif(not scaled_mm_works("cpu", "tensor"),
                                       reason="torch._scaled_mm with tensor-wise scales does not run on this CPU torch")
+
+
+def load_benchmark(stem: str):
+    """``benchmarks/<stem>.py`` (a script, not a package module) as module ``tctune_bench_<stem>``, loaded once per
+    process: the benchmarks load each other under the same names (``zoo_profile.py`` loads ``zoo.py`` as
+    ``tctune_bench_zoo``), so a test and the script it tests share one module object."""
+    name = f"tctune_bench_{stem}"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{stem}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = sys.modules[name] = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(mod)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
 
 
 def capture(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.fx.GraphModule:
