@@ -736,7 +736,8 @@ def console_summary(report: dict, out: str | Path) -> str:
         elif b.get("speedup_note"):
             lines.append(f"      {b['speedup_note']}")
         if base and b.get("speedup_vs_baseline"):
-            lines.append(f"      {b['speedup_vs_baseline']:.2f}x FP32 eager at the same batch ({base['throughput']:.4g} items/s)")
+            lines.append(f"      {b['speedup_vs_baseline']:.2f}x FP32 eager at the same batch "
+                         f"({base.get('compared_throughput', base['throughput']):.4g} items/s)")
             shaky = unstable_timing(b, base_trial(report))
             if shaky:
                 lines.append(f"      unstable timing ({shaky}): not a reliable speedup; measure on an idle machine")

@@ -134,3 +134,17 @@ def test_a_noisy_timing_is_warned_about_once_beside_the_speedups(repeats, warnin
 def test_a_steady_timing_gets_no_noise_warning():
     md = render_markdown(_report(_noisy_study([10.0, 10.02, 9.99, 10.01, 10.0], speedups=(1.0, 1.1, 1.3))))
     assert "spread by" not in md and "Unstable timing" not in md
+
+
+def test_console_and_report_md_give_fp32_eager_the_same_throughput(tmp_path):
+    """The console's "x FP32 eager" line divides by the number report.md shows (``compared_throughput``: the
+    side-by-side median when there is one), not FP32 eager's first timing."""
+    from tctune.report import console_summary
+
+    r = _report(_study(states=("COMPLETE",) * 3))
+    base = r["baseline"]
+    assert base and r["best"].get("speedup_vs_baseline")
+    base["compared_throughput"] = 951.1 if base["throughput"] != 951.1 else 952.2
+    shown = f"{base['compared_throughput']:.4g} items/s"
+    assert f"FP32 eager at the same batch ({shown})" in console_summary(r, tmp_path)
+    assert f"{base['throughput']:.4g} items/s)" not in console_summary(r, tmp_path).split("FP32 eager")[-1]
