@@ -178,15 +178,15 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
         why ``min`` is above 1 or None, "formats": {fmt: {"status": "built" | "reused" | "skipped" | "failed",
         "path", "manifest", "runner", "reason", "seconds", "files", ...build details}}}``. ``files``: every
         file this call wrote for the format (the artifact, its manifest, the FP32 twin ``model.fp32.onnx`` and
-        its manifest when written, ``runner.py``; empty when reused). A failed AOTInductor package does not stop
-        the call: its entry has ``error`` (one line) and ``log`` (``out/tctune_errors.log``, holding the full
-        traceback).
+        its manifest when written, ``runner.py``; empty when reused). A failed ONNX export or AOTInductor package
+        does not stop the call: its entry has ``error`` (one line) and ``log`` (``out/tctune_errors.log``, holding
+        the full traceback); TensorRT, which builds from the ONNX file, is then skipped with that reason.
 
     Raises:
         UsageError: bad config or formats, or a config tuned for another model (:func:`check_config_model`).
         ModelFileError: the model file breaks the contract.
-        ExportError: capture failed, the ONNX batch axis froze, or the ONNX validation failed (message: cause +
-            fix).
+        ExportError: capture failed (message: cause + fix). ONNX and AOTInductor failures (a frozen batch axis, a
+            failed validation, an operator torch.onnx cannot export) are recorded per format instead.
     """
     import torch
 
@@ -279,22 +279,30 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
                             "model_cast": False}  # a cast model's twin: the FP32 graph
                 fp32_graph = lambda: claim_batch_from(  # noqa: E731
                     rebuild_graphs(mf, fp32_cfg, hw, device)[1].graph.to(device), lo)
-            onnx_inputs = _build_onnx(graph, make_inputs, out / ARTIFACT_NAMES["onnx"], (lo, tuned, largest), fp8=fp8,
-                                      fp32_module=fp32_graph)
-            started = time.perf_counter() - onnx_inputs.pop("_seconds")
-            onnx_names = {i["name"] for i in onnx_inputs["onnx_inputs"]}
-            finish("onnx", key, _summary(onnx_inputs, "onnx"), started, device="cpu",
-                   inputs=[i for i in inputs if i["name"] in onnx_names] or inputs,
-                   deploy=onnx_inputs.get("deploy"), deploy_reason=onnx_inputs.get("deploy_reason"))
+            since = time.time()
+            try:
+                onnx_inputs = _build_onnx(graph, make_inputs, out / ARTIFACT_NAMES["onnx"], (lo, tuned, largest),
+                                          fp8=fp8, fp32_module=fp32_graph)
+                started = time.perf_counter() - onnx_inputs.pop("_seconds")
+                onnx_names = {i["name"] for i in onnx_inputs["onnx_inputs"]}
+                finish("onnx", key, _summary(onnx_inputs, "onnx"), started, device="cpu",
+                       inputs=[i for i in inputs if i["name"] in onnx_names] or inputs,
+                       deploy=onnx_inputs.get("deploy"), deploy_reason=onnx_inputs.get("deploy_reason"))
+            except Exception as exc:  # noqa: BLE001 - recorded: the formats that do not need it are still built
+                results["onnx"] = _failed(out, "onnx", exc, out / ARTIFACT_NAMES["onnx"], since)
         if "onnx" not in formats:
             results["onnx"]["status"] += " (for tensorrt)"
 
     if "tensorrt" in formats:
-        source = ((results.get("onnx") or {}).get("deploy") or {}).get("tensorrt")
-        skipped = (_build_tensorrt(out, inputs, sizes, cache_key("tensorrt"), finish, reuse, source=source)
-                   if source or "deploy" not in (results.get("onnx") or {}) else
-                   {"status": "skipped", "reason": "no ONNX file valid for TensorRT: "
-                    + str(results["onnx"].get("deploy_reason"))})
+        onnx_result = results.get("onnx") or {}
+        source = (onnx_result.get("deploy") or {}).get("tensorrt")
+        if onnx_result.get("status", "").startswith("failed"):
+            skipped = {"status": "skipped", "reason": f"the ONNX export it builds from failed ({onnx_result.get('error')})"}
+        else:
+            skipped = (_build_tensorrt(out, inputs, sizes, cache_key("tensorrt"), finish, reuse, source=source)
+                       if source or "deploy" not in onnx_result else
+                       {"status": "skipped", "reason": "no ONNX file valid for TensorRT: "
+                        + str(onnx_result.get("deploy_reason"))})
         if skipped is not None:
             results["tensorrt"] = skipped
 

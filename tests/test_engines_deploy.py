@@ -110,3 +110,26 @@ def test_export_aoti_failure_keeps_the_other_formats_and_names_the_full_error(tm
                "--out", str(out), "--json"])
     entry = json.loads(capsys.readouterr().out)["formats"]["aoti"]
     assert rc == 1 and entry["status"] == "failed" and entry["log"] == str(log) and entry["files"] == []
+
+
+def test_export_onnx_failure_still_builds_aoti_and_skips_tensorrt(tmp_path, capsys, monkeypatch):
+    """An ONNX export failure (a graph torch.onnx cannot export) is recorded like an AOTInductor one: the AOTInductor package is still built, TensorRT (which builds from the ONNX file) is skipped
+    with the reason, the exit status is 1."""
+    import tctune.engines as engines
+    from tctune.errors import ExportError
+
+    def broken(*a, **k):
+        raise ExportError("torch.onnx.export failed for model.onnx: unsupported operator")
+
+    monkeypatch.setattr(engines, "_build_onnx", broken)
+    model = tmp_path / "conv.py"
+    model.write_text(CONV)
+    out = tmp_path / "out"
+    rc = main(["export", str(model), "--config", str(_config(tmp_path / "best_config.json", "fp32")),
+               "--format", "onnx,tensorrt,aoti", "--out", str(out), "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert rc == 1
+    formats = result["formats"]
+    assert formats["onnx"]["status"] == "failed" and "unsupported operator" in formats["onnx"]["error"]
+    assert formats["tensorrt"]["status"] == "skipped" and "ONNX export it builds from failed" in formats["tensorrt"]["reason"]
+    assert formats["aoti"]["status"] == "built" and (out / "model.pt2").exists()

@@ -19,8 +19,9 @@ when onnxruntime cannot run the fp16/bf16 file), model.engine (TensorRT installe
 <artifact>.manifest.json beside each, and runner.py (standalone: `python runner.py model.onnx --batch 8`
 needs only onnxruntime and numpy); the console lists every file written. An artifact whose manifest has
 the same cache key (graph + weights, precision, shapes, compute capability, torch/onnx/TensorRT versions)
-is reused. A failed AOTInductor package is reported with the file holding its full error
-(OUT/tctune_errors.log); the other formats are still written, and the exit status is 1.
+is reused. A failed ONNX export or AOTInductor package is reported with the file holding its full error
+(OUT/tctune_errors.log); the other formats are still written (TensorRT, which builds from the ONNX file, is
+skipped when that failed), and the exit status is 1.
 
 examples:
   tctune export recipes/seed_cnn.py --config tctune_out/seed_cnn/best_config.json
