@@ -248,3 +248,58 @@ def test_a_finished_run_releases_its_lock(tmp_path):
     optimize(model, _cfg(out))
     assert not (out / LOCK_NAME).exists()
     optimize(model, _cfg(out))  # the same command again resumes
+
+
+def _finish(study, value, baseline=None):
+    tr = study.ask()
+    tr.suggest_categorical("batch_size", [8, 128])
+    if baseline:
+        tr.set_user_attr("baseline", baseline)
+    else:
+        tr.report(value, 0)
+        tr.report(value, 1)
+    study.tell(tr, value)
+
+
+def _probe(study, value) -> bool:
+    tr = study.ask()
+    tr.suggest_categorical("batch_size", [8, 128])
+    tr.report(value, 0)
+    tr.report(value, 1)
+    stop = tr.should_prune()
+    study.tell(tr, state=optuna.trial.TrialState.PRUNED)
+    return stop
+
+
+def _fixed_batch_sampler(batches):
+    """A sampler that hands out ``batch_size`` from ``batches`` in order (the search's own sampler decides it)."""
+    order = iter(batches)
+
+    class Fixed(optuna.samplers.RandomSampler):
+        def sample_independent(self, study, trial, name, dist):
+            return next(order)
+
+    return Fixed()
+
+
+def test_pruner_ignores_plain_baselines_and_other_batch_sizes():
+    """Plain baselines (no intermediate values, never stopped) and trials at another batch size do not count
+    towards the start-up, and a candidate is judged only against searched trials at its own batch size: Optuna's
+    PercentilePruner counted both, so the second searched trial of a small study was judged against one trial at
+    another batch size."""
+    batches = [8] * 6 + [128] * 6 + [8]
+    study = optuna.create_study(direction="maximize", pruner=make_pruner(["maximize"]),
+                                sampler=_fixed_batch_sampler(batches))
+    for _ in range(6):
+        _finish(study, 100.0, baseline="fp32_eager")  # six finished baselines at batch 8
+    for _ in range(6):
+        _finish(study, 5000.0)  # six searched trials at batch 128, far faster per item
+    assert not _probe(study, 10.0)  # batch 8: no comparable finished trial yet, however slow
+
+    batches = [8] * 6 + [8, 8]
+    study = optuna.create_study(direction="maximize", pruner=make_pruner(["maximize"]),
+                                sampler=_fixed_batch_sampler(batches))
+    for v in (900.0, 1000.0, 1100.0, 1200.0, 1300.0, 1400.0):
+        _finish(study, v)  # six searched trials at batch 8
+    assert _probe(study, 10.0)  # the slowest quarter of its peers: stopped
+    assert not _probe(study, 1250.0)

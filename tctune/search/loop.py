@@ -401,7 +401,7 @@ class Tuner:
             trial.report(throughput, step)
             if trial.should_prune():
                 reason = (f"stopped early: {throughput:.4g} items/s after {step + 1} repeat(s), in the slowest "
-                          "quarter of the trials so far (Optuna PercentilePruner)")
+                          "quarter of the finished searched trials at this batch size")
                 trial.set_user_attr("fail_reason", reason)
                 raise optuna.TrialPruned(reason)
 

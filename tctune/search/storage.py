@@ -27,19 +27,59 @@ log = logging.getLogger("tctune")
 PRUNE_BELOW_PERCENTILE = 25.0
 
 
-def make_pruner(directions: list[str], enabled: bool = True) -> optuna.pruners.BasePruner:
-    """A candidate whose throughput after its first repeats is below the 25th percentile of the trials
-    measured so far (:data:`PRUNE_BELOW_PERCENTILE`: the slowest quarter) stops early; throughput studies
-    only (Optuna does not prune multi-objective studies).
+#: Finished searched trials at the candidate's batch size before the pruner stops anything.
+PRUNE_STARTUP_TRIALS = 6
 
-    Optuna's ``PercentilePruner(p)`` on a maximized objective compares with the ``100 - p``-th percentile
-    (``optuna/pruners/_percentile.py``: ``if direction == MAXIMIZE: percentile = 100 - percentile``) and
-    prunes a trial whose best intermediate value is below it, so the slowest quarter is ``p = 75``;
-    ``p = 25`` would stop everything below the 75th percentile (all but the fastest quarter).
-    Pruning starts after 6 finished trials and from the second repeat (step 1).
+
+class ComparablePercentilePruner(optuna.pruners.BasePruner):
+    """Stops a running candidate whose best throughput so far is below the ``below``-th percentile of the
+    throughput the *comparable* finished trials reported at the same repeat (step).
+
+    Comparable: finished (COMPLETE) trials that are not plain baselines (``user_attrs["baseline"]``: they report
+    no intermediate values and are never stopped) and that ran at the candidate's batch size (items/s at batch 8
+    and at batch 128 are different quantities). Nothing is stopped before ``n_startup_trials`` such trials exist,
+    or before step ``n_warmup_steps`` (the first repeat is a warm-up). Otherwise the rule of Optuna's
+    ``PercentilePruner`` on a maximized objective: ``max(intermediate values so far) < np.nanpercentile(the
+    comparable trials' values at this step, below)``; a NaN best is stopped. Optuna's own pruner counted every
+    finished trial (baselines included) towards its start-up and compared across batch sizes, so in a small study
+    the second searched trial was already judged against one trial at another batch size.
+    """
+
+    def __init__(self, below: float, n_startup_trials: int, n_warmup_steps: int) -> None:
+        self.below, self.n_startup_trials, self.n_warmup_steps = below, n_startup_trials, n_warmup_steps
+
+    def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
+        import math
+
+        import numpy as np
+
+        step = trial.last_step
+        if step is None or step < self.n_warmup_steps:
+            return False
+        batch = trial.params.get("batch_size")
+        peers = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+                 if not t.user_attrs.get("baseline") and t.params.get("batch_size") == batch]
+        if len(peers) < self.n_startup_trials:
+            return False
+        values = [t.intermediate_values[step] for t in peers if step in t.intermediate_values]
+        if not values:
+            return False
+        best = max(trial.intermediate_values.values())
+        if math.isnan(best):
+            return True
+        return bool(best < np.nanpercentile(np.asarray(values, dtype=float), self.below))
+
+
+def make_pruner(directions: list[str], enabled: bool = True) -> optuna.pruners.BasePruner:
+    """A candidate whose throughput after its first repeats is below the 25th percentile of the comparable
+    trials measured so far (:data:`PRUNE_BELOW_PERCENTILE`: the slowest quarter; comparable: searched, finished,
+    at its batch size, :class:`ComparablePercentilePruner`) stops early; throughput studies only (Optuna does not
+    prune multi-objective studies). Pruning starts after :data:`PRUNE_STARTUP_TRIALS` comparable finished trials
+    and from the second repeat (step 1).
     """
     if enabled and directions == ["maximize"]:
-        return optuna.pruners.PercentilePruner(100.0 - PRUNE_BELOW_PERCENTILE, n_startup_trials=6, n_warmup_steps=1)
+        return ComparablePercentilePruner(PRUNE_BELOW_PERCENTILE, n_startup_trials=PRUNE_STARTUP_TRIALS,
+                                          n_warmup_steps=1)
     return optuna.pruners.NopPruner()
 
 
