@@ -64,19 +64,27 @@ at ``--tiny`` sizes, executing the rewritten graphs without Inductor.
 
 CUDA graphs: both sides are captured the same way, by this script (``torch.cuda.CUDAGraph`` around one call of
 the compiled callable after three warm-up calls on a side stream; each replay first copies the inputs into the
-static input tensors, and that copy is timed). Inductor's ``mode="reduce-overhead"`` is not used, because the
+static input tensors, and that copy is timed). One capture's replay time can differ from another capture's of
+the same callable (where the capture's memory pool places the buffers), so ``--cg-captures K`` (default 3)
+captures both sides K times: capture k of both, timed interleaved (the side captured first alternates with k),
+then released before capture k + 1. A CUDA-graph variant's ``ms`` is the median of its K per-capture medians
+(``captures_ms`` lists them, ``repeats_ms`` every repeat of every capture). Inductor's ``mode="reduce-overhead"`` is not used, because the
 tctune backend ignores ``mode``: the same capture on both sides compares like with like. CUDA-graph variants
 need a CUDA device (on the CPU they are recorded as skipped).
 
 Measurement: compile seconds = wall time of the first call (Dynamo, the backend and kernel compilation; for
-eager variants it is the first call). The tctune backend is compiled before Inductor, so kernels Inductor's
-compile may share from the process's caches favour Inductor's compile time, not tctune's. The one-off costs of a
-process's first Inductor compile (starting Inductor's compile worker pool, Triton and C++ toolchain checks) are
-paid before either, by compiling a tiny unrelated function (``warm_compile_s`` in the row): charged to the first
-compile they were part of tctune's compile seconds (CPU, tiny DistilBERT: the process's first compile of
-either side took about twice as long as the same compile second; benchmarks/NOTES.md, "where the backend's
-compile time goes"). Each model runs in
-its own process with fresh Inductor and Triton cache folders (``--warm-cache`` keeps the user's). Throughput:
+eager variants it is the first call). The tctune backend is compiled before Inductor, and each of the two
+compiles runs inside its own fresh Inductor / Triton cache (``torch._inductor.utils.fresh_cache``: new cache
+folders, in-memory code caches cleared; ``compile_cache`` in the row), so Inductor's compile cannot reuse the
+Triton kernels tctune's compile built moments before (with one shared cache it did: kernels of identical source
+are compiled once per process). The one-off costs of a process's first Inductor compile (starting Inductor's
+compile worker pool, Triton and C++ toolchain checks) are paid before either, by compiling a tiny unrelated
+function and waiting until the worker pool answers (``warm_compile_s``, ``warm_pool`` in the row): charged to
+the first compile they were part of tctune's compile seconds (CPU, tiny DistilBERT: the process's first compile
+of either side took about twice as long as the same compile second; benchmarks/NOTES.md, "where the backend's
+compile time goes"; Inductor compiles kernels in the main process, one at a time, until its pool is ready).
+Each model runs in its own process with fresh Inductor and Triton cache folders (``--warm-cache`` keeps the
+user's, and then the two sides also share one cache). Throughput:
 items (sequences or images) per second = batch / median ms per call; a repeat is ``iters`` calls timed with
 CUDA events (``time.perf_counter`` on the CPU), ``iters`` chosen so a repeat lasts about ``--repeat-s``
 seconds after two warm-up calls; ``--repeats`` repeats (default 5). Inductor and tctune are timed interleaved:
@@ -1049,6 +1057,72 @@ def time_interleaved(fns: dict[str, tuple[Callable, tuple]], cuda: bool, repeats
             for n, s in samples.items()}
 
 
+def combine_captures(captures: list[dict], batch: int) -> dict:
+    """One CUDA-graph variant's timing from K captures (``--cg-captures``), each timed on its own.
+
+    Args:
+        captures: per capture, the variant's fields after its timing: ``ok``, ``ms`` (median ms per call),
+            ``repeats_ms`` (list of ms), ``error`` / ``skipped`` when that capture did not run.
+        batch: items per call (for ``items_per_s``).
+
+    Returns:
+        Fields to update the variant with: ``ms`` = median of the per-capture medians, ``captures_ms`` (those
+        medians, in capture order), ``repeats_ms`` (every repeat of every capture), ``items_per_s``,
+        ``captures`` (K), ``capture_errors`` (the errors of captures that did not time); ``ok`` is True when at
+        least one capture timed. When none did, only ``captures`` and ``capture_errors`` (the variant keeps
+        the last capture's error).
+    """
+    timed_ok = [c for c in captures if c.get("ok") and c.get("ms") is not None]
+    errors = [c.get("error") or c.get("skipped") for c in captures if c not in timed_ok]
+    out: dict = {"captures": len(captures), "capture_errors": [e for e in errors if e]}
+    if not timed_ok:
+        return out
+    ms = statistics.median(c["ms"] for c in timed_ok)
+    out.update(ok=True, ms=ms, items_per_s=batch / (ms / 1e3), captures_ms=[round(c["ms"], 5) for c in timed_ok],
+               repeats_ms=[x for c in timed_ok for x in (c.get("repeats_ms") or [])])
+    return out
+
+
+@contextlib.contextmanager
+def compile_cache(fresh: bool):
+    """A fresh Inductor / Triton cache for one compile (``torch._inductor.utils.fresh_cache``) when ``fresh``.
+
+    Yields:
+        A note for the row: ``"fresh"`` (new cache folders under the process's cache root, in-memory code caches
+        cleared), ``"shared"`` (not asked for: ``--warm-cache``, or not a compiled variant) or
+        ``"shared: <why>"`` when this torch has no ``fresh_cache``.
+    """
+    if not fresh:
+        yield "shared"
+        return
+    try:
+        from torch._inductor.utils import fresh_cache
+    except ImportError as exc:
+        yield f"shared: {one_line(exc)}"
+        return
+    root = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with fresh_cache(dir=root if root and os.path.isdir(root) else None, delete=False):
+        yield "fresh"
+
+
+def warm_compile_pool(timeout_s: float = 120.0) -> dict:
+    """Start Inductor's compile worker pool and wait until it answers (``AsyncCompile.wait_pool_ready``).
+
+    Until the pool is ready Inductor compiles kernels in the calling process one at a time, so the first model
+    compile of a process would otherwise pay for the pool's start. Returns ``{"ready", "s"}`` (seconds waited),
+    ``{"ready": False, "error"}`` when this torch lacks the call or the pool failed (the timing still runs).
+    """
+    t = time.perf_counter()
+    try:
+        from torch._inductor.async_compile import AsyncCompile
+
+        AsyncCompile.warm_pool()
+        AsyncCompile.wait_pool_ready(timeout=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - a warm-up only
+        return {"ready": False, "error": one_line(exc), "s": round(time.perf_counter() - t, 3)}
+    return {"ready": True, "s": round(time.perf_counter() - t, 3)}
+
+
 def cuda_graph(fn: Callable, args: tuple) -> Callable:
     """``fn`` captured as one CUDA graph: three warm-up calls on a side stream, then capture of one call.
 
@@ -1165,7 +1239,8 @@ def measure_model(entry: Entry, args: argparse.Namespace) -> dict:
     outs: dict = {}
     fns: dict[str, tuple[Callable, tuple]] = {}
 
-    def record(name: str, make: Callable[[], Callable], call_args: tuple, needs: str | None = None) -> bool:
+    def record(name: str, make: Callable[[], Callable], call_args: tuple, needs: str | None = None,
+               fresh_cache: bool = False) -> bool:
         row["current"] = name
         save()
         v = row["variants"].setdefault(name, {})
@@ -1180,9 +1255,12 @@ def measure_model(entry: Entry, args: argparse.Namespace) -> dict:
             return False
         t = time.perf_counter()
         try:
-            fn = make()
-            out = fn(*call_args)
-            _sync(cuda)
+            with compile_cache(fresh_cache and not args.warm_cache) as cache_note:
+                fn = make()
+                out = fn(*call_args)
+                _sync(cuda)
+            if fresh_cache:
+                row.setdefault("compile_cache", {})[name] = cache_note
         except Exception as exc:  # noqa: BLE001 - recorded per variant
             v.update(ok=False, error=one_line(exc))
             if os.environ.get("ZOO_TRACEBACK"):
@@ -1246,6 +1324,7 @@ def measure_model(entry: Entry, args: argparse.Namespace) -> dict:
                 torch.compile(lambda v: (v * 2).sin() + 1)(torch.randn(64, device=args.device))
                 _sync(cuda)
                 row["warm_compile_s"] = round(time.perf_counter() - t, 3)
+                row["warm_pool"] = warm_compile_pool()
             except Exception as exc:  # noqa: BLE001 - only a warm-up; the variants report their own errors
                 row["warm_compile_s"] = None
                 row["warm_compile_error"] = one_line(exc)
@@ -1256,7 +1335,7 @@ def measure_model(entry: Entry, args: argparse.Namespace) -> dict:
             tb.reset()
             backend = "tctune" if "tctune" in torch._dynamo.list_backends() else tb.tctune_backend
             options = {"precision": args.dtype, "policy": "pure", "output_dtype": TCTUNE_OUTPUT_DTYPE}
-            record("tctune", lambda: torch.compile(model, backend=backend, options=options), inputs)
+            record("tctune", lambda: torch.compile(model, backend=backend, options=options), inputs, fresh_cache=True)
             reports = list(tb.reports)
             row["tctune"] = {"backend": backend if isinstance(backend, str) else "tctune.backend.tctune_backend",
                              "options": options, "subgraphs": len(reports),
@@ -1267,12 +1346,25 @@ def measure_model(entry: Entry, args: argparse.Namespace) -> dict:
                              "pass_seconds": [dict(getattr(r, "pass_seconds", {})) for r in reports[:32]]}
         else:
             record("tctune", lambda: model, inputs)  # records it as not requested
-        record("inductor", lambda: torch.compile(low), low_inputs)
+        record("inductor", lambda: torch.compile(low), low_inputs, fresh_cache=True)
         timed("inductor", "tctune")
-        record("tctune_cg", lambda: cuda_graph(fns["tctune"][0], inputs), inputs, needs="tctune")
-        record("inductor_cg", lambda: cuda_graph(fns["inductor"][0], low_inputs), low_inputs, needs="inductor")
+        cg_args = {"tctune_cg": ("tctune", inputs), "inductor_cg": ("inductor", low_inputs)}
+        per_capture: dict[str, list[dict]] = {n: [] for n in cg_args}
+        for k in range(max(1, args.cg_captures)):  # K captures of both sides (module docstring, CUDA graphs)
+            for name in (list(cg_args) if k % 2 == 0 else list(cg_args)[::-1]):
+                base, call_args = cg_args[name]
+                record(name, lambda b=base, a=call_args: cuda_graph(fns[b][0], a), call_args, needs=base)
+            timed("inductor_cg", "tctune_cg")
+            for name in cg_args:
+                v = row["variants"][name]
+                per_capture[name].append({key: v.get(key) for key in ("ok", "ms", "repeats_ms", "error", "skipped")})
+                fns.pop(name, None)  # releases capture k (graph and memory pool) before capture k + 1
+            if cuda:
+                torch.cuda.synchronize()
+        for name, caps in per_capture.items():
+            if len(caps) > 1:
+                row["variants"][name].update(combine_captures(caps, batch))
         fns.pop("inductor", None), fns.pop("tctune", None)
-        timed("inductor_cg", "tctune_cg")
         fns.clear()
         if "tctune_fp32" in wanted:  # last: the Dynamo reset below invalidates the compiled callables above
             import tctune.backend as tb
@@ -1625,8 +1717,9 @@ def _child_args(args: argparse.Namespace) -> list[str]:
     out = ["--out", str(args.out), "--dtype", args.dtype, "--scale", repr(args.scale), "--seq", str(args.seq),
            "--device", args.device, "--repeats", str(args.repeats), "--repeat-s", repr(args.repeat_s),
            "--variants", ",".join(args.variants), "--max-memory-frac", repr(args.max_memory_frac),
-           "--optimize-trials", str(args.optimize_trials), "--optimize-budget-s", repr(args.optimize_budget_s)]
-    return out + (["--tiny"] if args.tiny else [])
+           "--optimize-trials", str(args.optimize_trials), "--optimize-budget-s", repr(args.optimize_budget_s),
+           "--cg-captures", str(args.cg_captures)]
+    return out + (["--tiny"] if args.tiny else []) + (["--warm-cache"] if args.warm_cache else [])
 
 
 @dataclass
@@ -1826,6 +1919,8 @@ def _parser() -> argparse.ArgumentParser:
     add_model_args(how)
     how.add_argument("--repeats", type=int, default=5, help="timed repeats per variant; the median is kept (5)")
     how.add_argument("--repeat-s", type=float, default=0.05, help="target seconds per timed repeat (0.05)")
+    how.add_argument("--cg-captures", type=int, default=3,
+                     help="captures of each CUDA-graph variant, each timed; the median of their medians is kept (3)")
     how.add_argument("--max-memory-frac", type=float, default=0.8,
                      help="a model whose 8 bytes per parameter exceed this fraction of GPU memory is not built, and "
                           "models sharing a GPU start only while their memory estimates stay within it (0.8)")

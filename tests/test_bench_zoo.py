@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -567,3 +568,43 @@ def test_parity_limit_follows_fp32_eagers_own_rounding():
     row["variants"]["tctune_fp32"].update(fp32_rounding_err=7.5e-6, fp32_parity_limit=zoo.parity_limit(7.5e-6))
     s = zoo.summarize(row)
     assert s["fp32_parity_ok"] is True and s["fp32_rounding_err"] == 7.5e-6
+
+
+def test_combine_captures_takes_the_median_of_per_capture_medians_and_keeps_errors():
+    caps = [{"ok": True, "ms": 2.0, "repeats_ms": [2.0, 2.1]}, {"ok": False, "error": "capture failed: OOM"},
+            {"ok": True, "ms": 1.0, "repeats_ms": [1.0]}, {"ok": True, "ms": 4.0, "repeats_ms": [4.0]}]
+    out = zoo.combine_captures(caps, batch=8)
+    assert out["ok"] is True and out["ms"] == 2.0 and out["captures"] == 4
+    assert out["captures_ms"] == [2.0, 1.0, 4.0] and out["repeats_ms"] == [2.0, 2.1, 1.0, 4.0]
+    assert out["items_per_s"] == pytest.approx(8 / 2e-3) and out["capture_errors"] == ["capture failed: OOM"]
+    none = zoo.combine_captures([{"ok": False, "skipped": "CUDA graphs need a CUDA device"}] * 2, batch=8)
+    assert "ms" not in none and "ok" not in none and none["capture_errors"] == ["CUDA graphs need a CUDA device"] * 2
+
+
+def test_compile_cache_gives_each_compile_new_cache_folders(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    with zoo.compile_cache(False) as note:
+        assert note == "shared" and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
+    seen = []
+    for _ in range(2):
+        with zoo.compile_cache(True) as note:
+            assert note == "fresh"
+            seen.append((os.environ["TORCHINDUCTOR_CACHE_DIR"], os.environ["TRITON_CACHE_DIR"]))
+    assert seen[0] != seen[1] and all(d.startswith(str(tmp_path)) for d, _ in seen)
+    assert all(t.startswith(d) for d, t in seen)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)  # restored after each compile
+
+
+def test_warm_compile_pool_reports_readiness():
+    out = zoo.warm_compile_pool(timeout_s=60)
+    assert set(out) >= {"ready", "s"} and out["s"] >= 0
+    assert out["ready"] is True or out.get("error")
+
+
+def test_child_processes_get_the_capture_count_and_the_cache_choice():
+    args = zoo._parser().parse_args(["--models", "zoo_test_mlp", "--cg-captures", "5", "--warm-cache",
+                                     "--out", "/tmp/x", "--device", "cpu"])
+    child = zoo._child_args(args)
+    assert child[child.index("--cg-captures") + 1] == "5" and "--warm-cache" in child
+    plain = zoo._child_args(zoo._parser().parse_args(["--out", "/tmp/x", "--device", "cpu"]))
+    assert plain[plain.index("--cg-captures") + 1] == "3" and "--warm-cache" not in plain
