@@ -17,18 +17,32 @@ Semantics, checked against PyTorch's kernels (``aten/src/ATen/native/cuda/Blas.c
 * ``aten._addmm_activation`` has no autograd derivative (``RuntimeError: derivative for
   aten::_addmm_activation is not implemented``): the pass refuses every candidate when ``spec.training``.
 
-Pattern: ``linear(x, W, b)`` whose only user is ``relu`` / ``gelu``, optionally through the
-``slice(-1, 0, N)`` that ``pad_linear_dims`` puts after a padded linear (an element-wise activation
-commutes with that slice, and the slice's single user must be the activation). ``x: (..., K)`` is reshaped
-to ``(M, K)``, the result back to ``(..., N)``. Weights and bias must be ``get_attr`` tensors, the bias 1-D.
+Patterns. The GEMM is ``linear(x, W, b)`` (``nn.Linear``, ``W: (N, K)``) or ``addmm(b, x2d, W)`` with a
+``get_attr`` ``W: (K, N)`` (transformers' ``Conv1D``, GPT-2's block GEMMs), with a 1-D bias. Its output reaches
+the activation directly, or through the ``slice(-1, 0, N)`` that ``pad_linear_dims`` puts after a padded linear
+(an element-wise activation commutes with that slice), or through the ``view``/``reshape`` back to
+``(..., N)`` that ``Conv1D`` writes after its ``addmm``; that intermediate node must have the activation as its
+only user. The activation is ``relu``, ``gelu(approximate="tanh")``, or the tanh approximation written out as
+transformers' ``NewGELUActivation`` (``"gelu_new"``: GPT-2, GPT-Neo, GPT-J) computes it,
+``0.5 * y * (1 + tanh(sqrt(2 / pi) * (y + 0.044715 * y ** 3)))`` (matched op by op, constants within 1e-6
+relative; its nodes must read nothing but ``y`` and each other, and ``y`` must feed only them). ``x: (..., K)``
+of a linear is reshaped to ``(M, K)``, the result back to ``(..., N)``. Weights and bias must be ``get_attr``
+tensors, the bias 1-D.
+
+At precision fp8 a GEMM ``cast_fp8_linears`` will run in FP8 (K and N multiples of 16 and its module on no
+``spec.fp8_keep`` pattern) is left to that pass; a GEMM the FP8 keep-list keeps bf16 is fused.
 """
 from __future__ import annotations
 
 import torch
 from torch import fx
 
+import fnmatch
+import math
+
 from passes._graph import copy_meta, fake_eval, finish, op_name
 from passes.base import PassResult, PassSpec, Skip
+from passes.calibrate import source_module
 from passes.fp8_numerics import FP8_MULTIPLE
 
 NAME = "fuse_epilogue"
@@ -39,6 +53,16 @@ _RESHAPE = torch.ops.aten.reshape.default
 _T = torch.ops.aten.t.default
 _SYM_SIZE = torch.ops.aten.sym_size.int
 _SLICE = torch.ops.aten.slice.Tensor
+_ADDMM = torch.ops.aten.addmm.default
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
+_MUL = torch.ops.aten.mul.Tensor
+_ADD = torch.ops.aten.add.Tensor
+_TANH = torch.ops.aten.tanh.default
+_POW = torch.ops.aten.pow.Tensor_Scalar
+#: The constants of the tanh approximation of GELU: sqrt(2 / pi) and the cubic coefficient (Hendrycks & Gimpel,
+#: "Gaussian Error Linear Units", 2016; transformers' NewGELUActivation uses the same).
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_CUBIC = 0.044715
 
 
 def fuse_epilogue(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
@@ -59,26 +83,27 @@ def fuse_epilogue(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
     result = PassResult(name=NAME, graph_module=gm)
     acts: dict[str, str] = {}
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target != _LINEAR:
+        gemm = _gemm(node)
+        if gemm is None or len(node.users) != 1:
             continue
-        # The linear's output must reach exactly one activation, directly or through pad_linear's slice.
-        if len(node.users) != 1:
-            continue
+        # The GEMM's output must reach exactly one activation, directly or through one slice / view.
+        between, y = None, node
         user = next(iter(node.users))
-        sliced = None
-        if user.target == _SLICE and _is_last_dim_prefix(user) and len(user.users) == 1:
-            sliced, user = user, next(iter(user.users))
-        if user.op != "call_function" or op_name(user) not in ("relu", "gelu"):
+        if (user.target == _SLICE and gemm == "linear" and _is_last_dim_prefix(user)) or \
+                (user.target in _VIEWS and gemm == "addmm"):
+            between, y = user, user
+        act, formula = _activation_site(y)
+        if act is None:
             continue
-        kind, reason = _activation(user, spec)
+        kind, reason = _activation(act, spec, formula)
         if reason is None:
-            reason = _operands_reason(node)
-        if reason is None and spec.precision == "fp8" and _fp8_eligible(node):
+            reason = _operands_reason(node, gemm)
+        if reason is None and spec.precision == "fp8" and _fp8_bound(node, gemm, spec):
             reason = "precision fp8: left for cast_fp8_linears (an FP8 GEMM beats the bf16 epilogue)"
         if reason is not None:
             result.skipped.append(Skip(node.name, reason))
             continue
-        fused = _rewrite(gm, node, sliced, user, kind)
+        fused = _rewrite(gm, node, gemm, between, act, formula, kind)
         acts[fused.name] = kind
         result.changed.append(fused.name)
         result.count += 1
@@ -86,6 +111,87 @@ def fuse_epilogue(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         result.notes["activations"] = acts
         finish(gm)
     return result
+
+
+def _gemm(node: fx.Node) -> str | None:
+    """``"linear"`` for ``aten.linear``, ``"addmm"`` for ``aten.addmm(b, x, W)`` with a ``get_attr`` ``W``
+    (``Conv1D``), else None (an activation @ activation product has no weight to fuse against)."""
+    if node.op != "call_function":
+        return None
+    if node.target == _LINEAR:
+        return "linear"
+    if node.target == _ADDMM and len(node.args) >= 3 and isinstance(node.args[2], fx.Node) \
+            and node.args[2].op == "get_attr":
+        return "addmm"
+    return None
+
+
+def _activation_site(y: fx.Node) -> tuple[fx.Node | None, list[fx.Node]]:
+    """The activation applied to ``y`` and nothing else: ``(relu/gelu node, [])``, ``(root, nodes)`` for the
+    written-out tanh GELU (``root`` its last ``mul``, ``nodes`` every node of the formula), or ``(None, [])``."""
+    users = list(y.users)
+    if len(users) == 1 and users[0].op == "call_function" and op_name(users[0]) in ("relu", "gelu"):
+        return users[0], []
+    formula = _tanh_gelu_formula(y)
+    return (formula[-1], formula) if formula else (None, [])
+
+
+def _const(v, want: float) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isclose(float(v), want, rel_tol=1e-6)
+
+
+def _split(node: fx.Node, target, want: float | None = None) -> tuple | None:
+    """The operands of a binary ``node`` with ``target``; with ``want``, ``(tensor operand, constant)`` in
+    either order, else None."""
+    if node.op != "call_function" or node.target != target or len(node.args) != 2 or node.kwargs:
+        return None
+    a, b = node.args
+    if want is None:
+        return a, b
+    if _const(b, want) and isinstance(a, fx.Node):
+        return a, b
+    if _const(a, want) and isinstance(b, fx.Node):
+        return b, a
+    return None
+
+
+def _only_user(node: fx.Node) -> fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _tanh_gelu_formula(y: fx.Node) -> list[fx.Node]:
+    """The nodes of ``0.5 * y * (1 + tanh(sqrt(2/pi) * (y + 0.044715 * y**3)))`` computed on ``y``, the result
+    last, when ``y`` feeds only them and they read nothing else; else ``[]``."""
+    users = list(y.users)
+    if len(users) != 3:
+        return []
+    half = next((u for u in users if (m := _split(u, _MUL, 0.5)) and m[0] is y), None)
+    cube = next((u for u in users if u.op == "call_function" and u.target == _POW and len(u.args) == 2
+                 and u.args[0] is y and _const(u.args[1], 3.0)), None)
+    inner = next((u for u in users if (a := _split(u, _ADD)) and any(o is y for o in a)), None)
+    if half is None or cube is None or inner is None:
+        return []
+    scaled = _only_user(cube)
+    if scaled is None or (m := _split(scaled, _MUL, _CUBIC)) is None or m[0] is not cube:
+        return []
+    a = _split(inner, _ADD)
+    if not ((a[0] is y and a[1] is scaled) or (a[0] is scaled and a[1] is y)) or _only_user(scaled) is not inner:
+        return []
+    arg = _only_user(inner)
+    if arg is None or (m := _split(arg, _MUL, _SQRT_2_OVER_PI)) is None or m[0] is not inner:
+        return []
+    tanh = _only_user(arg)
+    if tanh is None or tanh.op != "call_function" or tanh.target != _TANH:
+        return []
+    one_plus = _only_user(tanh)
+    if one_plus is None or (m := _split(one_plus, _ADD, 1.0)) is None or m[0] is not tanh:
+        return []
+    root = _only_user(one_plus)
+    r = _split(root, _MUL) if root is not None else None
+    if r is None or not ((r[0] is half and r[1] is one_plus) or (r[0] is one_plus and r[1] is half)) \
+            or _only_user(half) is not root:
+        return []
+    return [half, cube, scaled, inner, arg, tanh, one_plus, root]
 
 
 def _is_last_dim_prefix(node: fx.Node) -> bool:
@@ -98,72 +204,103 @@ def _is_last_dim_prefix(node: fx.Node) -> bool:
     return isinstance(dim, int) and dim % val.dim() == val.dim() - 1 and start == 0 and step == 1
 
 
-def _fp8_eligible(linear: fx.Node) -> bool:
-    """K and N of ``linear``'s weight are multiples of ``FP8_MULTIPLE`` (16: what cast_fp8_linears needs)."""
-    w = linear.args[1].meta.get("val") if isinstance(linear.args[1], fx.Node) else None
-    return isinstance(w, torch.Tensor) and w.dim() == 2 and all(int(d) % FP8_MULTIPLE == 0 for d in w.shape)
+def _fp8_bound(gemm_node: fx.Node, gemm: str, spec: PassSpec) -> bool:
+    """Whether ``cast_fp8_linears`` will make ``gemm_node`` an FP8 GEMM: K and N multiples of ``FP8_MULTIPLE``
+    (16) and its source module on no ``spec.fp8_keep`` pattern (the keep-list keeps it bf16)."""
+    w = gemm_node.args[1] if gemm == "linear" else gemm_node.args[2]
+    val = w.meta.get("val") if isinstance(w, fx.Node) else None
+    if not (isinstance(val, torch.Tensor) and val.dim() == 2 and all(int(d) % FP8_MULTIPLE == 0 for d in val.shape)):
+        return False
+    module = source_module(gemm_node) or gemm_node.name
+    return not any(fnmatch.fnmatchcase(module, p) for p in spec.fp8_keep)
 
 
-def _activation(act: fx.Node, spec: PassSpec) -> tuple[str, str | None]:
-    """``(kind, None)`` when the epilogue computes ``act`` exactly on ``spec``'s target, else ``("", reason)``."""
+def _activation(act: fx.Node, spec: PassSpec, formula: list[fx.Node] = ()) -> tuple[str, str | None]:
+    """``(kind, None)`` when the epilogue computes ``act`` exactly on ``spec``'s target, else ``("", reason)``.
+    ``formula``: the nodes of a written-out tanh GELU whose result is ``act`` (empty for a relu / gelu node)."""
     if spec.training:
         return "", "training: aten._addmm_activation has no autograd derivative"
-    if op_name(act) == "relu":
-        return "relu", None
-    approximate = act.args[1] if len(act.args) > 1 else act.kwargs.get("approximate", "none")
-    if approximate != "tanh":
-        return "", f"gelu approximate={approximate!r}: the cuBLASLt GELU epilogue is the tanh approximation"
+    if not formula:
+        if op_name(act) == "relu":
+            return "relu", None
+        approximate = act.args[1] if len(act.args) > 1 else act.kwargs.get("approximate", "none")
+        if approximate != "tanh":
+            return "", f"gelu approximate={approximate!r}: the cuBLASLt GELU epilogue is the tanh approximation"
     if spec.arch.lower() == "cpu":
         return "", "gelu tanh on CPU: aten._addmm_activation computes erf GELU there"
-    val = act.meta.get("val")
-    if not isinstance(val, torch.Tensor) or val.device.type != "cuda":
+    if not _on_cuda(act):
         # A GPU target planned on a CPU graph (--target h100 on a CPU machine) still runs on the CPU.
         return "", "gelu tanh on a CPU tensor: aten._addmm_activation computes erf GELU there"
     return "gelu_tanh", None
 
 
-def _operands_reason(linear: fx.Node) -> str | None:
-    x, w = linear.args[0], linear.args[1]
-    b = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
+def _on_cuda(node: fx.Node) -> bool:
+    """Whether ``node``'s value lives on a CUDA device (its ``meta["val"]``)."""
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.device.type == "cuda"
+
+
+def _operands_reason(node: fx.Node, gemm: str) -> str | None:
+    if gemm == "linear":
+        x, w = node.args[0], node.args[1]
+        b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    else:
+        b, x, w = node.args[:3]
+        if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+            return "addmm with beta or alpha other than 1"
     if b is None:
         return "linear has no bias (the epilogue op needs one)"
     vals = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in (x, w, b)]
     if not all(isinstance(v, torch.Tensor) for v in vals):
         return "no shape metadata on the linear's operands"
     xv, wv, bv = vals
-    if wv.dim() != 2 or bv.dim() != 1 or xv.dim() < 2:
+    if gemm == "linear" and (wv.dim() != 2 or bv.dim() != 1 or xv.dim() < 2):
         return "linear operands are not x (..., K), W (N, K), b (N,)"
+    if gemm == "addmm" and (wv.dim() != 2 or xv.dim() != 2 or tuple(bv.shape) != (wv.shape[1],)):
+        return "addmm operands are not b (N,), x (M, K), W (K, N)"
     if not (xv.dtype == wv.dtype == bv.dtype):
         return "linear operands have different dtypes"
     return None
 
 
-def _rewrite(gm: fx.GraphModule, linear: fx.Node, sliced: fx.Node | None, act: fx.Node, kind: str) -> fx.Node:
+def _rewrite(gm: fx.GraphModule, node: fx.Node, gemm: str, between: fx.Node | None, act: fx.Node,
+             formula: list[fx.Node], kind: str) -> fx.Node:
+    """Replace ``act(between(node))`` by ``between(_addmm_activation(...))``; returns the fused node."""
     graph = gm.graph
-    x, w, b = linear.args[0], linear.args[1], linear.args[2] if len(linear.args) > 2 else linear.kwargs["bias"]
-    xv = x.meta["val"]
-    n_out = w.meta["val"].shape[0]
-    with graph.inserting_before(linear):
-        x2d = x
-        if xv.dim() != 2:
-            x2d = graph.call_function(_RESHAPE, (x, [-1, int(w.meta["val"].shape[1])]))
-            copy_meta(x, x2d, fake_eval(_RESHAPE, x2d.args))
-        wt = graph.call_function(_T, (w,))
-        copy_meta(w, wt, fake_eval(_T, wt.args))
-        fused = graph.call_function(_ADDMM_ACT, (b, x2d, wt), {"use_gelu": kind == "gelu_tanh"})
-        copy_meta(linear, fused, fake_eval(_ADDMM_ACT, fused.args, fused.kwargs))
+    use_gelu = {"use_gelu": kind == "gelu_tanh"}
+    if gemm == "addmm":
+        b, x2d, w = node.args[:3]
+        with graph.inserting_before(node):
+            fused = graph.call_function(_ADDMM_ACT, (b, x2d, w), use_gelu)
+            copy_meta(node, fused, fake_eval(_ADDMM_ACT, fused.args, fused.kwargs))
         out = fused
-        if xv.dim() != 2:
-            out = graph.call_function(_RESHAPE, (fused, [*_leading_sizes(graph, x, xv), n_out]))
-            copy_meta(act, out, linear.meta.get("val"))
-    if sliced is not None:
-        # act(slice(linear)) == slice(act(linear)): keep the slice, now after the fused op.
-        sliced.replace_input_with(linear, out)
-        act.replace_all_uses_with(sliced)
+    else:
+        x, w, b = node.args[0], node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs["bias"]
+        xv = x.meta["val"]
+        n_out = w.meta["val"].shape[0]
+        with graph.inserting_before(node):
+            x2d = x
+            if xv.dim() != 2:
+                x2d = graph.call_function(_RESHAPE, (x, [-1, int(w.meta["val"].shape[1])]))
+                copy_meta(x, x2d, fake_eval(_RESHAPE, x2d.args))
+            wt = graph.call_function(_T, (w,))
+            copy_meta(w, wt, fake_eval(_T, wt.args))
+            fused = graph.call_function(_ADDMM_ACT, (b, x2d, wt), use_gelu)
+            copy_meta(node, fused, fake_eval(_ADDMM_ACT, fused.args, fused.kwargs))
+            out = fused
+            if xv.dim() != 2:
+                out = graph.call_function(_RESHAPE, (fused, [*_leading_sizes(graph, x, xv), n_out]))
+                copy_meta(act, out, node.meta.get("val"))
+    if between is not None:
+        # act(slice(linear)) == slice(act(linear)) and act(view(addmm)) == view(act(addmm)): the slice / view
+        # stays, now after the fused op.
+        between.replace_input_with(node, out)
+        act.replace_all_uses_with(between)
     else:
         act.replace_all_uses_with(out)
-    graph.erase_node(act)
-    graph.erase_node(linear)
+    for dead in reversed(formula or [act]):
+        graph.erase_node(dead)
+    graph.erase_node(node)
     return fused
 
 

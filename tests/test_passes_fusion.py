@@ -310,3 +310,128 @@ def test_fuse_qkv_refuses_outputs_read_through_as_strided():
     assert len(result.skipped) == 3
     assert all("through aten.as_strided with strides fixed at capture" in s.reason for s in result.skipped)
     zoo.assert_matches_eager(model, gm, (torch.randn(5, 8, 16),), "fp32")
+
+
+# ------------------------------------------------- fuse_epilogue: Conv1D addmm + written-out tanh GELU (GPT-2)
+
+
+def _reference_interpret(gm: torch.fx.GraphModule, *args):
+    """Run ``gm`` with ``_addmm_activation(use_gelu=True)`` computed as the CUDA epilogue does (tanh GELU), so
+    the rewrite's structure can be checked for parity on the CPU, where the op computes erf GELU."""
+
+    class Ref(torch.fx.Interpreter):
+        def call_function(self, target, a, kw):
+            if target == ADDMM_ACT:
+                y = torch.addmm(*a[:3])
+                return torch.nn.functional.gelu(y, approximate="tanh") if kw.get("use_gelu") else torch.relu(y)
+            return super().call_function(target, a, kw)
+
+    with torch.no_grad():
+        return Ref(gm).run(*args)
+
+
+def _as_if_on_cuda(monkeypatch):
+    """The tanh-GELU epilogue is fused only for CUDA tensors; the CPU tests check the rewrite's structure."""
+    import sys
+
+    monkeypatch.setattr(sys.modules["passes.fuse_epilogue"], "_on_cuda", lambda node: True)
+
+
+class Conv1DGelu(nn.Module):
+    """transformers' GPT-2 MLP written out: ``Conv1D`` (``addmm(b, x2d, W (K, N))`` + view) and NewGELU."""
+
+    def __init__(self, k: int = 24, n: int = 40, extra_use: bool = False) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(k, n) / k ** 0.5)
+        self.b = nn.Parameter(torch.randn(n))
+        self.proj = nn.Linear(n, 8)
+        self.extra_use = extra_use
+
+    def forward(self, x):
+        y = torch.addmm(self.b, x.view(-1, x.size(-1)), self.w).view(*x.shape[:-1], -1)
+        import math
+        g = 0.5 * y * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (y + 0.044715 * torch.pow(y, 3.0))))
+        out = self.proj(g)
+        return (out, y.sum()) if self.extra_use else out
+
+
+def test_fuse_epilogue_fuses_gpt2_conv1d_and_new_gelu(monkeypatch):
+    pytest.importorskip("transformers")
+    _as_if_on_cuda(monkeypatch)
+    model, gm, entry = zoo.build("gpt2", batch=2)
+    assert zoo.count_calls(gm, torch.ops.aten.tanh.default) == 2
+
+    result = fuse_epilogue(gm, HOPPER)
+
+    assert result.count == 2 and set(result.notes["activations"].values()) == {"gelu_tanh"}
+    assert zoo.count_calls(gm, torch.ops.aten.tanh.default) == 0 and zoo.count_calls(gm, ADDMM_ACT) == 2
+    for node in (n for n in gm.graph.nodes if n.target == ADDMM_ACT):
+        assert node.args[2].target.endswith("mlp.c_fc.weight") and node.kwargs == {"use_gelu": True}
+    ids = entry.example_inputs(3)[0]  # fresh inputs at another batch size
+    with torch.no_grad():
+        torch.testing.assert_close(_reference_interpret(gm, ids), model(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_fuse_epilogue_written_out_gelu_on_a_plain_module(monkeypatch):
+    _as_if_on_cuda(monkeypatch)
+    model = Conv1DGelu().eval()
+    gm = zoo.capture(model, (torch.randn(3, 5, 24),))
+
+    result = fuse_epilogue(gm, HOPPER)
+
+    assert result.count == 1 and zoo.count_calls(gm, torch.ops.aten.pow.Tensor_Scalar) == 0
+    x = torch.randn(4, 5, 24)  # fresh inputs at another batch size (the capture's dynamic dimension)
+    with torch.no_grad():
+        torch.testing.assert_close(_reference_interpret(gm, x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_fuse_epilogue_leaves_a_gemm_whose_output_is_also_read_elsewhere(monkeypatch):
+    _as_if_on_cuda(monkeypatch)
+    gm = zoo.capture(Conv1DGelu(extra_use=True).eval(), (torch.randn(3, 5, 24),))
+    code = gm.code
+
+    result = fuse_epilogue(gm, HOPPER)
+
+    assert result.count == 0 and gm.code == code
+
+
+def test_fuse_epilogue_new_gelu_on_cpu_is_skipped_with_the_reason():
+    gm = zoo.capture(Conv1DGelu().eval(), (torch.randn(3, 5, 24),))
+
+    result = fuse_epilogue(gm, HOPPER)
+
+    assert result.count == 0
+    assert [s.reason for s in result.skipped] == ["gelu tanh on a CPU tensor: aten._addmm_activation computes erf "
+                                                  "GELU there"]
+
+
+def test_fuse_epilogue_at_fp8_fuses_only_the_gemms_the_keep_list_keeps_bf16(monkeypatch):
+    pytest.importorskip("transformers")
+    _as_if_on_cuda(monkeypatch)
+    fp8 = PassSpec(arch="Hopper", precision="fp8")
+    _, gm, _ = zoo.build("gpt2", batch=2)
+    left = fuse_epilogue(gm, fp8)
+    assert left.count == 0 and {s.reason for s in left.skipped} == {
+        "precision fp8: left for cast_fp8_linears (an FP8 GEMM beats the bf16 epilogue)"}
+
+    _, gm, _ = zoo.build("gpt2", batch=2)
+    kept = fuse_epilogue(gm, PassSpec(arch="Hopper", precision="fp8", fp8_keep=("gpt2.transformer.h.0.mlp.c_fc",)))
+    assert kept.count == 1 and len(kept.skipped) == 1
+    (node,) = [n for n in gm.graph.nodes if n.target == ADDMM_ACT]
+    assert node.args[2].target == "gpt2.transformer.h.0.mlp.c_fc.weight"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (cuBLASLt GELU epilogue)")
+def test_fuse_epilogue_gpt2_on_cuda_with_parity():
+    pytest.importorskip("transformers")
+    model, _, entry = zoo.build("gpt2")
+    model = model.cuda()
+    gm = zoo.capture(model, tuple(t.cuda() for t in entry.example_inputs(3)))
+
+    result = fuse_epilogue(gm, HOPPER)
+
+    assert result.count == 2
+    ids = entry.example_inputs(4)[0].cuda()
+    with torch.no_grad():
+        torch.testing.assert_close(gm(ids), model(ids), rtol=1e-4, atol=1e-4)
