@@ -54,7 +54,7 @@ def _clean(v: Any) -> Any:
 def trial_record(t: optuna.trial.FrozenTrial) -> dict:
     """One row of ``report.json``'s ``trials``."""
     row = {"number": t.number, "state": t.state.name, "params": dict(t.params),
-           "fail_reason": t.user_attrs.get("fail_reason")}
+           "fail_reason": t.user_attrs.get("fail_reason"), "fail_kind": t.user_attrs.get("fail_kind")}
     for k in TRIAL_FIELDS:
         row[k] = t.user_attrs.get(k)
     row["feasible"] = is_feasible(t)
@@ -383,14 +383,17 @@ def exported_line(r: dict) -> str | None:
 
 def study_counts(study: dict, trials: list[dict] | None = None) -> str:
     """The trial counts of ``report.json``'s ``study`` in words, by state from ``trials`` (its trial rows):
-    "15 trials: 11 complete, 4 stopped early by the pruner" (and "N failed", "N still running" when any; a
+    "15 trials: 11 complete, 4 stopped early by the pruner" (and "N skipped (not run)" for pruned trials
+    whose ``fail_kind`` is ``skipped``, "N failed", "N still running" when any; a
     complete trial can still be over a limit: the trials table says which). Without ``trials``: the totals."""
     n = study.get("n_trials", 0)
     if not trials:
         return f"{n} trials ({study.get('n_complete', 0)} complete)"
-    states = collections.Counter(t.get("state") for t in trials)
+    states = collections.Counter("SKIPPED" if t.get("state") == "PRUNED" and t.get("fail_kind") == "skipped"
+                                 else t.get("state") for t in trials)
     parts = [f"{states.get('COMPLETE', 0)} complete"]
-    for state, words in (("PRUNED", "stopped early by the pruner"), ("FAIL", "failed"), ("RUNNING", "still running")):
+    for state, words in (("PRUNED", "stopped early by the pruner"),
+                         ("SKIPPED", "skipped (not run)"), ("FAIL", "failed"), ("RUNNING", "still running")):
         if states.get(state):
             parts.append(f"{states[state]} {words}")
     return f"{n} trial{'s' if n != 1 else ''}: " + ", ".join(parts)

@@ -85,6 +85,12 @@ def test_pruned_trials_are_not_read_as_failures(tmp_path):
     assert study_counts({"n_trials": 1, "n_complete": 1}, None) == "1 trials (1 complete)"
 
 
+def test_a_skipped_trial_is_not_counted_as_stopped_by_the_pruner():
+    rows = [{"state": "COMPLETE"}, {"state": "PRUNED", "fail_kind": None},
+            {"state": "PRUNED", "fail_kind": "skipped"}, {"state": "PRUNED", "fail_kind": "skipped"}]
+    assert study_counts({"n_trials": 4}, rows) == "4 trials: 1 complete, 1 stopped early by the pruner, 2 skipped (not run)"
+
+
 def test_trial_params_repr_shows_calibration_only_where_it_applies():
     assert repr(TrialParams(batch_size=8, precision="fp32")) == (
         "TrialParams(batch_size=8, precision='fp32', graph_passes=False, runtime='eager', policy='autocast', "

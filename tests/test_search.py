@@ -408,15 +408,48 @@ def test_enumerated_space_says_how_many_trials_run_then_that_all_are_measured(ti
     # the plain baselines ran first (not counted in --trials): they measured some of the candidates
     left = n - len({json.dumps(tr.params, sort_keys=True) for tr in study.trials if tr.user_attrs.get("baseline")})
     assert 0 < left < n
-    assert f"this search space has {n} candidates, {left} not measured yet: at most {left} searched trials run" \
-        in caplog.text
+    assert (f"this search space has {n} candidates, {left} not tried yet ({n - left} measured so far): at most "
+            f"{left} searched trials run") in caplog.text
     assert "--trials" not in caplog.text  # the library names no flag (the user may not have given one)
     before = len(study.trials)
     caplog.clear()
     with caplog.at_level("INFO", logger="tctune"):
         study = tuner(tiny, tmp_path, trials=50).run()
-    assert f"all {n} candidates of this search space are already measured" in caplog.text
+    assert f"all {n} candidates of this search space were already tried ({n} measured)" in caplog.text
     assert len(study.trials) == before  # nothing added
+
+
+def test_a_resumed_study_says_a_pruned_candidate_was_stopped_early_not_measured(tiny, tmp_path, caplog):
+    """A pruned trial is final, as in Optuna (its samplers never propose it again), so a resumed run does not run
+    it again; the console and the report call it stopped early by the pruner, never measured."""
+    from optuna.distributions import CategoricalDistribution
+
+    from tctune.report import study_counts, trial_record
+
+    t = tuner(tiny, tmp_path, trials=50)
+    n = t.space_size()
+    study = t.create_study()
+    space = t.space()
+    params = t.candidate(batch_size=16, precision="fp32", graph_passes=True, runtime="eager")
+    study.add_trial(optuna.trial.create_trial(
+        state=optuna.trial.TrialState.PRUNED, params=params, intermediate_values={0: 1.0, 1: 1.0},
+        distributions={k: CategoricalDistribution(space[k]) for k in params},
+        user_attrs={"fail_reason": "stopped early: 1 items/s after 2 repeat(s), in the slowest quarter"}))
+    with caplog.at_level("INFO", logger="tctune"):
+        study = t.run()
+    key = json.dumps(params, sort_keys=True)
+    assert sum(json.dumps(tr.params, sort_keys=True) == key for tr in study.trials) == 1  # not run again
+    assert f"every one of the {n} candidates of this search space was tried: {n - 1} measured, 1 stopped early " \
+           "by the pruner (a partial measurement" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="tctune"):
+        study = tuner(tiny, tmp_path, trials=50).run()
+    assert f"all {n} candidates of this search space were already tried ({n - 1} measured, 1 stopped early by " \
+           "the pruner" in caplog.text
+    assert "are already measured" not in caplog.text
+    rows = [trial_record(tr) for tr in study.trials]
+    counts = study_counts({"n_trials": len(rows)}, rows)
+    assert "1 stopped early by the pruner" in counts and "skipped" not in counts
 
 
 def test_noise_line_names_its_two_trials_and_is_not_said_when_the_best_is_the_baseline():

@@ -41,9 +41,9 @@ from .baselines import (SIDE_BY_SIDE_BLOCK_S, SIDE_BY_SIDE_ROUNDS, Baseline, Clo
                         compile_baseline, plain_baselines, preference)
 from .evaluate import Evaluator, InferenceEvaluator
 from .results import (best_trial, confirmed_throughputs, constraint_checks, counts_as_measured, fail, failure_kind, first_line,
-                      is_feasible, objective_values)
+                      is_feasible, objective_values, outcome_words)
 from .space import SearchSpace, fp8_fast_accum_choices
-from .storage import fail_interrupted, measured, open_study, retry_interrupted
+from .storage import fail_interrupted, measured, open_study, outcome_counts, retry_interrupted
 from .train import TrainingEvaluator
 
 log = logging.getLogger("tctune")
@@ -501,12 +501,14 @@ class Tuner:
             if self.space_size() <= BRUTE_FORCE_MAX:  # an enumerated space ends when every candidate is measured
                 left = self.space_size() - len(self.measured(study))
                 if left <= 0:
-                    log.info("all %d candidates of this search space are already measured; nothing to add "
-                             "(widen --batch-sizes or --runtimes to search more)", self.space_size())
+                    log.info("all %d candidates of this search space were already tried (%s); nothing to add "
+                             "(widen --batch-sizes or --runtimes to search more)", self.space_size(),
+                             outcome_words(outcome_counts(study)))
                     total = 0
                 elif left < total:
-                    log.info("this search space has %d candidates, %d not measured yet: at most %d searched "
-                             "trials run", self.space_size(), left, left)
+                    log.info("this search space has %d candidates, %d not tried yet (%s so far): at most %d "
+                             "searched trials run", self.space_size(), left, outcome_words(outcome_counts(study)),
+                             left)
             optimize(total)
         except KeyboardInterrupt:
             self.interrupted = True
@@ -517,7 +519,8 @@ class Tuner:
             if bar is not None:
                 bar.close()
         if self.space_size() <= BRUTE_FORCE_MAX and len(self.measured(study)) >= self.space_size():
-            log.info("every one of the %d candidates of this search space is measured", self.space_size())
+            log.info("every one of the %d candidates of this search space was tried: %s", self.space_size(),
+                     outcome_words(outcome_counts(study)))
         if not self.interrupted and not self.cfg.worker:
             if self.cfg.objective == "throughput":
                 self.confirm(study)
