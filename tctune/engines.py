@@ -330,11 +330,12 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
             "batch_sizes": sizes, "batch_range_note": lo_note, "formats": results}
 
 
-def _failed(out: Path, fmt: str, exc: BaseException, path: Path, since: float) -> dict[str, Any]:
+def failed_format(out: Path, fmt: str, exc: BaseException, path: Path, since: float) -> dict[str, Any]:
     """The result entry of a format whose build raised ``exc``: ``status "failed"``, ``error`` (type and first
-    line), ``log`` (``out/tctune_errors.log``, where the full traceback was appended; None when it cannot be
-    written) and ``files`` (``path`` when this build, started at wall-clock time ``since``, left it: a package
-    kept unvalidated)."""
+    line, at most 300 characters), ``log`` (``out/tctune_errors.log``, where the full traceback, chained causes
+    included, was appended under the stage ``export <fmt>``; None when it cannot be written), ``path`` and
+    ``files`` (``path`` when this build, started at wall-clock time ``since`` (Unix seconds), left it: a package
+    kept unvalidated). ``tctune export`` and the export stage of ``tctune optimize`` both record a failure so."""
     error = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
     try:
         where = append_error_log(out, f"export {fmt}", exc)
@@ -344,6 +345,9 @@ def _failed(out: Path, fmt: str, exc: BaseException, path: Path, since: float) -
     left = path.exists() and path.stat().st_mtime >= since
     return {"status": "failed", "error": error, "log": where, "path": str(path) if left else None,
             "files": [str(path)] if left else []}
+
+
+_failed = failed_format
 
 
 def _smallest_batch(mf, device, searched) -> tuple[int, str | None]:

@@ -15,6 +15,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import optuna
@@ -316,6 +317,7 @@ def export_best(tuner: Tuner, params: dict, out: Path,
     if skipped:
         log.info("ONNX validation: %s", skipped)
     make_inputs = lambda b: tuner.mf.inputs(b, tuner.device)  # noqa: E731
+    since = time.time()
     try:
         if fp8 is not None:  # validated at batch 1 too, as `tctune export` does
             info = export_onnx_fp8(fp8.to(tuner.device), make_inputs, out / "model.onnx",
@@ -327,8 +329,13 @@ def export_best(tuner: Tuner, params: dict, out: Path,
                                           batch_sizes=check)
         artifacts.update(info)
     except ExportError as exc:
+        from .engines import failed_format
+
         artifacts.onnx_error = str(exc)
-        (log.warning if warn else log.debug)("ONNX export failed: %s", first_line(exc))
+        # recorded as `tctune export` records it: the full text (chained causes) in OUT/tctune_errors.log
+        artifacts.onnx_failed = failed_format(out, "onnx", exc, out / "model.onnx", since)
+        (log.warning if warn else log.debug)("ONNX export failed: %s (full text in %s)", first_line(exc),
+                                             artifacts.onnx_failed["log"] or "no log: unwritable")
     if fp8 is not None:  # the FP8 errors come from an FP32 twin when onnxruntime cannot run model.onnx itself
         ort_ran_model = (artifacts.onnx_fp8 or {}).get("validated_on") == "model"
         if artifacts.onnx and not ort_ran_model and not artifacts.onnx_fp32:
@@ -693,6 +700,8 @@ def _optimize(tuner: Tuner, mf, hw: HardwareSpec, cfg: TuneConfig, devices: list
         if got is None:
             why = stages.errors[-1]["error"]
             artifacts = Artifacts(onnx_error=f"not exported: {why}", tensorrt_skipped_reason="no ONNX to build from")
+            artifacts.onnx_failed = {"status": "failed", "error": why, "log": stages.errors[-1]["log"],
+                                     "path": None, "files": []}
         else:
             artifacts, passes = got
             why = artifacts.onnx_error or "no ONNX file was written"

@@ -654,8 +654,10 @@ def render_markdown(r: dict) -> str:
         lines.append(f"- ONNX: `{a['onnx']}` (max abs error in onnxruntime vs PyTorch: {_fmt(a.get('onnx_max_abs_error'), '.2e')})")
     fb = a.get("export_fallback")
     stopped = r.get("interrupted")  # the artifacts' "interrupted" notes repeat the line above
-    if (a.get("onnx_error") and not stopped
-            and not (fb and fb.get("best_error") and fb["best_error"] in a["onnx_error"])):
+    said_below = bool(fb and fb.get("best_error") and a.get("onnx_error") and fb["best_error"] in a["onnx_error"])
+    if a.get("onnx_failed") and not said_below:  # the export raised: a failed artifact, its full text in the log
+        lines.append(f"- **ONNX export failed**: {export_failed_line(a)}")
+    elif a.get("onnx_error") and not stopped and not said_below:
         lines.append(f"- ONNX note: {a['onnx_error']}")  # (the fallback line below says it otherwise)
     if a.get("onnx_note"):
         lines.append(f"- ONNX note: {a['onnx_note']}")
@@ -671,14 +673,17 @@ def render_markdown(r: dict) -> str:
         lines.append(f"- Deploy: {where}" + (f" ({a['deploy_reason']})" if a.get("deploy_reason") else ""))
     fb = a.get("export_fallback")
     if fb:
+        why = fb.get("best_error")
+        if (a.get("onnx_failed") or {}).get("log"):
+            why = f"{why}; full text in `{a['onnx_failed']['log']}`"
         if fb.get("exported_trial") is not None:
             lines.append(f"- **The best configuration (trial {fb['best_trial']}) could not be exported** "
-                         f"({fb.get('best_error')}); trial {fb['exported_trial']}, the next best that exports "
+                         f"({why}); trial {fb['exported_trial']}, the next best that exports "
                          f"({_fmt(fb.get('throughput'))} items/s), was exported to `{fb.get('dir')}`")
         else:
             others = list(dict.fromkeys(fb.get("errors") or []))
             lines.append(f"- **The best configuration (trial {fb['best_trial']}) could not be exported** "
-                         f"({fb.get('best_error')}), nor trials {', '.join(map(str, fb.get('tried') or [])) or '-'}"
+                         f"({why}), nor trials {', '.join(map(str, fb.get('tried') or [])) or '-'}"
                          + ("" if not others or others == [fb.get("best_error")] else f" ({'; '.join(others)})"))
     if a.get("tensorrt"):
         lines.append(f"- TensorRT engine: `{a['tensorrt']}`")
@@ -697,6 +702,16 @@ def render_markdown(r: dict) -> str:
             lines.append(f"- {', '.join(e['stage'] for e in es)}: {error}"
                          + (f" (full text: `{es[0]['log']}`)" if es[0].get("log") else ""))
     return "\n".join(lines) + "\n"
+
+
+def export_failed_line(artifacts: dict) -> str | None:
+    """One line on the failed ONNX export of ``report.json``'s ``artifacts`` (its ``onnx_failed`` entry): the error
+    and the log file holding its full text; None when the export did not fail."""
+    f = artifacts.get("onnx_failed")
+    if not f:
+        return None
+    where = f"full text in {f['log']}" if f.get("log") else "the error log could not be written"
+    return f"{f.get('error')} ({where})"
 
 
 def console_summary(report: dict, out: str | Path) -> str:
@@ -747,6 +762,8 @@ def console_summary(report: dict, out: str | Path) -> str:
     else:
         lines.append(f"no configuration qualified: {failure_summary(report.get('trials', []))}")
     a = report.get("artifacts", {})
+    if a.get("onnx_failed"):
+        lines.append(f"ONNX export failed: {export_failed_line(a)}")
     if report.get("interrupted"):
         lines.append("interrupted: finished trials are kept, nothing was exported; run the same command again to resume")
     elif a.get("tensorrt_skipped_reason"):
