@@ -381,6 +381,16 @@ def exported_line(r: dict) -> str | None:
     return f"tctune's rewritten graph at {prec}, as measured (its passes are listed under Graph passes)"
 
 
+def fastest_graph_trial(trials: list[dict]) -> dict | None:
+    """Of ``report.json``'s trial rows, the fastest completed one of tctune's graph (``params.graph_passes``) that
+    recorded its passes: a feasible one when any is, else the fastest rejected one; None when none ran."""
+    ran = [t for t in trials if t.get("state") == "COMPLETE" and (t.get("params") or {}).get("graph_passes")
+           and t.get("passes") and t.get("throughput") is not None]
+    if not ran:
+        return None
+    return max(ran, key=lambda t: (bool(t.get("feasible")), t["throughput"]))
+
+
 def study_counts(study: dict, trials: list[dict] | None = None) -> str:
     """The trial counts of ``report.json``'s ``study`` in words, by state from ``trials`` (its trial rows):
     "15 trials: 11 complete, 4 stopped early by the pruner" (and "N skipped (not run)" for pruned trials
@@ -635,16 +645,32 @@ def render_markdown(r: dict) -> str:
             lines.append(f"| {ps['name']} | {ps['changed']} | {sk}{more} |")
     else:
         lines.append("No graph passes ran for the best configuration.")
+        searched = fastest_graph_trial(r["trials"]) if b and not b["params"].get("graph_passes") else None
+        if searched is not None:
+            p = searched["params"]
+            what = (f"it is a plain baseline ({b.get('label') or b['baseline']})" if b.get("baseline")
+                    else "it runs the model as written")
+            lines += ["", f"The answer is the model without tctune's graph: {what}. What the passes did on the "
+                      f"fastest tctune candidate, trial {searched['number']} ({p.get('precision')}, "
+                      f"{p.get('runtime', 'eager')}, batch {p.get('batch_size')}, {_fmt(searched['throughput'])} "
+                      "items/s" + ("" if searched.get("feasible") else f"; rejected: {searched.get('fail_reason')}")
+                      + "):", "", "| pass | rewrites | failed |", "|---|---|---|"]
+            for ps in searched["passes"]:
+                lines.append(f"| {ps['name']} | {ps.get('changed', '–')} | {ps.get('failed') or ''} |")
+    # setup s: the evaluator's build (tctune's graph: its passes) + runtime setup (CUDA graph capture, Inductor
+    # compile); a column that would read 0.00 on every row (eager training steps) is left out
+    setup = any(round(t.get("setup_s") or 0.0, 2) for t in r["trials"])
     lines += ["", "## Trials", "",
-              "| # | state | precision | graph passes | runtime | batch | items/s | ms/batch | peak MiB | rel. error | int mismatch | top-1 / KL | score (× FP32) | setup s | note |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| # | state | precision | graph passes | runtime | batch | items/s | ms/batch | peak MiB | rel. error | "
+              "int mismatch | top-1 / KL | score (× FP32) | " + ("setup s (passes + compile) | " if setup else "")
+              + "note |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if setup else "") + "---|"]
     for t in r["trials"]:
         p = t["params"]
         graph = ("yes" + (" (pure)" if p.get("policy") == "pure" else "")) if p.get("graph_passes") else "no"
         lines.append(f"| {t['number']} | {t['state'].lower()} | {p.get('precision', '–')} | {graph} | "
                      f"{p.get('runtime', 'eager')} | {p.get('batch_size', '–')} | {_fmt(t['throughput'])} | {_fmt(t['latency_ms'])} | "
                      f"{_fmt(t['peak_memory_mib'], '.0f')} | {_rel_error(t)} | {_mismatch(t)} | {_top1(t)} | {_score(t)} | "
-                     f"{_fmt(t['setup_s'], '.1f')} | {t['fail_reason'] or ''} |")
+                     + (f"{_fmt(t.get('setup_s'), '.2f')} | " if setup else "") + f"{t['fail_reason'] or ''} |")
     if not r.get("interrupted") and r["study"].get("n_queued_not_run"):  # (an interruption says it atop the Result)
         lines += ["", f"{r['study']['n_queued_not_run']} queued candidate(s) were not started (--trials or --timeout "
                       "reached); running the command again measures them."]
