@@ -66,6 +66,23 @@ def _batch_sizes(value) -> tuple:
     return (value,) if isinstance(value, int) else tuple(value)
 
 
+def check_option_names(options: dict, accepted: tuple[str, ...] = ()) -> None:
+    """Raise one ``TypeError`` for the keywords in ``options`` that are neither in :data:`OPTIONS` nor in
+    ``accepted``, naming each with the closest valid keyword (``trails`` → ``did you mean 'trials'?``) and listing
+    the valid ones.
+
+    Raises:
+        TypeError: an unknown keyword.
+    """
+    from .errors import did_you_mean
+
+    valid = [*OPTIONS, *API_OPTIONS]
+    unknown = sorted(set(options) - set(OPTIONS) - set(accepted))
+    if unknown:
+        named = ", ".join(k + did_you_mean(k, valid) for k in unknown)
+        raise TypeError(f"tctune.optimize() got unknown option(s) {named}; valid: {', '.join(valid)}")
+
+
 def tune_config(options: dict, *, out_dir: str | Path, batch_sizes: tuple[int, ...] | None = None):
     """The ``TuneConfig`` of :func:`optimize`'s keyword ``options`` (:data:`OPTIONS`); ``out_dir`` and
     ``batch_sizes`` are the defaults when the options leave them out.
@@ -76,10 +93,7 @@ def tune_config(options: dict, *, out_dir: str | Path, batch_sizes: tuple[int, .
     """
     from .search import TuneConfig
 
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise TypeError(f"tctune.optimize() got unknown option(s) {', '.join(unknown)}; valid: "
-                        f"{', '.join([*OPTIONS, *API_OPTIONS])}")
+    check_option_names(options)
     kw: dict[str, Any] = {"out_dir": str(out_dir)}
     if batch_sizes is not None:
         kw["batch_sizes"] = tuple(batch_sizes)
@@ -151,6 +165,7 @@ def optimize(model, example_inputs=None, /, **options):
     from .optimize import optimize as optimize_file, optimize_model
     from .search import TuneConfig
 
+    check_option_names(options, API_OPTIONS)  # before anything runs: a misspelt keyword is one error, at once
     keep_low = options.pop("keep_low_precision_outputs", None)
     if keep_low is not None:
         wanted = "compute" if keep_low else "fp32"
@@ -234,4 +249,4 @@ def _with_out_dir(tuned, out_dir) -> Any:
     return tuned
 
 
-__all__ = ["API_OPTIONS", "OPTIONS", "optimize", "tune_config"]
+__all__ = ["API_OPTIONS", "OPTIONS", "check_option_names", "optimize", "tune_config"]

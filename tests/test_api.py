@@ -178,6 +178,17 @@ def test_unknown_option_is_a_type_error_naming_the_valid_ones():
         tctune.optimize(torch.nn.Linear(2, 2), (torch.randn(2, 2),), batch_size=4)
 
 
+def test_a_misspelt_option_names_the_closest_one_before_anything_runs(monkeypatch):
+    def never(*a, **k):
+        raise AssertionError("the model was used before the options were checked")
+
+    monkeypatch.setattr("tctune.modelfile.ModelFile.from_module", never)
+    with pytest.raises(TypeError, match=r"unknown option\(s\) trails \(did you mean 'trials'\?\); valid: out, "):
+        tctune.optimize(torch.nn.Linear(2, 2), (torch.randn(2, 2),), trails=4)
+    with pytest.raises(TypeError, match=r"no_exprot \(did you mean 'no_export'\?\)"):
+        tctune.optimize("model.py", no_exprot=True)
+
+
 def test_bad_option_value_names_the_field():
     with pytest.raises(tctune.UsageError) as info:
         tctune.optimize(torch.nn.Linear(2, 2), (torch.randn(2, 2),), trials=0)

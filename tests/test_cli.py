@@ -138,6 +138,19 @@ def test_bad_options(tmp_path, args, match):
     assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("args,said", [
+    (["optimize", "m.py", "--trails", "4"], "tctune optimize: error: unrecognized arguments: --trails (did you mean "
+                                            "--trials?) 4"),
+    (["optimize", "m.py", "--no-exprot"], "unrecognized arguments: --no-exprot (did you mean --no-export?)"),
+    (["export", "m.py", "--config", "c.json", "--formats=onnx"], "unrecognized arguments: --formats=onnx (did you mean --format?)"),
+    (["optimize", "m.py", "--zzzz"], "unrecognized arguments: --zzzz\n"),
+])
+def test_a_misspelt_flag_names_the_closest_flag_of_its_command(args, said, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2 and said in capsys.readouterr().err
+
+
 def test_parse_batch_sizes():
     assert parse_batch_sizes("8,32,128") == (8, 32, 128)
     assert parse_batch_sizes("16-256") == (16, 32, 64, 128, 256)
