@@ -165,7 +165,10 @@ def test_parse_batch_sizes():
                                       ("16-abc", "'abc' is not a positive integer"),
                                       ("-4", "'-4' is not a positive integer"),
                                       ("256-16", "the range must go up, e.g. 16-256"),
-                                      (" , ", "no batch size given")])
+                                      (" , ", "no batch size given"),
+                                      ("8,,32", "entry 2 is empty (two commas in a row, or a comma at an end)"),
+                                      ("8,32,", "entry 3 is empty (two commas in a row, or a comma at an end)"),
+                                      ("8,32,8", "8 given more than once")])
 def test_parse_batch_sizes_names_the_bad_item(text, why):
     with pytest.raises(UsageError) as err:
         parse_batch_sizes(text)
