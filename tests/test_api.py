@@ -141,8 +141,10 @@ def test_callable_example_inputs_and_default_batch_sizes(tmp_path):
     assert _rel(tuned(x), model(x).detach()) <= 1e-2
 
 
-def test_without_out_the_temporary_folder_is_named_and_returned(tmp_path, monkeypatch):
-    """A folder the caller did not choose is said once (a warning) and kept on the returned module."""
+def test_without_out_the_temporary_folder_is_named_and_returned(tmp_path, monkeypatch, capsys):
+    """A folder the caller did not choose is said once (a warning) and kept on the returned module; what the API
+    prints speaks in its keywords (no_export=True), never in the command's flags, and names no ONNX files when
+    nothing is exported."""
     import logging
     import tempfile
 
@@ -161,6 +163,10 @@ def test_without_out_the_temporary_folder_is_named_and_returned(tmp_path, monkey
     assert out.parent == tmp_path and out.name.startswith("tctune_Sequential_") and (out / "report.json").is_file()
     said = [r for r in records if str(out) in r.getMessage()]
     assert len(said) == 1 and "out=" in said[0].getMessage() and said[0].levelno >= logging.WARNING
+    assert "ONNX" not in said[0].getMessage()  # no_export=True: no ONNX file is written
+    printed = capsys.readouterr().out
+    assert "export disabled (no_export=True)" in printed
+    assert not [line for line in [printed, *(r.getMessage() for r in records)] if "--" in line]
 
 
 def test_tuple_inputs_are_resized_along_the_batch():
