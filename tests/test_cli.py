@@ -315,7 +315,8 @@ def test_model_that_cannot_run_in_fp32_is_one_error_before_capture_and_trials(tm
     err = [line for line in r.stderr.splitlines() if not line.startswith("tctune: no NVIDIA GPU")]
     assert err[0].startswith("tctune: error: badln.py: the model raised in FP32 at batch 8: RuntimeError: "
                              "Given normalized_shape=[64]"), r.stderr
-    assert err[1] == "  fix: check build_model and example_inputs: the model must run on example_inputs(8) in FP32"
+    assert err[1] == ("  fix: make forward run on example_inputs(8) in FP32: the error is in forward (or code it calls), "
+                      "or in example_inputs when it builds inputs forward cannot take")
     assert len(err) == 2 and "graph passes disabled" not in r.stderr and "qualified" not in r.stderr
     assert sorted(p.name for p in out.iterdir()) == ["report.json"] and (out / "report.json").read_text() == '{"kept": true}'
 
@@ -337,3 +338,27 @@ def test_fp32_check_runs_the_smallest_batch_only(tmp_path):
     check_fp32_runs(mf.model(), mf, 8, torch.device("cpu"))
     with pytest.raises(ModelFileError, match=r"big_only\.py: the model raised in FP32 at batch 16: ValueError: too big"):
         check_fp32_runs(mf.model(), mf, 16, torch.device("cpu"))
+
+
+def test_a_forward_that_raises_names_the_users_file_and_line(tmp_path):
+    """The error of the model's own forward gives its frame (file:line, function, source line) and a fix naming
+    forward and example_inputs (build_model ran fine: it is not the cause)."""
+    import torch
+
+    from tctune.errors import ModelFileError
+    from tctune.modelfile import load_model_file
+    from tctune.search.loop import check_fp32_runs
+
+    f = tmp_path / "mm.py"
+    f.write_text("import torch\nclass M(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                 "        self.fc = torch.nn.Linear(8, 4)\n    def forward(self, x):\n        y = self.fc(x)\n"
+                 "        return y @ torch.randn(5, 3)\n"
+                 "def build_model():\n    return M()\ndef example_inputs(b):\n    return (torch.randn(b, 8),)\n")
+    mf = load_model_file(f)
+    with pytest.raises(ModelFileError) as info:
+        check_fp32_runs(mf.model(), mf, 4, torch.device("cpu"))
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith("mm.py: the model raised in FP32 at batch 4: RuntimeError: mat1 and mat2 shapes")
+    assert lines[1] == f"  at {f}:8 in forward: return y @ torch.randn(5, 3)"
+    assert "forward" in lines[2] and "example_inputs(4)" in lines[2] and "build_model" not in str(info.value)
+

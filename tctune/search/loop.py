@@ -80,11 +80,37 @@ def check_fp32_runs(model: torch.nn.Module, mf: ModelFile, batch_size: int, devi
         release_memory(device)
         if is_oom(exc):
             return
-        what = "build_model and example_inputs" if mf.path.suffix == ".py" else "the model and its example inputs"
+        where = user_frame(exc, mf.path)
         raise ModelFileError(
             f"{mf.path.name}: the model raised in FP32 at batch {batch_size}: {type(exc).__name__}: "
-            f"{first_line(exc)}\n  fix: check {what}: the model must run on example_inputs({batch_size}) in FP32"
+            f"{first_line(exc)}" + (f"\n  at {where}" if where else "")
+            + f"\n  fix: make forward run on example_inputs({batch_size}) in FP32: the error is in forward (or code it "
+            "calls), or in example_inputs when it builds inputs forward cannot take"
         ) from exc
+
+
+def user_frame(exc: BaseException, prefer: Path | None = None) -> str | None:
+    """Where the user's code raised ``exc``: ``"FILE:LINE in FUNCTION: SOURCE LINE"`` of the innermost frame of
+    its traceback in ``prefer`` (the model file), else of the innermost frame outside torch, tctune, ``passes``
+    and Python's standard library (a live module's own file); None when there is none (the error came from
+    torch itself, e.g. a C++ kernel, with no user frame on the way)."""
+    import sysconfig
+    import traceback
+
+    import passes
+
+    skip = [str(Path(m.__file__).resolve().parent) for m in (torch, passes)]
+    skip.append(str(Path(__file__).resolve().parents[1]))  # tctune/
+    skip.append(str(Path(sysconfig.get_paths()["stdlib"]).resolve()))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<")]
+    where = {id(f): str(Path(f.filename).resolve()) for f in frames}
+    target = str(Path(prefer).resolve()) if prefer is not None and Path(prefer).suffix == ".py" else None
+    mine = ([f for f in frames if where[id(f)] == target]
+            or [f for f in frames if not any(where[id(f)].startswith(d) for d in skip)])
+    if not mine:
+        return None
+    f = mine[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}" + (f": {f.line.strip()}" if f.line else "")
 
 
 def recorded_fp8(t) -> dict:
