@@ -95,11 +95,21 @@ def worker_command(model_path: str | Path, cfg: TuneConfig) -> list[str]:
     return [sys.executable, "-m", "tctune", "optimize", str(model_path), "--worker-config", cfg.to_json()]
 
 
-def write_onnx_runners(tuner: Tuner, params: dict, artifacts: Artifacts, graph: torch.nn.Module) -> None:
-    """A manifest and ``runner.py`` beside each ONNX file, so ``tctune bench`` and the runner can time it."""
+def write_onnx_runners(tuner: Tuner, params: dict, artifacts: Artifacts, graph: torch.nn.Module,
+                       key_graph: torch.nn.Module | None = None, fp8: bool = False) -> None:
+    """A manifest and ``runner.py`` beside each ONNX file, so ``tctune bench`` and the runner can time it.
+
+    ``model.onnx``'s manifest also carries the cache key ``tctune export`` checks
+    (:func:`tctune.engines.artifact_cache_key` of ``key_graph``, the trial's export graph, :attr:`ExportGraphs.graph`;
+    ``fp8``: the file is the FP8 Q/DQ ONNX) and the build's result, so the first ``tctune export`` of the same
+    configuration reuses the file instead of rebuilding it. Its ``batch_sizes`` are those the file claims
+    (``min``: ``artifacts.batch_range["min"]``) and was validated for, as ``tctune export`` writes them."""
+    from .engines import _summary, artifact_cache_key, key_inputs
     from .export.runner import describe_inputs, write_runner
 
     sizes = sorted(tuner.cfg.batch_sizes)
+    lo = (artifacts.details.get("batch_range") or {}).get("min") or sizes[0]
+    claimed = {"min": lo, "opt": params["batch_size"], "max": sizes[-1]}
     for key, precision in (("onnx", params["precision"]), ("onnx_fp32", "fp32")):
         path = getattr(artifacts, key)
         if not path or (key == "onnx" and not artifacts.onnx_inputs):
@@ -109,8 +119,12 @@ def write_onnx_runners(tuner: Tuner, params: dict, artifacts: Artifacts, graph: 
             inputs = describe_inputs(graph, lambda b: tuner.mf.inputs(b, "cpu"), names, (2, 3))
             manifest = {"model": tuner.mf.name, "model_file": str(tuner.mf.path), "precision": precision,
                         "format": "onnx", "artifact": Path(path).name, "device": "cpu", "inputs": inputs,
-                        "batch_sizes": {"min": sizes[0], "opt": params["batch_size"], "max": sizes[-1]},
-                        "written_by": "tctune optimize"}
+                        "batch_sizes": claimed, "written_by": "tctune optimize"}
+            if key == "onnx" and key_graph is not None:  # what `tctune export` checks before rebuilding model.onnx
+                manifest["cache_key"] = artifact_cache_key(
+                    key_graph, "onnx", precision=params["precision"], sizes=claimed, hw=tuner.hw, device=tuner.device,
+                    inputs=key_inputs(key_graph, tuner.mf, sizes[-1]), fp8=fp8)
+                manifest["result"] = _summary(artifacts.to_dict(), "onnx")
             if key == "onnx" and artifacts.onnx_note:
                 manifest["note"] = artifacts.onnx_note  # e.g. FP8: static activation scales, how validated
             if artifacts.deploy is not None:  # which file to run where; the runner names it on a load failure
@@ -353,7 +367,7 @@ def export_best(tuner: Tuner, params: dict, out: Path,
         artifacts.update(deployment(artifacts.to_dict()))
         if trial.fp8_fast_accum and artifacts.onnx:
             artifacts.onnx_note = " ".join(filter(None, (artifacts.onnx_note, FAST_ACCUM_ONNX_NOTE)))
-    write_onnx_runners(tuner, params, artifacts, g)
+    write_onnx_runners(tuner, params, artifacts, g, key_graph=graphs.graph.to(tuner.device), fp8=fp8 is not None)
     ok, reason = tensorrt_available()
     trt_source = (artifacts.deploy or {}).get("tensorrt")
     if not trt_source:

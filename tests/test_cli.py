@@ -45,6 +45,22 @@ def test_bench_times_the_onnx_optimize_wrote(seed_run):
     assert row["batch_size"] == 4 and row["throughput"] > 0 and row["artifact"] == onnx.name
 
 
+def test_the_first_export_after_optimize_reuses_its_onnx_and_runner(seed_run):
+    """optimize's model.onnx manifest carries the cache key `tctune export` checks: exporting the same
+    configuration reuses the file (no rebuild) and leaves runner.py as it was."""
+    out, _ = seed_run
+    manifest = json.loads((out / "model.onnx.manifest.json").read_text())
+    assert manifest["cache_key"]["format"] == "onnx" and manifest["cache_key"]["digest"]
+    before = {name: (out / name).read_bytes() for name in ("model.onnx", "runner.py")}
+    stamps = {name: (out / name).stat().st_mtime_ns for name in before}
+    r = run_cli("export", SEED_CNN, "--config", out / "best_config.json", "--format", "onnx", "--json")
+    assert r.returncode == 0, r.stderr
+    onnx = json.loads(r.stdout)["formats"]["onnx"]
+    assert onnx["status"] == "reused" and onnx["files"] == []
+    assert {name: (out / name).read_bytes() for name in before} == before
+    assert {name: (out / name).stat().st_mtime_ns for name in before} == stamps
+
+
 def test_report_json_has_the_documented_fields(seed_run):
     out, _ = seed_run
     r = json.loads((out / "report.json").read_text())

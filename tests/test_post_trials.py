@@ -142,7 +142,7 @@ def test_an_onnx_failure_in_optimize_is_logged_in_full_named_and_exits_1(model, 
     assert failed["error"].startswith("ExportError: torch.onnx.export (dynamo) failed for model.onnx")
     assert not report["post_errors"]  # recorded as the export's result, not as a crashed stage
     printed = capsys.readouterr()
-    assert f"ONNX export failed: ExportError: torch.onnx.export (dynamo) failed" in printed.out
+    assert "ONNX export failed: ExportError: torch.onnx.export (dynamo) failed" in printed.out
     assert f"(full text in {log_file})" in printed.out
     assert f"full text in `{log_file}`" in (out / "report.md").read_text()
 
