@@ -508,3 +508,23 @@ def test_a_candidates_setup_time_is_its_build_plus_its_runtime_setup(tiny, tmp_p
     t = tuner(tiny, tmp_path)
     m = t.evaluate(t.candidate(batch_size=4, precision="fp32", graph_passes=True, runtime="eager"))
     assert m["compile_s"] == 0.0 and m["build_s"] > 0 and m["setup_s"] == m["build_s"] + m["compile_s"]
+
+
+def test_a_model_that_fails_at_one_batch_size_is_counted_honestly(tmp_path, caplog):
+    """The candidates at the batch size the model cannot run fail; the closing line counts them as failed, not as
+    measured (it said "every one of the N candidates ... is measured")."""
+    from tctune.search.storage import outcome_counts
+
+    f = tmp_path / "small_only.py"
+    f.write_text("import torch\nclass M(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                 "        self.fc = torch.nn.Linear(6, 3)\n    def forward(self, x):\n"
+                 "        if x.shape[0] > 8:\n            raise ValueError('at most 8 rows')\n        return self.fc(x)\n"
+                 "def build_model():\n    return M()\ndef example_inputs(b):\n    return (torch.randn(b, 6),)\n")
+    t = tuner(f, tmp_path, trials=50)
+    with caplog.at_level("INFO", logger="tctune"):
+        study = t.run()
+    counts = outcome_counts(study)
+    assert counts["failed"] >= 1 and counts["measured"] >= 1
+    words = f"{counts['measured']} measured, {counts['failed']} failed"
+    assert f"every one of the {t.space_size()} candidates of this search space was tried: {words}" in caplog.text
+    assert "is measured" not in caplog.text
