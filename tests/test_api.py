@@ -455,5 +455,8 @@ def test_the_winner_summary_is_printed_as_the_command_prints_it_unless_quiet(tmp
     assert summary.startswith("best: ") and f"report: {tmp_path / 'o' / 'report.md'}" in summary
     if quiet:
         assert "best: " not in printed and "report: " not in printed
-    else:
-        assert printed.count(summary) == 1, printed
+    else:  # the command's summary, in the API's terms (no_export=True where the command says --no-export)
+        from tctune.api import api_words
+
+        assert printed.count(api_words(summary)) == 1, printed
+        assert "--no-export" in summary and "--no-export" not in printed
