@@ -657,12 +657,12 @@ def render_markdown(r: dict) -> str:
                       + "):", "", "| pass | rewrites | failed |", "|---|---|---|"]
             for ps in searched["passes"]:
                 lines.append(f"| {ps['name']} | {ps.get('changed', '–')} | {ps.get('failed') or ''} |")
-    # setup s: the evaluator's build (tctune's graph: its passes) + runtime setup (CUDA graph capture, Inductor
-    # compile); a column that would read 0.00 on every row (eager training steps) is left out
+    # setup s: the evaluator's build (tctune's graph: its passes; a cast model: its copy) + runtime setup (CUDA
+    # graph capture, Inductor compile); a column that would read 0.00 on every row (eager training) is left out
     setup = any(round(t.get("setup_s") or 0.0, 2) for t in r["trials"])
     lines += ["", "## Trials", "",
               "| # | state | precision | graph passes | runtime | batch | items/s | ms/batch | peak MiB | rel. error | "
-              "int mismatch | top-1 / KL | score (× FP32) | " + ("setup s (passes + compile) | " if setup else "")
+              "int mismatch | top-1 / KL | score (× FP32) | " + ("setup s (build + compile) | " if setup else "")
               + "note |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if setup else "") + "---|"]
     for t in r["trials"]:
         p = t["params"]

@@ -186,6 +186,6 @@ def test_a_winning_plain_baseline_still_shows_what_the_passes_did_on_the_fastest
 def test_the_setup_column_holds_each_trials_build_and_compile_seconds_or_is_left_out():
     md = render_markdown(_report(_baseline_wins_study()))
     trials = md[md.index("## Trials"):md.index("## Artifacts")]
-    assert "setup s (passes + compile)" in trials and "| 0.42 |" in trials
+    assert "setup s (build + compile)" in trials and "| 0.42 |" in trials
     md = render_markdown(_report(_baseline_wins_study(setup=(0.0, 0.0))))
     assert "setup s" not in md[md.index("## Trials"):]  # never a column of zeros
