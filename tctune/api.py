@@ -66,6 +66,56 @@ def _batch_sizes(value) -> tuple:
     return (value,) if isinstance(value, int) else tuple(value)
 
 
+def api_words(text: str) -> str:
+    """``text`` (a line the library logs or prints, which names ``tctune optimize``'s flags) in the terms of
+    :func:`optimize`: each flag of an :data:`OPTIONS` keyword written as the keyword (``--batch-sizes`` →
+    ``batch_sizes``; a switch as ``no_export=True``); other text unchanged."""
+    import re
+
+    def keyword(m: re.Match) -> str:
+        key = m.group(1).replace("-", "_")
+        if key not in OPTIONS:
+            return m.group(0)
+        return f"{key}=True" if key in ("no_prune", "no_export", "quiet") else key
+
+    return re.sub(r"(?<![\w-])--([a-z][a-z0-9-]*)", keyword, text)
+
+
+class _ApiWords(logging.Filter):
+    """Rewrites the records of tctune's logger with :func:`api_words` while :func:`optimize` runs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = api_words(record.getMessage()), None
+        return True
+
+
+def _in_api_words(run: Callable[[], Any]) -> Any:
+    """``run()`` with tctune's log lines in the API's terms (:class:`_ApiWords`)."""
+    words = _ApiWords()
+    log.addFilter(words)
+    try:
+        return run()
+    finally:
+        log.removeFilter(words)
+
+
+def check_option_names(options: dict, accepted: tuple[str, ...] = ()) -> None:
+    """Raise one ``TypeError`` for the keywords in ``options`` that are neither in :data:`OPTIONS` nor in
+    ``accepted``, naming each with the closest valid keyword (``trails`` → ``did you mean 'trials'?``) and listing
+    the valid ones.
+
+    Raises:
+        TypeError: an unknown keyword.
+    """
+    from .errors import did_you_mean
+
+    valid = [*OPTIONS, *API_OPTIONS]
+    unknown = sorted(set(options) - set(OPTIONS) - set(accepted))
+    if unknown:
+        named = ", ".join(k + did_you_mean(k, valid) for k in unknown)
+        raise TypeError(f"tctune.optimize() got unknown option(s) {named}; valid: {', '.join(valid)}")
+
+
 def tune_config(options: dict, *, out_dir: str | Path, batch_sizes: tuple[int, ...] | None = None):
     """The ``TuneConfig`` of :func:`optimize`'s keyword ``options`` (:data:`OPTIONS`); ``out_dir`` and
     ``batch_sizes`` are the defaults when the options leave them out.
@@ -76,10 +126,7 @@ def tune_config(options: dict, *, out_dir: str | Path, batch_sizes: tuple[int, .
     """
     from .search import TuneConfig
 
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise TypeError(f"tctune.optimize() got unknown option(s) {', '.join(unknown)}; valid: "
-                        f"{', '.join([*OPTIONS, *API_OPTIONS])}")
+    check_option_names(options)
     kw: dict[str, Any] = {"out_dir": str(out_dir)}
     if batch_sizes is not None:
         kw["batch_sizes"] = tuple(batch_sizes)
@@ -151,6 +198,7 @@ def optimize(model, example_inputs=None, /, **options):
     from .optimize import optimize as optimize_file, optimize_model
     from .search import TuneConfig
 
+    check_option_names(options, API_OPTIONS)  # before anything runs: a misspelt keyword is one error, at once
     keep_low = options.pop("keep_low_precision_outputs", None)
     if keep_low is not None:
         wanted = "compute" if keep_low else "fp32"
@@ -178,7 +226,7 @@ def optimize(model, example_inputs=None, /, **options):
         cfg = tune_config(options, out_dir=Path("tctune_out") / mf.name)
         if folder is not None:  # a folder of real batches, like --calibration PATH
             cfg = dataclasses.replace(cfg, calibration=str(folder))
-        return _tuned(optimize_model(mf, cfg), cfg, keep_low)
+        return _tuned(_in_api_words(lambda: optimize_model(mf, cfg)), cfg, keep_low)
     return _optimize_module(model, example_inputs, options, keep_low)
 
 
@@ -202,8 +250,9 @@ def _optimize_module(model: torch.nn.Module, example_inputs: tuple | Callable | 
     out = options.get("out") or tempfile.mkdtemp(prefix=f"tctune_{mf.name}_")
     cfg = tune_config(options, out_dir=out, batch_sizes=batch)
     if not options.get("out") and not cfg.quiet:  # a folder the caller did not choose: say where it is
-        log.warning("writing the report, study and ONNX files to %s (a new temporary folder, not removed; "
-                    "choose the folder with out=...)", out)
+        files = "report, study and ONNX files" if cfg.export else "report and study"
+        log.warning("writing the %s to %s (a new temporary folder, not removed; choose the folder with out=...)",
+                    files, out)
     if folder is not None:
         cfg = dataclasses.replace(cfg, calibration=folder)
     if cfg.mode != "infer":
@@ -212,7 +261,7 @@ def _optimize_module(model: torch.nn.Module, example_inputs: tuple | Callable | 
     if cfg.devices and len(cfg.devices) > 1:
         raise UsageError("several devices start worker processes that load a model file; a live module cannot be "
                          "sent to them\n  fix: one device, or a model file", field="devices")
-    return _tuned(optimize_model(mf, cfg), cfg, keep_low)
+    return _tuned(_in_api_words(lambda: optimize_model(mf, cfg)), cfg, keep_low)
 
 
 def _tuned(optimized, cfg, keep_low: bool | None):
@@ -223,7 +272,7 @@ def _tuned(optimized, cfg, keep_low: bool | None):
 
     report = getattr(optimized, "report", None) or {}
     if not cfg.quiet and report.get("best"):  # (no winner: from_search raises, saying why)
-        print(console_summary(report, cfg.out_dir), flush=True)
+        print(api_words(console_summary(report, cfg.out_dir)), flush=True)
     return _with_out_dir(from_search(optimized, keep_low), cfg.out_dir)
 
 
@@ -234,4 +283,4 @@ def _with_out_dir(tuned, out_dir) -> Any:
     return tuned
 
 
-__all__ = ["API_OPTIONS", "OPTIONS", "optimize", "tune_config"]
+__all__ = ["API_OPTIONS", "OPTIONS", "check_option_names", "optimize", "tune_config"]

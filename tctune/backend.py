@@ -51,8 +51,13 @@ name, torch 2.11-2.13 call it as ``backend(gm, example_inputs, options=options)`
 ``torch.compile(..., mode=...)`` is given. torch.compile refuses ``mode`` and ``options`` together ("Either mode
 or options can be specified"), so with options write the mode among them: ``options={"precision": "bf16",
 "mode": "max-autotune"}``. The callable form ``backend(precision="bf16", mode="max-autotune")`` does the same
-without strings (a ``mode=`` given to ``torch.compile`` then overrides the callable's). The options, all
-checked before any compile (an unknown key or value raises one ``ValueError`` listing the valid ones):
+without strings (a ``mode=`` given to ``torch.compile`` then overrides the callable's). The options are all
+checked before anything is compiled: an unknown key or value raises one ``ValueError`` naming the option, its
+valid values and the closest one (``precision must be fp32, tf32, fp16, bf16, fp8 or None, got 'bf17' (did you
+mean 'bf16'?)``). ``backend(...)`` raises it at once. ``torch.compile(m, backend="tctune", options=...)`` cannot:
+torch.compile hands a backend named by a string its options only when it compiles the first call, so that call
+raises ``torch._dynamo.exc.BackendCompilerFailed`` ("backend='tctune' raised:" and the ``ValueError`` line;
+the ``ValueError`` is its ``inner_exception``). The options:
 
 - ``precision``: ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"``, ``"fp8"`` or None (the hardware default).
   ``"fp8"`` casts linears to FP8 E4M3 GEMMs (``passes.cast_fp8``) on a GPU with FP8 Tensor Cores (sm_89 or
@@ -228,7 +233,10 @@ class BackendConfig:
 
     def __post_init__(self) -> None:
         if self.precision is not None and self.precision not in _PRECISIONS:
-            raise ValueError(f"precision must be fp32, tf32, fp16, bf16, fp8 or None, got {self.precision!r}")
+            from tctune.errors import did_you_mean
+
+            raise ValueError(f"precision must be fp32, tf32, fp16, bf16, fp8 or None, got {self.precision!r}"
+                             + did_you_mean(self.precision, _PRECISIONS))
         if self.output_dtype not in _OUTPUT_DTYPES:
             raise ValueError(f"output_dtype must be 'fp32' (the model's output dtypes) or 'compute' (outputs left "
                              f"in the compute precision), got {self.output_dtype!r}")
@@ -251,7 +259,9 @@ class BackendConfig:
         from passes.policy import POLICIES
 
         if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+            from tctune.errors import did_you_mean
+
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}" + did_you_mean(self.policy, POLICIES))
 
     def pass_names(self) -> tuple[str, ...]:
         """The passes run on each subgraph, in order."""
@@ -378,7 +388,10 @@ def backend(
                         output_dtype=output_dtype, fp8_fast_accum=fp8_fast_accum)
     unknown = [n for n in cfg.pass_names() if n not in PASSES]
     if unknown:
-        raise ValueError(f"unknown pass(es) {unknown}; known passes: {sorted(PASSES)}")
+        from tctune.errors import did_you_mean
+
+        raise ValueError(f"unknown pass(es) {unknown}; known passes: {sorted(PASSES)}"
+                         + "".join(did_you_mean(n, PASSES) for n in unknown))
     if target is not None:
         from tctune.errors import HardwareError, UsageError
 
@@ -408,8 +421,11 @@ def _with_call_options(cfg: BackendConfig, kwargs: dict) -> BackendConfig:
 def _check_keys(opts: dict) -> None:
     unknown = sorted(set(opts) - set(_OPTION_KEYS))
     if unknown:
+        from tctune.errors import did_you_mean
+
+        hint = "".join(did_you_mean(k, _OPTION_KEYS) for k in unknown)
         raise ValueError(f"unknown tctune backend option(s) {unknown}; known: {list(_OPTION_KEYS)} (Inductor "
-                         "settings go inside inductor={...}; torch.compile's mode as mode=...)")
+                         "settings go inside inductor={...}; torch.compile's mode as mode=...)" + hint)
 
 
 def tctune_backend(gm: fx.GraphModule, example_inputs: list, **options: Any) -> Callable:

@@ -252,6 +252,10 @@ class Artifacts:
             TensorRT is built from ``deploy["tensorrt"]``.
         onnx_runner, onnx_fp32_runner: the generated ``runner.py`` beside each ONNX file.
         tensorrt: path of ``model.engine``; tensorrt_skipped_reason: why there is none.
+        onnx_failed: when the ONNX export of the best trial raised, its entry as ``tctune export`` records a
+            failed format (:func:`tctune.engines.failed_format`: ``status``, ``error`` (one line), ``log`` (the
+            ``tctune_errors.log`` holding the full text), ``path``, ``files``); None otherwise (a skipped or
+            disabled export is not a failure). ``tctune optimize`` then exits 1.
         exported_trial: the number of the trial whose configuration the files above are (the best trial), or
             None when nothing was exported.
         export_fallback: when the best trial could not be exported, ``{"best_trial", "best_error",
@@ -282,6 +286,7 @@ class Artifacts:
     onnx_fp32_runner: str | None = None
     tensorrt: str | None = None
     tensorrt_skipped_reason: str | None = None
+    onnx_failed: dict | None = None
     exported_trial: int | None = None
     export_fallback: dict | None = None
     best_config: str | None = None

@@ -164,6 +164,46 @@ def rebuild_graphs(mf, cfg: dict, hw, device) -> tuple["TrialParams", "ExportGra
     return trial, export_graphs(gm, hw, trial, calibration)
 
 
+def key_inputs(graph, mf, largest: int) -> list[dict]:
+    """The inputs of ``graph`` as the cache keys and manifests of :func:`export_artifacts` describe them
+    (``tctune.export.runner.describe_inputs``: name, shape with ``"batch"``, dtype, integer range; sampled at
+    batch 2 and ``min(largest, 64)``); ``mf``: the model file (its ``inputs``)."""
+    from .export.onnx import _input_names
+    from .export.runner import describe_inputs
+
+    names = _input_names(graph, len(mf.inputs(2, "cpu")))
+    return describe_inputs(graph, lambda b: mf.inputs(b, "cpu"), names, (2, min(largest, 64)))
+
+
+def artifact_cache_key(graph, fmt: str, *, precision: str, inputs: list[dict], sizes: dict[str, int], hw, device,
+                       fp8: bool, digest: str | None = None, extra: dict | None = None) -> dict:
+    """The cache key :func:`export_artifacts` gives the ``fmt`` file of ``graph`` (``tctune.export.cache.artifact_key``)
+    and checks before rebuilding it; ``tctune optimize`` writes the same key into ``model.onnx``'s manifest, so
+    the first ``tctune export`` after it reuses an unchanged file.
+
+    Args:
+        graph: the trial's export graph (:attr:`tctune.deploy.ExportGraphs.graph`, its batch claimed from
+            ``sizes["min"]``, on ``device``); fmt: ``"onnx"``, ``"tensorrt"`` or ``"aoti"``; precision: the
+            trial's; inputs: :func:`key_inputs`; sizes: ``{"min", "opt", "max"}`` batch sizes; hw: the hardware
+            planned for; device: where the graph runs (a CUDA device's compute capability enters every key, the
+            CPU's none); fp8: the ONNX is the FP8 Q/DQ file (:data:`FP8_ONNX_SCHEME` enters the ONNX and TensorRT
+            keys); digest: ``graph_hash(graph)`` when computed; extra: anything else that shapes the file.
+    """
+    import torch
+
+    from .export import cache
+
+    cc = hw.compute_capability or None
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        cc = f"{major}.{minor}"
+    if fp8 and fmt in ("onnx", "tensorrt"):  # their file is the Q/DQ ONNX, not the _scaled_mm graph
+        extra = {**(extra or {}), "fp8_onnx": FP8_ONNX_SCHEME}
+    return cache.artifact_key(graph, fmt=fmt, precision=precision, inputs=inputs, batch_sizes=sizes,
+                              compute_capability=cc if fmt != "onnx" or device.type == "cuda" else None,
+                              graph_digest=digest, extra=extra)
+
+
 def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FORMATS,
                      out_dir: str | Path | None = None, *, force: bool = False) -> dict[str, Any]:
     """Rebuild the tuned graph of ``model_file`` from ``config_path`` and write the engines in ``formats``.
@@ -188,7 +228,6 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
         ExportError: capture failed (message: cause + fix). ONNX and AOTInductor failures (a frozen batch axis, a
             failed validation, an operator torch.onnx cannot export) are recorded per format instead.
     """
-    import torch
 
     from .deploy import claim_batch_from
     from .export import cache
@@ -216,29 +255,20 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
     graph = graphs.graph.to(device)
     make_inputs = lambda b: mf.inputs(b, device)  # noqa: E731
     digest = cache.graph_hash(graph)
-    cc = hw.compute_capability or None
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        cc = f"{major}.{minor}"
     sizes = {"min": lo, "opt": tuned, "max": largest}
     if lo_note:
         log.info("export: %s", lo_note)
 
-    from .export.onnx import _input_names
-    from .export.runner import describe_inputs, write_runner
+    from .export.runner import write_runner
 
-    names = _input_names(graph, len(mf.inputs(2, "cpu")))
-    inputs = describe_inputs(graph, lambda b: mf.inputs(b, "cpu"), names, (2, min(largest, 64)))
+    inputs = key_inputs(graph, mf, largest)
     base = {"model": mf.name, "model_file": str(mf.path), "precision": precision, "graph_passes": params.get("graph_passes"),
             "hardware": hw.name, "inputs": inputs, "batch_sizes": sizes}
     results: dict[str, Any] = {}
 
     def cache_key(fmt: str, extra: dict | None = None) -> dict:
-        if fp8 is not None and fmt in ("onnx", "tensorrt"):  # their file is the Q/DQ ONNX, not the _scaled_mm graph
-            extra = {**(extra or {}), "fp8_onnx": FP8_ONNX_SCHEME}
-        return cache.artifact_key(graph, fmt=fmt, precision=precision, inputs=inputs, batch_sizes=sizes,
-                                  compute_capability=cc if fmt != "onnx" or device.type == "cuda" else None,
-                                  graph_digest=digest, extra=extra)
+        return artifact_cache_key(graph, fmt, precision=precision, inputs=inputs, sizes=sizes, hw=hw, device=device,
+                                  fp8=fp8 is not None, digest=digest, extra=extra)
 
     def reuse(fmt: str, key: dict) -> bool:
         path = out / ARTIFACT_NAMES[fmt]
@@ -330,11 +360,12 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
             "batch_sizes": sizes, "batch_range_note": lo_note, "formats": results}
 
 
-def _failed(out: Path, fmt: str, exc: BaseException, path: Path, since: float) -> dict[str, Any]:
+def failed_format(out: Path, fmt: str, exc: BaseException, path: Path, since: float) -> dict[str, Any]:
     """The result entry of a format whose build raised ``exc``: ``status "failed"``, ``error`` (type and first
-    line), ``log`` (``out/tctune_errors.log``, where the full traceback was appended; None when it cannot be
-    written) and ``files`` (``path`` when this build, started at wall-clock time ``since``, left it: a package
-    kept unvalidated)."""
+    line, at most 300 characters), ``log`` (``out/tctune_errors.log``, where the full traceback, chained causes
+    included, was appended under the stage ``export <fmt>``; None when it cannot be written), ``path`` and
+    ``files`` (``path`` when this build, started at wall-clock time ``since`` (Unix seconds), left it: a package
+    kept unvalidated). ``tctune export`` and the export stage of ``tctune optimize`` both record a failure so."""
     error = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
     try:
         where = append_error_log(out, f"export {fmt}", exc)
@@ -344,6 +375,9 @@ def _failed(out: Path, fmt: str, exc: BaseException, path: Path, since: float) -
     left = path.exists() and path.stat().st_mtime >= since
     return {"status": "failed", "error": error, "log": where, "path": str(path) if left else None,
             "files": [str(path)] if left else []}
+
+
+_failed = failed_format
 
 
 def _smallest_batch(mf, device, searched) -> tuple[int, str | None]:

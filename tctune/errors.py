@@ -78,3 +78,15 @@ def append_error_log(folder: str | os.PathLike, stage: str, exc: BaseException) 
         handle.write(f"=== {datetime.now(timezone.utc).isoformat(timespec='seconds')} stage {stage}\n")
         handle.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)) + "\n")
     return path
+
+
+def did_you_mean(word: str, choices, prefix: str = "") -> str:
+    """``" (did you mean 'x'?)"`` naming the choice closest to ``word`` (``difflib.get_close_matches``, cutoff
+    0.6; each choice written with ``prefix``, e.g. ``"--"`` for a flag), or ``""`` when none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    if not close:
+        return ""
+    return f" (did you mean {prefix}{close[0]}?)" if prefix else f" (did you mean {close[0]!r}?)"
+

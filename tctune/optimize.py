@@ -15,6 +15,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import optuna
@@ -94,11 +95,21 @@ def worker_command(model_path: str | Path, cfg: TuneConfig) -> list[str]:
     return [sys.executable, "-m", "tctune", "optimize", str(model_path), "--worker-config", cfg.to_json()]
 
 
-def write_onnx_runners(tuner: Tuner, params: dict, artifacts: Artifacts, graph: torch.nn.Module) -> None:
-    """A manifest and ``runner.py`` beside each ONNX file, so ``tctune bench`` and the runner can time it."""
+def write_onnx_runners(tuner: Tuner, params: dict, artifacts: Artifacts, graph: torch.nn.Module,
+                       key_graph: torch.nn.Module | None = None, fp8: bool = False) -> None:
+    """A manifest and ``runner.py`` beside each ONNX file, so ``tctune bench`` and the runner can time it.
+
+    ``model.onnx``'s manifest also carries the cache key ``tctune export`` checks
+    (:func:`tctune.engines.artifact_cache_key` of ``key_graph``, the trial's export graph, :attr:`ExportGraphs.graph`;
+    ``fp8``: the file is the FP8 Q/DQ ONNX) and the build's result, so the first ``tctune export`` of the same
+    configuration reuses the file instead of rebuilding it. Its ``batch_sizes`` are those the file claims
+    (``min``: ``artifacts.batch_range["min"]``) and was validated for, as ``tctune export`` writes them."""
+    from .engines import _summary, artifact_cache_key, key_inputs
     from .export.runner import describe_inputs, write_runner
 
     sizes = sorted(tuner.cfg.batch_sizes)
+    lo = (artifacts.details.get("batch_range") or {}).get("min") or sizes[0]
+    claimed = {"min": lo, "opt": params["batch_size"], "max": sizes[-1]}
     for key, precision in (("onnx", params["precision"]), ("onnx_fp32", "fp32")):
         path = getattr(artifacts, key)
         if not path or (key == "onnx" and not artifacts.onnx_inputs):
@@ -108,8 +119,12 @@ def write_onnx_runners(tuner: Tuner, params: dict, artifacts: Artifacts, graph: 
             inputs = describe_inputs(graph, lambda b: tuner.mf.inputs(b, "cpu"), names, (2, 3))
             manifest = {"model": tuner.mf.name, "model_file": str(tuner.mf.path), "precision": precision,
                         "format": "onnx", "artifact": Path(path).name, "device": "cpu", "inputs": inputs,
-                        "batch_sizes": {"min": sizes[0], "opt": params["batch_size"], "max": sizes[-1]},
-                        "written_by": "tctune optimize"}
+                        "batch_sizes": claimed, "written_by": "tctune optimize"}
+            if key == "onnx" and key_graph is not None:  # what `tctune export` checks before rebuilding model.onnx
+                manifest["cache_key"] = artifact_cache_key(
+                    key_graph, "onnx", precision=params["precision"], sizes=claimed, hw=tuner.hw, device=tuner.device,
+                    inputs=key_inputs(key_graph, tuner.mf, sizes[-1]), fp8=fp8)
+                manifest["result"] = _summary(artifacts.to_dict(), "onnx")
             if key == "onnx" and artifacts.onnx_note:
                 manifest["note"] = artifacts.onnx_note  # e.g. FP8: static activation scales, how validated
             if artifacts.deploy is not None:  # which file to run where; the runner names it on a load failure
@@ -316,6 +331,7 @@ def export_best(tuner: Tuner, params: dict, out: Path,
     if skipped:
         log.info("ONNX validation: %s", skipped)
     make_inputs = lambda b: tuner.mf.inputs(b, tuner.device)  # noqa: E731
+    since = time.time()
     try:
         if fp8 is not None:  # validated at batch 1 too, as `tctune export` does
             info = export_onnx_fp8(fp8.to(tuner.device), make_inputs, out / "model.onnx",
@@ -327,8 +343,13 @@ def export_best(tuner: Tuner, params: dict, out: Path,
                                           batch_sizes=check)
         artifacts.update(info)
     except ExportError as exc:
+        from .engines import failed_format
+
         artifacts.onnx_error = str(exc)
-        (log.warning if warn else log.debug)("ONNX export failed: %s", first_line(exc))
+        # recorded as `tctune export` records it: the full text (chained causes) in OUT/tctune_errors.log
+        artifacts.onnx_failed = failed_format(out, "onnx", exc, out / "model.onnx", since)
+        (log.warning if warn else log.debug)("ONNX export failed: %s (full text in %s)", first_line(exc),
+                                             artifacts.onnx_failed["log"] or "no log: unwritable")
     if fp8 is not None:  # the FP8 errors come from an FP32 twin when onnxruntime cannot run model.onnx itself
         ort_ran_model = (artifacts.onnx_fp8 or {}).get("validated_on") == "model"
         if artifacts.onnx and not ort_ran_model and not artifacts.onnx_fp32:
@@ -346,7 +367,7 @@ def export_best(tuner: Tuner, params: dict, out: Path,
         artifacts.update(deployment(artifacts.to_dict()))
         if trial.fp8_fast_accum and artifacts.onnx:
             artifacts.onnx_note = " ".join(filter(None, (artifacts.onnx_note, FAST_ACCUM_ONNX_NOTE)))
-    write_onnx_runners(tuner, params, artifacts, g)
+    write_onnx_runners(tuner, params, artifacts, g, key_graph=graphs.graph.to(tuner.device), fp8=fp8 is not None)
     ok, reason = tensorrt_available()
     trt_source = (artifacts.deploy or {}).get("tensorrt")
     if not trt_source:
@@ -693,6 +714,8 @@ def _optimize(tuner: Tuner, mf, hw: HardwareSpec, cfg: TuneConfig, devices: list
         if got is None:
             why = stages.errors[-1]["error"]
             artifacts = Artifacts(onnx_error=f"not exported: {why}", tensorrt_skipped_reason="no ONNX to build from")
+            artifacts.onnx_failed = {"status": "failed", "error": why, "log": stages.errors[-1]["log"],
+                                     "path": None, "files": []}
         else:
             artifacts, passes = got
             why = artifacts.onnx_error or "no ONNX file was written"

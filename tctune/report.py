@@ -54,7 +54,7 @@ def _clean(v: Any) -> Any:
 def trial_record(t: optuna.trial.FrozenTrial) -> dict:
     """One row of ``report.json``'s ``trials``."""
     row = {"number": t.number, "state": t.state.name, "params": dict(t.params),
-           "fail_reason": t.user_attrs.get("fail_reason")}
+           "fail_reason": t.user_attrs.get("fail_reason"), "fail_kind": t.user_attrs.get("fail_kind")}
     for k in TRIAL_FIELDS:
         row[k] = t.user_attrs.get(k)
     row["feasible"] = is_feasible(t)
@@ -381,16 +381,29 @@ def exported_line(r: dict) -> str | None:
     return f"tctune's rewritten graph at {prec}, as measured (its passes are listed under Graph passes)"
 
 
+def fastest_graph_trial(trials: list[dict]) -> dict | None:
+    """Of ``report.json``'s trial rows, the fastest completed one of tctune's graph (``params.graph_passes``) that
+    recorded its passes: a feasible one when any is, else the fastest rejected one; None when none ran."""
+    ran = [t for t in trials if t.get("state") == "COMPLETE" and (t.get("params") or {}).get("graph_passes")
+           and t.get("passes") and t.get("throughput") is not None]
+    if not ran:
+        return None
+    return max(ran, key=lambda t: (bool(t.get("feasible")), t["throughput"]))
+
+
 def study_counts(study: dict, trials: list[dict] | None = None) -> str:
     """The trial counts of ``report.json``'s ``study`` in words, by state from ``trials`` (its trial rows):
-    "15 trials: 11 complete, 4 stopped early by the pruner" (and "N failed", "N still running" when any; a
+    "15 trials: 11 complete, 4 stopped early by the pruner" (and "N skipped (not run)" for pruned trials
+    whose ``fail_kind`` is ``skipped``, "N failed", "N still running" when any; a
     complete trial can still be over a limit: the trials table says which). Without ``trials``: the totals."""
     n = study.get("n_trials", 0)
     if not trials:
         return f"{n} trials ({study.get('n_complete', 0)} complete)"
-    states = collections.Counter(t.get("state") for t in trials)
+    states = collections.Counter("SKIPPED" if t.get("state") == "PRUNED" and t.get("fail_kind") == "skipped"
+                                 else t.get("state") for t in trials)
     parts = [f"{states.get('COMPLETE', 0)} complete"]
-    for state, words in (("PRUNED", "stopped early by the pruner"), ("FAIL", "failed"), ("RUNNING", "still running")):
+    for state, words in (("PRUNED", "stopped early by the pruner"),
+                         ("SKIPPED", "skipped (not run)"), ("FAIL", "failed"), ("RUNNING", "still running")):
         if states.get(state):
             parts.append(f"{states[state]} {words}")
     return f"{n} trial{'s' if n != 1 else ''}: " + ", ".join(parts)
@@ -632,16 +645,32 @@ def render_markdown(r: dict) -> str:
             lines.append(f"| {ps['name']} | {ps['changed']} | {sk}{more} |")
     else:
         lines.append("No graph passes ran for the best configuration.")
+        searched = fastest_graph_trial(r["trials"]) if b and not b["params"].get("graph_passes") else None
+        if searched is not None:
+            p = searched["params"]
+            what = (f"it is a plain baseline ({b.get('label') or b['baseline']})" if b.get("baseline")
+                    else "it runs the model as written")
+            lines += ["", f"The answer is the model without tctune's graph: {what}. What the passes did on the "
+                      f"fastest tctune candidate, trial {searched['number']} ({p.get('precision')}, "
+                      f"{p.get('runtime', 'eager')}, batch {p.get('batch_size')}, {_fmt(searched['throughput'])} "
+                      "items/s" + ("" if searched.get("feasible") else f"; rejected: {searched.get('fail_reason')}")
+                      + "):", "", "| pass | rewrites | failed |", "|---|---|---|"]
+            for ps in searched["passes"]:
+                lines.append(f"| {ps['name']} | {ps.get('changed', '–')} | {ps.get('failed') or ''} |")
+    # setup s: the evaluator's build (tctune's graph: its passes; a cast model: its copy) + runtime setup (CUDA
+    # graph capture, Inductor compile); a column that would read 0.00 on every row (eager training) is left out
+    setup = any(round(t.get("setup_s") or 0.0, 2) for t in r["trials"])
     lines += ["", "## Trials", "",
-              "| # | state | precision | graph passes | runtime | batch | items/s | ms/batch | peak MiB | rel. error | int mismatch | top-1 / KL | score (× FP32) | setup s | note |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| # | state | precision | graph passes | runtime | batch | items/s | ms/batch | peak MiB | rel. error | "
+              "int mismatch | top-1 / KL | score (× FP32) | " + ("setup s (build + compile) | " if setup else "")
+              + "note |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if setup else "") + "---|"]
     for t in r["trials"]:
         p = t["params"]
         graph = ("yes" + (" (pure)" if p.get("policy") == "pure" else "")) if p.get("graph_passes") else "no"
         lines.append(f"| {t['number']} | {t['state'].lower()} | {p.get('precision', '–')} | {graph} | "
                      f"{p.get('runtime', 'eager')} | {p.get('batch_size', '–')} | {_fmt(t['throughput'])} | {_fmt(t['latency_ms'])} | "
                      f"{_fmt(t['peak_memory_mib'], '.0f')} | {_rel_error(t)} | {_mismatch(t)} | {_top1(t)} | {_score(t)} | "
-                     f"{_fmt(t['setup_s'], '.1f')} | {t['fail_reason'] or ''} |")
+                     + (f"{_fmt(t.get('setup_s'), '.2f')} | " if setup else "") + f"{t['fail_reason'] or ''} |")
     if not r.get("interrupted") and r["study"].get("n_queued_not_run"):  # (an interruption says it atop the Result)
         lines += ["", f"{r['study']['n_queued_not_run']} queued candidate(s) were not started (--trials or --timeout "
                       "reached); running the command again measures them."]
@@ -651,8 +680,10 @@ def render_markdown(r: dict) -> str:
         lines.append(f"- ONNX: `{a['onnx']}` (max abs error in onnxruntime vs PyTorch: {_fmt(a.get('onnx_max_abs_error'), '.2e')})")
     fb = a.get("export_fallback")
     stopped = r.get("interrupted")  # the artifacts' "interrupted" notes repeat the line above
-    if (a.get("onnx_error") and not stopped
-            and not (fb and fb.get("best_error") and fb["best_error"] in a["onnx_error"])):
+    said_below = bool(fb and fb.get("best_error") and a.get("onnx_error") and fb["best_error"] in a["onnx_error"])
+    if a.get("onnx_failed") and not said_below:  # the export raised: a failed artifact, its full text in the log
+        lines.append(f"- **ONNX export failed**: {export_failed_line(a)}")
+    elif a.get("onnx_error") and not stopped and not said_below:
         lines.append(f"- ONNX note: {a['onnx_error']}")  # (the fallback line below says it otherwise)
     if a.get("onnx_note"):
         lines.append(f"- ONNX note: {a['onnx_note']}")
@@ -668,14 +699,17 @@ def render_markdown(r: dict) -> str:
         lines.append(f"- Deploy: {where}" + (f" ({a['deploy_reason']})" if a.get("deploy_reason") else ""))
     fb = a.get("export_fallback")
     if fb:
+        why = fb.get("best_error")
+        if (a.get("onnx_failed") or {}).get("log"):
+            why = f"{why}; full text in `{a['onnx_failed']['log']}`"
         if fb.get("exported_trial") is not None:
             lines.append(f"- **The best configuration (trial {fb['best_trial']}) could not be exported** "
-                         f"({fb.get('best_error')}); trial {fb['exported_trial']}, the next best that exports "
+                         f"({why}); trial {fb['exported_trial']}, the next best that exports "
                          f"({_fmt(fb.get('throughput'))} items/s), was exported to `{fb.get('dir')}`")
         else:
             others = list(dict.fromkeys(fb.get("errors") or []))
             lines.append(f"- **The best configuration (trial {fb['best_trial']}) could not be exported** "
-                         f"({fb.get('best_error')}), nor trials {', '.join(map(str, fb.get('tried') or [])) or '-'}"
+                         f"({why}), nor trials {', '.join(map(str, fb.get('tried') or [])) or '-'}"
                          + ("" if not others or others == [fb.get("best_error")] else f" ({'; '.join(others)})"))
     if a.get("tensorrt"):
         lines.append(f"- TensorRT engine: `{a['tensorrt']}`")
@@ -694,6 +728,16 @@ def render_markdown(r: dict) -> str:
             lines.append(f"- {', '.join(e['stage'] for e in es)}: {error}"
                          + (f" (full text: `{es[0]['log']}`)" if es[0].get("log") else ""))
     return "\n".join(lines) + "\n"
+
+
+def export_failed_line(artifacts: dict) -> str | None:
+    """One line on the failed ONNX export of ``report.json``'s ``artifacts`` (its ``onnx_failed`` entry): the error
+    and the log file holding its full text; None when the export did not fail."""
+    f = artifacts.get("onnx_failed")
+    if not f:
+        return None
+    where = f"full text in {f['log']}" if f.get("log") else "the error log could not be written"
+    return f"{f.get('error')} ({where})"
 
 
 def console_summary(report: dict, out: str | Path) -> str:
@@ -744,6 +788,8 @@ def console_summary(report: dict, out: str | Path) -> str:
     else:
         lines.append(f"no configuration qualified: {failure_summary(report.get('trials', []))}")
     a = report.get("artifacts", {})
+    if a.get("onnx_failed"):
+        lines.append(f"ONNX export failed: {export_failed_line(a)}")
     if report.get("interrupted"):
         lines.append("interrupted: finished trials are kept, nothing was exported; run the same command again to resume")
     elif a.get("tensorrt_skipped_reason"):

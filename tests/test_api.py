@@ -141,8 +141,10 @@ def test_callable_example_inputs_and_default_batch_sizes(tmp_path):
     assert _rel(tuned(x), model(x).detach()) <= 1e-2
 
 
-def test_without_out_the_temporary_folder_is_named_and_returned(tmp_path, monkeypatch):
-    """A folder the caller did not choose is said once (a warning) and kept on the returned module."""
+def test_without_out_the_temporary_folder_is_named_and_returned(tmp_path, monkeypatch, capsys):
+    """A folder the caller did not choose is said once (a warning) and kept on the returned module; what the API
+    prints speaks in its keywords (no_export=True), never in the command's flags, and names no ONNX files when
+    nothing is exported."""
     import logging
     import tempfile
 
@@ -161,6 +163,10 @@ def test_without_out_the_temporary_folder_is_named_and_returned(tmp_path, monkey
     assert out.parent == tmp_path and out.name.startswith("tctune_Sequential_") and (out / "report.json").is_file()
     said = [r for r in records if str(out) in r.getMessage()]
     assert len(said) == 1 and "out=" in said[0].getMessage() and said[0].levelno >= logging.WARNING
+    assert "ONNX" not in said[0].getMessage()  # no_export=True: no ONNX file is written
+    printed = capsys.readouterr().out
+    assert "export disabled (no_export=True)" in printed
+    assert not [line for line in [printed, *(r.getMessage() for r in records)] if "--" in line]
 
 
 def test_tuple_inputs_are_resized_along_the_batch():
@@ -176,6 +182,17 @@ def test_tuple_inputs_are_resized_along_the_batch():
 def test_unknown_option_is_a_type_error_naming_the_valid_ones():
     with pytest.raises(TypeError, match=r"batch_size\b.*valid: .*batch_sizes.*max_error"):
         tctune.optimize(torch.nn.Linear(2, 2), (torch.randn(2, 2),), batch_size=4)
+
+
+def test_a_misspelt_option_names_the_closest_one_before_anything_runs(monkeypatch):
+    def never(*a, **k):
+        raise AssertionError("the model was used before the options were checked")
+
+    monkeypatch.setattr("tctune.modelfile.ModelFile.from_module", never)
+    with pytest.raises(TypeError, match=r"unknown option\(s\) trails \(did you mean 'trials'\?\); valid: out, "):
+        tctune.optimize(torch.nn.Linear(2, 2), (torch.randn(2, 2),), trails=4)
+    with pytest.raises(TypeError, match=r"no_exprot \(did you mean 'no_export'\?\)"):
+        tctune.optimize("model.py", no_exprot=True)
 
 
 def test_bad_option_value_names_the_field():
@@ -438,5 +455,8 @@ def test_the_winner_summary_is_printed_as_the_command_prints_it_unless_quiet(tmp
     assert summary.startswith("best: ") and f"report: {tmp_path / 'o' / 'report.md'}" in summary
     if quiet:
         assert "best: " not in printed and "report: " not in printed
-    else:
-        assert printed.count(summary) == 1, printed
+    else:  # the command's summary, in the API's terms (no_export=True where the command says --no-export)
+        from tctune.api import api_words
+
+        assert printed.count(api_words(summary)) == 1, printed
+        assert "--no-export" in summary and "--no-export" not in printed

@@ -88,6 +88,9 @@ def test_a_winning_fp32_eager_exports_the_model_as_written(fp32_run):
     md = (out / "report.md").read_text()
     assert "- Exported graph: the model as written in FP32: its captured graph, no tctune pass." in md
     assert "No graph passes ran for the best configuration." in md
+    searched = [t for t in report["trials"] if t["state"] == "COMPLETE" and t["params"].get("graph_passes")]
+    if searched:  # what the passes did on the searched candidates is not hidden behind the baseline's answer
+        assert "The answer is the model without tctune's graph: it is a plain baseline" in md
     assert json.loads((out / "best_config.json").read_text())["passes"] == []
 
 

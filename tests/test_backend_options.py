@@ -144,3 +144,27 @@ def test_torch_compile_refuses_mode_with_options():
     """Why ``options={"mode": ...}`` exists: torch.compile takes one of the two."""
     with pytest.raises(RuntimeError, match="Either mode or options"):
         torch.compile(torch.nn.Linear(2, 2), backend="tctune", mode="max-autotune", options={"precision": "bf16"})
+
+
+def test_a_bad_option_says_what_the_readme_says_in_each_form():
+    """README: the callable form raises the ValueError where the option is written; the string form's options reach
+    the backend at the first call, which raises BackendCompilerFailed holding the same ValueError line. Either way
+    the message names the option, its valid values and the closest one."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    with pytest.raises(ValueError, match=r"precision must be fp32, tf32, fp16, bf16, fp8 or None, got 'bf17' "
+                                         r"\(did you mean 'bf16'\?\)"):
+        tb.backend(precision="bf17")
+    model, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="tctune", options={"precision": "bf17"})  # nothing checked yet
+    with pytest.raises(BackendCompilerFailed) as info:
+        compiled(x)
+    assert "backend='tctune' raised:\nValueError: precision must be fp32, tf32, fp16, bf16, fp8 or None, got " \
+           "'bf17' (did you mean 'bf16'?)" in str(info.value)
+    assert isinstance(info.value.inner_exception, ValueError)
+    torch._dynamo.reset()
+    with pytest.raises(BackendCompilerFailed, match=r"unknown tctune backend option\(s\) \['precison'\]; known: "
+                                                    r"\[.*\(did you mean 'precision'\?\)"):
+        torch.compile(model, backend="tctune", options={"precison": "bf16"})(x)
+    torch._dynamo.reset()

@@ -45,6 +45,22 @@ def test_bench_times_the_onnx_optimize_wrote(seed_run):
     assert row["batch_size"] == 4 and row["throughput"] > 0 and row["artifact"] == onnx.name
 
 
+def test_the_first_export_after_optimize_reuses_its_onnx_and_runner(seed_run):
+    """optimize's model.onnx manifest carries the cache key `tctune export` checks: exporting the same
+    configuration reuses the file (no rebuild) and leaves runner.py as it was."""
+    out, _ = seed_run
+    manifest = json.loads((out / "model.onnx.manifest.json").read_text())
+    assert manifest["cache_key"]["format"] == "onnx" and manifest["cache_key"]["digest"]
+    before = {name: (out / name).read_bytes() for name in ("model.onnx", "runner.py")}
+    stamps = {name: (out / name).stat().st_mtime_ns for name in before}
+    r = run_cli("export", SEED_CNN, "--config", out / "best_config.json", "--format", "onnx", "--json")
+    assert r.returncode == 0, r.stderr
+    onnx = json.loads(r.stdout)["formats"]["onnx"]
+    assert onnx["status"] == "reused" and onnx["files"] == []
+    assert {name: (out / name).read_bytes() for name in before} == before
+    assert {name: (out / name).stat().st_mtime_ns for name in before} == stamps
+
+
 def test_report_json_has_the_documented_fields(seed_run):
     out, _ = seed_run
     r = json.loads((out / "report.json").read_text())
@@ -138,6 +154,19 @@ def test_bad_options(tmp_path, args, match):
     assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("args,said", [
+    (["optimize", "m.py", "--trails", "4"], "tctune optimize: error: unrecognized arguments: --trails (did you mean "
+                                            "--trials?) 4"),
+    (["optimize", "m.py", "--no-exprot"], "unrecognized arguments: --no-exprot (did you mean --no-export?)"),
+    (["export", "m.py", "--config", "c.json", "--formats=onnx"], "unrecognized arguments: --formats=onnx (did you mean --format?)"),
+    (["optimize", "m.py", "--zzzz"], "unrecognized arguments: --zzzz\n"),
+])
+def test_a_misspelt_flag_names_the_closest_flag_of_its_command(args, said, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2 and said in capsys.readouterr().err
+
+
 def test_parse_batch_sizes():
     assert parse_batch_sizes("8,32,128") == (8, 32, 128)
     assert parse_batch_sizes("16-256") == (16, 32, 64, 128, 256)
@@ -152,7 +181,10 @@ def test_parse_batch_sizes():
                                       ("16-abc", "'abc' is not a positive integer"),
                                       ("-4", "'-4' is not a positive integer"),
                                       ("256-16", "the range must go up, e.g. 16-256"),
-                                      (" , ", "no batch size given")])
+                                      (" , ", "no batch size given"),
+                                      ("8,,32", "entry 2 is empty (two commas in a row, or a comma at an end)"),
+                                      ("8,32,", "entry 3 is empty (two commas in a row, or a comma at an end)"),
+                                      ("8,32,8", "8 given more than once")])
 def test_parse_batch_sizes_names_the_bad_item(text, why):
     with pytest.raises(UsageError) as err:
         parse_batch_sizes(text)
@@ -299,7 +331,8 @@ def test_model_that_cannot_run_in_fp32_is_one_error_before_capture_and_trials(tm
     err = [line for line in r.stderr.splitlines() if not line.startswith("tctune: no NVIDIA GPU")]
     assert err[0].startswith("tctune: error: badln.py: the model raised in FP32 at batch 8: RuntimeError: "
                              "Given normalized_shape=[64]"), r.stderr
-    assert err[1] == "  fix: check build_model and example_inputs: the model must run on example_inputs(8) in FP32"
+    assert err[1] == ("  fix: make forward run on example_inputs(8) in FP32: the error is in forward (or code it calls), "
+                      "or in example_inputs when it builds inputs forward cannot take")
     assert len(err) == 2 and "graph passes disabled" not in r.stderr and "qualified" not in r.stderr
     assert sorted(p.name for p in out.iterdir()) == ["report.json"] and (out / "report.json").read_text() == '{"kept": true}'
 
@@ -321,3 +354,27 @@ def test_fp32_check_runs_the_smallest_batch_only(tmp_path):
     check_fp32_runs(mf.model(), mf, 8, torch.device("cpu"))
     with pytest.raises(ModelFileError, match=r"big_only\.py: the model raised in FP32 at batch 16: ValueError: too big"):
         check_fp32_runs(mf.model(), mf, 16, torch.device("cpu"))
+
+
+def test_a_forward_that_raises_names_the_users_file_and_line(tmp_path):
+    """The error of the model's own forward gives its frame (file:line, function, source line) and a fix naming
+    forward and example_inputs (build_model ran fine: it is not the cause)."""
+    import torch
+
+    from tctune.errors import ModelFileError
+    from tctune.modelfile import load_model_file
+    from tctune.search.loop import check_fp32_runs
+
+    f = tmp_path / "mm.py"
+    f.write_text("import torch\nclass M(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                 "        self.fc = torch.nn.Linear(8, 4)\n    def forward(self, x):\n        y = self.fc(x)\n"
+                 "        return y @ torch.randn(5, 3)\n"
+                 "def build_model():\n    return M()\ndef example_inputs(b):\n    return (torch.randn(b, 8),)\n")
+    mf = load_model_file(f)
+    with pytest.raises(ModelFileError) as info:
+        check_fp32_runs(mf.model(), mf, 4, torch.device("cpu"))
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith("mm.py: the model raised in FP32 at batch 4: RuntimeError: mat1 and mat2 shapes")
+    assert lines[1] == f"  at {f}:8 in forward: return y @ torch.randn(5, 3)"
+    assert "forward" in lines[2] and "example_inputs(4)" in lines[2] and "build_model" not in str(info.value)
+

@@ -36,9 +36,9 @@ def _run(model, out, *extra):
 
 
 def test_failures_after_the_trials_are_recorded_and_the_report_is_written(model, tmp_path, monkeypatch, capsys):
-    """Export (a C++ error), plots and the finalists' re-measure all raise: exit 0 (a configuration qualified),
-    report.json lists each stage's one-line error, the full text is in tctune_errors.log, the console has no
-    backtrace."""
+    """Export (a C++ error), plots and the finalists' re-measure all raise: exit 1 (a configuration qualified but
+    its export failed), report.json lists each stage's one-line error, the full text is in tctune_errors.log, the
+    console has no backtrace."""
     import tctune.plots
     from tctune.search import Tuner
 
@@ -55,9 +55,10 @@ def test_failures_after_the_trials_are_recorded_and_the_report_is_written(model,
     monkeypatch.setattr(tctune.plots, "write_plots", broken_plots)
     monkeypatch.setattr(Tuner, "confirm", broken_confirm)
     out = tmp_path / "out"
-    assert _run(model, out) == 0
+    assert _run(model, out) == 1
     report = json.loads((out / "report.json").read_text())
     stages = {e["stage"]: e for e in report["post_errors"]}
+    assert report["artifacts"]["onnx_failed"]["log"] == str(out / "tctune_errors.log")
     assert {"export", "plots", "re-measure"} <= set(stages)
     exp = stages["export"]
     assert exp["error"] == "RuntimeError: Cannot call numel() on tensor with symbolic sizes/strides"
@@ -85,7 +86,7 @@ def test_failures_after_the_trials_are_recorded_and_the_report_is_written(model,
 
 def test_best_that_cannot_be_exported_gets_the_next_best_exportable_beside_it(model, tmp_path, monkeypatch, capsys):
     """The best trial's export fails on a batch-size guard; the next-best feasible trial exports into its own
-    folder, and console and report name both."""
+    folder, console and report name both, and the exit status is 1 (the answer itself was not exported)."""
     real = onnx_export.export_onnx_deployable
     out = tmp_path / "out"
 
@@ -95,7 +96,7 @@ def test_best_that_cannot_be_exported_gets_the_next_best_exportable_beside_it(mo
         return real(module, make_inputs, path, **kw)
 
     monkeypatch.setattr(onnx_export, "export_onnx_deployable", guarded_export)
-    assert _run(model, out) == 0
+    assert _run(model, out) == 1
     report = json.loads((out / "report.json").read_text())
     a = report["artifacts"]
     fb = a["export_fallback"]
@@ -115,6 +116,35 @@ def test_best_that_cannot_be_exported_gets_the_next_best_exportable_beside_it(mo
     assert f"exported trial {fb['exported_trial']}" in err
     md = (out / "report.md").read_text()
     assert f"trial {fb['exported_trial']}, the next best that exports" in md
+
+
+def test_an_onnx_failure_in_optimize_is_logged_in_full_named_and_exits_1(model, tmp_path, monkeypatch, capsys):
+    """An ONNX export failure of the answer is recorded as `tctune export` records one
+    (tctune.engines.failed_format): the full text (past the one-line cut, chained cause included) in
+    tctune_errors.log, the console and report.md name the log, report.json has the failed artifact, exit 1."""
+    tail = "the operator aten::weird_op has no ONNX symbolic; " * 12 + "END-OF-FULL-TEXT"
+
+    def broken(module, make_inputs, path, **kw):
+        try:
+            raise RuntimeError(tail)
+        except RuntimeError as cause:
+            raise onnx_export.ExportError(f"torch.onnx.export (dynamo) failed for {path.name}: {tail[:300]}") from cause
+
+    monkeypatch.setattr(onnx_export, "export_onnx_deployable", broken)
+    out = tmp_path / "out"
+    assert _run(model, out) == 1
+    log_file = out / "tctune_errors.log"
+    text = log_file.read_text()
+    assert "stage export onnx" in text and "END-OF-FULL-TEXT" in text
+    report = json.loads((out / "report.json").read_text())
+    failed = report["artifacts"]["onnx_failed"]
+    assert failed["status"] == "failed" and failed["log"] == str(log_file)
+    assert failed["error"].startswith("ExportError: torch.onnx.export (dynamo) failed for model.onnx")
+    assert not report["post_errors"]  # recorded as the export's result, not as a crashed stage
+    printed = capsys.readouterr()
+    assert "ONNX export failed: ExportError: torch.onnx.export (dynamo) failed" in printed.out
+    assert f"(full text in {log_file})" in printed.out
+    assert f"full text in `{log_file}`" in (out / "report.md").read_text()
 
 
 def test_deploy_facts_reach_report_manifest_and_markdown(model, tmp_path):

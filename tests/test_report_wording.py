@@ -85,6 +85,12 @@ def test_pruned_trials_are_not_read_as_failures(tmp_path):
     assert study_counts({"n_trials": 1, "n_complete": 1}, None) == "1 trials (1 complete)"
 
 
+def test_a_skipped_trial_is_not_counted_as_stopped_by_the_pruner():
+    rows = [{"state": "COMPLETE"}, {"state": "PRUNED", "fail_kind": None},
+            {"state": "PRUNED", "fail_kind": "skipped"}, {"state": "PRUNED", "fail_kind": "skipped"}]
+    assert study_counts({"n_trials": 4}, rows) == "4 trials: 1 complete, 1 stopped early by the pruner, 2 skipped (not run)"
+
+
 def test_trial_params_repr_shows_calibration_only_where_it_applies():
     assert repr(TrialParams(batch_size=8, precision="fp32")) == (
         "TrialParams(batch_size=8, precision='fp32', graph_passes=False, runtime='eager', policy='autocast', "
@@ -148,3 +154,38 @@ def test_console_and_report_md_give_fp32_eager_the_same_throughput(tmp_path):
     shown = f"{base['compared_throughput']:.4g} items/s"
     assert f"FP32 eager at the same batch ({shown})" in console_summary(r, tmp_path)
     assert f"{base['throughput']:.4g} items/s)" not in console_summary(r, tmp_path).split("FP32 eager")[-1]
+
+
+def _baseline_wins_study(setup=(0.0, 0.42)):
+    """Trial 0: FP32 eager (a plain baseline, the fastest); trial 1: tctune's graph, slower, with its passes."""
+    study = optuna.create_study(direction="maximize")
+    for i, (graph, tput) in enumerate(((False, 200.0), (True, 150.0))):
+        params = {"batch_size": 8, "precision": "fp32", "graph_passes": graph, "runtime": "eager"}
+        dist = {k: optuna.distributions.CategoricalDistribution([v]) for k, v in params.items()}
+        attrs = {"run_id": "r", "max_rel_error": 1e-6 * i, "float_outputs": 1, "description": f"trial {i}",
+                 "throughput": tput, "setup_s": setup[i],
+                 "passes": [{"name": "fuse_qkv", "changed": 2}, {"name": "pad_linear", "changed": 0}] if graph else []}
+        if not graph:
+            attrs["baseline"] = "fp32_eager"
+        study.add_trial(optuna.trial.create_trial(params=params, distributions=dist, value=tput, user_attrs=attrs))
+    study.set_user_attr("run_id", "r")
+    return study
+
+
+def test_a_winning_plain_baseline_still_shows_what_the_passes_did_on_the_fastest_tctune_candidate():
+    r = _report(_baseline_wins_study())
+    assert r["best"]["baseline"] == "fp32_eager" and r["passes"] == []
+    md = render_markdown(r)
+    section = md[md.index("## Graph passes"):md.index("## Trials")]
+    assert "No graph passes ran for the best configuration." in section
+    assert "The answer is the model without tctune's graph: it is a plain baseline" in section
+    assert "fastest tctune candidate, trial 1 (fp32, eager, batch 8, 150 items/s)" in section
+    assert "| fuse_qkv | 2 |" in section and "| pad_linear | 0 |" in section
+
+
+def test_the_setup_column_holds_each_trials_build_and_compile_seconds_or_is_left_out():
+    md = render_markdown(_report(_baseline_wins_study()))
+    trials = md[md.index("## Trials"):md.index("## Artifacts")]
+    assert "setup s (build + compile)" in trials and "| 0.42 |" in trials
+    md = render_markdown(_report(_baseline_wins_study(setup=(0.0, 0.0))))
+    assert "setup s" not in md[md.index("## Trials"):]  # never a column of zeros

@@ -408,15 +408,48 @@ def test_enumerated_space_says_how_many_trials_run_then_that_all_are_measured(ti
     # the plain baselines ran first (not counted in --trials): they measured some of the candidates
     left = n - len({json.dumps(tr.params, sort_keys=True) for tr in study.trials if tr.user_attrs.get("baseline")})
     assert 0 < left < n
-    assert f"this search space has {n} candidates, {left} not measured yet: at most {left} searched trials run" \
-        in caplog.text
+    assert (f"this search space has {n} candidates, {left} not tried yet ({n - left} measured so far): at most "
+            f"{left} searched trials run") in caplog.text
     assert "--trials" not in caplog.text  # the library names no flag (the user may not have given one)
     before = len(study.trials)
     caplog.clear()
     with caplog.at_level("INFO", logger="tctune"):
         study = tuner(tiny, tmp_path, trials=50).run()
-    assert f"all {n} candidates of this search space are already measured" in caplog.text
+    assert f"all {n} candidates of this search space were already tried ({n} measured)" in caplog.text
     assert len(study.trials) == before  # nothing added
+
+
+def test_a_resumed_study_says_a_pruned_candidate_was_stopped_early_not_measured(tiny, tmp_path, caplog):
+    """A pruned trial is final, as in Optuna (its samplers never propose it again), so a resumed run does not run
+    it again; the console and the report call it stopped early by the pruner, never measured."""
+    from optuna.distributions import CategoricalDistribution
+
+    from tctune.report import study_counts, trial_record
+
+    t = tuner(tiny, tmp_path, trials=50)
+    n = t.space_size()
+    study = t.create_study()
+    space = t.space()
+    params = t.candidate(batch_size=16, precision="fp32", graph_passes=True, runtime="eager")
+    study.add_trial(optuna.trial.create_trial(
+        state=optuna.trial.TrialState.PRUNED, params=params, intermediate_values={0: 1.0, 1: 1.0},
+        distributions={k: CategoricalDistribution(space[k]) for k in params},
+        user_attrs={"fail_reason": "stopped early: 1 items/s after 2 repeat(s), in the slowest quarter"}))
+    with caplog.at_level("INFO", logger="tctune"):
+        study = t.run()
+    key = json.dumps(params, sort_keys=True)
+    assert sum(json.dumps(tr.params, sort_keys=True) == key for tr in study.trials) == 1  # not run again
+    assert f"every one of the {n} candidates of this search space was tried: {n - 1} measured, 1 stopped early " \
+           "by the pruner (a partial measurement" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="tctune"):
+        study = tuner(tiny, tmp_path, trials=50).run()
+    assert f"all {n} candidates of this search space were already tried ({n - 1} measured, 1 stopped early by " \
+           "the pruner" in caplog.text
+    assert "are already measured" not in caplog.text
+    rows = [trial_record(tr) for tr in study.trials]
+    counts = study_counts({"n_trials": len(rows)}, rows)
+    assert "1 stopped early by the pruner" in counts and "skipped" not in counts
 
 
 def test_noise_line_names_its_two_trials_and_is_not_said_when_the_best_is_the_baseline():
@@ -467,3 +500,31 @@ def test_best_line_gives_the_latency_of_the_timing_it_was_chosen_on():
             "max_rel_error": 0.0}
     md = render_markdown(_report(config={"max_error": 0.01, "mode": "infer"}, best=best))
     assert "6400 items/s (side-by-side median), 1.25 ms per batch" in md
+
+
+def test_a_candidates_setup_time_is_its_build_plus_its_runtime_setup(tiny, tmp_path):
+    """setup_s (report.md's setup column) is measured: building tctune's graph (its passes) plus the runtime's
+    setup, which is none for eager; it was always 0.0 for eager candidates."""
+    t = tuner(tiny, tmp_path)
+    m = t.evaluate(t.candidate(batch_size=4, precision="fp32", graph_passes=True, runtime="eager"))
+    assert m["compile_s"] == 0.0 and m["build_s"] > 0 and m["setup_s"] == m["build_s"] + m["compile_s"]
+
+
+def test_a_model_that_fails_at_one_batch_size_is_counted_honestly(tmp_path, caplog):
+    """The candidates at the batch size the model cannot run fail; the closing line counts them as failed, not as
+    measured (it said "every one of the N candidates ... is measured")."""
+    from tctune.search.storage import outcome_counts
+
+    f = tmp_path / "small_only.py"
+    f.write_text("import torch\nclass M(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                 "        self.fc = torch.nn.Linear(6, 3)\n    def forward(self, x):\n"
+                 "        if x.shape[0] > 8:\n            raise ValueError('at most 8 rows')\n        return self.fc(x)\n"
+                 "def build_model():\n    return M()\ndef example_inputs(b):\n    return (torch.randn(b, 6),)\n")
+    t = tuner(f, tmp_path, trials=50)
+    with caplog.at_level("INFO", logger="tctune"):
+        study = t.run()
+    counts = outcome_counts(study)
+    assert counts["failed"] >= 1 and counts["measured"] >= 1
+    words = f"{counts['measured']} measured, {counts['failed']} failed"
+    assert f"every one of the {t.space_size()} candidates of this search space was tried: {words}" in caplog.text
+    assert "is measured" not in caplog.text

@@ -84,9 +84,27 @@ def shadowing_note(package_file: str | None = None, cwd: str | None = None, env:
     return None
 
 
+def unknown_flags_message(sub: argparse.ArgumentParser, extra: list[str]) -> str:
+    """argparse's "unrecognized arguments" for ``extra`` (what the command ``sub`` did not take), each unknown
+    flag with the closest flag of ``sub`` (``--trails`` → ``did you mean --trials?``)."""
+    from ..errors import did_you_mean
+
+    flags = [s.removeprefix("--") for a in sub._actions for s in a.option_strings if s.startswith("--")]
+    parts = []
+    for token in extra:
+        name = token.split("=", 1)[0]
+        hint = did_you_mean(name.removeprefix("--"), flags, prefix="--") if name.startswith("--") else ""
+        parts.append(token + hint)
+    return "unrecognized arguments: " + " ".join(parts)
+
+
 def main(argv: list[str] | None = None) -> int:
     p, handlers = _parser()
-    args = p.parse_args(argv)
+    args, extra = p.parse_known_args(argv)
+    if extra:  # argparse's own error, with the closest flag of the command for each misspelt one
+        subs = next((a.choices for a in p._actions if isinstance(a, argparse._SubParsersAction)), {})
+        sub = subs.get(args.command) if args.command else None
+        (sub or p).error(unknown_flags_message(sub or p, extra))
     if args.command is None:
         p.print_help()
         return 0

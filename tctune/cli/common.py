@@ -33,8 +33,9 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
     two when LO is one; ``"3-20"`` → 3, 6, 12, 20).
 
     Raises:
-        UsageError: anything else, or a value below 1; the message names the bad item (``'abc' is not a positive
-            integer``) or the reversed range (``the range must go up, e.g. 16-256``). ``tctune.optimize(batch_sizes=
+        UsageError: anything else, a value below 1, an empty entry (``8,,32``) or a size given twice; the message
+            names the bad item (``'abc' is not a positive integer``, ``entry 2 is empty``, ``8 given more than
+            once``) or the reversed range (``the range must go up, e.g. 16-256``). ``tctune.optimize(batch_sizes=
             "8,32")`` parses its string with this function too.
     """
     text = text.strip()
@@ -66,10 +67,16 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
         if sizes[-1] != hi:
             sizes.append(hi)
         return tuple(sizes)
-    tokens = [x for x in text.split(",") if x.strip()]
-    if not tokens:
+    tokens = [x.strip() for x in text.split(",")]
+    if not any(tokens):
         raise bad("no batch size given")
-    return tuple(sorted({positive(x) for x in tokens}))
+    if "" in tokens:  # "8,,32", "8,32,": a lost number, not something to skip silently
+        raise bad(f"entry {tokens.index('') + 1} is empty (two commas in a row, or a comma at an end)")
+    sizes = [positive(x) for x in tokens]
+    twice = sorted({b for b in sizes if sizes.count(b) > 1})
+    if twice:
+        raise bad(f"{', '.join(map(str, twice))} given more than once")
+    return tuple(sorted(sizes))
 
 
 def parse_devices(text: str) -> tuple[int, ...]:

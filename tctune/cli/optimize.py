@@ -165,4 +165,6 @@ def run(args) -> int:
         print(_summary(report, Path(cfg.out_dir)))
     if report.get("interrupted"):
         return 130
+    if (report.get("artifacts") or {}).get("onnx_failed"):
+        return 1  # the export of the answer failed, as `tctune export` exits on a failed format
     return 0 if report.get("best") or cfg.worker else 1  # nothing qualified: a non-zero status scripts can see

@@ -127,6 +127,8 @@ class TuneConfig:
             raise bad("compile_budget_s", f"must be a positive number of seconds, got {self.compile_budget_s}")
         if not self.batch_sizes or any((not isinstance(b, int)) or b < 1 for b in self.batch_sizes):
             raise bad("batch_sizes", f"must be positive integers, got {self.batch_sizes!r}")
+        if len(set(self.batch_sizes)) != len(self.batch_sizes):
+            raise bad("batch_sizes", f"must be distinct, got {self.batch_sizes!r}")
         if self.trials < 1:
             raise bad("trials", f"must be at least 1, got {self.trials}")
         if self.timeout_s is not None and self.timeout_s <= 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
@@ -382,21 +383,25 @@ class InferenceEvaluator:
             self.score_gate.reference(self.model)  # the FP32 score first: a broken score() stops the run here
         release_memory(self.device)  # what earlier candidates left (CUDA graph pools, compiled code)
         held = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        if params["graph_passes"]:  # planned once per study (FP8 keep-list, fast accumulation): not this setup
+            self.trial_params(params, fp8_keep, fp8_fast_accum)
+        started = time.perf_counter()
         cand = self.build(params, fp8_keep, fp8_fast_accum)
+        build_s = time.perf_counter() - started  # tctune's graph: its passes (and fp16 calibration); else a wrapper
         # Peak memory is reported per candidate: the peak during its run, minus what tctune itself holds
         # (references for other batch sizes, the FP32 model), plus the inputs and, for the model as written,
         # its weights, which the candidate uses but which were allocated before it.
         own = sum(t.numel() * t.element_size() for t in inputs)
         if not params["graph_passes"] and not params.get("model_cast"):  # a cast model's copy is its own
             own += sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
-        setup_s = 0.0
+        compile_s = 0.0
         fn = None
         try:
             with precision_mode(cand.precision):
-                fn, setup_s = wrap(cand.module, runtime, inputs)
-                if runtime.startswith("inductor") and setup_s > self.cfg.compile_budget_s:
-                    self.compile_over_budget = f"trial compile took {setup_s:.0f} s"
-                    raise CandidateRejected(f"compile took {setup_s:.0f} s > --compile-budget {self.cfg.compile_budget_s:g} s",
+                fn, compile_s = wrap(cand.module, runtime, inputs)
+                if runtime.startswith("inductor") and compile_s > self.cfg.compile_budget_s:
+                    self.compile_over_budget = f"trial compile took {compile_s:.0f} s"
+                    raise CandidateRejected(f"compile took {compile_s:.0f} s > --compile-budget {self.cfg.compile_budget_s:g} s",
                                             FailureKind.COMPILE_BUDGET)
                 with torch.inference_mode():
                     out = detach_outputs(fn(*inputs))
@@ -438,7 +443,10 @@ class InferenceEvaluator:
         extra.update(scored)
         if self.calibration:
             extra["real_batches"] = len(self.calibration)
-        return trial_metrics(timing, err, peak_memory_mib=peak, setup_s=setup_s, description=cand.description,
+        # setup_s: seconds from the captured graph (or the model) to a callable candidate: build_s (the passes)
+        # plus compile_s (CUDA graph capture / Inductor compile, tctune.runtime.wrap); the capture is once per study
+        return trial_metrics(timing, err, peak_memory_mib=peak, setup_s=build_s + compile_s, build_s=build_s,
+                             compile_s=compile_s, description=cand.description,
                              passes=[{"name": r.name, "changed": r.count, **({"failed": r.notes["failed"]} if "failed" in r.notes else {})}
                                      for r in cand.passes], **extra)
 

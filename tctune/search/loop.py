@@ -41,9 +41,9 @@ from .baselines import (SIDE_BY_SIDE_BLOCK_S, SIDE_BY_SIDE_ROUNDS, Baseline, Clo
                         compile_baseline, plain_baselines, preference)
 from .evaluate import Evaluator, InferenceEvaluator
 from .results import (best_trial, confirmed_throughputs, constraint_checks, counts_as_measured, fail, failure_kind, first_line,
-                      is_feasible, objective_values)
+                      is_feasible, objective_values, outcome_words)
 from .space import SearchSpace, fp8_fast_accum_choices
-from .storage import fail_interrupted, measured, open_study, retry_interrupted
+from .storage import fail_interrupted, measured, open_study, outcome_counts, retry_interrupted
 from .train import TrainingEvaluator
 
 log = logging.getLogger("tctune")
@@ -80,11 +80,37 @@ def check_fp32_runs(model: torch.nn.Module, mf: ModelFile, batch_size: int, devi
         release_memory(device)
         if is_oom(exc):
             return
-        what = "build_model and example_inputs" if mf.path.suffix == ".py" else "the model and its example inputs"
+        where = user_frame(exc, mf.path)
         raise ModelFileError(
             f"{mf.path.name}: the model raised in FP32 at batch {batch_size}: {type(exc).__name__}: "
-            f"{first_line(exc)}\n  fix: check {what}: the model must run on example_inputs({batch_size}) in FP32"
+            f"{first_line(exc)}" + (f"\n  at {where}" if where else "")
+            + f"\n  fix: make forward run on example_inputs({batch_size}) in FP32: the error is in forward (or code it "
+            "calls), or in example_inputs when it builds inputs forward cannot take"
         ) from exc
+
+
+def user_frame(exc: BaseException, prefer: Path | None = None) -> str | None:
+    """Where the user's code raised ``exc``: ``"FILE:LINE in FUNCTION: SOURCE LINE"`` of the innermost frame of
+    its traceback in ``prefer`` (the model file), else of the innermost frame outside torch, tctune, ``passes``
+    and Python's standard library (a live module's own file); None when there is none (the error came from
+    torch itself, e.g. a C++ kernel, with no user frame on the way)."""
+    import sysconfig
+    import traceback
+
+    import passes
+
+    skip = [str(Path(m.__file__).resolve().parent) for m in (torch, passes)]
+    skip.append(str(Path(__file__).resolve().parents[1]))  # tctune/
+    skip.append(str(Path(sysconfig.get_paths()["stdlib"]).resolve()))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<")]
+    where = {id(f): str(Path(f.filename).resolve()) for f in frames}
+    target = str(Path(prefer).resolve()) if prefer is not None and Path(prefer).suffix == ".py" else None
+    mine = ([f for f in frames if where[id(f)] == target]
+            or [f for f in frames if not any(where[id(f)].startswith(d) for d in skip)])
+    if not mine:
+        return None
+    f = mine[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}" + (f": {f.line.strip()}" if f.line else "")
 
 
 def recorded_fp8(t) -> dict:
@@ -501,12 +527,14 @@ class Tuner:
             if self.space_size() <= BRUTE_FORCE_MAX:  # an enumerated space ends when every candidate is measured
                 left = self.space_size() - len(self.measured(study))
                 if left <= 0:
-                    log.info("all %d candidates of this search space are already measured; nothing to add "
-                             "(widen --batch-sizes or --runtimes to search more)", self.space_size())
+                    log.info("all %d candidates of this search space were already tried (%s); nothing to add "
+                             "(widen --batch-sizes or --runtimes to search more)", self.space_size(),
+                             outcome_words(outcome_counts(study)))
                     total = 0
                 elif left < total:
-                    log.info("this search space has %d candidates, %d not measured yet: at most %d searched "
-                             "trials run", self.space_size(), left, left)
+                    log.info("this search space has %d candidates, %d not tried yet (%s so far): at most %d "
+                             "searched trials run", self.space_size(), left, outcome_words(outcome_counts(study)),
+                             left)
             optimize(total)
         except KeyboardInterrupt:
             self.interrupted = True
@@ -517,7 +545,8 @@ class Tuner:
             if bar is not None:
                 bar.close()
         if self.space_size() <= BRUTE_FORCE_MAX and len(self.measured(study)) >= self.space_size():
-            log.info("every one of the %d candidates of this search space is measured", self.space_size())
+            log.info("every one of the %d candidates of this search space was tried: %s", self.space_size(),
+                     outcome_words(outcome_counts(study)))
         if not self.interrupted and not self.cfg.worker:
             if self.cfg.objective == "throughput":
                 self.confirm(study)

@@ -117,6 +117,38 @@ def counts_as_measured(t: optuna.trial.FrozenTrial) -> bool:
     return bool(t.user_attrs.get("fail_reason"))
 
 
+#: What became of a candidate, in the order one outcome outranks another when a candidate has several trials
+#: (:func:`trial_outcome`): timed to the end, failed with a recorded reason, stopped early by the pruner after
+#: a partial measurement, not run (a duplicate, a twin, a batch the graph does not accept).
+OUTCOMES = ("measured", "failed", "pruned", "skipped")
+
+#: :data:`OUTCOMES` in words for the console and ``report.md``.
+OUTCOME_WORDS = {"measured": "measured", "failed": "failed",
+                 "pruned": "stopped early by the pruner (a partial measurement: slower than the finished trials "
+                           "at its batch size; not run again)",
+                 "skipped": "skipped (not run: a duplicate, a twin, or a combination that does not apply)"}
+
+
+def trial_outcome(t: optuna.trial.FrozenTrial) -> str | None:
+    """One of :data:`OUTCOMES` for a finished trial whose result stands (:func:`counts_as_measured`); None for
+    a waiting, running or interrupted one. A pruned trial is final, as in Optuna (its samplers never propose
+    it again): it is reported as stopped early, never as measured."""
+    if not t.state.is_finished() or not counts_as_measured(t):
+        return None
+    if t.state == optuna.trial.TrialState.COMPLETE:
+        return "measured"
+    if t.state == optuna.trial.TrialState.FAIL:
+        return "failed"
+    return "skipped" if t.user_attrs.get("fail_kind") == FailureKind.SKIPPED.value else "pruned"
+
+
+def outcome_words(counts: dict[str, int]) -> str:
+    """``counts`` (outcome -> number, :data:`OUTCOMES`) in words, zero counts left out, e.g. "3 measured,
+    1 failed"; "none decided" when all are zero."""
+    parts = [f"{counts[k]} {OUTCOME_WORDS[k]}" for k in OUTCOMES if counts.get(k)]
+    return ", ".join(parts) or "none decided"
+
+
 def is_feasible(t: optuna.trial.FrozenTrial) -> bool:
     """A completed, measured trial within every constraint (``--max-error``, ``--max-latency-ms``, ...)."""
     constraints = t.constraints

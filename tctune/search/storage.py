@@ -2,6 +2,7 @@
 trials a killed or interrupted process left behind."""
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -17,7 +18,7 @@ import optuna
 
 from ..errors import UsageError
 from ..trial import FailureKind
-from .results import counts_as_measured
+from .results import OUTCOMES, counts_as_measured, trial_outcome
 
 log = logging.getLogger("tctune")
 
@@ -291,6 +292,27 @@ def fail_interrupted(study: optuna.Study, storage) -> int:
         storage.set_trial_state_values(tid, optuna.trial.TrialState.FAIL)
     log.warning("marked %d interrupted trial(s) as failed; finished trials are kept", len(running))
     return len(running)
+
+
+def candidate_outcomes(study: optuna.Study) -> dict[str, str]:
+    """Each decided candidate (its parameters as canonical JSON) -> what became of it
+    (:func:`~tctune.search.results.trial_outcome`; of several trials of one candidate the first of
+    ``measured``, ``failed``, ``pruned``, ``skipped``). The keys are :func:`measured`."""
+    rank = {k: i for i, k in enumerate(OUTCOMES)}
+    out: dict[str, str] = {}
+    for t in study.get_trials(deepcopy=False):
+        outcome = trial_outcome(t)
+        if outcome is None:
+            continue
+        key = json.dumps(t.params, sort_keys=True)
+        if key not in out or rank[outcome] < rank[out[key]]:
+            out[key] = outcome
+    return out
+
+
+def outcome_counts(study: optuna.Study) -> collections.Counter:
+    """How many decided candidates ended each way (:func:`candidate_outcomes`): outcome -> count."""
+    return collections.Counter(candidate_outcomes(study).values())
 
 
 def measured(study: optuna.Study) -> set[str]:
