@@ -10,7 +10,10 @@ timing), the best feasible tctune candidate that ran through ``inductor`` or ``i
 measured as one more trial of the study (:func:`run_finalist`): same parameters, its runtime in the user
 attribute ``runtime`` (:func:`tctune.search.baselines.run_params`) and the rebuilt trial's number in
 ``autotune_of``. From then on it is a trial like any other: re-measured when close to the fastest, timed side
-by side, the answer when it wins, exported and resumed with its runtime.
+by side, the answer when it wins, exported and resumed with its runtime. Those rebuilds compile the same graph
+with the same options again: Inductor's FX graph cache and its local autotuning cache (both on by default,
+``torch._inductor.config.fx_graph_cache`` / ``autotune_local_cache``) make them cache hits, not a second
+autotuning.
 
 Whether it runs is :func:`decide`'s rule (``TuneConfig.autotune``). The step records what happened in the study
 user attribute ``"autotune"`` (:func:`run_finalist`'s record), and ``report.json`` / ``report.md`` show it
