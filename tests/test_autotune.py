@@ -311,3 +311,42 @@ def test_auto_on_the_cpu_is_not_run_and_the_report_says_why(tiny, tmp_path):
     assert rec["reason"] == "no feasible tctune candidate ran through inductor or inductor-cudagraphs"  # eager only
     assert report["config"]["autotune"] == "auto"
     assert f"- Not run: {rec['reason']} (--autotune auto)." in (out / "report.md").read_text()
+
+
+# ------------------------------------------------------------------------------------------------- export
+
+
+@pytest.mark.parametrize("runtime", ["inductor-max-autotune-cudagraphs", "inductor-cudagraphs"])
+def test_tctune_export_compiles_aot_inductor_with_the_runtimes_options(tiny, tmp_path, monkeypatch, runtime):
+    """A best_config.json whose runtime is a max-autotune one gets an AOTInductor package compiled with
+    max-autotune's Inductor options (recorded in its manifest and its cache key); any other runtime with
+    Inductor's defaults. The compile itself is replaced (it cannot run meaningfully on this CPU)."""
+    import tctune.export.aoti as aoti
+    from tctune.engines import export_artifacts
+
+    calls = []
+
+    def fake_export_aoti(graph, make_inputs, path, batch_sizes=(2, 3), *, inductor_configs=None):
+        calls.append(inductor_configs)
+        path.write_bytes(b"pt2")
+        return {"aoti": str(path), "aoti_device": "cpu", "aoti_export_s": 0.0, "aoti_compile_s": 0.0,
+                "aoti_validation": [], "aoti_max_abs_error": 0.0, "aoti_error": None}
+
+    monkeypatch.setattr(aoti, "export_aoti", fake_export_aoti)
+    cfg = {"model": "tiny", "hardware": {"name": "CPU (x86_64)", "arch": "cpu", "compute_capability": "",
+                                         "source": "cpu", "is_gpu": False},
+           "params": {"batch_size": 4, "precision": "fp32", "graph_passes": True, "runtime": runtime},
+           "batch_sizes": [4], "passes": [], "tctune_version": "0.1.0"}
+    path = tmp_path / "best_config.json"
+    path.write_text(json.dumps(cfg))
+    result = export_artifacts(tiny, path, formats=("aoti",), out_dir=tmp_path / "out")
+    assert result["formats"]["aoti"]["status"] == "built", result["formats"]["aoti"]
+    manifest = json.loads((tmp_path / "out" / "model.pt2.manifest.json").read_text())
+    if "max-autotune" in runtime:
+        wanted = torch._inductor.list_mode_options("max-autotune-no-cudagraphs")
+        assert calls == [wanted] and wanted["max_autotune"] is True
+        assert manifest["result"]["aoti_inductor_configs"] == wanted
+        assert manifest["cache_key"]["extra"]["inductor_configs"] == wanted
+    else:
+        assert calls == [None] and manifest["result"].get("aoti_inductor_configs") is None
+        assert "inductor_configs" not in json.dumps(manifest["cache_key"])
