@@ -131,6 +131,7 @@ def _trial(number=0, throughput=100.0, runtime="inductor-cudagraphs", graph=True
     ("on", "cuda", False, {"source": None}, False, "no feasible tctune candidate"),
     ("on", "cpu", False, {"source": _trial(setup_s=1000.0)}, True, "--autotune on"),
     ("auto", "cpu", False, {}, False, "this run measures on the CPU"),
+    ("auto", "cpu", False, {"source": None}, False, "this run measures on the CPU"),  # the reason that applies first
     ("auto", "cuda", False, {"source": _trial(setup_s=30.0)}, True, "estimated max-autotune compile 300 s"),
     ("auto", "cuda", False, {"source": _trial(setup_s=30.1)}, False, "is over --compile-budget 300 s"),
     ("auto", "cuda", False, {"time_left_s": 100.0}, False, "over the 100 s left before --timeout"),
@@ -308,7 +309,7 @@ def test_auto_on_the_cpu_is_not_run_and_the_report_says_why(tiny, tmp_path):
     report = json.loads((out / "report.json").read_text())
     rec = report["autotune"]
     assert rec["mode"] == "auto" and rec["ran"] is False and rec["trial"] is None and rec["result"] == "not run"
-    assert rec["reason"] == "no feasible tctune candidate ran through inductor or inductor-cudagraphs"  # eager only
+    assert "--autotune auto runs it on a CUDA GPU only" in rec["reason"] and "this run measures on the CPU" in rec["reason"]
     assert report["config"]["autotune"] == "auto"
     assert f"- Not run: {rec['reason']} (--autotune auto)." in (out / "report.md").read_text()
 

@@ -101,15 +101,15 @@ def decide(mode: str, device_type: str, training: bool, source: optuna.trial.Fro
         return Decision(False, "--autotune off")
     if training:
         return Decision(False, "the max-autotune finalist is for inference; --mode train does not run it")
+    if mode == "auto" and device_type != "cuda":
+        return Decision(False, f"--autotune auto runs it on a CUDA GPU only (max-autotune's Triton templates); this run "
+                               f"measures on the {device_type.upper()} (--autotune on runs it anyway)")
     if source is None:
         return Decision(False, "no feasible tctune candidate ran through inductor or inductor-cudagraphs")
     compile_s = source.user_attrs.get("setup_s")
     estimate = None if compile_s is None else AUTOTUNE_COMPILE_FACTOR * float(compile_s)
     if mode == "on":
         return Decision(True, "--autotune on", estimate)
-    if device_type != "cuda":
-        return Decision(False, f"--autotune auto runs it on a CUDA GPU only (max-autotune's Triton templates); this run "
-                               f"measures on the {device_type.upper()} (--autotune on runs it anyway)")
     if over_budget:
         return Decision(False, f"compiles are over --compile-budget ({over_budget})")
     if estimate is None:
