@@ -33,7 +33,7 @@ OPTIONS = {"out": "out_dir", "batch_sizes": "batch_sizes", "trials": "trials", "
            "devices": "devices", "seed": "seed", "runtimes": "runtimes", "compile_budget": "compile_budget_s",
            "no_prune": "prune", "no_export": "export", "quiet": "quiet",
            "min_score_ratio": "min_score_ratio", "min_score": "min_score", "max_mismatch_rate": "max_mismatch_rate",
-           "output_dtype": "output_dtype", "fp8_fast_accum": "fp8_fast_accum"}
+           "output_dtype": "output_dtype", "fp8_fast_accum": "fp8_fast_accum", "autotune": "autotune"}
 #: Keyword options of :func:`optimize` that are not flags: the live module's contract and the tuned module.
 API_OPTIONS = ("score", "calibration", "dynamic_shapes", "name", "keep_low_precision_outputs")
 
@@ -167,7 +167,8 @@ def optimize(model, example_inputs=None, /, **options):
             ``batch_sizes`` (int, sequence of ints, or a string as ``--batch-sizes`` takes it: ``"8,32"``,
             ``"16-64"``), ``trials``, ``timeout`` (s), ``max_error``, ``max_error_fp8``, ``objective``,
             ``max_latency_ms``, ``max_memory_mib``, ``fp8_keep`` (``"auto"``, ``"none"``, patterns),
-            ``fp8_fast_accum`` (``"auto"``, ``"on"``, ``"off"``), ``target``,
+            ``fp8_fast_accum`` (``"auto"``, ``"on"``, ``"off"``), ``autotune`` (``"auto"``, ``"on"``,
+            ``"off"``: the max-autotune finalist, ``TuneConfig.autotune``), ``target``,
             ``storage``, ``devices`` (one GPU for a live module), ``seed``, ``runtimes`` (names or a comma
             list), ``compile_budget`` (s), ``no_prune``, ``no_export``, ``quiet``, ``mode``; and
             ``min_score_ratio``, ``min_score``, ``max_mismatch_rate``, ``output_dtype`` (``"compute"``, the

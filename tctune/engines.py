@@ -11,7 +11,9 @@ measured) and writes, per format:
   the model file's example inputs; ``tctune.export.onnx_fp8``), everything else bf16;
 - TensorRT ``model.engine`` (strongly typed, one profile min/opt/max = 1 / tuned / largest) where the
   ``tensorrt`` package is importable; otherwise the reason is given;
-- AOTInductor ``model.pt2`` (dynamic batch), compared with PyTorch at two batch sizes;
+- AOTInductor ``model.pt2`` (dynamic batch), compared with PyTorch at two batch sizes; compiled with the Inductor
+  options of the config's runtime (``tctune.runtime.aot_inductor_configs``: max-autotune's for
+  ``inductor-max-autotune[-cudagraphs]``, recorded as ``aoti_inductor_configs``; Inductor's defaults otherwise);
 
 each with ``<artifact>.manifest.json`` (inputs, shapes, dtypes, integer ranges, cache key) and a standalone
 ``runner.py``. An artifact whose manifest carries the same cache key is reused, not rebuilt.
@@ -337,7 +339,11 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
             results["tensorrt"] = skipped
 
     if "aoti" in formats:
-        key = cache_key("aoti", {"device": str(device)})
+        from .runtime import aot_inductor_configs
+
+        # compiled as the measured candidate was: a max-autotune runtime's Inductor options (max_autotune, ...)
+        configs = aot_inductor_configs(params.get("runtime", "eager"))
+        key = cache_key("aoti", {"device": str(device), **({"inductor_configs": configs} if configs else {})})
         if not reuse("aoti", key):
             from .export.aoti import export_aoti
             from .export.onnx import plan_validation
@@ -348,7 +354,10 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
                                                  _output_bytes_per_item(graph, make_inputs, lo), smallest=lo)
                 if limited:  # its comparison holds float64 host copies of the outputs, as the ONNX validation does
                     log.info("AOTInductor validation: %s", limited)
-                info = export_aoti(graph, make_inputs, out / ARTIFACT_NAMES["aoti"], (check * 2)[:max(2, len(check))])
+                info = export_aoti(graph, make_inputs, out / ARTIFACT_NAMES["aoti"], (check * 2)[:max(2, len(check))],
+                                   inductor_configs=configs or None)
+                if configs:
+                    info["aoti_inductor_configs"] = configs
                 if info["aoti_error"]:
                     raise ExportError(f"the AOTInductor package {ARTIFACT_NAMES['aoti']} does not match PyTorch: "
                                       f"{info['aoti_error']}")
@@ -497,7 +506,7 @@ def _summary(info: dict, prefix: str) -> dict:
                      "onnx_fp32_error", "onnx_load", "onnx_provider", "deploy", "deploy_reason",
                      "onnx_fp32_validation", "onnx_validation_limited"),
             "aoti": ("aoti_device", "aoti_export_s", "aoti_compile_s", "aoti_validation", "aoti_max_abs_error",
-                     "aoti_error", "aoti_validation_limited")}[prefix]
+                     "aoti_error", "aoti_validation_limited", "aoti_inductor_configs")}[prefix]
     return {k: info.get(k) for k in keep}
 
 

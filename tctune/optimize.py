@@ -30,6 +30,8 @@ from .report import build_report, write_atomic, write_report
 from .deploy import (BF16_OUTPUTS_NOTE, Artifacts, as_written_export_graphs, cast_export_graphs, cast_onnx_out_dtype,
                      claim_batch_from, export_graphs, exports_as_written, smallest_batch)
 from .search import TuneConfig, Tuner, best_trial, is_feasible
+from .search.autotune import autotune_report
+from .search.baselines import run_params
 from .search.loop import recorded_fp8
 from .search.results import confirmed_throughputs, first_line
 from .search.storage import StudyLock
@@ -479,7 +481,7 @@ def write_best_config(path: Path, tuner: Tuner, trial_attrs, passes: list[dict],
     (``--calibration``'s folder as an absolute path, or None)."""
     from .search.baselines import baseline_label
 
-    params = dict(trial_attrs.params) if params is None else params
+    params = run_params(trial_attrs.params, trial_attrs.user_attrs) if params is None else params
     trial = tuner.trial_params(params, **recorded_fp8(trial_attrs))
     name = trial_attrs.user_attrs.get("baseline")
     recommended = {"kind": "baseline" if name else "tctune", "name": name, "trial": trial_attrs.number}
@@ -519,7 +521,7 @@ def export_fallback(tuner: Tuner, study: optuna.Study, best, why: str, out: Path
         folder = out / f"exportable_trial_{t.number}"
         created = not folder.exists()
         folder.mkdir(parents=True, exist_ok=True)
-        got = stages.run(f"export (fallback trial {t.number})", export_best, tuner, dict(t.params), folder,
+        got = stages.run(f"export (fallback trial {t.number})", export_best, tuner, run_params(t.params, t.user_attrs), folder,
                          **recorded_fp8(t), warn=False,
                          model_cast=bool(t.user_attrs.get("model_cast")))
         if got is None or not exported(got[0]):
@@ -531,7 +533,7 @@ def export_fallback(tuner: Tuner, study: optuna.Study, best, why: str, out: Path
         stages.run(f"best_config.json (fallback trial {t.number})", write_best_config, folder / "best_config.json",
                    tuner, t, passes, study.study_name)
         arts.best_config = str(folder / "best_config.json")
-        result.update(exported_trial=t.number, params=dict(t.params), throughput=t.user_attrs.get("throughput"),
+        result.update(exported_trial=t.number, params=run_params(t.params, t.user_attrs), throughput=t.user_attrs.get("throughput"),
                       dir=str(folder), artifacts=arts.to_dict())
         log.warning("the best configuration (trial %d) could not be exported (%s); exported trial %d, the next best "
                     "that exports, to %s", best.number, why, t.number, folder)
@@ -647,6 +649,7 @@ def _optimize(tuner: Tuner, mf, hw: HardwareSpec, cfg: TuneConfig, devices: list
                    "fp8_plans": {policy: plan.to_dict() for policy, plan in tuner.fp8_plans.items()},
                    "fp8_fast_accum": {policy: check.to_dict() for policy, check in
                                       getattr(tuner.evaluator, "fast_accum_checks", {}).items()},
+                   "autotune": autotune_report(study_now, getattr(best_trial(study_now), "number", None)),
                    "post_errors": stages.errors, "unfinished_stage": unfinished, **accuracy_extra(tuner)},
         )
         write_report(report, out)
@@ -672,6 +675,13 @@ def _optimize(tuner: Tuner, mf, hw: HardwareSpec, cfg: TuneConfig, devices: list
             return stages.run("side-by-side timing", timing, study_now, *args, **kwargs)
 
         tuner.confirm = guarded_confirm
+        finalist = getattr(tuner, "autotune", None)
+        if finalist is not None:
+            def guarded_autotune(study_now, *args, **kwargs):
+                provisional(study_now, "max-autotune finalist")  # its compile can take minutes
+                return stages.run("max-autotune finalist", finalist, study_now, *args, **kwargs)
+
+            tuner.autotune = guarded_autotune
         if timing is not None:
             tuner.side_by_side = guarded_side_by_side
     study = tuner.run()
@@ -695,10 +705,10 @@ def _optimize(tuner: Tuner, mf, hw: HardwareSpec, cfg: TuneConfig, devices: list
         # (`tctune export` on it exports it), only the export itself is left to a resumed run.
         if stages.run("best_config.json", write_best_config, out / "best_config.json", tuner, bt,
                       list(bt.user_attrs.get("passes") or []), study.study_name, default=False,
-                      params=dict(bt.params)) is not False:
+                      params=run_params(bt.params, bt.user_attrs)) is not False:
             artifacts.best_config = str(out / "best_config.json")
     if bt is not None and not tuner.interrupted:
-        params = dict(bt.params)
+        params = run_params(bt.params, bt.user_attrs)  # its runtime as run (the max-autotune finalist's)
         # The search's answer is on disk before anything that can exhaust memory runs: best_config.json (with the
         # passes the trial measured; rewritten with the exported graph's after the export) and the report.
         if stages.run("best_config.json", write_best_config, out / "best_config.json", tuner, bt,

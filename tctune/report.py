@@ -17,6 +17,8 @@ from typing import Any
 import optuna
 
 from .search import best_trial, is_feasible, pareto_front
+from .search.autotune import autotune_lines
+from .search.baselines import run_params
 from .search.results import headline
 
 TRIAL_FIELDS = ("throughput", "latency_ms", "latency_p50_ms", "latency_p99_ms", "repeats_ms", "peak_memory_mib", "max_rel_error", "max_abs_error", "nonfinite",
@@ -53,7 +55,7 @@ def _clean(v: Any) -> Any:
 
 def trial_record(t: optuna.trial.FrozenTrial) -> dict:
     """One row of ``report.json``'s ``trials``."""
-    row = {"number": t.number, "state": t.state.name, "params": dict(t.params),
+    row = {"number": t.number, "state": t.state.name, "params": run_params(t.params, t.user_attrs),  # runtime as run
            "fail_reason": t.user_attrs.get("fail_reason"), "fail_kind": t.user_attrs.get("fail_kind")}
     for k in TRIAL_FIELDS:
         row[k] = t.user_attrs.get(k)
@@ -61,6 +63,7 @@ def trial_record(t: optuna.trial.FrozenTrial) -> dict:
     row["baseline"] = t.user_attrs.get("baseline")  # a plain baseline's name (tctune.search.baselines), else None
     row["model_cast"] = bool(t.user_attrs.get("model_cast"))
     row["run_id"] = t.user_attrs.get("run_id")
+    row["autotune_of"] = t.user_attrs.get("autotune_of")  # the max-autotune finalist: the trial it rebuilt
     row["score"] = t.user_attrs.get("score")
     row["passes"] = t.user_attrs.get("passes", [])
     # an FP8 graph trial's exact keep-list (what best_config.json rebuilds); its description writes it compactly
@@ -238,7 +241,7 @@ def build_report(study: optuna.Study, *, hardware: dict, measured_on: str, confi
         "best_baseline_any_batch": head["best_baseline_any_batch"] if head else None,
         "side_by_side": dict(sbs, current_run=sbs is current_sbs) if sbs else None,
         "best": best,
-        "pareto_front": [{"trial": t.number, "params": dict(t.params), "throughput": t.user_attrs.get("throughput"),
+        "pareto_front": [{"trial": t.number, "params": run_params(t.params, t.user_attrs), "throughput": t.user_attrs.get("throughput"),
                           "latency_p99_ms": t.user_attrs.get("latency_p99_ms"),
                           "peak_memory_mib": t.user_attrs.get("peak_memory_mib"),
                           "max_rel_error": t.user_attrs.get("max_rel_error")} for t in pareto_front(study)],
@@ -634,6 +637,8 @@ def render_markdown(r: dict) -> str:
         lines += ["", "## FP8 fast accumulation (torch._scaled_mm use_fast_accum)", ""]
         for policy, check in sorted(r["fp8_fast_accum"].items()):
             lines.append(f"- {policy} policy: {check['summary']}")
+    if r.get("autotune"):  # tctune.search.autotune: the max-autotune finalist step
+        lines += ["", "## Max-autotune finalist (Inductor mode max-autotune-no-cudagraphs)", "", *autotune_lines(r["autotune"])]
     lines += ["", "## Graph passes (at the best precision)", ""]
     if r["passes"] and b and not b["params"].get("graph_passes"):
         lines += ["The best configuration runs the model as written; these are the passes its exported graph carries.", ""]

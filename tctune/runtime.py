@@ -15,6 +15,13 @@ These are the execution-backend choices of the search (``--runtimes``). They wra
   replayed like ``cudagraphs``: inference only. On the H200 this was the fastest way to run tctune's graph on
   all five suite models (benchmarks/NOTES.md, the entry "tctune's graph through Inductor"), e.g. seed CNN 0.134 ms vs
   0.187 ms Inductor alone, BERT-base 3.31 vs 3.50 ms.
+- ``inductor-max-autotune`` / ``inductor-max-autotune-cudagraphs``: the same two with Inductor's mode
+  ``max-autotune-no-cudagraphs`` (``max_autotune``: Triton GEMM/conv templates benchmarked per shape, epilogues
+  such as a GELU fused into the GEMM; ``coordinate_descent_tuning``). Its compile takes much longer, so the
+  search does not sample it by default: after the trials, the best tctune candidate through ``inductor`` /
+  ``inductor-cudagraphs`` is rebuilt with its max-autotune variant (:data:`MAX_AUTOTUNE_VARIANT`) when the
+  compile budget allows (:mod:`tctune.search.autotune`). ``inductor-max-autotune-cudagraphs`` is inference on a
+  CUDA GPU only, like ``inductor-cudagraphs``.
 """
 from __future__ import annotations
 
@@ -26,9 +33,48 @@ from torch.utils._pytree import tree_map
 
 RUNTIMES_GPU = ("eager", "cudagraphs", "inductor", "inductor-cudagraphs")
 RUNTIMES_CPU = ("eager",)
-ALL_RUNTIMES = ("eager", "cudagraphs", "inductor", "inductor-max-autotune", "inductor-cudagraphs")
+ALL_RUNTIMES = ("eager", "cudagraphs", "inductor", "inductor-max-autotune", "inductor-cudagraphs",
+                "inductor-max-autotune-cudagraphs")
 #: Runtimes that replay a CUDA graph (inference on a CUDA GPU only).
-CUDA_GRAPH_RUNTIMES = ("cudagraphs", "inductor-cudagraphs")
+CUDA_GRAPH_RUNTIMES = ("cudagraphs", "inductor-cudagraphs", "inductor-max-autotune-cudagraphs")
+#: Runtimes that compile with Inductor (``torch.compile``); their compile is bounded by ``--compile-budget``.
+INDUCTOR_RUNTIMES = ("inductor", "inductor-max-autotune", "inductor-cudagraphs", "inductor-max-autotune-cudagraphs")
+#: The max-autotune variant of each default-mode Inductor runtime: what the search's max-autotune finalist step
+#: rebuilds a candidate with (:mod:`tctune.search.autotune`).
+MAX_AUTOTUNE_VARIANT = {"inductor": "inductor-max-autotune", "inductor-cudagraphs": "inductor-max-autotune-cudagraphs"}
+#: The ``torch.compile`` mode of the max-autotune runtimes: max-autotune without Inductor's own CUDA graphs (a
+#: ``-cudagraphs`` runtime captures one itself, :class:`CudaGraphed`, as ``inductor-cudagraphs`` does).
+MAX_AUTOTUNE_MODE = "max-autotune-no-cudagraphs"
+
+
+def inductor_mode(runtime: str) -> str | None:
+    """The ``torch.compile`` mode of ``runtime``: :data:`MAX_AUTOTUNE_MODE` for the max-autotune runtimes,
+    ``"default"`` for the other Inductor runtimes, None for ``eager`` / ``cudagraphs`` (no compile)."""
+    if runtime not in INDUCTOR_RUNTIMES:
+        return None
+    return MAX_AUTOTUNE_MODE if "max-autotune" in runtime else "default"
+
+
+def without_cuda_graph(runtime: str) -> str:
+    """``runtime`` without its CUDA graph (what runs where no CUDA graph can, e.g. on CPU inputs):
+    ``cudagraphs`` -> ``eager``, ``inductor[-max-autotune]-cudagraphs`` -> ``inductor[-max-autotune]``; any other
+    runtime is returned as it is."""
+    if runtime == "cudagraphs":
+        return "eager"
+    return runtime.removesuffix("-cudagraphs")
+
+
+def aot_inductor_configs(runtime: str) -> dict[str, Any]:
+    """The ``torch._inductor.config`` options an AOTInductor package of a trial measured through ``runtime`` is
+    compiled with, so the engine compiles as the measured candidate did: the options of torch.compile's mode
+    :data:`MAX_AUTOTUNE_MODE` (``torch._inductor.list_mode_options``: ``max_autotune`` and
+    ``coordinate_descent_tuning`` in torch 2.13) for the max-autotune runtimes; ``{}`` (Inductor's defaults) for
+    every other runtime."""
+    if inductor_mode(runtime) != MAX_AUTOTUNE_MODE:
+        return {}
+    import torch._inductor
+
+    return dict(torch._inductor.list_mode_options(MAX_AUTOTUNE_MODE))
 
 
 class Autocast(torch.nn.Module):
@@ -91,7 +137,9 @@ class CudaGraphed:
 def wrap(fn: Callable, runtime: str, inputs: tuple[torch.Tensor, ...]) -> tuple[Callable, float]:
     """Wrap ``fn`` for ``runtime``; returns ``(callable, setup_seconds)``.
 
-    The setup time is the CUDA graph capture or the Inductor compile (the first call), in seconds.
+    The setup time is the CUDA graph capture or the Inductor compile (the first call), in seconds. An Inductor
+    runtime compiles with :func:`inductor_mode`'s mode; a ``-cudagraphs`` one then captures the compiled callable
+    as one CUDA graph (:class:`CudaGraphed`).
 
     Raises:
         ValueError: unknown runtime.
@@ -104,14 +152,13 @@ def wrap(fn: Callable, runtime: str, inputs: tuple[torch.Tensor, ...]) -> tuple[
         out = CudaGraphed(fn, inputs)
         torch.cuda.synchronize()
         return out, time.perf_counter() - t0
-    if runtime in ("inductor", "inductor-max-autotune", "inductor-cudagraphs"):
-        mode = "max-autotune-no-cudagraphs" if runtime == "inductor-max-autotune" else "default"
-        compiled = torch.compile(fn, mode=mode, dynamic=False)
+    if runtime in INDUCTOR_RUNTIMES:
+        compiled = torch.compile(fn, mode=inductor_mode(runtime), dynamic=False)
         with torch.inference_mode():
             compiled(*inputs)  # compile now, so it is not timed as a call
         if inputs and inputs[0].is_cuda:
             torch.cuda.synchronize()
-        if runtime == "inductor-cudagraphs":
+        if runtime in CUDA_GRAPH_RUNTIMES:
             compiled = CudaGraphed(compiled, inputs)
             torch.cuda.synchronize()
         return compiled, time.perf_counter() - t0

@@ -47,7 +47,8 @@ class TrialParams:
         batch_size: items per call (≥ 1).
         precision: ``fp32``, ``tf32``, ``fp16``, ``bf16`` or ``fp8``.
         graph_passes: True: tctune's rewritten graph; False: the model as written (autocast at fp16/bf16).
-        runtime: ``eager``, ``cudagraphs``, ``inductor``, ``inductor-max-autotune`` or ``inductor-cudagraphs``.
+        runtime: one of ``tctune.runtime.ALL_RUNTIMES`` (``eager``, ``cudagraphs``, ``inductor``,
+            ``inductor-max-autotune``, ``inductor-cudagraphs``, ``inductor-max-autotune-cudagraphs``).
         policy: the cast policy of tctune's graph (``passes.policy.POLICIES``).
         memory_format: ``contiguous`` or ``channels_last``.
         fp8_keep: at precision fp8, module-path patterns whose linears stay bf16 (``()`` below fp8).

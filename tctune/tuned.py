@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import ExportError, UsageError
 from .measure import precision_mode
-from .runtime import CUDA_GRAPH_RUNTIMES, ChannelsLast, CudaGraphed
+from .runtime import CUDA_GRAPH_RUNTIMES, INDUCTOR_RUNTIMES, ChannelsLast, CudaGraphed, inductor_mode, without_cuda_graph
 
 log = logging.getLogger("tctune")
 
@@ -148,7 +148,8 @@ class TunedModule(torch.nn.Module):
         report: the search's ``report.json`` dictionary (``{}`` when unknown).
         out_dir: the folder the search wrote its files to (``tctune.optimize`` sets it), or None (e.g. loaded).
         config: the winning :class:`tctune.trial.TrialParams`.
-        runtime: ``eager``, ``cudagraphs``, ``inductor``, ``inductor-max-autotune`` or ``inductor-cudagraphs``.
+        runtime: one of ``tctune.runtime.ALL_RUNTIMES`` (``eager``, ``cudagraphs``, ``inductor``,
+            ``inductor-max-autotune``, ``inductor-cudagraphs``, ``inductor-max-autotune-cudagraphs``).
         manifest: what :func:`save` writes beside the graph (see the module docstring).
 
     Built by :func:`from_search` (``tctune.optimize``) or :func:`load`; the constructor's other arguments:
@@ -233,16 +234,15 @@ class TunedModule(torch.nn.Module):
                 warnings.warn(f"runtime {runtime} replays CUDA graphs and these inputs are not on a CUDA GPU: "
                               "running without the CUDA graph", RuntimeWarning, stacklevel=3)
                 self.__dict__["_warned_cpu"] = True
-            runtime = "inductor" if runtime == "inductor-cudagraphs" else "eager"
+            runtime = without_cuda_graph(runtime)
         if runtime == "eager":
             return self._callable()
-        if runtime.startswith("inductor"):
+        if runtime in INDUCTOR_RUNTIMES:
             if self._compiled is None:
-                mode = "max-autotune-no-cudagraphs" if runtime == "inductor-max-autotune" else "default"
-                self.__dict__["_compiled"] = torch.compile(self._callable(), mode=mode, dynamic=False)
-            if runtime != "inductor-cudagraphs":
+                self.__dict__["_compiled"] = torch.compile(self._callable(), mode=inductor_mode(runtime), dynamic=False)
+            if runtime not in CUDA_GRAPH_RUNTIMES:
                 return self._compiled
-        base = self._compiled if runtime == "inductor-cudagraphs" else self._callable()
+        base = self._compiled if runtime in INDUCTOR_RUNTIMES else self._callable()
         key = tuple((tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else repr(a) for a in inputs)
         if key not in self._graphs:  # one CUDA graph per input signature, captured on first use
             self._graphs[key] = CudaGraphed(base, inputs)
@@ -310,8 +310,10 @@ def from_search(optimized, keep_low_precision_outputs: bool | None = None) -> Tu
         why = failure_summary(optimized.report.get("trials", [])) if optimized.report.get("trials") else "no trial ran"
         raise UsageError(f"no configuration qualified, so there is no tuned module: {why}\n  fix: see the report in "
                          f"{tuner.cfg.out_dir}; raise max_error or widen the search")
-    params = dict(bt.params)
+    from .search.baselines import run_params
     from .search.loop import recorded_fp8
+
+    params = run_params(bt.params, bt.user_attrs)  # its runtime as it ran (the max-autotune finalist's)
 
     trial = tuner.trial_params(params, **recorded_fp8(bt))
     inputs, ref = tuner.reference(trial.batch_size)

@@ -27,9 +27,10 @@ inputs (and on real batches: --calibration); a candidate whose relative L2 error
 (at least --min-score-ratio x the FP32 score). Plain baselines are measured first at
 every batch size, in addition to --trials: FP32 eager, autocast and the model cast as a whole (model.half(),
 .to(bfloat16)) at each low precision, and on a GPU torch.compile of the fastest of those; then tctune's graph
-through the fastest compiled runtime at each low precision. After the trials the fastest candidates within
-5% are timed once more, then the finalists and the best baselines are timed side by side (interleaved
-rounds) and the fastest median wins; the speedup is against the fastest plain baseline at the same batch
+through the fastest compiled runtime at each low precision. After the trials, on a GPU, the best tctune
+candidate through Inductor is rebuilt with Inductor's max-autotune as one more trial when the compile budget
+allows (--autotune); then the fastest candidates within 5% are timed once more, then the finalists and the
+best baselines are timed side by side (interleaved rounds) and the fastest median wins; the speedup is against the fastest plain baseline at the same batch
 size, with a 95% confidence interval. The study is
 kept in OUT/study.db: running the same command again adds trials to it.
 
@@ -112,10 +113,23 @@ def register(sub) -> str:
     o.add_argument("--seed", type=int, default=0, help="sampler seed (default %(default)s)")
     o.add_argument("--runtimes", metavar="LIST",
                    help="execution backends to search: eager, cudagraphs, inductor, inductor-max-autotune, "
-                        "inductor-cudagraphs (Inductor's code replayed as a CUDA graph) "
-                        "(default: eager,cudagraphs,inductor,inductor-cudagraphs on a GPU; eager on the CPU)")
+                        "inductor-cudagraphs (Inductor's code replayed as a CUDA graph), "
+                        "inductor-max-autotune-cudagraphs "
+                        "(default: eager,cudagraphs,inductor,inductor-cudagraphs on a GPU; eager on the CPU; "
+                        "max-autotune is tried after the trials instead, see --autotune)")
     o.add_argument("--compile-budget", type=float, default=300.0, metavar="SECONDS",
                    help="an Inductor compile slower than this rejects its trial and stops further compiles (default %(default)g)")
+    o.add_argument("--autotune", default="auto", choices=("auto", "on", "off"),
+                   help="Inductor max-autotune (Triton GEMM/conv kernels benchmarked per shape, epilogues fused; "
+                        "a much longer compile) for the finalist: after the trials, the best tctune candidate "
+                        "through inductor or inductor-cudagraphs is rebuilt with max-autotune and measured as one "
+                        "more trial, kept only if it wins. auto (default): on a CUDA GPU, when 10 x that "
+                        "candidate's default compile (an estimate of the max-autotune compile) fits in "
+                        "--compile-budget and in the time left before --timeout; on: whenever there is such a "
+                        "candidate, whatever the estimate (for a model served long enough to repay a long compile; the "
+                        "compile still counts against --compile-budget); "
+                        "off: never (the shortest run, when compile time matters more than a few percent of "
+                        "speed). report.md's \"Max-autotune finalist\" says what it cost and gave")
     o.add_argument("--no-prune", action="store_true",
                    help="measure every candidate fully (default: one in the slowest quarter so far stops early)")
     o.add_argument("--no-export", action="store_true", help="skip ONNX/TensorRT export")
@@ -153,7 +167,7 @@ def config_from_args(args) -> "TuneConfig":
                       fp8_keep=parse_fp8_keep(args.fp8_keep), min_score_ratio=args.min_score_ratio,
                       min_score=args.min_score, max_mismatch_rate=args.max_mismatch_rate,
                       calibration=args.calibration, output_dtype=args.output_dtype,
-                      fp8_fast_accum=args.fp8_fast_accum)
+                      fp8_fast_accum=args.fp8_fast_accum, autotune=args.autotune)
 
 
 def run(args) -> int:

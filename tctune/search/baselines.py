@@ -178,10 +178,25 @@ def baseline_label(name: str) -> str:
     return _LABELS.get(name, name)
 
 
+def run_params(params: dict, user_attrs: dict) -> dict:
+    """A trial's searched ``params`` as the trial ran them: with ``runtime`` replaced by the trial's ``runtime``
+    user attribute when it has one. The max-autotune finalist (:mod:`tctune.search.autotune`) records its
+    runtime there: its Optuna parameters are those of the candidate it rebuilt (a runtime outside the searched
+    choices cannot be an Optuna parameter of the study), so what reads a trial to rebuild, report or export it
+    reads this, never ``params`` alone."""
+    out = dict(params)
+    if user_attrs.get("runtime"):
+        out["runtime"] = user_attrs["runtime"]
+    return out
+
+
 def candidate_params(params: dict, user_attrs: dict) -> dict:
-    """The parameters that identify a trial's candidate: its searched ``params`` plus ``model_cast: True`` for
+    """The parameters that identify a trial's candidate: its :func:`run_params` plus ``model_cast: True`` for
     the model cast as a whole (whose searched parameters equal its autocast twin's)."""
-    return {**params, "model_cast": True} if user_attrs.get("model_cast") else dict(params)
+    out = run_params(params, user_attrs)
+    if user_attrs.get("model_cast"):
+        out["model_cast"] = True
+    return out
 
 
 def _median_ratio(a: Sequence[float], b: Sequence[float]) -> float:
@@ -293,4 +308,5 @@ class ClockMonitor:
 
 __all__ = ["BASELINE_PREFERENCE", "BOOTSTRAP_SAMPLES", "Baseline", "CastModel", "ClockMonitor", "OutputsTo",
            "REDUCE_OVERHEAD", "SIDE_BY_SIDE_BLOCK_S", "baseline_label", "baseline_rank", "preference",
-           "SIDE_BY_SIDE_ROUNDS", "candidate_params", "compile_baseline", "interleaved_speedup", "plain_baselines"]
+           "SIDE_BY_SIDE_ROUNDS", "candidate_params", "compile_baseline", "interleaved_speedup", "plain_baselines",
+           "run_params"]

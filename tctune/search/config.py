@@ -12,6 +12,10 @@ OBJECTIVES = {"throughput": ("maximize",), "latency": ("minimize",), "pareto": (
 #: ``TuneConfig.fp8_fast_accum`` values: ``auto`` (tried where it can help, kept when faster within the limit),
 #: ``on`` (every FP8 candidate), ``off`` (none).
 FP8_FAST_ACCUM_MODES = ("auto", "on", "off")
+#: ``TuneConfig.autotune`` values: ``auto`` (the max-autotune finalist step runs on a CUDA GPU when the compile
+#: budget allows, :func:`tctune.search.autotune.decide`), ``on`` (whenever there is a candidate to rebuild),
+#: ``off`` (never).
+AUTOTUNE_MODES = ("auto", "on", "off")
 
 @dataclass(frozen=True)
 class TuneConfig:
@@ -69,6 +73,14 @@ class TuneConfig:
             the same FP8 graph with fast accumulation is checked against the FP8 accuracy limit (the plan's aim,
             0.9 × ``max_error_fp8`` or of the allowed score shortfall) and timed, and kept when faster
             (:func:`tctune.fp8_plan.choose_fast_accum`); ``"on"``: always; ``"off"``: never.
+        autotune: the max-autotune finalist step (:data:`AUTOTUNE_MODES`, :mod:`tctune.search.autotune`): after
+            the trials (inference), the best tctune candidate measured through ``inductor`` or
+            ``inductor-cudagraphs`` is rebuilt through the runtime's max-autotune variant
+            (``tctune.runtime.MAX_AUTOTUNE_VARIANT``) and measured as one more trial, which then competes like any
+            other. ``"auto"`` (default): on a CUDA GPU, when the candidate's own default-mode compile times
+            ``tctune.search.autotune.AUTOTUNE_COMPILE_FACTOR`` (an estimate of the max-autotune compile) fits in
+            ``compile_budget_s`` and in the time left before ``timeout_s``; ``"on"``: whenever such a candidate
+            exists; ``"off"``: never. Its compile is bounded by ``compile_budget_s`` like any other.
     """
 
     out_dir: str
@@ -99,6 +111,7 @@ class TuneConfig:
     calibration: str | None = None
     output_dtype: str = "compute"
     fp8_fast_accum: str = "auto"
+    autotune: str = "auto"
 
     def __post_init__(self) -> None:
         """Raises UsageError naming the bad field (``err.field``, e.g. ``"trials"``) and what it must be."""
@@ -154,6 +167,9 @@ class TuneConfig:
         if self.fp8_fast_accum not in FP8_FAST_ACCUM_MODES:
             raise bad("fp8_fast_accum", f"must be one of {', '.join(FP8_FAST_ACCUM_MODES)} (auto: tried and kept "
                                         f"when faster within the FP8 limit), got {self.fp8_fast_accum!r}")
+        if self.autotune not in AUTOTUNE_MODES:
+            raise bad("autotune", f"must be one of {', '.join(AUTOTUNE_MODES)} (auto: a max-autotune rebuild of the best "
+                                  f"compiled candidate when the compile budget allows), got {self.autotune!r}")
         if self.calibration is not None and (not isinstance(self.calibration, str) or not self.calibration.strip()):
             raise bad("calibration", f"must be the path of a folder of input batches, got {self.calibration!r}")
 

@@ -43,6 +43,7 @@ from .evaluate import Evaluator, InferenceEvaluator
 from .results import (best_trial, confirmed_throughputs, constraint_checks, counts_as_measured, fail, failure_kind, first_line,
                       is_feasible, objective_values, outcome_words)
 from .space import SearchSpace, fp8_fast_accum_choices
+from .autotune import run_finalist
 from .storage import fail_interrupted, measured, open_study, outcome_counts, retry_interrupted
 from .train import TrainingEvaluator
 
@@ -421,9 +422,11 @@ class Tuner:
         if skip:
             fail(trial, skip, FailureKind.SKIPPED)
             raise optuna.TrialPruned(skip)
+        autotune = trial.user_attrs.get("autotune_of") is not None  # the max-autotune finalist (search.autotune)
+
         def on_repeat(step: int, throughput: float) -> None:
-            if self.cfg.objective != "throughput" or baseline:  # a plain baseline is never stopped early
-                return
+            if self.cfg.objective != "throughput" or baseline or autotune:  # never stopped early: a plain baseline,
+                return  # or the max-autotune rebuild of a finalist (its compile is the cost; its timing the point)
             trial.report(throughput, step)
             if trial.should_prune():
                 reason = (f"stopped early: {throughput:.4g} items/s after {step + 1} repeat(s), in the slowest "
@@ -431,8 +434,9 @@ class Tuner:
                 trial.set_user_attr("fail_reason", reason)
                 raise optuna.TrialPruned(reason)
 
-        try:
-            metrics = self.evaluate(params, on_repeat=on_repeat)
+        try:  # a rebuild carries the FP8 choices of the graph it rebuilds (recorded_fp8: the max-autotune finalist)
+            metrics = self.evaluate(params, on_repeat=on_repeat,
+                                    **(recorded_fp8(trial) if trial.user_attrs.get("fp8_keep") is not None else {}))
         except CandidateRejected as exc:
             fail(trial, str(exc), failure_kind(exc))
             raise
@@ -459,8 +463,9 @@ class Tuner:
 
     def run(self) -> optuna.Study:
         """Measure the plain baselines not measured yet, then add ``cfg.trials`` searched trials to the study
-        (resuming it), with a progress bar unless quiet; then (inference, not a worker, not interrupted) time
-        the finalists and the best baselines side by side (:meth:`side_by_side`; training: :meth:`confirm`).
+        (resuming it), with a progress bar unless quiet; then (not a worker, not interrupted) the max-autotune
+        finalist step (:meth:`autotune`), the finalists' re-measure (:meth:`confirm`) and (inference) the
+        finalists and the best baselines timed side by side (:meth:`side_by_side`).
 
         The baselines (:mod:`tctune.search.baselines`) do not count in ``cfg.trials``: a fresh study runs
         ``cfg.trials`` plus one trial per baseline and batch size.
@@ -548,11 +553,22 @@ class Tuner:
             log.info("every one of the %d candidates of this search space was tried: %s", self.space_size(),
                      outcome_words(outcome_counts(study)))
         if not self.interrupted and not self.cfg.worker:
+            self.autotune(study, None if deadline is None else deadline - time.monotonic())
             if self.cfg.objective == "throughput":
                 self.confirm(study)
             if hasattr(self.evaluator, "runnable"):  # inference; training steps keep the confirmation only
                 self.side_by_side(study)
         return study
+
+    def autotune(self, study: optuna.Study, time_left_s: float | None = None) -> dict:
+        """The max-autotune finalist step (:func:`tctune.search.autotune.run_finalist`): the best tctune candidate
+        through ``inductor`` / ``inductor-cudagraphs`` rebuilt through its max-autotune variant and measured as one
+        more trial when ``cfg.autotune`` and the compile budget allow (``time_left_s``: seconds left before
+        ``--timeout``, None without one). Stored as the study user attribute ``"autotune"`` and returned. A
+        failing or over-budget compile is recorded in that trial and the record, never raised."""
+        record = run_finalist(self, study, time_left_s)
+        study.set_user_attr("autotune", record)
+        return record
 
     def side_by_side_entries(self, study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
         """The trials :meth:`side_by_side` times: the finalists (throughput: the feasible trials within
@@ -675,8 +691,8 @@ class Tuner:
         runs: dict[str, list] = dict((study.user_attrs.get("confirmation") or {}).get("runs") or {})
         for t in top:
             again = None
-            try:  # the graph this trial measured (its keep-list), even if a resumed run plans anew
-                again = self.evaluate(dict(t.params), **recorded_fp8(t))["throughput"]
+            try:  # the graph this trial measured (its keep-list, its runtime), even if a resumed run plans anew
+                again = self.evaluate(candidate_params(t.params, t.user_attrs), **recorded_fp8(t))["throughput"]
             except CandidateRejected as exc:  # the first timing stands; a programming error is not swallowed
                 log.info("trial %d could not be re-measured: %s", t.number, first_line(exc))
             runs[str(t.number)] = [*(runs.get(str(t.number)) or [t.user_attrs["throughput"]]), again]
