@@ -37,7 +37,7 @@ from .results import counts_as_measured, fail, first_line, is_feasible
 log = logging.getLogger("tctune")
 
 #: ``--autotune auto``'s estimate of a max-autotune compile: this many times the same candidate's default-mode
-#: compile (its trial's ``setup_s``). An estimate, not a measurement: max-autotune compiles the same graph and
+#: compile (its trial's ``compile_s``). An estimate, not a measurement: max-autotune compiles the same graph and
 #: in addition benchmarks several Triton templates per GEMM / convolution shape, so its compile grows with the
 #: number of distinct shapes; tctune has no H200 measurement of the ratio yet, and 10 is a conservative guess
 #: that keeps the step to models whose default compile is at most a tenth of ``--compile-budget`` (30 s of the
@@ -45,6 +45,13 @@ log = logging.getLogger("tctune")
 #: can be low; the compile itself is still bounded by ``--compile-budget`` (an over-budget compile rejects the
 #: trial once it ends: Inductor's compile cannot be stopped midway).
 AUTOTUNE_COMPILE_FACTOR = 10.0
+
+
+def compile_seconds(attrs: dict) -> float | None:
+    """A trial's compile seconds: its ``compile_s`` user attribute (CUDA-graph capture or Inductor compile, the
+    graph's build left out), or ``setup_s`` for trials recorded before ``compile_s`` existed."""
+    value = attrs.get("compile_s")
+    return attrs.get("setup_s") if value is None else value
 
 
 @dataclass(frozen=True)
@@ -85,7 +92,7 @@ def decide(mode: str, device_type: str, training: bool, source: optuna.trial.Fro
     Args:
         mode: ``TuneConfig.autotune``: ``"off"`` never; ``"on"`` whenever there is a ``source``; ``"auto"`` on a
             CUDA GPU when the estimated compile, :data:`AUTOTUNE_COMPILE_FACTOR` × the source's default-mode
-            compile seconds (its ``setup_s`` user attribute), is at most ``compile_budget_s`` and at most
+            compile seconds (its ``compile_s`` user attribute), is at most ``compile_budget_s`` and at most
             ``time_left_s``, and no compile of this run went over the budget (``over_budget``).
         device_type: where candidates are measured (``"cuda"``, ``"cpu"``).
         training: ``--mode train`` (the step is for inference only).
@@ -106,7 +113,7 @@ def decide(mode: str, device_type: str, training: bool, source: optuna.trial.Fro
                                f"measures on the {device_type.upper()} (--autotune on runs it anyway)")
     if source is None:
         return Decision(False, "no feasible tctune candidate ran through inductor or inductor-cudagraphs")
-    compile_s = source.user_attrs.get("setup_s")
+    compile_s = compile_seconds(source.user_attrs)
     estimate = None if compile_s is None else AUTOTUNE_COMPILE_FACTOR * float(compile_s)
     if mode == "on":
         return Decision(True, "--autotune on", estimate)
@@ -181,7 +188,7 @@ def run_finalist(tuner, study: optuna.Study, time_left_s: float | None = None) -
     record = {"mode": cfg.autotune, "ran": False, "reason": decision.reason, "result": "not run", "error": None,
               "source_trial": source.number if source is not None else None, "source_runtime": src.get("runtime"),
               "source_throughput": source.user_attrs.get("throughput") if source is not None else None,
-              "source_compile_s": source.user_attrs.get("setup_s") if source is not None else None,
+              "source_compile_s": compile_seconds(source.user_attrs) if source is not None else None,
               "runtime": MAX_AUTOTUNE_VARIANT.get(src.get("runtime")), "trial": None, "reused": False,
               "throughput": None, "speedup_vs_source": None, "compile_s": None, "step_s": None,
               "estimate_s": decision.estimate_s, "factor": AUTOTUNE_COMPILE_FACTOR, "budget_s": cfg.compile_budget_s,
@@ -204,7 +211,7 @@ def run_finalist(tuner, study: optuna.Study, time_left_s: float | None = None) -
         t = _measure(tuner, study, source, record["runtime"])
         record["ran"] = True
     record.update(trial=t.number, step_s=None if record["reused"] else time.perf_counter() - started,
-                  compile_s=t.user_attrs.get("setup_s"), throughput=t.user_attrs.get("throughput"),
+                  compile_s=compile_seconds(t.user_attrs), throughput=t.user_attrs.get("throughput"),
                   error=t.user_attrs.get("fail_reason"))
     base = record["source_throughput"]
     if record["throughput"] and base:
