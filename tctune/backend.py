@@ -91,6 +91,7 @@ calls Inductor (a seam for tests and tools).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -103,6 +104,7 @@ import torch
 from torch import fx
 
 from passes import PIPELINE, PassResult, run_pipeline
+from passes._graph import deferred_recompile, recompile
 from passes.calibrate import calibrate_ranges, overflow_nodes
 from passes.policy import pass_spec
 
@@ -857,7 +859,7 @@ def _drop_round_trips(exported: fx.GraphModule, marked: dict[fx.Node, fx.Node]) 
             exported.graph.erase_node(cast)
     if dropped or marked:
         exported.graph.lint()
-        exported.recompile()
+        recompile(exported)
     return dropped
 
 
@@ -867,6 +869,29 @@ def _returns_or_writes(node: fx.Node) -> bool:
         return True
     schema = getattr(node.target, "_schema", None)
     return bool(schema is not None and schema.is_mutable)
+
+
+@contextlib.contextmanager
+def _no_stack_traces():
+    """Within the block, FX tracers record no ``node.meta["stack_trace"]`` (``torch.fx.config.
+    do_not_emit_stack_traces``, where this torch has it; else nothing changes).
+
+    The re-export traces Dynamo's generated graph code through :class:`_Frozen`, so the stack each exported node
+    would record is the backend's frames and Dynamo's ``<eval_with_key>`` code, not the user's model source
+    (Dynamo's own graph keeps those). Recording it costs a Python traceback capture and symbolization per node:
+    CPU, tiny T5 (345 Dynamo nodes), median process CPU seconds of the re-export 0.63 -> 0.47 s with the
+    single recompile below (benchmarks/NOTES.md, "CPU measurement of the backend's compile time"). Passes and
+    Inductor never read the key; the graph is the same."""
+    config = getattr(torch.fx, "config", None)
+    if config is None or not hasattr(config, "do_not_emit_stack_traces"):
+        yield
+        return
+    old = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = old
 
 
 def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: SubgraphReport,
@@ -880,11 +905,14 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
     # forward(*runtime): export sees one varargs tuple, so the specs are nested one level.
     # Export and passes run outside Dynamo's tracing context: its guards and symbols must not leak into Dynamo's,
     # and the passes' fake tensors are export's (Dynamo's fake mode cannot mix with them).
+    # One code generation for all of tctune's rewrites (export's checks removed, the passes, the round-trip
+    # casts, the plain codegen): each step marks the module, the block's end recompiles it once.
     t0 = time.perf_counter()
-    with torch._guards.tracing(None):
-        ep = torch.export.export(
-            wrapper, runtime_args, dynamic_shapes=None if dims is None else (dims,), strict=False
-        )
+    with deferred_recompile(), torch._guards.tracing(None):
+        with _no_stack_traces():
+            ep = torch.export.export(
+                wrapper, runtime_args, dynamic_shapes=None if dims is None else (dims,), strict=False
+            )
         sig = ep.graph_signature
         mutated = dict(getattr(sig, "buffers_to_mutate", {}) or {})
         if mutated:
@@ -914,14 +942,14 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
             report.results += run_pipeline(exported, spec, names[cut:], seconds=pass_s)
         else:
             report.results = run_pipeline(exported, spec, names, seconds=pass_s)
-    _drop_round_trips(exported, marked)
+        _drop_round_trips(exported, marked)
+        _drop_unused_weights(exported)
+        _plain_codegen(exported)
     t2 = time.perf_counter()
     report.seconds["passes"] = round(t2 - t1, 3)
     report.pass_seconds = {n: round(v, 4) for n, v in pass_s.items()}
     for r in report.results:
         logger.debug("tctune pass %s: %d rewrites, %d skipped", r.name, r.count, len(r.skipped))
-    _drop_unused_weights(exported)
-    _plain_codegen(exported)
     _stable_cache_key(exported)
     compiled = inductor_compile(exported, list(runtime_args), cfg.config_patches())
     report.seconds["inductor"] = round(time.perf_counter() - t2, 3)
@@ -1035,7 +1063,7 @@ def _plain_codegen(gm: fx.GraphModule) -> bool:
     returned = output.args[0]
     output.args = (tuple(returned) if isinstance(returned, (tuple, list)) else (returned,),)
     gm.graph._codegen = fx.graph.CodeGen()
-    gm.recompile()
+    recompile(gm)
     return True
 
 
@@ -1107,4 +1135,4 @@ def _strip_export_checks(gm: fx.GraphModule) -> None:
     if removed:
         for name in [n for n, _ in gm.named_children() if n.startswith("_guards_fn")]:
             delattr(gm, name)
-        gm.recompile()
+        recompile(gm)
