@@ -50,10 +50,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODELS = "BertForMaskedLM,DistillGPT2,T5Small,hf_resnet"
 
 
-def _cpu() -> float:
+def _cpu(children: bool = True) -> float:
+    """CPU seconds of this process, plus those of its waited children unless ``children`` is False."""
     own = resource.getrusage(resource.RUSAGE_SELF)
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    total = own.ru_utime + own.ru_stime
+    if children:
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        total += kids.ru_utime + kids.ru_stime
+    return total
 
 
 def _hf_resnet(batch: int):
@@ -150,18 +154,32 @@ def child(a) -> None:
     model, inputs = _build(a.model, a.batch)
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.precision]
     stages: dict[str, float] = {}
-    fx_s = [0.0, 0.0]  # wall, CPU (with the C++ compiler children)
+    fx_s = [0.0, 0.0, 0.0]  # wall, CPU (with the C++ compiler children), CPU of this process alone
     orig = cfx.compile_fx
 
     def counted(*args, **kwargs):
-        t, c = time.perf_counter(), _cpu()
+        t, c, c_self = time.perf_counter(), _cpu(), _cpu(children=False)
         try:
             return orig(*args, **kwargs)
         finally:
             fx_s[0] += time.perf_counter() - t
             fx_s[1] += _cpu() - c
+            fx_s[2] += _cpu(children=False) - c_self
 
     cfx.compile_fx = counted
+    from collections import Counter
+
+    from torch._inductor import metrics
+
+    inner_graphs: list[Counter] = []  # the graphs AOT autograd hands Inductor's code generation
+    orig_codegen = cfx.fx_codegen_and_compile
+
+    def codegen(gm, *args, **kwargs):
+        inner_graphs.append(Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function"))
+        return orig_codegen(gm, *args, **kwargs)
+
+    cfx.fx_codegen_and_compile = codegen
+    metrics.reset()
     prof = cProfile.Profile() if (a.profile and a.path == "tctune") else None
     if a.path == "inductor":  # the model and its floating inputs in dt, as torch.compile(model.to(dt)) runs
         c = torch.compile(model.to(dt))
@@ -169,7 +187,7 @@ def child(a) -> None:
     else:
         _instrument(tb, stages, {}, prof)
         c = torch.compile(model, backend="tctune", options={"precision": a.precision, "policy": a.policy})
-    t0, c0 = time.perf_counter(), _cpu()
+    t0, c0, s0 = time.perf_counter(), _cpu(), _cpu(children=False)
     if prof is not None:
         prof.enable()
     with torch.no_grad():
@@ -177,7 +195,10 @@ def child(a) -> None:
     if prof is not None:
         prof.disable()
     row = {"model": a.model, "path": a.path, "first_call_s": time.perf_counter() - t0, "cpu_s": _cpu() - c0,
-           "compile_fx_s": fx_s[0], "compile_fx_cpu_s": fx_s[1]}
+           "self_cpu_s": _cpu(children=False) - s0,
+           "compile_fx_s": fx_s[0], "compile_fx_cpu_s": fx_s[1], "compile_fx_self_cpu_s": fx_s[2], "kernels": metrics.generated_kernel_count,
+           "aot_ops": sum(sum(c.values()) for c in inner_graphs),
+           "aot_op_counts": dict(sum(inner_graphs, Counter()))}
     if a.path == "tctune":
         passes: dict[str, float] = {}
         for r in tb.reports:
@@ -297,7 +318,8 @@ def main() -> None:
                 row["repeat"] = rep
                 rows.append(row)
                 print(f"{model:24} {path:8} first call {row['first_call_s']:6.2f} s  cpu {row['cpu_s']:6.2f} s  "
-                      f"compile_fx {row['compile_fx_s']:6.2f} s  cpu {row.get('compile_fx_cpu_s', 0.0):6.2f} s",
+                      f"compile_fx {row['compile_fx_s']:6.2f} s  cpu {row.get('compile_fx_cpu_s', 0.0):6.2f} s "
+                      f"(in-process {row.get('compile_fx_self_cpu_s', 0.0):5.2f} s)",
                       flush=True)
     print()
     stage_names = ["export", "module", "freeze", "passes", "passes_other", "finish", "own_other", "own",

@@ -280,12 +280,13 @@ class SubgraphReport:
         results: the pass results (empty after a fallback).
         fallback: the reason plain Inductor compiled this subgraph, or ``""``.
         frozen: names of the weights stored in the compiled graph (inference only).
-        seconds: wall time of each step, in seconds: ``export`` (re-export of Dynamo's graph), ``passes``
-            (tctune's pipeline) and ``inductor`` (``compile_fx``: AOT autograd + code generation up to the
+        seconds: wall time of each step, in seconds: ``export`` (re-export of Dynamo's graph, its
+            ``ExportedProgram.module()``), ``passes`` (tctune's pipeline, the clean-up after it and the graph's
+            one code generation) and ``inductor`` (``compile_fx``: AOT autograd + code generation up to the
             first call; Triton kernels may still compile lazily on that call).
         pass_seconds: wall time of each pass of ``passes``, in seconds, by pass name (the fp16 calibration
-            run and the graph's one recompile after the passes are in ``passes`` but in no pass); empty after
-            a fallback.
+            run, the clean-up and the one recompile are in ``passes`` but in no pass); empty after a
+            fallback.
         policy: the cast policy used (``"autocast"`` or ``"pure"``).
         notes: what the backend decided beyond the passes, one line each: the fp16 calibration
             (``"fp16 calibrated on the first call's inputs: 2 op(s) kept FP32 for overflow"``), a switch to
