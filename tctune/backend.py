@@ -880,9 +880,9 @@ def _no_stack_traces():
     The re-export traces Dynamo's generated graph code through :class:`_Frozen`, so the stack each exported node
     would record is the backend's frames and Dynamo's ``<eval_with_key>`` code, not the user's model source
     (Dynamo's own graph keeps those). Recording it costs a Python traceback capture and symbolization per node:
-    CPU, tiny T5 (345 Dynamo nodes), median process CPU seconds of the re-export 0.63 -> 0.47 s with the
-    single recompile below (benchmarks/NOTES.md, "CPU measurement of the backend's compile time"). Passes and
-    Inductor never read the key; the graph is the same."""
+    on the CPU, tiny T5 (345 Dynamo nodes), the re-export took 0.58 / 0.58 -> 0.43 / 0.41 s of process CPU
+    time (two runs, median of 5 compiles each; benchmarks/NOTES.md, "the backend's compile time beyond
+    Inductor, CPU measurement"). Passes and Inductor never read the key; the graph is the same."""
     config = getattr(torch.fx, "config", None)
     if config is None or not hasattr(config, "do_not_emit_stack_traces"):
         yield
