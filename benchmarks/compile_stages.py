@@ -7,12 +7,14 @@ For each model, in fresh processes (one per side and repeat) with empty Inductor
 - ``tctune``: ``torch.compile(model, backend="tctune", options={"precision": dt, "policy": policy})``,
 
 and splits the backend's seconds into its stages by wrapping the backend's own functions: ``export``
-(``torch.export.export`` of the frozen Dynamo graph), ``module`` (``ExportedProgram.module()``), ``freeze``
-(``_Frozen``: weights stored as buffers), the passes one by one (``SubgraphReport.pass_seconds``) and the one
-recompile after them (``passes_other``: ``run_pipeline``'s time beyond its passes), ``finish`` (round-trip casts, unused weights, codegen, cache key) and
-``compile_fx`` (Inductor on the rewritten graph). ``rest`` is the first call minus all of them (Dynamo's trace,
-the first run). Both sides report ``compile_fx`` (time inside Inductor's ``compile_fx``) and, with
-``--phases``, ``torch._dynamo.utils.compile_times``.
+(``torch.export.export`` of the frozen Dynamo graph), ``module`` (``ExportedProgram.module()``, export's checks
+stripped), ``freeze`` (``_Frozen``: weights stored as buffers), the passes one by one
+(``SubgraphReport.pass_seconds``; ``passes_other``: ``run_pipeline``'s time beyond its passes), ``finish``
+(round-trip casts, unused weights, plain codegen), ``own_other`` (the rest of the backend's own work: the one
+recompile, sorting the inputs), ``own`` (all of the backend's own work) and ``compile_fx`` (Inductor on the
+rewritten graph). ``rest`` is the first call minus the backend (Dynamo's trace, guards, the first run). Both sides
+report ``compile_fx`` (wall and CPU seconds, the CPU also without the C++ compiler children), the kernels Inductor
+generated and the ops AOT autograd handed it, and with ``--phases`` ``torch._dynamo.utils.compile_times``.
 
 Seconds: wall time (``time.perf_counter``) and, per process, CPU time of the process and its waited children
 (the C++ compiler runs; ``compile_threads=1`` keeps the compiles in waited children, so CPU seconds count them
