@@ -290,6 +290,11 @@ def finish(gm: fx.GraphModule) -> None:
     """
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
+    recompile(gm)
+
+
+def recompile(gm: fx.GraphModule) -> None:
+    """``gm.recompile()`` now, or once when the enclosing :func:`deferred_recompile` block ends."""
     pending = _DEFERRED.get()
     if pending is None:
         gm.recompile()
@@ -299,14 +304,29 @@ def finish(gm: fx.GraphModule) -> None:
 
 @contextlib.contextmanager
 def deferred_recompile():
-    """Within the block, :func:`finish` marks graph modules for recompiling instead of recompiling each time;
-    each one marked is recompiled once when the block exits (also when it raises), so several passes that
-    rewrite one graph pay one code generation."""
+    """Within the block, :func:`finish` and :func:`recompile` mark graph modules for recompiling instead of
+    recompiling each time; each one marked is recompiled once when the block exits, so several passes that
+    rewrite one graph pay one code generation. A block inside another joins it: its graph modules are
+    recompiled when the outermost block exits (code that runs ``gm`` itself between the two, rather than an
+    ``fx.Interpreter`` over ``gm.graph``, must call ``gm.recompile()`` first).
+
+    When the block raises, the marked modules are still recompiled, and an error from that recompile (a graph
+    left half-rewritten) is dropped so that the block's own exception is the one raised."""
+    if _DEFERRED.get() is not None:
+        yield
+        return
     pending: list = []
     token = _DEFERRED.set(pending)
     try:
         yield
-    finally:
+    except BaseException:
         _DEFERRED.reset(token)
         for gm in pending:
-            gm.recompile()
+            try:
+                gm.recompile()
+            except Exception:  # noqa: BLE001 - the block's own error is the one to report
+                pass
+        raise
+    _DEFERRED.reset(token)
+    for gm in pending:
+        gm.recompile()

@@ -96,6 +96,7 @@ calls Inductor (a seam for tests and tools).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -108,6 +109,7 @@ import torch
 from torch import fx
 
 from passes import PIPELINE, PassResult, run_pipeline
+from passes._graph import deferred_recompile, recompile
 from passes.calibrate import calibrate_ranges, overflow_nodes
 from passes.policy import pass_spec
 
@@ -288,12 +290,13 @@ class SubgraphReport:
         results: the pass results (empty after a fallback).
         fallback: the reason plain Inductor compiled this subgraph, or ``""``.
         frozen: names of the weights stored in the compiled graph (inference only).
-        seconds: wall time of each step, in seconds: ``export`` (re-export of Dynamo's graph), ``passes``
-            (tctune's pipeline) and ``inductor`` (``compile_fx``: AOT autograd + code generation up to the
+        seconds: wall time of each step, in seconds: ``export`` (re-export of Dynamo's graph, its
+            ``ExportedProgram.module()``), ``passes`` (tctune's pipeline, the clean-up after it and the graph's
+            one code generation) and ``inductor`` (``compile_fx``: AOT autograd + code generation up to the
             first call; Triton kernels may still compile lazily on that call).
         pass_seconds: wall time of each pass of ``passes``, in seconds, by pass name (the fp16 calibration
-            run and the graph's one recompile after the passes are in ``passes`` but in no pass); empty after
-            a fallback.
+            run, the clean-up and the one recompile are in ``passes`` but in no pass); empty after a
+            fallback.
         policy: the cast policy used (``"autocast"`` or ``"pure"``).
         notes: what the backend decided beyond the passes, one line each: the fp16 calibration
             (``"fp16 calibrated on the first call's inputs: 2 op(s) kept FP32 for overflow"``), a switch to
@@ -873,7 +876,7 @@ def _drop_round_trips(exported: fx.GraphModule, marked: dict[fx.Node, fx.Node]) 
             exported.graph.erase_node(cast)
     if dropped or marked:
         exported.graph.lint()
-        exported.recompile()
+        recompile(exported)
     return dropped
 
 
@@ -883,6 +886,29 @@ def _returns_or_writes(node: fx.Node) -> bool:
         return True
     schema = getattr(node.target, "_schema", None)
     return bool(schema is not None and schema.is_mutable)
+
+
+@contextlib.contextmanager
+def _no_stack_traces():
+    """Within the block, FX tracers record no ``node.meta["stack_trace"]`` (``torch.fx.config.
+    do_not_emit_stack_traces``, where this torch has it; else nothing changes).
+
+    The re-export traces Dynamo's generated graph code through :class:`_Frozen`, so the stack each exported node
+    would record is the backend's frames and Dynamo's ``<eval_with_key>`` code, not the user's model source
+    (Dynamo's own graph keeps those). Recording it costs a Python traceback capture and symbolization per node:
+    on the CPU, tiny T5 (345 Dynamo nodes), the re-export took 0.58 / 0.58 -> 0.43 / 0.41 s of process CPU
+    time (two runs, median of 5 compiles each; benchmarks/NOTES.md, "the backend's compile time beyond
+    Inductor, CPU measurement"). Passes and Inductor never read the key; the graph is the same."""
+    config = getattr(torch.fx, "config", None)
+    if config is None or not hasattr(config, "do_not_emit_stack_traces"):
+        yield
+        return
+    old = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = old
 
 
 def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: SubgraphReport,
@@ -896,11 +922,14 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
     # forward(*runtime): export sees one varargs tuple, so the specs are nested one level.
     # Export and passes run outside Dynamo's tracing context: its guards and symbols must not leak into Dynamo's,
     # and the passes' fake tensors are export's (Dynamo's fake mode cannot mix with them).
+    # One code generation for all of tctune's rewrites (export's checks removed, the passes, the round-trip
+    # casts, the plain codegen): each step marks the module, the block's end recompiles it once.
     t0 = time.perf_counter()
-    with torch._guards.tracing(None):
-        ep = torch.export.export(
-            wrapper, runtime_args, dynamic_shapes=None if dims is None else (dims,), strict=False
-        )
+    with deferred_recompile(), torch._guards.tracing(None):
+        with _no_stack_traces():
+            ep = torch.export.export(
+                wrapper, runtime_args, dynamic_shapes=None if dims is None else (dims,), strict=False
+            )
         sig = ep.graph_signature
         mutated = dict(getattr(sig, "buffers_to_mutate", {}) or {})
         if mutated:
@@ -930,14 +959,14 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
             report.results += run_pipeline(exported, spec, names[cut:], seconds=pass_s)
         else:
             report.results = run_pipeline(exported, spec, names, seconds=pass_s)
-    _drop_round_trips(exported, marked)
+        _drop_round_trips(exported, marked)
+        _drop_unused_weights(exported)
+        _plain_codegen(exported)
     t2 = time.perf_counter()
     report.seconds["passes"] = round(t2 - t1, 3)
     report.pass_seconds = {n: round(v, 4) for n, v in pass_s.items()}
     for r in report.results:
         logger.debug("tctune pass %s: %d rewrites, %d skipped", r.name, r.count, len(r.skipped))
-    _drop_unused_weights(exported)
-    _plain_codegen(exported)
     _stable_cache_key(exported)
     compiled = inductor_compile(exported, list(runtime_args), cfg.config_patches())
     report.seconds["inductor"] = round(time.perf_counter() - t2, 3)
@@ -1051,7 +1080,7 @@ def _plain_codegen(gm: fx.GraphModule) -> bool:
     returned = output.args[0]
     output.args = (tuple(returned) if isinstance(returned, (tuple, list)) else (returned,),)
     gm.graph._codegen = fx.graph.CodeGen()
-    gm.recompile()
+    recompile(gm)
     return True
 
 
@@ -1123,4 +1152,4 @@ def _strip_export_checks(gm: fx.GraphModule) -> None:
     if removed:
         for name in [n for n, _ in gm.named_children() if n.startswith("_guards_fn")]:
             delattr(gm, name)
-        gm.recompile()
+        recompile(gm)

@@ -219,3 +219,44 @@ def test_runtime_caller_unwraps_inductors_disable_and_is_disabled_once():
     assert inner is not run and raw in [c.cell_contents for c in inner.__closure__]
     args = (torch.randn(2), torch.randn(3))
     assert run(*args) == "out" and got[0][0] is args[1]
+
+
+def test_the_rewritten_graph_is_generated_once_and_records_no_stack_traces(monkeypatch):
+    """The module ``ExportedProgram.module()`` returns is rewritten by the backend (export's checks removed, the
+    passes, the plain codegen) and regenerates its Python code once for all of it; the re-export records no
+    ``stack_trace`` (where this torch can turn it off). The same passes fire, and the graph handed to Inductor
+    (run here as it is) gives eager's outputs on fresh random inputs at FP32."""
+    real_module = torch.export.ExportedProgram.module
+    recompiles: list[int] = []
+    modules: list[fx.GraphModule] = []
+
+    def module(self, *args, **kwargs):
+        gm = real_module(self, *args, **kwargs)
+        original = gm.recompile
+
+        def counted():
+            recompiles.append(1)
+            return original()
+
+        gm.recompile = counted
+        modules.append(gm)
+        return gm
+
+    monkeypatch.setattr(torch.export.ExportedProgram, "module", module)
+    monkeypatch.setattr(tb, "inductor_compile", lambda gm, example_inputs, config_patches: gm.forward)
+    entry = ZOO["bert"]
+    model = entry.build()
+    x = entry.example_inputs(3)
+    with torch.no_grad():
+        got = torch.compile(model, backend=tb.backend(precision="fp32"))(*x)
+        ref = model(*x)
+    rep = tb.reports[-1]
+    (gm,) = modules
+    assert not rep.fallback and rep.count("fuse_qkv") >= 1
+    assert len(recompiles) == 1
+    assert type(gm.graph._codegen) is fx.graph.CodeGen and "_guards_fn" not in gm.code
+    if hasattr(getattr(torch.fx, "config", None), "do_not_emit_stack_traces"):
+        assert not any(n.meta.get("stack_trace") for n in gm.graph.nodes)
+        assert torch.fx.config.do_not_emit_stack_traces is False  # restored after the re-export
+    for g, r in zip(flat_outputs(got), flat_outputs(ref)):
+        torch.testing.assert_close(g, r, rtol=1.3e-6, atol=1e-5)

@@ -192,3 +192,36 @@ def test_build_graph_does_not_hide_a_failing_cast(monkeypatch):
     monkeypatch.setitem(passes.PASSES, "cast_precision", broken)
     with pytest.raises(PassFailure, match="'cast_precision' failed"):
         passes.build_graph(gm, PassSpec(precision="fp16", alignment=zoo.ALIGNMENT))
+
+
+def test_run_pipeline_inside_a_deferred_block_joins_it():
+    """Inside an outer ``deferred_recompile`` block, ``run_pipeline`` leaves the recompile to the outer block's end:
+    one code generation for the passes and whatever the caller rewrites around them."""
+    from passes._graph import deferred_recompile, recompile
+
+    model, gm, entry = zoo.build("conv_bn")
+    calls = _count_recompiles(gm)
+    with deferred_recompile():
+        results = run_pipeline(gm, PassSpec(precision="fp16", alignment=zoo.ALIGNMENT))
+        assert calls == []
+        recompile(gm)  # the caller's own rewrite, marked as well
+        assert calls == []
+    assert len([r for r in results if r.count]) >= 2 and len(calls) == 1
+    zoo.assert_matches_eager(model, gm, entry.example_inputs(5), "fp16")
+
+
+def test_a_deferred_block_that_raises_reports_its_own_error():
+    """A block that raises still recompiles what it marked, and its own exception is the one raised even when
+    that recompile fails (a half-rewritten graph)."""
+    from passes._graph import deferred_recompile, recompile
+
+    _, gm, _ = zoo.build("conv_bn")
+
+    def broken():
+        raise RuntimeError("recompile of a half-rewritten graph")
+
+    gm.recompile = broken
+    with pytest.raises(ValueError, match="the block's own error"):
+        with deferred_recompile():
+            recompile(gm)
+            raise ValueError("the block's own error")
