@@ -28,9 +28,9 @@ inputs (and on real batches: --calibration); a candidate whose relative L2 error
 (at least --min-score-ratio x the FP32 score). Plain baselines are measured first at
 every batch size, in addition to --trials: FP32 eager, autocast and the model cast as a whole (model.half(),
 .to(bfloat16)) at each low precision, and on a GPU torch.compile of the fastest of those; then tctune's graph
-through the fastest compiled runtime at each low precision. After the trials, on a GPU, the best tctune
-candidate through Inductor is rebuilt with Inductor's max-autotune as one more trial when the compile budget
-allows (--autotune); then the fastest candidates within 5% are timed once more, then the finalists and the
+through the fastest compiled runtime at each low precision. After the trials, with --autotune auto|on, the best
+tctune candidate through Inductor is rebuilt with Inductor's max-autotune as one more trial; then the fastest
+candidates within 5% are timed once more, then the finalists and the
 best baselines are timed side by side (interleaved rounds) and the fastest median wins; the speedup is against the fastest plain baseline at the same batch
 size, with a 95% confidence interval. The study is
 kept in OUT/study.db: running the same command again adds trials to it.
@@ -117,7 +117,7 @@ def register(sub) -> str:
                         "inductor-cudagraphs (Inductor's code replayed as a CUDA graph), "
                         "inductor-max-autotune-cudagraphs "
                         "(default: eager,cudagraphs,inductor,inductor-cudagraphs on a GPU; eager on the CPU; "
-                        "max-autotune is tried after the trials instead, see --autotune)")
+                        "max-autotune can instead be tried on the finalist, see --autotune)")
     o.add_argument("--compile-budget", type=float, default=300.0, metavar="SECONDS",
                    help="an Inductor compile slower than this rejects its trial and stops further compiles (default %(default)g)")
     o.add_argument("--autotune", default="off", choices=("auto", "on", "off"),
