@@ -50,3 +50,21 @@ def test_compare_rejects_structure_changes():
         measure.compare(torch.zeros(2, 3) + 1, torch.ones(3, 2))
     with pytest.raises(CandidateRejected, match="floating outputs"):
         measure.compare((torch.ones(2),), (torch.ones(2), torch.ones(2)))
+
+
+def test_a_stalled_calibration_call_does_not_shrink_the_repeats():
+    """The repeat size comes from the fastest of a few single calls: one call held up by the host (here the first
+    one after warm-up sleeps 20 ms, every other call is ~free) must not turn repeats into a handful of calls."""
+    import time as _time
+
+    from tctune.measure import _iterations_for
+
+    calls = {"n": 0}
+
+    def fn():
+        calls["n"] += 1
+        if calls["n"] == 2:  # the first call after the one warm-up call
+            _time.sleep(0.02)
+
+    iters = _iterations_for(fn, torch.device("cpu"), warmup=1, target_s=0.01, max_iterations=200)
+    assert iters == 200  # sized on a ~microsecond call, not on the 20 ms stall (which would give 1)
