@@ -248,12 +248,8 @@ def _optimize_module(model: torch.nn.Module, example_inputs: tuple | Callable | 
     if not callable(example_inputs) or isinstance(example_inputs, torch.Tensor):
         b = example_batch(example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,))
         batch = (b,) if b else None
-    out = options.get("out") or tempfile.mkdtemp(prefix=f"tctune_{mf.name}_")
-    cfg = tune_config(options, out_dir=out, batch_sizes=batch)
-    if not options.get("out") and not cfg.quiet:  # a folder the caller did not choose: say where it is
-        files = "report, study and ONNX files" if cfg.export else "report and study"
-        log.warning("writing the %s to %s (a new temporary folder, not removed; choose the folder with out=...)",
-                    files, out)
+    # Every option is checked before a temporary folder is made: a rejected call leaves nothing behind.
+    cfg = tune_config(options, out_dir=options.get("out") or "<temporary folder>", batch_sizes=batch)
     if folder is not None:
         cfg = dataclasses.replace(cfg, calibration=folder)
     if cfg.mode != "infer":
@@ -262,6 +258,13 @@ def _optimize_module(model: torch.nn.Module, example_inputs: tuple | Callable | 
     if cfg.devices and len(cfg.devices) > 1:
         raise UsageError("several devices start worker processes that load a model file; a live module cannot be "
                          "sent to them\n  fix: one device, or a model file", field="devices")
+    if not options.get("out"):  # a folder the caller did not choose: made now, and said where it is
+        out = tempfile.mkdtemp(prefix=f"tctune_{mf.name}_")
+        cfg = dataclasses.replace(cfg, out_dir=out)
+        if not cfg.quiet:
+            files = "report, study and ONNX files" if cfg.export else "report and study"
+            log.warning("writing the %s to %s (a new temporary folder, not removed; choose the folder with "
+                        "out=...)", files, out)
     return _tuned(_in_api_words(lambda: optimize_model(mf, cfg)), cfg, keep_low)
 
 

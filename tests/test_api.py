@@ -460,3 +460,16 @@ def test_the_winner_summary_is_printed_as_the_command_prints_it_unless_quiet(tmp
 
         assert printed.count(api_words(summary)) == 1, printed
         assert "--no-export" in summary and "--no-export" not in printed
+
+
+@pytest.mark.parametrize("bad", [{"batch_sizes": "8,,32"}, {"autotune": "maybe"}, {"mode": "train"}])
+def test_a_rejected_call_without_out_leaves_no_temporary_folder(bad, tmp_path, monkeypatch):
+    import tempfile
+
+    import tctune
+    from tctune.errors import UsageError
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where mkdtemp would put tctune_<name>_*
+    with pytest.raises(UsageError):
+        tctune.optimize(torch.nn.Linear(4, 2), (torch.randn(2, 4),), **bad)
+    assert list(tmp_path.iterdir()) == []
