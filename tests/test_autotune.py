@@ -351,3 +351,20 @@ def test_tctune_export_compiles_aot_inductor_with_the_runtimes_options(tiny, tmp
     else:
         assert calls == [None] and manifest["result"].get("aoti_inductor_configs") is None
         assert "inductor_configs" not in json.dumps(manifest["cache_key"])
+
+
+def test_a_finalist_slower_in_its_first_timing_is_reported_as_compared_not_as_slower():
+    """The step's own first timing is one measurement; the re-measure and the side-by-side decide. Unless it is
+    the recommended trial, the final result is "not kept" whichever way that first timing went."""
+    from tctune.search.autotune import autotune_report
+
+    study = optuna.create_study(direction="maximize")
+    study.set_user_attr("run_id", "r1")
+    for first in ("slower", "faster"):
+        study.set_user_attr("autotune", {"run_id": "r1", "trial": 7, "source_trial": 3, "result": first,
+                                         "speedup_vs_source": 0.994 if first == "slower" else 1.01})
+        assert autotune_report(study, best_number=3)["result"] == "not kept"
+        assert autotune_report(study, best_number=7)["result"] == "kept"
+    lines = autotune_lines({**study.user_attrs["autotune"], "result": "not kept", "runtime": "inductor-max-autotune",
+                            "source_runtime": "inductor", "reason": "--autotune on", "mode": "on", "budget_s": 300.0})
+    assert "not the recommended configuration" in lines[-1] and "slower" not in lines[-1]

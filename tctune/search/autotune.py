@@ -237,8 +237,9 @@ def autotune_report(study: optuna.Study, best_number: int | None) -> dict | None
     """``report.json``'s ``autotune``: the study's ``"autotune"`` record of this run (None when the step was not
     reached in this run: a worker, an interrupted run, or a record left by an earlier run), with ``kept`` (the
     max-autotune trial is the recommended trial ``best_number``) and ``result`` final: ``"kept"`` when kept,
-    ``"not kept"`` when faster than its source in its own trial but not the recommended configuration (the
-    re-measure or the side-by-side timing decided), else the step's result."""
+    ``"not kept"`` when it was measured but is not the recommended configuration (whether its own first timing
+    was faster or slower than its source's: the re-measure and the side-by-side timing decide, not that one
+    timing), else the step's result (rejected, over budget, failed, skipped)."""
     rec = study.user_attrs.get("autotune")
     if not rec or rec.get("run_id") != study.user_attrs.get("run_id"):
         return None
@@ -246,7 +247,7 @@ def autotune_report(study: optuna.Study, best_number: int | None) -> dict | None
     out["kept"] = rec.get("trial") is not None and rec.get("trial") == best_number
     if out["kept"]:
         out["result"] = "kept"
-    elif rec.get("result") == "faster":
+    elif rec.get("result") in ("faster", "slower"):
         out["result"] = "not kept"
     return out
 
@@ -270,8 +271,8 @@ def autotune_lines(rec: dict | None) -> list[str]:
             f"{rec.get('budget_s'):g} s)" + (f", the whole step {s(rec.get('step_s'))} s" if rec.get("step_s") else "")
             + ".")
     result = {"kept": "kept: it is the recommended configuration",
-              "not kept": "faster than its source in its own trial, but not the recommended configuration",
-              "slower": "slower than its source: not kept",
+              "not kept": "measured, re-timed and compared like any other trial; not the recommended configuration",
+              "slower": "slower than its source in its own trial's timing",
               "rejected": "measured, but outside a constraint",
               "over budget": "over --compile-budget: not kept", "failed": "failed: not kept",
               "skipped": "skipped"}.get(rec.get("result"), str(rec.get("result")))
