@@ -155,10 +155,11 @@ def test_bad_options(tmp_path, args, match):
 
 
 @pytest.mark.parametrize("args,said", [
-    (["optimize", "m.py", "--trails", "4"], "tctune optimize: error: unrecognized arguments: --trails (did you mean "
-                                            "--trials?) 4"),
-    (["optimize", "m.py", "--no-exprot"], "unrecognized arguments: --no-exprot (did you mean --no-export?)"),
-    (["export", "m.py", "--config", "c.json", "--formats=onnx"], "unrecognized arguments: --formats=onnx (did you mean --format?)"),
+    (["optimize", "m.py", "--trails", "4"], "tctune optimize: error: unrecognized arguments: --trails 4; --trails "
+                                            "(did you mean --trials?)"),
+    (["optimize", "m.py", "--no-exprot"], "unrecognized arguments: --no-exprot; --no-exprot (did you mean --no-export?)"),
+    (["export", "m.py", "--config", "c.json", "--formats=onnx"], "unrecognized arguments: --formats=onnx; --formats "
+                                                                 "(did you mean --format?)"),
     (["optimize", "m.py", "--zzzz"], "unrecognized arguments: --zzzz\n"),
 ])
 def test_a_misspelt_flag_names_the_closest_flag_of_its_command(args, said, capsys):

@@ -90,12 +90,14 @@ def unknown_flags_message(sub: argparse.ArgumentParser, extra: list[str]) -> str
     from ..errors import did_you_mean
 
     flags = [s.removeprefix("--") for a in sub._actions for s in a.option_strings if s.startswith("--")]
-    parts = []
+    hints = []
     for token in extra:
         name = token.split("=", 1)[0]
         hint = did_you_mean(name.removeprefix("--"), flags, prefix="--") if name.startswith("--") else ""
-        parts.append(token + hint)
-    return "unrecognized arguments: " + " ".join(parts)
+        if hint:
+            hints.append(f"{name}{hint}")
+    # the arguments as given first (a flag's value stays beside it), then a suggestion per misspelt flag
+    return "unrecognized arguments: " + " ".join(extra) + ("; " + "; ".join(hints) if hints else "")
 
 
 def main(argv: list[str] | None = None) -> int:
