@@ -84,13 +84,13 @@ def fuse_epilogue(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
     acts: dict[str, str] = {}
     for node in list(gm.graph.nodes):
         gemm = _gemm(node)
-        if gemm is None or len(node.users) != 1:
+        if gemm is None or not node.users:
             continue
         # The GEMM's output must reach exactly one activation, directly or through one slice / view.
         between, y = None, node
         user = next(iter(node.users))
-        if (user.target == _SLICE and gemm == "linear" and _is_last_dim_prefix(user)) or \
-                (user.target in _VIEWS and gemm == "addmm"):
+        if len(node.users) == 1 and ((user.target == _SLICE and gemm == "linear" and _is_last_dim_prefix(user))
+                                     or (user.target in _VIEWS and gemm == "addmm")):
             between, y = user, user
         act, formula = _activation_site(y)
         if act is None:

@@ -435,3 +435,32 @@ def test_fuse_epilogue_gpt2_on_cuda_with_parity():
     ids = entry.example_inputs(4)[0].cuda()
     with torch.no_grad():
         torch.testing.assert_close(gm(ids), model(ids), rtol=1e-4, atol=1e-4)
+
+
+class LinearNewGelu(nn.Module):
+    """GPT-Neo / GPT-J's MLP: ``nn.Linear`` whose output feeds the written-out tanh GELU directly (three users)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(24, 40)
+        self.proj = nn.Linear(40, 8)
+
+    def forward(self, x):
+        import math
+        y = self.fc(x)
+        return self.proj(0.5 * y * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (y + 0.044715 * torch.pow(y, 3.0)))))
+
+
+def test_fuse_epilogue_linear_feeding_the_written_out_gelu(monkeypatch):
+    _as_if_on_cuda(monkeypatch)
+    model = LinearNewGelu().eval()
+    gm = zoo.capture(model, (torch.randn(3, 5, 24),))
+
+    result = fuse_epilogue(gm, HOPPER)
+
+    assert result.count == 1 and zoo.count_calls(gm, torch.ops.aten.tanh.default) == 0
+    (node,) = [n for n in gm.graph.nodes if n.target == ADDMM_ACT]
+    assert node.kwargs == {"use_gelu": True}
+    x = torch.randn(4, 5, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(_reference_interpret(gm, x), model(x), rtol=1e-5, atol=1e-5)
