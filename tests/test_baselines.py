@@ -128,7 +128,11 @@ def test_interleaved_timing_alternates_and_returns_one_value_per_round():
     fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
     out = time_interleaved(fns, torch.device("cpu"), rounds=4, warmup=1, max_iterations=1)
     assert set(out) == {"a", "b"} and all(len(v) == 4 and all(x > 0 for x in v) for v in out.values())
-    assert calls[4:] == ["a", "b"] * 4  # after each one's warm-up and probe call: A B A B ...
+    from tctune.measure import CALIBRATION_CALLS
+
+    setup = 2 * (1 + CALIBRATION_CALLS)  # each one's warm-up call and its calibration calls (sizing a block)
+    assert calls[:setup] == ["a"] * (1 + CALIBRATION_CALLS) + ["b"] * (1 + CALIBRATION_CALLS)
+    assert calls[setup:] == ["a", "b"] * 4  # then A B A B ...
 
 
 def test_interleaved_speedup_has_a_ci_and_a_sign_test():
