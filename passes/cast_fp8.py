@@ -47,17 +47,15 @@ Nodes made by this pass carry ``node.meta["tctune_fp8"] = True``.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 
 import torch
 from torch import fx, nn
 
 from passes._graph import copy_meta, fake_eval, fake_from_tensor, finish, get_attr_value, unique_attr_name
 from passes.base import PassResult, PassSpec, Skip
-from passes.calibrate import source_module
 from passes.cast_precision import cast_precision
-from passes.fp8_numerics import (AMAX_EPS, FP8_DTYPE, FP8_MAX, OUT_DTYPE, WeightGemm, gemm_nk, quantize_fp8,
-                                 weight_gemm, weight_ineligible)
+from passes.fp8_numerics import (AMAX_EPS, FP8_DTYPE, FP8_MAX, OUT_DTYPE, WeightGemm, fp8_keep_hit, gemm_nk,
+                                 quantize_fp8, weight_gemm, weight_ineligible)
 
 NAME = "cast_fp8_linears"
 
@@ -163,11 +161,9 @@ def _ineligible(gm: fx.GraphModule, node: fx.Node, gemm: WeightGemm, spec: PassS
         return "addmm with beta or alpha other than 1"
     if node.name in cast_skips:
         return f"kept out of bf16 by cast_precision ({cast_skips[node.name]})"
-    if spec.fp8_keep:
-        module = source_module(node) or node.name
-        hit = next((p for p in spec.fp8_keep if fnmatch.fnmatchcase(module, p)), None)
-        if hit is not None:
-            return f"FP8 keep-list: module {module} matches {hit!r} (stays bf16)"
+    kept = fp8_keep_hit(node, spec.fp8_keep)
+    if kept is not None:
+        return f"FP8 keep-list: module {kept[0]} matches {kept[1]!r} (stays bf16)"
     x_val = gemm.x.meta.get("val") if isinstance(gemm.x, fx.Node) else None
     if not isinstance(x_val, torch.Tensor):
         return "input has no shape metadata (meta['val'])"

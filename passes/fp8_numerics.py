@@ -21,11 +21,14 @@ Imports torch only.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
+from typing import Iterable
 
 import torch
 from torch import fx
 
 from passes._graph import get_attr_value, node_arg
+from passes.calibrate import source_module
 
 #: The FP8 storage dtype (4 exponent bits, 3 mantissa bits, no infinity) and its largest finite value.
 FP8_DTYPE = torch.float8_e4m3fn
@@ -171,6 +174,15 @@ def weight_ineligible(gm: fx.GraphModule, gemm: WeightGemm) -> str | None:
     return None
 
 
+def fp8_keep_hit(node: fx.Node, patterns: Iterable[str]) -> tuple[str, str] | None:
+    """``(module, pattern)`` when the FP8 keep-list ``patterns`` (``PassSpec.fp8_keep``: ``fnmatch`` patterns on
+    module paths) keeps the GEMM ``node`` in bf16: its source module (``node.meta["nn_module_stack"]``; the node's
+    name when it has none) matches a pattern, the first one that does. None otherwise."""
+    module = source_module(node) or node.name
+    hit = next((p for p in patterns if fnmatch.fnmatchcase(module, p)), None)
+    return None if hit is None else (module, hit)
+
+
 __all__ = [
     "AMAX_EPS",
     "FP8_DTYPE",
@@ -179,6 +191,7 @@ __all__ = [
     "OUT_DTYPE",
     "WeightGemm",
     "dequantize_fp8",
+    "fp8_keep_hit",
     "fp8_linear_reference",
     "fp8_scale",
     "gemm_nk",

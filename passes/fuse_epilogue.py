@@ -37,13 +37,11 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-import fnmatch
 import math
 
 from passes._graph import copy_meta, fake_eval, finish, op_name
 from passes.base import PassResult, PassSpec, Skip
-from passes.calibrate import source_module
-from passes.fp8_numerics import FP8_MULTIPLE
+from passes.fp8_numerics import fp8_keep_hit, weight_gemm, weight_ineligible
 
 NAME = "fuse_epilogue"
 
@@ -98,7 +96,7 @@ def fuse_epilogue(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         kind, reason = _activation(act, spec, formula)
         if reason is None:
             reason = _operands_reason(node, gemm)
-        if reason is None and spec.precision == "fp8" and _fp8_bound(node, gemm, spec):
+        if reason is None and spec.precision == "fp8" and _fp8_bound(gm, node, spec):
             reason = "precision fp8: left for cast_fp8_linears (an FP8 GEMM beats the bf16 epilogue)"
         if reason is not None:
             result.skipped.append(Skip(node.name, reason))
@@ -204,15 +202,13 @@ def _is_last_dim_prefix(node: fx.Node) -> bool:
     return isinstance(dim, int) and dim % val.dim() == val.dim() - 1 and start == 0 and step == 1
 
 
-def _fp8_bound(gemm_node: fx.Node, gemm: str, spec: PassSpec) -> bool:
-    """Whether ``cast_fp8_linears`` will make ``gemm_node`` an FP8 GEMM: K and N multiples of ``FP8_MULTIPLE``
-    (16) and its source module on no ``spec.fp8_keep`` pattern (the keep-list keeps it bf16)."""
-    w = gemm_node.args[1] if gemm == "linear" else gemm_node.args[2]
-    val = w.meta.get("val") if isinstance(w, fx.Node) else None
-    if not (isinstance(val, torch.Tensor) and val.dim() == 2 and all(int(d) % FP8_MULTIPLE == 0 for d in val.shape)):
-        return False
-    module = source_module(gemm_node) or gemm_node.name
-    return not any(fnmatch.fnmatchcase(module, p) for p in spec.fp8_keep)
+def _fp8_bound(gm: fx.GraphModule, gemm_node: fx.Node, spec: PassSpec) -> bool:
+    """Whether ``cast_fp8_linears`` will make ``gemm_node`` an FP8 GEMM: its weight is eligible
+    (``fp8_numerics.weight_ineligible``: a 2-D floating parameter, K and N multiples of 16) and the FP8 keep-list
+    does not keep it bf16 (``fp8_numerics.fp8_keep_hit``), the same two tests that pass makes."""
+    gemm = weight_gemm(gemm_node)
+    return (gemm is not None and weight_ineligible(gm, gemm) is None
+            and fp8_keep_hit(gemm_node, spec.fp8_keep) is None)
 
 
 def _activation(act: fx.Node, spec: PassSpec, formula: list[fx.Node] = ()) -> tuple[str, str | None]:

@@ -337,6 +337,13 @@ def _as_if_on_cuda(monkeypatch):
     monkeypatch.setattr(sys.modules["passes.fuse_epilogue"], "_on_cuda", lambda node: True)
 
 
+def _new_gelu(y: torch.Tensor) -> torch.Tensor:
+    """transformers' ``NewGELUActivation`` (``"gelu_new"``), the tanh approximation written out op by op."""
+    import math
+
+    return 0.5 * y * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (y + 0.044715 * torch.pow(y, 3.0))))
+
+
 class Conv1DGelu(nn.Module):
     """transformers' GPT-2 MLP written out: ``Conv1D`` (``addmm(b, x2d, W (K, N))`` + view) and NewGELU."""
 
@@ -349,10 +356,20 @@ class Conv1DGelu(nn.Module):
 
     def forward(self, x):
         y = torch.addmm(self.b, x.view(-1, x.size(-1)), self.w).view(*x.shape[:-1], -1)
-        import math
-        g = 0.5 * y * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (y + 0.044715 * torch.pow(y, 3.0))))
-        out = self.proj(g)
+        out = self.proj(_new_gelu(y))
         return (out, y.sum()) if self.extra_use else out
+
+
+class LinearNewGelu(nn.Module):
+    """GPT-Neo / GPT-J's MLP: ``nn.Linear`` whose output feeds the written-out tanh GELU directly (three users)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(24, 40)
+        self.proj = nn.Linear(40, 8)
+
+    def forward(self, x):
+        return self.proj(_new_gelu(self.fc(x)))
 
 
 def test_fuse_epilogue_fuses_gpt2_conv1d_and_new_gelu(monkeypatch):
@@ -372,14 +389,19 @@ def test_fuse_epilogue_fuses_gpt2_conv1d_and_new_gelu(monkeypatch):
         torch.testing.assert_close(_reference_interpret(gm, ids), model(ids), rtol=1e-5, atol=1e-5)
 
 
-def test_fuse_epilogue_written_out_gelu_on_a_plain_module(monkeypatch):
+@pytest.mark.parametrize("make", [lambda: Conv1DGelu(), lambda: LinearNewGelu()], ids=["conv1d_view", "linear"])
+def test_fuse_epilogue_written_out_gelu_on_a_plain_module(make, monkeypatch):
+    """GPT-2's Conv1D (addmm + view, then the formula) and GPT-Neo's nn.Linear feeding the formula directly."""
     _as_if_on_cuda(monkeypatch)
-    model = Conv1DGelu().eval()
+    model = make().eval()
     gm = zoo.capture(model, (torch.randn(3, 5, 24),))
 
     result = fuse_epilogue(gm, HOPPER)
 
     assert result.count == 1 and zoo.count_calls(gm, torch.ops.aten.pow.Tensor_Scalar) == 0
+    assert zoo.count_calls(gm, torch.ops.aten.tanh.default) == 0
+    (node,) = [n for n in gm.graph.nodes if n.target == ADDMM_ACT]
+    assert node.kwargs == {"use_gelu": True}
     x = torch.randn(4, 5, 24)  # fresh inputs at another batch size (the capture's dynamic dimension)
     with torch.no_grad():
         torch.testing.assert_close(_reference_interpret(gm, x), model(x), rtol=1e-5, atol=1e-5)
@@ -435,32 +457,3 @@ def test_fuse_epilogue_gpt2_on_cuda_with_parity():
     ids = entry.example_inputs(4)[0].cuda()
     with torch.no_grad():
         torch.testing.assert_close(gm(ids), model(ids), rtol=1e-4, atol=1e-4)
-
-
-class LinearNewGelu(nn.Module):
-    """GPT-Neo / GPT-J's MLP: ``nn.Linear`` whose output feeds the written-out tanh GELU directly (three users)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(24, 40)
-        self.proj = nn.Linear(40, 8)
-
-    def forward(self, x):
-        import math
-        y = self.fc(x)
-        return self.proj(0.5 * y * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (y + 0.044715 * torch.pow(y, 3.0)))))
-
-
-def test_fuse_epilogue_linear_feeding_the_written_out_gelu(monkeypatch):
-    _as_if_on_cuda(monkeypatch)
-    model = LinearNewGelu().eval()
-    gm = zoo.capture(model, (torch.randn(3, 5, 24),))
-
-    result = fuse_epilogue(gm, HOPPER)
-
-    assert result.count == 1 and zoo.count_calls(gm, torch.ops.aten.tanh.default) == 0
-    (node,) = [n for n in gm.graph.nodes if n.target == ADDMM_ACT]
-    assert node.kwargs == {"use_gelu": True}
-    x = torch.randn(4, 5, 24)
-    with torch.no_grad():
-        torch.testing.assert_close(_reference_interpret(gm, x), model(x), rtol=1e-5, atol=1e-5)
