@@ -45,6 +45,13 @@ Variants (``--variants``), on the same seeded inputs, each in ``torch.no_grad``:
                    "output_dtype": "compute"})``: outputs left in dt, the contract of ``torch.compile(model.to(dt))``
                    it is compared with (:data:`TCTUNE_OUTPUT_DTYPE`; recorded as each row's ``output_dtype``)
 ``tctune_cg``      that compiled callable captured as one CUDA graph
+``inductor_fp32in`` optional (``--variants +inductor_fp32in``): ``torch.compile`` of ``model.to(dt)`` behind the
+                   cast of the floating inputs to dt, inside the compiled callable, handed the FP32 inputs
+                   the tctune variant gets (:func:`cast_inputs_inside`). ``inductor`` is handed inputs
+                   already in dt, cast outside the timing, while tctune casts its FP32 inputs inside its
+                   graph: this variant prices that entry cast the same way on both sides. Timed
+                   interleaved with ``inductor`` and ``tctune``; summarized as
+                   ``speedup_vs_inductor_fp32in``; no CUDA-graph variant
 ``tctune_fp32``    optional (``--variants +tctune_fp32``; one more compile per model, so not in the default):
                    ``torch.compile(fp32 model, backend="tctune", options=parity_options(dt))``: every structural
                    pass of the backend's default pipeline as it plans at dt (padding to dt's alignment), the
@@ -269,7 +276,7 @@ OPTIMIZE_DEFAULT = ("BertForMaskedLM", "GPT2ForSequenceClassification", "T5Small
 
 VARIANTS = ("fp32_eager", "eager", "eager_cg", "inductor", "inductor_cg", "tctune", "tctune_cg")
 #: Variants measured only when named in ``--variants`` (one more compile per model; see the module docstring).
-OPTIONAL_VARIANTS = ("tctune_fp32",)
+OPTIONAL_VARIANTS = ("tctune_fp32", "inductor_fp32in")
 ALL_VARIANTS = VARIANTS + OPTIONAL_VARIANTS
 #: FP32 parity limit of ``tctune_fp32``: max |tctune - FP32 eager| / max |FP32 eager| per floating output, or,
 #: for a model whose FP32 eager output is itself far from a float64 run, :data:`FP32_ROUNDING_FACTOR` x that
@@ -416,6 +423,17 @@ def _wrapper_class():
             return out[0]
 
     return HFFirstOutput
+
+
+def cast_inputs_inside(low_model, dt) -> Callable:
+    """``low_model`` (already in ``dt``) behind a cast of its floating tensor inputs to ``dt``: called with the FP32
+    inputs, it computes what ``low_model`` computes on ``x.to(dt)``; compiled whole, the cast is part of the
+    compiled graph (Inductor fuses it into the first kernel that reads the input), as tctune's entry cast is."""
+    import torch
+
+    def call(*args):
+        return low_model(*(a.to(dt) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args))
+    return call
 
 
 def place(model, device):
@@ -1347,7 +1365,9 @@ def measure_model(entry: Entry, args: argparse.Namespace) -> dict:
         else:
             record("tctune", lambda: model, inputs)  # records it as not requested
         record("inductor", lambda: torch.compile(low), low_inputs, fresh_cache=True)
-        timed("inductor", "tctune")
+        record("inductor_fp32in", lambda: torch.compile(cast_inputs_inside(low, dt)), inputs, fresh_cache=True)
+        timed("inductor", "tctune", "inductor_fp32in")
+        fns.pop("inductor_fp32in", None)
         cg_args = {"tctune_cg": ("tctune", inputs), "inductor_cg": ("inductor", low_inputs)}
         per_capture: dict[str, list[dict]] = {n: [] for n in cg_args}
         for k in range(max(1, args.cg_captures)):  # K captures of both sides (module docstring, CUDA graphs)
@@ -1532,6 +1552,8 @@ def summarize(row: dict, opt: dict | None = None) -> dict:
         "fallbacks": fallbacks,
         "speedup_vs_inductor": _ratio(get("tctune", "items_per_s"), get("inductor", "items_per_s")),
         "speedup_vs_inductor_cg": _ratio(get("tctune_cg", "items_per_s"), get("inductor_cg", "items_per_s")),
+        # both sides handed the same FP32 inputs, each casting them inside its compiled graph (inductor_fp32in)
+        "speedup_vs_inductor_fp32in": _ratio(get("tctune", "items_per_s"), get("inductor_fp32in", "items_per_s")),
         "accuracy_consistent": accuracy_consistent(rel, eager_rel),
         "rel_err": rel, "eager_rel_err": eager_rel, "inductor_rel_err": get("inductor", "rel_err"),
         "compile_s": get("tctune", "compile_s"), "inductor_compile_s": get("inductor", "compile_s"),
@@ -1617,6 +1639,8 @@ def overall(models: dict[str, dict]) -> dict:
         "n_speedup": sum(m.get("speedup_vs_inductor") is not None for m in ok),
         "geomean_speedup_vs_inductor_cg": geomean(m.get("speedup_vs_inductor_cg") for m in ok),
         "n_speedup_cg": sum(m.get("speedup_vs_inductor_cg") is not None for m in ok),
+        "geomean_speedup_vs_inductor_fp32in": geomean(m.get("speedup_vs_inductor_fp32in") for m in ok),
+        "n_speedup_fp32in": sum(m.get("speedup_vs_inductor_fp32in") is not None for m in ok),
         "min_speedup_vs_inductor": min((m["speedup_vs_inductor"] for m in ok if m.get("speedup_vs_inductor")),
                                        default=None),
         "models_with_fallbacks": sum(bool(m.get("fallbacks")) for m in ok),
@@ -1672,6 +1696,10 @@ def markdown(latest: dict) -> str:
               f"{_f(s['median_compile_ratio'])}×.",
               f"- Not built: {len(s['not_built'])}" + (f" ({', '.join(s['not_built'])})" if s["not_built"] else "")
               + "."]
+    if s.get("n_speedup_fp32in"):
+        lines.append(f"- Same FP32 inputs on both sides (`inductor_fp32in`: Inductor casts them inside its compiled "
+                     f"callable, as tctune does): geomean tctune / Inductor "
+                     f"**{_f(s['geomean_speedup_vs_inductor_fp32in'])}×** over {s['n_speedup_fp32in']} models.")
     if s.get("fp32_parity_checked"):
         over = s.get("fp32_parity_over_tol") or []
         lines.append(f"- FP32 parity (`tctune_fp32`: the backend's structural passes, nothing cast, against FP32 "

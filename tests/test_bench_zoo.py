@@ -608,3 +608,45 @@ def test_child_processes_get_the_capture_count_and_the_cache_choice():
     assert child[child.index("--cg-captures") + 1] == "5" and "--warm-cache" in child
     plain = zoo._child_args(zoo._parser().parse_args(["--out", "/tmp/x", "--device", "cpu"]))
     assert plain[plain.index("--cg-captures") + 1] == "3" and "--warm-cache" not in plain
+
+
+def test_cast_inputs_inside_casts_floating_inputs_only():
+    seen = []
+
+    def low(x, ids):
+        seen.append((x.dtype, ids.dtype))
+        return x.float() * 2 + ids
+
+    call = zoo.cast_inputs_inside(low, torch.bfloat16)
+    x, ids = torch.randn(3, 4), torch.randint(0, 5, (3, 4))
+    out = call(x, ids)
+    assert seen == [(torch.bfloat16, torch.int64)]
+    assert torch.equal(out, x.to(torch.bfloat16).float() * 2 + ids)
+
+
+def test_inductor_with_the_cast_inside_gets_fp32_inputs_and_is_timed_with_both_sides(tmp_path, monkeypatch):
+    """The optional ``inductor_fp32in`` variant on the CPU at --tiny: handed the FP32 inputs, it computes what
+    ``inductor`` computes on inputs cast beforehand (the same error), is timed in the same interleaved block and
+    summarized as ``speedup_vs_inductor_fp32in``. ``torch.compile`` is replaced by the callable it is given (what
+    is tested is the variant's plumbing, not Inductor's code generation)."""
+    pytest.importorskip("transformers")
+    calls = []
+
+    def fake_compile(fn, *a, **kw):
+        calls.append(kw.get("backend"))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    assert zoo.main(["--worker", "BertForMaskedLM", "--tiny", "--scale", "0.0625", "--device", "cpu",
+                     "--variants", "fp32_eager,eager,inductor,inductor_fp32in", "--repeats", "2",
+                     "--repeat-s", "0.001", "--out", str(tmp_path)]) == 0
+    row = json.loads(zoo.row_path(tmp_path, "BertForMaskedLM").read_text())
+    assert row["status"] == "ok", row.get("reason")
+    v = row["variants"]
+    assert v["inductor_fp32in"]["ok"] is True, v["inductor_fp32in"].get("error")
+    assert v["inductor_fp32in"]["rel_err"] == pytest.approx(v["inductor"]["rel_err"])
+    assert len(v["inductor_fp32in"]["repeats_ms"]) == len(v["inductor"]["repeats_ms"]) == 2
+    assert "inductor_fp32in" in row["compile_cache"]  # compiled in its own fresh cache, like the other two
+    s = zoo.summarize({**row, "variants": {**v, "tctune": {"ok": True, "items_per_s": 50.0}}})
+    assert s["speedup_vs_inductor_fp32in"] == pytest.approx(50.0 / v["inductor_fp32in"]["items_per_s"])
+    assert zoo.summarize(_row("m", tct=300.0, ind=250.0))["speedup_vs_inductor_fp32in"] is None  # not run
