@@ -52,19 +52,39 @@ def test_compare_rejects_structure_changes():
         measure.compare((torch.ones(2),), (torch.ones(2), torch.ones(2)))
 
 
-def test_a_stalled_calibration_call_does_not_shrink_the_repeats():
+class FakeClock:
+    """A stand-in for the ``time`` module measure reads: ``perf_counter`` is a clock that only the timed function
+    advances, so a test's timings are what it says, whatever the host's load (a real 1 µs call can take 100 µs
+    when the host preempts it)."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_a_stalled_calibration_call_does_not_shrink_the_repeats(monkeypatch):
     """The repeat size comes from the fastest of a few single calls: one call held up by the host (here the first
-    one after warm-up sleeps 20 ms, every other call is ~free) must not turn repeats into a handful of calls."""
-    import time as _time
+    one after warm-up takes 20 ms, every other call 1 µs) must not turn repeats into a handful of calls."""
+    from tctune.measure import CALIBRATION_CALLS, _iterations_for
 
-    from tctune.measure import _iterations_for
-
+    clock = FakeClock()
+    monkeypatch.setattr(measure, "time", clock)
     calls = {"n": 0}
 
     def fn():
         calls["n"] += 1
-        if calls["n"] == 2:  # the first call after the one warm-up call
-            _time.sleep(0.02)
+        clock.now += 0.02 if calls["n"] == 2 else 1e-6  # the first call after the one warm-up call stalls
 
     iters = _iterations_for(fn, torch.device("cpu"), warmup=1, target_s=0.01, max_iterations=200)
-    assert iters == 200  # sized on a ~microsecond call, not on the 20 ms stall (which would give 1)
+    assert calls["n"] == 1 + CALIBRATION_CALLS
+    assert iters == 200  # sized on the 1 µs call (10,000 calls, capped), not on the 20 ms stall (which would give 1)
+    # the same stall on every calibration call: the repeat really is one call (the fastest is the stall)
+    clock2 = FakeClock()
+    monkeypatch.setattr(measure, "time", clock2)
+
+    def stalled():
+        clock2.now += 0.02
+
+    assert _iterations_for(stalled, torch.device("cpu"), warmup=1, target_s=0.01, max_iterations=200) == 1

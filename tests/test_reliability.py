@@ -43,7 +43,7 @@ def test_sigkill_mid_trial_then_resume_keeps_finished_trials(tmp_path):
            "--trials", "4", "--quiet", "--no-export", "--no-prune"]
     env = dict(os.environ, TCTUNE_TEST_MARKER=str(marker))
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.time() + 120
+    deadline = time.time() + 300  # a hang guard: a slow host may take minutes to get there
     while not marker.exists():
         assert proc.poll() is None, proc.communicate()
         assert time.time() < deadline, "the batch-32 trial never started"
@@ -194,7 +194,7 @@ def test_ctrl_c_finishes_the_current_trial_then_writes_the_report(tmp_path):
            "--trials", "8", "--quiet", "--no-export", "--no-prune"]
     proc = subprocess.Popen(cmd, env=dict(os.environ, TCTUNE_TEST_MARKER=str(marker)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
+    deadline = time.time() + 300  # a hang guard: a slow host may take minutes to get there
     while not marker.exists():
         assert proc.poll() is None, proc.communicate()
         assert time.time() < deadline
@@ -246,7 +246,7 @@ def test_interrupted_candidate_is_measured_again_on_resume(tmp_path):
            "--trials", "8", "--quiet", "--no-export", "--no-prune"]
     proc = subprocess.Popen(cmd, env=dict(os.environ, TCTUNE_TEST_MARKER=str(marker)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.time() + 120
+    deadline = time.time() + 300  # a hang guard: a slow host may take minutes to get there
     while not marker.exists():
         assert proc.poll() is None and time.time() < deadline
         time.sleep(0.1)

@@ -103,7 +103,7 @@ class M(torch.nn.Module):
             M.calls += 1
         if not torch.compiler.is_compiling() and M.calls > 1 and os.environ.get("TCTUNE_TEST_MARKER"):
             pathlib.Path(os.environ["TCTUNE_TEST_MARKER"]).write_text("in trial")
-            time.sleep(120)
+            time.sleep(600)  # outlasts the second run however slow the host (the test kills it)
         return self.fc(x)
 def build_model():
     return M()
@@ -131,7 +131,7 @@ def _cfg(out, **kw):
 @pytest.fixture
 def live_process():
     """Another live process on this host (its pid is what a holder's lock file names)."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # killed after the test
     yield proc
     proc.kill()
     proc.wait()
@@ -162,13 +162,13 @@ def test_two_real_runs_on_one_out_the_second_exits_naming_the_first(tmp_path):
     first = subprocess.Popen(cmd, env=dict(os.environ, TCTUNE_TEST_MARKER=str(marker)),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        deadline = time.time() + 120
+        deadline = time.time() + 300  # a hang guard: a slow host may take minutes to get there
         while not marker.exists():
             assert first.poll() is None, first.communicate()
             assert time.time() < deadline, "the first run's trial never started"
             time.sleep(0.1)
         trials_before = _trial_states(out)
-        second = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        second = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert second.returncode == 2, second.stderr
         lines = [ln for ln in second.stderr.splitlines() if ln.strip()]
         assert lines[0].startswith("tctune: error: --out ") and f"process {first.pid} on {socket.gethostname()}" in lines[0]
