@@ -19,7 +19,7 @@ import optuna
 from .search import best_trial, is_feasible, pareto_front
 from .search.autotune import autotune_lines
 from .search.baselines import run_params
-from .search.results import headline
+from .search.results import headline, resumed_words
 
 TRIAL_FIELDS = ("throughput", "latency_ms", "latency_p50_ms", "latency_p99_ms", "repeats_ms", "peak_memory_mib", "max_rel_error", "max_abs_error", "nonfinite",
                 "float_outputs", "exact_outputs", "mismatch_rate", "mismatched", "logits_outputs", "top1_agreement", "kl_divergence",
@@ -117,6 +117,15 @@ def base_trial(r: dict) -> dict | None:
     return next((t for t in r["trials"] if t["number"] == n), None)
 
 
+def measured_this_run(r: dict, row: dict | None) -> bool:
+    """Whether trial ``row`` (a ``trials`` row, or ``best``: its number under ``trial``) of report ``r`` was
+    measured by the run that wrote the report: not one of the earlier runs' trials ``r["resumed"]`` kept."""
+    if not row:
+        return False
+    n = row.get("number", row.get("trial"))
+    return n not in set((r.get("resumed") or {}).get("numbers") or ())
+
+
 def measurement_noise(*rows: dict | None) -> float | None:
     """Largest relative spread (max − min) / median of the repeats of the given trial rows, or None."""
     spreads = []
@@ -204,6 +213,7 @@ def build_report(study: optuna.Study, *, hardware: dict, measured_on: str, confi
     best = None
     baseline = None
     head = headline(study, bt) if bt is not None else None
+    resumed = study.user_attrs.get("resumed")
     sbs = study.user_attrs.get("side_by_side")
     current_sbs = sbs if sbs and sbs.get("run_id") == study.user_attrs.get("run_id") else None
     if bt is not None:
@@ -249,6 +259,8 @@ def build_report(study: optuna.Study, *, hardware: dict, measured_on: str, confi
         "trials": trials,
         "artifacts": artifacts,
         "confirmation": study.user_attrs.get("confirmation"),
+        # the earlier runs' trials this run found in the study (tctune.search.results.earlier_trials), or None
+        "resumed": resumed if resumed and resumed.get("run_id") == study.user_attrs.get("run_id") else None,
     }
     if extra:
         report.update(extra)
@@ -452,7 +464,8 @@ def render_markdown(r: dict) -> str:
     lines += [f"- Model file: `{r['model']['path']}`",
               f"- Hardware spec: {hw.get('name')} ({hw.get('arch')}, compute capability {hw.get('compute_capability') or '–'}, source {hw.get('source')})",
               f"- Measured on: {r['measured_on']}",
-              f"- Study: `{r['study']['name']}`, {study_counts(r['study'], r.get('trials'))}",
+              f"- Study: `{r['study']['name']}`, {study_counts(r['study'], r.get('trials'))}"
+              + (f"; {resumed_words(r['resumed'])} (the rest were measured in this run)" if r.get("resumed") else ""),
               "- " + accuracy_rule_line(r)]
     if r["config"].get("output_dtype"):  # a report written before the option has no contract to state
         lines.append("- " + output_contract_line(r["config"]["output_dtype"]))
@@ -787,7 +800,9 @@ def console_summary(report: dict, out: str | Path) -> str:
         if base and b.get("speedup_vs_baseline"):
             lines.append(f"      {b['speedup_vs_baseline']:.2f}x FP32 eager at the same batch "
                          f"({base.get('compared_throughput', base['throughput']):.4g} items/s)")
-            shaky = unstable_timing(b, base_trial(report))
+            # (a resumed run's earlier trials had their warning in their own run; report.md keeps it)
+            rows = [row for row in (b, base_trial(report)) if measured_this_run(report, row)]
+            shaky = unstable_timing(*rows) if rows else None
             if shaky:
                 lines.append(f"      unstable timing ({shaky}): not a reliable speedup; measure on an idle machine")
     else:
