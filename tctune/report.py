@@ -117,6 +117,41 @@ def base_trial(r: dict) -> dict | None:
     return next((t for t in r["trials"] if t["number"] == n), None)
 
 
+#: What report.md's two throughputs of one trial are: said beside every table that shows both.
+TIMINGS_NOTE = ("First timing: the trial's own measurement when it ran (possibly in an earlier run of a resumed study); "
+                "side-by-side median: the median of this run's interleaved re-timing of the finalists and baselines "
+                "(A B C A B C …), the number the verdict compares.")
+
+
+def _headline_timing(best: dict) -> str:
+    """Which timing the headline's numbers of ``report.json``'s ``best`` (``best_baseline``, ``best_searched``) are
+    from: "side-by-side median" or "first timing" (:func:`tctune.search.results.headline`'s ``timing``)."""
+    return "side-by-side median" if (best.get("timing") or "").startswith("side by side") else "first timing"
+
+
+#: A skip reason in report.md's pass tables is cut to this many characters (``report.json`` keeps it whole).
+SKIP_REASON_SHOWN = 80
+
+
+def skip_cell(skipped: list[dict] | None, reasons: int = 3) -> str:
+    """report.md's cell for the nodes a pass left alone and why (what ``tctune inspect`` prints), grouped by reason:
+    "reason (node, +N more); …", each reason cut to ``SKIP_REASON_SHOWN`` characters, at most ``reasons`` of
+    them ("+N more reasons" after). ``skipped``: the pass's ``[{"node", "reason"}]`` (``report.json``'s
+    ``passes``) or a trial's grouped ``[{"reason", "nodes", "node"}]``
+    (:func:`tctune.search.evaluate.skip_reasons`); empty when the pass recorded none."""
+    groups: dict[str, list] = {}
+    for sk in skipped or []:
+        g = groups.setdefault(sk["reason"], [sk["node"], 0])
+        g[1] += sk.get("nodes", 1)
+    cells = []
+    for reason, (node, n) in list(groups.items())[:reasons]:
+        short = reason if len(reason) <= SKIP_REASON_SHOWN else reason[:SKIP_REASON_SHOWN - 1].rstrip() + "…"
+        cells.append(f"{short} ({node}" + (f", +{n - 1} more" if n > 1 else "") + ")")
+    if len(groups) > reasons:
+        cells.append(f"+{len(groups) - reasons} more reasons")
+    return "; ".join(cells).replace("|", "\\|")
+
+
 def measured_this_run(r: dict, row: dict | None) -> bool:
     """Whether trial ``row`` (a ``trials`` row, or ``best``: its number under ``trial``) of report ``r`` was
     measured by the run that wrote the report: not one of the earlier runs' trials ``r["resumed"]`` kept."""
@@ -531,7 +566,8 @@ def render_markdown(r: dict) -> str:
             if srch:
                 lines.append(f"- The fastest tctune candidate: trial {srch['trial']} at batch {srch.get('batch_size')} "
                              f"({srch.get('description') or ''}), "
-                             f"{_fmt(srch['throughput'])} items/s in the same timing.")
+                             f"{_fmt(srch['throughput'])} items/s ({_headline_timing(b)}, the same timing as the "
+                             "answer's).")
         elif why:
             lines.append(f"- **tctune wins**: {why}.")
         if rule:
@@ -552,7 +588,7 @@ def render_markdown(r: dict) -> str:
                 stats = (f" (95% CI {ci[0]:.2f}–{ci[1]:.2f}× over {b.get('speedup_rounds')} interleaved rounds"
                          + (f", sign-test p = {pv:.2g}" if pv is not None else "") + ")")
             lines.append(f"- Against the fastest plain baseline at the same batch ({bb['name']}, trial {bb['trial']}, "
-                         f"{_fmt(bb['throughput'])} items/s): **{_fmt(b['speedup_vs_best_baseline'], '.2f')}×**{stats}.")
+                         f"{_fmt(bb['throughput'])} items/s, {_headline_timing(b)}): **{_fmt(b['speedup_vs_best_baseline'], '.2f')}×**{stats}.")
         if base:
             lines.append(f"- Against FP32 eager at the same batch ({base['batch_size']}): "
                          f"{_fmt(b['speedup_vs_baseline'], '.2f')}× "
@@ -600,9 +636,9 @@ def render_markdown(r: dict) -> str:
     if r.get("baselines"):
         lines += ["", "## Plain baselines (measured in every study)", "",
                   "What you would try by hand: FP32 eager (the accuracy reference), autocast and the model cast as a "
-                  "whole at each low precision, and on a GPU torch.compile of the fastest of those. Side-by-side: "
-                  "the median of this run's interleaved timing.", "",
-                  "| baseline | trial | batch | precision | runtime | items/s | side-by-side items/s | p99 ms | peak MiB | rel. error | feasible |",
+                  "whole at each low precision, and on a GPU torch.compile of the fastest of those. " + TIMINGS_NOTE, "",
+                  "| baseline | trial | batch | precision | runtime | first timing items/s | side-by-side median items/s | "
+                  "p99 ms (first timing) | peak MiB | rel. error | feasible |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in r["baselines"]:
             lines.append(f"| {row.get('name')} | {row.get('trial')} | {row.get('batch_size')} | {row.get('precision')} | {row.get('runtime')} | "
@@ -620,7 +656,7 @@ def render_markdown(r: dict) -> str:
                   f"{sbs['block_s'] * 1e3:.0f} ms of calls per block; median of the rounds. Run {sbs.get('run_id')}"
                   + ("" if sbs.get("current_run", True) else " (an earlier run: not used for the headline)")
                   + f". {clocks}.", "",
-                  "| trial | baseline | batch | median ms | items/s | note |", "|---|---|---|---|---|---|"]
+                  "| trial | baseline | batch | median ms | median items/s | note |", "|---|---|---|---|---|---|"]
         for e in sbs["entries"]:
             lines.append(f"| {e['trial']} | {e.get('baseline') or '–'} | {e['batch_size']} | {_fmt(e.get('median_ms'))} | "
                          f"{_fmt(e.get('throughput'))} | {e.get('error') or ''} |")
@@ -656,11 +692,9 @@ def render_markdown(r: dict) -> str:
     if r["passes"] and b and not b["params"].get("graph_passes"):
         lines += ["The best configuration runs the model as written; these are the passes its exported graph carries.", ""]
     if r["passes"]:
-        lines += ["| pass | rewrites | skipped (node: reason) |", "|---|---|---|"]
+        lines += ["| pass | rewrites | skipped: reason (nodes) |", "|---|---|---|"]
         for ps in r["passes"]:
-            sk = "; ".join(f"{s['node']}: {s['reason']}" for s in ps["skipped"][:8])
-            more = f" (+{len(ps['skipped']) - 8} more)" if len(ps["skipped"]) > 8 else ""
-            lines.append(f"| {ps['name']} | {ps['changed']} | {sk}{more} |")
+            lines.append(f"| {ps['name']} | {ps['changed']} | {skip_cell(ps.get('skipped'))} |")
     else:
         lines.append("No graph passes ran for the best configuration.")
         searched = fastest_graph_trial(r["trials"]) if b and not b["params"].get("graph_passes") else None
@@ -671,15 +705,17 @@ def render_markdown(r: dict) -> str:
             lines += ["", f"The answer is the model without tctune's graph: {what}. What the passes did on the "
                       f"fastest tctune candidate, trial {searched['number']} ({p.get('precision')}, "
                       f"{p.get('runtime', 'eager')}, batch {p.get('batch_size')}, {_fmt(searched['throughput'])} "
-                      "items/s" + ("" if searched.get("feasible") else f"; rejected: {searched.get('fail_reason')}")
-                      + "):", "", "| pass | rewrites | failed |", "|---|---|---|"]
+                      "items/s first timing" + ("" if searched.get("feasible") else f"; rejected: {searched.get('fail_reason')}")
+                      + "):", "", "| pass | rewrites | failed | skipped: reason (nodes) |", "|---|---|---|---|"]
             for ps in searched["passes"]:
-                lines.append(f"| {ps['name']} | {ps.get('changed', '–')} | {ps.get('failed') or ''} |")
+                lines.append(f"| {ps['name']} | {ps.get('changed', '–')} | {ps.get('failed') or ''} | "
+                             f"{skip_cell(ps.get('skipped'))} |")
     # setup s: the evaluator's build (tctune's graph: its passes; a cast model: its copy) + runtime setup (CUDA
     # graph capture, Inductor compile); a column that would read 0.00 on every row (eager training) is left out
     setup = any(round(t.get("setup_s") or 0.0, 2) for t in r["trials"])
-    lines += ["", "## Trials", "",
-              "| # | state | precision | graph passes | runtime | batch | items/s | ms/batch | peak MiB | rel. error | "
+    lines += ["", "## Trials", "", "Items/s and ms/batch: each trial's first timing, taken when it ran (the side-by-side "
+              "medians the verdict compares are under Plain baselines and Side-by-side timing).", "",
+              "| # | state | precision | graph passes | runtime | batch | first timing items/s | ms/batch | peak MiB | rel. error | "
               "int mismatch | top-1 / KL | score (× FP32) | " + ("setup s (build + compile) | " if setup else "")
               + "note |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if setup else "") + "---|"]
     for t in r["trials"]:
