@@ -375,6 +375,12 @@ def _top1(row: dict) -> str:
     return "–" if top is None else f"{top:.2%}" + (f" / {kl:.1e}" if kl is not None else "")
 
 
+#: How the top-1 agreement and KL divergence are computed (:func:`tctune.measure.looks_like_logits`): by shape only,
+#: so report.md says what they assume wherever it shows them.
+LOGITS_NOTE = ("treating the last dim of every floating output of rank ≥ 2 as class scores (a hidden state or an "
+               "image qualifies too: read them only for outputs that are class scores; reported, never a limit)")
+
+
 def accuracy_summary(row: dict) -> str | None:
     """One sentence on how a trial's outputs compare with FP32 beyond the relative error, or None when
     nothing else was measured: integer/bool mismatches, top-1 agreement and KL divergence of logits-like
@@ -389,7 +395,7 @@ def accuracy_summary(row: dict) -> str | None:
     if row.get("top1_agreement") is not None:
         parts.append(f"top-1 agreement {row['top1_agreement']:.2%}"
                      + (f", KL(FP32 ‖ candidate) {row['kl_divergence']:.2e} nats" if row.get("kl_divergence") is not None else "")
-                     + " on logits-like outputs (last dim ≥ 2)")
+                     + " " + LOGITS_NOTE)
     if row.get("unchecked_outputs"):
         parts.append(f"**{row['unchecked_outputs']} output(s) not checkable** (not tensors or numbers, or not returned "
                      "by the candidate)")
@@ -714,7 +720,8 @@ def render_markdown(r: dict) -> str:
     # graph capture, Inductor compile); a column that would read 0.00 on every row (eager training) is left out
     setup = any(round(t.get("setup_s") or 0.0, 2) for t in r["trials"])
     lines += ["", "## Trials", "", "Items/s and ms/batch: each trial's first timing, taken when it ran (the side-by-side "
-              "medians the verdict compares are under Plain baselines and Side-by-side timing).", "",
+              "medians the verdict compares are under Plain baselines and Side-by-side timing). Top-1 / KL: "
+              f"{LOGITS_NOTE}.", "",
               "| # | state | precision | graph passes | runtime | batch | first timing items/s | ms/batch | peak MiB | rel. error | "
               "int mismatch | top-1 / KL | score (× FP32) | " + ("setup s (build + compile) | " if setup else "")
               + "note |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if setup else "") + "---|"]

@@ -13,7 +13,7 @@ from tctune.search.evaluate import skip_reasons
 from tctune.trial import apply_passes
 
 
-def _study(passes, side_by_side=True):
+def _study(passes, side_by_side=True, **extra_attrs):
     """Trial 0: FP32 eager (a plain baseline, first timing 200 items/s); trial 1: tctune's graph (first timing 150
     items/s) with ``passes``; a side-by-side timing of this run in which they ran at 260 and 190 items/s."""
     study = optuna.create_study(direction="maximize")
@@ -21,7 +21,7 @@ def _study(passes, side_by_side=True):
         params = {"batch_size": 8, "precision": "fp32", "graph_passes": graph, "runtime": "eager"}
         dist = {k: optuna.distributions.CategoricalDistribution([v]) for k, v in params.items()}
         attrs = {"run_id": "r", "max_rel_error": 1e-6 * i, "float_outputs": 1, "description": f"trial {i}",
-                 "throughput": tput, "latency_ms": 8 / tput * 1e3, "passes": passes if graph else []}
+                 "throughput": tput, "latency_ms": 8 / tput * 1e3, "passes": passes if graph else [], **extra_attrs}
         if not graph:
             attrs["baseline"] = "fp32_eager"
         study.add_trial(optuna.trial.create_trial(params=params, distributions=dist, value=tput, user_attrs=attrs))
@@ -89,3 +89,15 @@ def test_a_graph_trial_records_the_skip_reasons_its_passes_gave(tiny, tmp_path):
     assert expected  # the premise: on the CPU at fp32 some passes leave nodes alone, with a reason
     recorded = {p["name"]: p["skipped"] for p in metrics["passes"] if p.get("skipped")}
     assert recorded == expected
+
+
+def test_top1_and_kl_say_they_treat_the_last_dim_as_class_scores():
+    # (a (batch, seq, hidden) output gets these figures too: tctune.measure.looks_like_logits goes by shape)
+    study = _study([{"name": "fuse_qkv", "changed": 1}], top1_agreement=0.99, kl_divergence=1e-6)
+    md = _md(study)
+    outputs = next(x for x in md.splitlines() if x.startswith("- Outputs against FP32:"))
+    assert "top-1 agreement 99.00%" in outputs
+    assert "treating the last dim of every floating output of rank ≥ 2 as class scores" in outputs
+    assert "hidden state" in outputs and "never a limit" in outputs
+    trials = md[md.index("## Trials"):]
+    assert "Top-1 / KL: treating the last dim" in trials and "99.00% / 1.0e-06" in trials
