@@ -152,6 +152,13 @@ def skip_cell(skipped: list[dict] | None, reasons: int = 3) -> str:
     return "; ".join(cells).replace("|", "\\|")
 
 
+def resumed_line(r: dict) -> str:
+    """report.md's words for ``r["resumed"]`` (a resumed study): the earlier trials kept and how many this run added."""
+    added = r["study"]["n_trials"] - r["resumed"]["trials"]
+    return (f"{resumed_words(r['resumed'])}; this run added "
+            + (f"{added} trial{'s' if added != 1 else ''}" if added > 0 else "none"))
+
+
 def measured_this_run(r: dict, row: dict | None) -> bool:
     """Whether trial ``row`` (a ``trials`` row, or ``best``: its number under ``trial``) of report ``r`` was
     measured by the run that wrote the report: not one of the earlier runs' trials ``r["resumed"]`` kept."""
@@ -506,7 +513,7 @@ def render_markdown(r: dict) -> str:
               f"- Hardware spec: {hw.get('name')} ({hw.get('arch')}, compute capability {hw.get('compute_capability') or '–'}, source {hw.get('source')})",
               f"- Measured on: {r['measured_on']}",
               f"- Study: `{r['study']['name']}`, {study_counts(r['study'], r.get('trials'))}"
-              + (f"; {resumed_words(r['resumed'])} (the rest were measured in this run)" if r.get("resumed") else ""),
+              + (f"; {resumed_line(r)}" if r.get("resumed") else ""),
               "- " + accuracy_rule_line(r)]
     if r["config"].get("output_dtype"):  # a report written before the option has no contract to state
         lines.append("- " + output_contract_line(r["config"]["output_dtype"]))

@@ -35,6 +35,9 @@ def test_second_run_on_one_out_says_it_resumed_once_with_the_earlier_outcomes(ti
     md = (out / "report.md").read_text()
     study_line = next(x for x in md.splitlines() if x.startswith("- Study:"))
     assert line in study_line
+    added = second["study"]["n_trials"] - n
+    assert study_line.endswith(f"this run added {added} trial{'s' if added != 1 else ''}" if added else
+                               "this run added none")
 
 
 def _make(number, state, attrs):
