@@ -19,7 +19,7 @@ import optuna
 from .search import best_trial, is_feasible, pareto_front
 from .search.autotune import autotune_lines
 from .search.baselines import run_params
-from .search.results import headline
+from .search.results import headline, resumed_words
 
 TRIAL_FIELDS = ("throughput", "latency_ms", "latency_p50_ms", "latency_p99_ms", "repeats_ms", "peak_memory_mib", "max_rel_error", "max_abs_error", "nonfinite",
                 "float_outputs", "exact_outputs", "mismatch_rate", "mismatched", "logits_outputs", "top1_agreement", "kl_divergence",
@@ -117,6 +117,57 @@ def base_trial(r: dict) -> dict | None:
     return next((t for t in r["trials"] if t["number"] == n), None)
 
 
+#: What report.md's two throughputs of one trial are: said beside every table that shows both.
+TIMINGS_NOTE = ("First timing: the trial's own measurement when it ran (possibly in an earlier run of a resumed study); "
+                "side-by-side median: the median of this run's interleaved re-timing of the finalists and baselines "
+                "(A B C A B C …), the number the verdict compares.")
+
+
+def _headline_timing(best: dict) -> str:
+    """Which timing the headline's numbers of ``report.json``'s ``best`` (``best_baseline``, ``best_searched``) are
+    from: "side-by-side median" or "first timing" (:func:`tctune.search.results.headline`'s ``timing``)."""
+    return "side-by-side median" if (best.get("timing") or "").startswith("side by side") else "first timing"
+
+
+#: A skip reason in report.md's pass tables is cut to this many characters (``report.json`` keeps it whole).
+SKIP_REASON_SHOWN = 80
+
+
+def skip_cell(skipped: list[dict] | None, reasons: int = 3) -> str:
+    """report.md's cell for the nodes a pass left alone and why (what ``tctune inspect`` prints), grouped by reason:
+    "reason (node, +N more); …", each reason cut to ``SKIP_REASON_SHOWN`` characters, at most ``reasons`` of
+    them ("+N more reasons" after). ``skipped``: the pass's ``[{"node", "reason"}]`` (``report.json``'s
+    ``passes``) or a trial's grouped ``[{"reason", "nodes", "node"}]``
+    (:func:`tctune.search.evaluate.skip_reasons`); empty when the pass recorded none."""
+    groups: dict[str, list] = {}
+    for sk in skipped or []:
+        g = groups.setdefault(sk["reason"], [sk["node"], 0])
+        g[1] += sk.get("nodes", 1)
+    cells = []
+    for reason, (node, n) in list(groups.items())[:reasons]:
+        short = reason if len(reason) <= SKIP_REASON_SHOWN else reason[:SKIP_REASON_SHOWN - 1].rstrip() + "…"
+        cells.append(f"{short} ({node}" + (f", +{n - 1} more" if n > 1 else "") + ")")
+    if len(groups) > reasons:
+        cells.append(f"+{len(groups) - reasons} more reasons")
+    return "; ".join(cells).replace("|", "\\|")
+
+
+def resumed_line(r: dict) -> str:
+    """report.md's words for ``r["resumed"]`` (a resumed study): the earlier trials kept and how many this run added."""
+    added = r["study"]["n_trials"] - r["resumed"]["trials"]
+    return (f"{resumed_words(r['resumed'])}; this run added "
+            + (f"{added} trial{'s' if added != 1 else ''}" if added > 0 else "none"))
+
+
+def measured_this_run(r: dict, row: dict | None) -> bool:
+    """Whether trial ``row`` (a ``trials`` row, or ``best``: its number under ``trial``) of report ``r`` was
+    measured by the run that wrote the report: not one of the earlier runs' trials ``r["resumed"]`` kept."""
+    if not row:
+        return False
+    n = row.get("number", row.get("trial"))
+    return n not in set((r.get("resumed") or {}).get("numbers") or ())
+
+
 def measurement_noise(*rows: dict | None) -> float | None:
     """Largest relative spread (max − min) / median of the repeats of the given trial rows, or None."""
     spreads = []
@@ -204,6 +255,7 @@ def build_report(study: optuna.Study, *, hardware: dict, measured_on: str, confi
     best = None
     baseline = None
     head = headline(study, bt) if bt is not None else None
+    resumed = study.user_attrs.get("resumed")
     sbs = study.user_attrs.get("side_by_side")
     current_sbs = sbs if sbs and sbs.get("run_id") == study.user_attrs.get("run_id") else None
     if bt is not None:
@@ -249,6 +301,8 @@ def build_report(study: optuna.Study, *, hardware: dict, measured_on: str, confi
         "trials": trials,
         "artifacts": artifacts,
         "confirmation": study.user_attrs.get("confirmation"),
+        # the earlier runs' trials this run found in the study (tctune.search.results.earlier_trials), or None
+        "resumed": resumed if resumed and resumed.get("run_id") == study.user_attrs.get("run_id") else None,
     }
     if extra:
         report.update(extra)
@@ -328,6 +382,12 @@ def _top1(row: dict) -> str:
     return "–" if top is None else f"{top:.2%}" + (f" / {kl:.1e}" if kl is not None else "")
 
 
+#: How the top-1 agreement and KL divergence are computed (:func:`tctune.measure.looks_like_logits`): by shape only,
+#: so report.md says what they assume wherever it shows them.
+LOGITS_NOTE = ("treating the last dim of every floating output of rank ≥ 2 as class scores (a hidden state or an "
+               "image qualifies too: read them only for outputs that are class scores; reported, never a limit)")
+
+
 def accuracy_summary(row: dict) -> str | None:
     """One sentence on how a trial's outputs compare with FP32 beyond the relative error, or None when
     nothing else was measured: integer/bool mismatches, top-1 agreement and KL divergence of logits-like
@@ -342,7 +402,7 @@ def accuracy_summary(row: dict) -> str | None:
     if row.get("top1_agreement") is not None:
         parts.append(f"top-1 agreement {row['top1_agreement']:.2%}"
                      + (f", KL(FP32 ‖ candidate) {row['kl_divergence']:.2e} nats" if row.get("kl_divergence") is not None else "")
-                     + " on logits-like outputs (last dim ≥ 2)")
+                     + " " + LOGITS_NOTE)
     if row.get("unchecked_outputs"):
         parts.append(f"**{row['unchecked_outputs']} output(s) not checkable** (not tensors or numbers, or not returned "
                      "by the candidate)")
@@ -452,7 +512,8 @@ def render_markdown(r: dict) -> str:
     lines += [f"- Model file: `{r['model']['path']}`",
               f"- Hardware spec: {hw.get('name')} ({hw.get('arch')}, compute capability {hw.get('compute_capability') or '–'}, source {hw.get('source')})",
               f"- Measured on: {r['measured_on']}",
-              f"- Study: `{r['study']['name']}`, {study_counts(r['study'], r.get('trials'))}",
+              f"- Study: `{r['study']['name']}`, {study_counts(r['study'], r.get('trials'))}"
+              + (f"; {resumed_line(r)}" if r.get("resumed") else ""),
               "- " + accuracy_rule_line(r)]
     if r["config"].get("output_dtype"):  # a report written before the option has no contract to state
         lines.append("- " + output_contract_line(r["config"]["output_dtype"]))
@@ -518,7 +579,8 @@ def render_markdown(r: dict) -> str:
             if srch:
                 lines.append(f"- The fastest tctune candidate: trial {srch['trial']} at batch {srch.get('batch_size')} "
                              f"({srch.get('description') or ''}), "
-                             f"{_fmt(srch['throughput'])} items/s in the same timing.")
+                             f"{_fmt(srch['throughput'])} items/s ({_headline_timing(b)}, the same timing as the "
+                             "answer's).")
         elif why:
             lines.append(f"- **tctune wins**: {why}.")
         if rule:
@@ -539,7 +601,7 @@ def render_markdown(r: dict) -> str:
                 stats = (f" (95% CI {ci[0]:.2f}–{ci[1]:.2f}× over {b.get('speedup_rounds')} interleaved rounds"
                          + (f", sign-test p = {pv:.2g}" if pv is not None else "") + ")")
             lines.append(f"- Against the fastest plain baseline at the same batch ({bb['name']}, trial {bb['trial']}, "
-                         f"{_fmt(bb['throughput'])} items/s): **{_fmt(b['speedup_vs_best_baseline'], '.2f')}×**{stats}.")
+                         f"{_fmt(bb['throughput'])} items/s, {_headline_timing(b)}): **{_fmt(b['speedup_vs_best_baseline'], '.2f')}×**{stats}.")
         if base:
             lines.append(f"- Against FP32 eager at the same batch ({base['batch_size']}): "
                          f"{_fmt(b['speedup_vs_baseline'], '.2f')}× "
@@ -587,9 +649,9 @@ def render_markdown(r: dict) -> str:
     if r.get("baselines"):
         lines += ["", "## Plain baselines (measured in every study)", "",
                   "What you would try by hand: FP32 eager (the accuracy reference), autocast and the model cast as a "
-                  "whole at each low precision, and on a GPU torch.compile of the fastest of those. Side-by-side: "
-                  "the median of this run's interleaved timing.", "",
-                  "| baseline | trial | batch | precision | runtime | items/s | side-by-side items/s | p99 ms | peak MiB | rel. error | feasible |",
+                  "whole at each low precision, and on a GPU torch.compile of the fastest of those. " + TIMINGS_NOTE, "",
+                  "| baseline | trial | batch | precision | runtime | first timing items/s | side-by-side median items/s | "
+                  "p99 ms (first timing) | peak MiB | rel. error | feasible |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in r["baselines"]:
             lines.append(f"| {row.get('name')} | {row.get('trial')} | {row.get('batch_size')} | {row.get('precision')} | {row.get('runtime')} | "
@@ -607,7 +669,7 @@ def render_markdown(r: dict) -> str:
                   f"{sbs['block_s'] * 1e3:.0f} ms of calls per block; median of the rounds. Run {sbs.get('run_id')}"
                   + ("" if sbs.get("current_run", True) else " (an earlier run: not used for the headline)")
                   + f". {clocks}.", "",
-                  "| trial | baseline | batch | median ms | items/s | note |", "|---|---|---|---|---|---|"]
+                  "| trial | baseline | batch | median ms | median items/s | note |", "|---|---|---|---|---|---|"]
         for e in sbs["entries"]:
             lines.append(f"| {e['trial']} | {e.get('baseline') or '–'} | {e['batch_size']} | {_fmt(e.get('median_ms'))} | "
                          f"{_fmt(e.get('throughput'))} | {e.get('error') or ''} |")
@@ -643,11 +705,9 @@ def render_markdown(r: dict) -> str:
     if r["passes"] and b and not b["params"].get("graph_passes"):
         lines += ["The best configuration runs the model as written; these are the passes its exported graph carries.", ""]
     if r["passes"]:
-        lines += ["| pass | rewrites | skipped (node: reason) |", "|---|---|---|"]
+        lines += ["| pass | rewrites | skipped: reason (nodes) |", "|---|---|---|"]
         for ps in r["passes"]:
-            sk = "; ".join(f"{s['node']}: {s['reason']}" for s in ps["skipped"][:8])
-            more = f" (+{len(ps['skipped']) - 8} more)" if len(ps["skipped"]) > 8 else ""
-            lines.append(f"| {ps['name']} | {ps['changed']} | {sk}{more} |")
+            lines.append(f"| {ps['name']} | {ps['changed']} | {skip_cell(ps.get('skipped'))} |")
     else:
         lines.append("No graph passes ran for the best configuration.")
         searched = fastest_graph_trial(r["trials"]) if b and not b["params"].get("graph_passes") else None
@@ -658,15 +718,18 @@ def render_markdown(r: dict) -> str:
             lines += ["", f"The answer is the model without tctune's graph: {what}. What the passes did on the "
                       f"fastest tctune candidate, trial {searched['number']} ({p.get('precision')}, "
                       f"{p.get('runtime', 'eager')}, batch {p.get('batch_size')}, {_fmt(searched['throughput'])} "
-                      "items/s" + ("" if searched.get("feasible") else f"; rejected: {searched.get('fail_reason')}")
-                      + "):", "", "| pass | rewrites | failed |", "|---|---|---|"]
+                      "items/s first timing" + ("" if searched.get("feasible") else f"; rejected: {searched.get('fail_reason')}")
+                      + "):", "", "| pass | rewrites | failed | skipped: reason (nodes) |", "|---|---|---|---|"]
             for ps in searched["passes"]:
-                lines.append(f"| {ps['name']} | {ps.get('changed', '–')} | {ps.get('failed') or ''} |")
+                lines.append(f"| {ps['name']} | {ps.get('changed', '–')} | {ps.get('failed') or ''} | "
+                             f"{skip_cell(ps.get('skipped'))} |")
     # setup s: the evaluator's build (tctune's graph: its passes; a cast model: its copy) + runtime setup (CUDA
     # graph capture, Inductor compile); a column that would read 0.00 on every row (eager training) is left out
     setup = any(round(t.get("setup_s") or 0.0, 2) for t in r["trials"])
-    lines += ["", "## Trials", "",
-              "| # | state | precision | graph passes | runtime | batch | items/s | ms/batch | peak MiB | rel. error | "
+    lines += ["", "## Trials", "", "Items/s and ms/batch: each trial's first timing, taken when it ran (the side-by-side "
+              "medians the verdict compares are under Plain baselines and Side-by-side timing). Top-1 / KL: "
+              f"{LOGITS_NOTE}.", "",
+              "| # | state | precision | graph passes | runtime | batch | first timing items/s | ms/batch | peak MiB | rel. error | "
               "int mismatch | top-1 / KL | score (× FP32) | " + ("setup s (build + compile) | " if setup else "")
               + "note |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if setup else "") + "---|"]
     for t in r["trials"]:
@@ -787,7 +850,9 @@ def console_summary(report: dict, out: str | Path) -> str:
         if base and b.get("speedup_vs_baseline"):
             lines.append(f"      {b['speedup_vs_baseline']:.2f}x FP32 eager at the same batch "
                          f"({base.get('compared_throughput', base['throughput']):.4g} items/s)")
-            shaky = unstable_timing(b, base_trial(report))
+            # (a resumed run's earlier trials had their warning in their own run; report.md keeps it)
+            rows = [row for row in (b, base_trial(report)) if measured_this_run(report, row)]
+            shaky = unstable_timing(*rows) if rows else None
             if shaky:
                 lines.append(f"      unstable timing ({shaky}): not a reliable speedup; measure on an idle machine")
     else:

@@ -179,7 +179,7 @@ def test_a_winning_plain_baseline_still_shows_what_the_passes_did_on_the_fastest
     section = md[md.index("## Graph passes"):md.index("## Trials")]
     assert "No graph passes ran for the best configuration." in section
     assert "The answer is the model without tctune's graph: it is a plain baseline" in section
-    assert "fastest tctune candidate, trial 1 (fp32, eager, batch 8, 150 items/s)" in section
+    assert "fastest tctune candidate, trial 1 (fp32, eager, batch 8, 150 items/s first timing)" in section
     assert "| fuse_qkv | 2 |" in section and "| pad_linear | 0 |" in section
 
 

@@ -60,6 +60,26 @@ class Candidate:
     fp8_fast_accum: bool | None = None  # precision fp8, tctune's graph: _scaled_mm's use_fast_accum
 
 
+#: At most this many distinct skip reasons, of at most ``SKIP_REASON_CHARS`` characters each, are kept per pass in
+#: a trial's ``passes`` user attribute (the study database holds one such list per trial).
+SKIP_REASONS_KEPT = 3
+SKIP_REASON_CHARS = 200
+
+
+def skip_reasons(skipped: Sequence) -> list[dict]:
+    """A pass's recorded skips (:class:`passes.base.Skip`: ``node``, ``reason``) grouped by reason, in order of
+    first appearance: ``[{"reason": str, "nodes": how many nodes it was given for, "node": the first}]``, at most
+    ``SKIP_REASONS_KEPT`` reasons, each cut to ``SKIP_REASON_CHARS`` characters."""
+    out: dict[str, dict] = {}
+    for sk in skipped:
+        reason = sk.reason[:SKIP_REASON_CHARS]
+        if reason in out:
+            out[reason]["nodes"] += 1
+        elif len(out) < SKIP_REASONS_KEPT:
+            out[reason] = {"reason": reason, "nodes": 1, "node": sk.node}
+    return list(out.values())
+
+
 class InferenceEvaluator:
     """Forward-pass candidates: tctune's graph (from ``captured``) or the model as written, on ``device``.
 
@@ -447,7 +467,8 @@ class InferenceEvaluator:
         # plus compile_s (CUDA graph capture / Inductor compile, tctune.runtime.wrap); the capture is once per study
         return trial_metrics(timing, err, peak_memory_mib=peak, setup_s=build_s + compile_s, build_s=build_s,
                              compile_s=compile_s, description=cand.description,
-                             passes=[{"name": r.name, "changed": r.count, **({"failed": r.notes["failed"]} if "failed" in r.notes else {})}
+                             passes=[{"name": r.name, "changed": r.count, **({"failed": r.notes["failed"]} if "failed" in r.notes else {}),
+                                      **({"skipped": skip_reasons(r.skipped)} if r.skipped else {})}
                                      for r in cand.passes], **extra)
 
     def _check_rows(self, key, fn: Callable, precision: str, batch_size: int, out: Any,

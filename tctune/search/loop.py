@@ -40,7 +40,8 @@ from .config import OBJECTIVES, TuneConfig
 from .baselines import (SIDE_BY_SIDE_BLOCK_S, SIDE_BY_SIDE_ROUNDS, Baseline, ClockMonitor, candidate_params,
                         compile_baseline, plain_baselines, preference)
 from .evaluate import Evaluator, InferenceEvaluator
-from .results import (best_trial, confirmed_throughputs, constraint_checks, counts_as_measured, fail, failure_kind, first_line,
+from .results import (best_trial, confirmed_throughputs, constraint_checks, counts_as_measured, earlier_trials, fail,
+                      failure_kind, first_line, resumed_words,
                       is_feasible, objective_values, outcome_words)
 from .space import SearchSpace, fp8_fast_accum_choices
 from .autotune import run_finalist
@@ -299,6 +300,11 @@ class Tuner:
             self.retry_interrupted(study)
             if not self.cfg.worker:
                 study.set_user_attr("run_id", self.run_id)  # the run whose side-by-side timing the report uses
+                # the trials of earlier runs kept in this study: said once here, and in the report (its "resumed")
+                earlier = earlier_trials(study.get_trials(deepcopy=False))
+                study.set_user_attr("resumed", earlier and {"run_id": self.run_id, **earlier})
+                if earlier:
+                    log.info("%s", resumed_words(earlier))
         self._opened = True
         fresh = not study.trials
         self.enqueue_baselines(study, self.plain_baselines())

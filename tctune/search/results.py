@@ -149,6 +149,44 @@ def outcome_words(counts: dict[str, int]) -> str:
     return ", ".join(parts) or "none decided"
 
 
+#: :data:`OUTCOMES` in a few words, for one-line counts (the resumed-run line).
+OUTCOME_SHORT = {"measured": "measured", "failed": "failed", "pruned": "stopped early", "skipped": "skipped"}
+
+
+def earlier_trials(trials) -> dict | None:
+    """What a study already holds when a run opens it (the trials of earlier runs in the same storage), or None
+    when it holds no finished trial whose result stands.
+
+    Args:
+        trials: the study's trials when the run opened it (``FrozenTrial``), after trials cut off by a killed
+            process were marked failed ("interrupted": not counted, their candidates are measured again).
+
+    Returns:
+        ``{"trials": N, "outcomes": {outcome: count}, "numbers": [the N trial numbers]}``, each trial counted
+        once by :func:`trial_outcome` (so the counts add up to N). Every other trial of the study is measured by
+        the run that opened it (a candidate an earlier run queued but did not start included).
+    """
+    counts: dict[str, int] = {}
+    numbers = []
+    for t in trials:
+        outcome = trial_outcome(t)
+        if outcome is not None:
+            counts[outcome] = counts.get(outcome, 0) + 1
+            numbers.append(t.number)
+    if not counts:
+        return None
+    return {"trials": len(numbers), "outcomes": {k: counts[k] for k in OUTCOMES if k in counts},
+            "numbers": sorted(numbers)}
+
+
+def resumed_words(record: dict) -> str:
+    """:func:`earlier_trials`'s record in one line, e.g. "resumed: 15 earlier trials kept (12 measured, 2 failed,
+    1 stopped early)"."""
+    n = record["trials"]
+    parts = ", ".join(f"{c} {OUTCOME_SHORT[k]}" for k, c in record["outcomes"].items() if c)
+    return f"resumed: {n} earlier trial{'s' if n != 1 else ''} kept ({parts})"
+
+
 def is_feasible(t: optuna.trial.FrozenTrial) -> bool:
     """A completed, measured trial within every constraint (``--max-error``, ``--max-latency-ms``, ...)."""
     constraints = t.constraints

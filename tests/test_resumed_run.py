@@ -1,0 +1,90 @@
+"""A run that resumes a study: said once (console and report.md) with the earlier trials' outcomes, and its
+console summary warns of unstable timing only for the trials it measured itself."""
+import re
+
+import optuna
+
+from tctune.optimize import optimize
+from tctune.report import TRIAL_FIELDS, console_summary, render_markdown
+from tctune.search import TuneConfig
+from tctune.search.results import earlier_trials, resumed_words
+
+
+def _cfg(out, **kw):
+    return TuneConfig(**{"out_dir": str(out), "batch_sizes": (4,), "trials": 2, "quiet": True, "export": False,
+                         "prune": False, **kw})
+
+
+def test_second_run_on_one_out_says_it_resumed_once_with_the_earlier_outcomes(tiny, tmp_path, caplog):
+    out = tmp_path / "out"
+    with caplog.at_level("INFO", logger="tctune"):
+        first = optimize(tiny, _cfg(out))
+    assert "resumed:" not in caplog.text and first["resumed"] is None  # a fresh study
+    assert "resumed:" not in (out / "report.md").read_text()
+    n = first["study"]["n_trials"]
+    states = [t["state"] if t["fail_kind"] != "skipped" else "SKIPPED" for t in first["trials"]]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="tctune"):
+        second = optimize(tiny, _cfg(out, trials=1))
+    counts = {"measured": states.count("COMPLETE"), "failed": states.count("FAIL"),
+              "stopped early": states.count("PRUNED"), "skipped": states.count("SKIPPED")}
+    words = ", ".join(f"{c} {w}" for w, c in counts.items() if c)
+    line = f"resumed: {n} earlier trial{'s' if n != 1 else ''} kept ({words})"
+    assert caplog.text.count("resumed:") == 1 and line in caplog.text
+    assert second["resumed"]["trials"] == n and second["resumed"]["numbers"] == [t["number"] for t in first["trials"]]
+    md = (out / "report.md").read_text()
+    study_line = next(x for x in md.splitlines() if x.startswith("- Study:"))
+    assert line in study_line
+    added = second["study"]["n_trials"] - n
+    assert study_line.endswith(f"this run added {added} trial{'s' if added != 1 else ''}" if added else
+                               "this run added none")
+
+
+def _make(number, state, attrs):
+    t = optuna.trial.create_trial(state=state, value=1.0 if state == optuna.trial.TrialState.COMPLETE else None,
+                                  user_attrs=attrs)
+    t.number = number
+    return t
+
+
+def test_earlier_trials_counts_each_trial_by_its_outcome_and_leaves_out_interrupted_ones():
+    S = optuna.trial.TrialState
+    trials = [_make(0, S.COMPLETE, {}), _make(1, S.FAIL, {"fail_reason": "too slow"}),
+              _make(2, S.PRUNED, {"fail_reason": "stopped early"}), _make(3, S.COMPLETE, {}),
+              _make(4, S.FAIL, {"fail_reason": "interrupted", "fail_kind": "interrupted"}),  # measured again
+              _make(5, S.WAITING, {})]  # queued, not run: this run measures it
+    rec = earlier_trials(trials)
+    assert rec == {"trials": 4, "outcomes": {"measured": 2, "failed": 1, "pruned": 1}, "numbers": [0, 1, 2, 3]}
+    assert resumed_words(rec) == "resumed: 4 earlier trials kept (2 measured, 1 failed, 1 stopped early)"
+    assert earlier_trials([_make(0, S.WAITING, {})]) is None
+
+
+def _row(number, **kw):
+    row = {"number": number, "state": "COMPLETE", "params": {"precision": "fp32", "batch_size": 8,
+                                                             "graph_passes": False, "runtime": "eager"},
+           "throughput": 100.0, "latency_ms": 10.0, "latency_p50_ms": 1.0,  # 10x apart: unstable
+           "max_rel_error": 0.0, "repeats_ms": [10.0, 10.1], "fail_reason": None}
+    row.update(kw)
+    for k in TRIAL_FIELDS:  # the trials table reads every field
+        row.setdefault(k, None)
+    return row
+
+
+def _report(resumed):
+    base, best = _row(0), _row(3, params={"precision": "bf16", "batch_size": 8, "graph_passes": False})
+    return {"hardware": {}, "model": {"name": "m", "path": "m.py"}, "measured_on": "cpu",
+            "study": {"name": "s", "n_trials": 2, "n_complete": 2}, "config": {"max_error": 0.01, "mode": "infer"},
+            "capture": {"ok": True}, "passes": [], "trials": [base, best], "artifacts": {}, "resumed": resumed,
+            "best": {**{k: v for k, v in best.items() if k != "number"}, "trial": 3, "speedup_vs_baseline": 1.5},
+            "baseline": {"trial": 0, "batch_size": 8, "throughput": 100.0}}
+
+
+def test_unstable_timing_of_earlier_runs_trials_is_not_printed_again_but_stays_in_the_report(tmp_path):
+    fresh = console_summary(_report(None), tmp_path)
+    assert re.search(r"unstable timing \(trial \d+: median of repeats", fresh)  # measured in this run: warned
+    old = {"run_id": "r2", "trials": 2, "outcomes": {"measured": 2}, "numbers": [0, 3]}
+    resumed = console_summary(_report(old), tmp_path)
+    assert "unstable timing" not in resumed  # both trials are an earlier run's: warned in that run
+    assert "**Unstable timing**" in render_markdown(_report(old))  # report.md keeps it
+    partly = console_summary(_report({**old, "numbers": [3]}), tmp_path)  # the FP32 baseline is this run's
+    assert "unstable timing (trial 0: median of repeats" in partly
