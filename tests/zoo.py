@@ -5,8 +5,9 @@ are chosen to exercise the passes (odd widths for padding, conv + BN for folding
 the keep-list) while staying fast on two CPU cores. Beside the models: ``capture`` (as tctune captures),
 ``ALIGNMENT`` (the Tensor Core alignment the pass tests use), ``call_targets`` / ``count_calls`` (what a
 graph calls), ``rel_l2`` and ``assert_matches_eager`` (parity), and the ``SCALED_MM_ROW`` /
-``SCALED_MM_TENSOR`` skip marks for tests that run ``torch._scaled_mm`` on this CPU, and ``load_benchmark`` (a
-script of ``benchmarks/`` as a module, once per process).
+``SCALED_MM_TENSOR`` skip marks for tests that run ``torch._scaled_mm`` on this CPU, ``onnxruntime_or_skip`` (for
+tests that run ONNX files: onnxruntime is an extra), and ``load_benchmark`` (a script of ``benchmarks/`` as a
+module, once per process).
 """
 from __future__ import annotations
 
@@ -33,6 +34,18 @@ SCALED_MM_ROW = pytest.mark.skipif(not scaled_mm_works("cpu", "row"),
                                    reason="torch._scaled_mm with row-wise scales does not run on this CPU torch")
 SCALED_MM_TENSOR = pytest.mark.skipif(not scaled_mm_works("cpu", "tensor"),
                                       reason="torch._scaled_mm with tensor-wise scales does not run on this CPU torch")
+
+
+#: Why a test that runs ONNX files skips without onnxruntime: it is an extra, not part of ``[test]`` (its CPU and
+#: GPU wheels both install the module ``onnxruntime`` and cannot be installed side by side).
+ORT_MISSING_REASON = ("onnxruntime is not installed: it is an extra, not part of [test]; pip install -e '.[test,onnx]' "
+                      "(CPU) or '.[test,onnx-gpu]' (GPU)")
+
+
+def onnxruntime_or_skip():
+    """``import onnxruntime`` (the ``onnxruntime`` or ``onnxruntime-gpu`` wheel), or skip the calling test with
+    :data:`ORT_MISSING_REASON`."""
+    return pytest.importorskip("onnxruntime", reason=ORT_MISSING_REASON)
 
 
 def load_benchmark(stem: str):
