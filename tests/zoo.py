@@ -48,21 +48,27 @@ def onnxruntime_or_skip():
     return pytest.importorskip("onnxruntime", reason=ORT_MISSING_REASON)
 
 
+def _benchload():
+    """``benchmarks/benchload.py`` (the scripts' shared by-path loader), registered once as ``benchload``: the name
+    the scripts import it by, so a script a test loads finds it although ``benchmarks/`` is not on ``sys.path``."""
+    if "benchload" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "benchload", Path(__file__).resolve().parents[1] / "benchmarks" / "benchload.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        sys.modules["benchload"] = mod
+    return sys.modules["benchload"]
+
+
 def load_benchmark(stem: str):
     """``benchmarks/<stem>.py`` (a script, not a package module) as module ``tctune_bench_<stem>``, loaded once per
-    process: the benchmarks load each other under the same names (``zoo_profile.py`` loads ``zoo.py`` as
-    ``tctune_bench_zoo``), so a test and the script it tests share one module object."""
-    name = f"tctune_bench_{stem}"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{stem}.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = sys.modules[name] = importlib.util.module_from_spec(spec)
-        try:
-            spec.loader.exec_module(mod)
-        except BaseException:
-            del sys.modules[name]
-            raise
-    return sys.modules[name]
+    process (``benchload.load_benchmark``): the benchmarks load each other under the same names
+    (``zoo_profile.py`` loads ``zoo.py`` as ``tctune_bench_zoo``), so a test and the script it tests share one
+    module object."""
+    return _benchload().load_benchmark(stem)
+
+
+_benchload()  # at import (conftest imports this file): a script loaded by path in any test imports it
 
 
 def capture(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.fx.GraphModule:
