@@ -12,12 +12,13 @@ throughputs, their ratio, the winner and the report's headline (speedup against 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchload import load_module
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -57,9 +58,7 @@ def main(argv=None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    spec = importlib.util.spec_from_file_location("recipe", ROOT / args.recipe)
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
+    recipe = load_module("recipe", ROOT / args.recipe)
     model = recipe.build_model()
     t0 = time.perf_counter()
     tuned = tctune.optimize(model, recipe.example_inputs, batch_sizes=[args.batch], trials=args.trials,

@@ -72,9 +72,9 @@ mf = load_model_file({root!r} + "/recipes/bert_base.py")
 model = mf.model().to(device).eval()
 if tiny:
     from transformers import BertConfig, BertModel
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("r", {root!r} + "/recipes/bert_base.py")
-    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+    sys.path.insert(0, {root!r} + "/benchmarks")
+    from benchload import load_module
+    mod = load_module("r", {root!r} + "/recipes/bert_base.py")
     cfg = BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=96, vocab_size=1000)
     torch.manual_seed(0)
     model = mod.BertEncoder(BertModel(cfg, add_pooling_layer=False)).to(device).eval()

@@ -33,17 +33,14 @@ from pathlib import Path
 
 import torch
 
+from benchload import load_module
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
 def _load_recipe(name: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"recipe_{name}", ROOT / "recipes" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_module(f"recipe_{name}", ROOT / "recipes" / f"{name}.py")
 
 
 def _models(dry_run: bool):

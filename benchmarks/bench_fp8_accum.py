@@ -45,12 +45,13 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime as _dt
-import importlib.util
 import json
 import math
 import sys
 import time
 from pathlib import Path
+
+from benchload import load_benchmark
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -67,12 +68,7 @@ TINY_CONFIG = {"n_layer": 2, "n_embd": 64, "n_head": 4, "num_hidden_layers": 2, 
 
 def _zoo():
     """``benchmarks/zoo.py`` (its timing and error helpers), loaded once."""
-    if "bench_zoo" in sys.modules:
-        return sys.modules["bench_zoo"]
-    spec = importlib.util.spec_from_file_location("bench_zoo", HERE / "zoo.py")
-    mod = sys.modules["bench_zoo"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("zoo")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

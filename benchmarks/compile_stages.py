@@ -91,12 +91,9 @@ def _build(name: str, batch: int):
     if name == "hf_resnet":
         return _hf_resnet(batch)
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import importlib.util
+    from benchload import load_benchmark
 
-    spec = importlib.util.spec_from_file_location("tctune_bench_zoo", os.path.join(ROOT, "benchmarks", "zoo.py"))
-    zoo = importlib.util.module_from_spec(spec)
-    sys.modules["tctune_bench_zoo"] = zoo
-    spec.loader.exec_module(zoo)
+    zoo = load_benchmark("zoo")
     import torch
 
     torch.manual_seed(0)

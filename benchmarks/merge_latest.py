@@ -14,20 +14,16 @@ come from the first run named; a run whose device or torch differs is refused.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import sys
 from pathlib import Path
+
+from benchload import load_benchmark
 
 HERE = Path(__file__).resolve().parent
 
 
 def _suite():
-    spec = importlib.util.spec_from_file_location("tctune_bench_suite", HERE / "suite.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("suite")
 
 
 SUMMARY_KEYS = ("best_baseline_name", "best_baseline", "tctune_name", "tctune", "ratio", "max_rel_error",

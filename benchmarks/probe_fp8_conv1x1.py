@@ -21,19 +21,15 @@ ResNet-50 and the summed time per variant) and a table on stdout.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-_ZOO = Path(__file__).with_name("zoo.py")
-_spec = importlib.util.spec_from_file_location("tctune_bench_zoo", _ZOO)
-zoo = sys.modules.setdefault("tctune_bench_zoo", importlib.util.module_from_spec(_spec))
-if not hasattr(zoo, "time_interleaved"):
-    _spec.loader.exec_module(zoo)
+from benchload import load_benchmark
+
+zoo = load_benchmark("zoo")
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0

@@ -25,27 +25,18 @@ Timings are of the single call, not of the model; the model's own share is ``cal
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
 import warnings
 from pathlib import Path
 
+from benchload import load_benchmark
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-
-def _load(name: str, path: Path):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = sys.modules[name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-zoo = _load("tctune_bench_zoo", HERE / "zoo.py")
+zoo = load_benchmark("zoo")
 
 
 def describe(t) -> dict | None:

@@ -53,6 +53,8 @@ from pathlib import Path
 
 import torch
 
+from benchload import load_module
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -102,19 +104,8 @@ def tctune_fp8_plan(captured, hw, inputs, ref, device, policy: str = "autocast")
 def load_recipe(name: str):
     """Import ``recipes/<name>.py`` as the module ``trained_recipe_<name>`` (not through sys.path), registered in
     ``sys.modules``: Dynamo looks up the module of every function it inlines (the model's forward, under the
-    autocast wrapper) there."""
-    import importlib.util
-
-    mod_name = f"trained_recipe_{name}"
-    spec = importlib.util.spec_from_file_location(mod_name, ROOT / "recipes" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = mod
-    try:
-        spec.loader.exec_module(mod)
-    except BaseException:
-        sys.modules.pop(mod_name, None)
-        raise
-    return mod
+    autocast wrapper) there. Loaded once per process."""
+    return load_module(f"trained_recipe_{name}", ROOT / "recipes" / f"{name}.py")
 
 
 def heldout(name: str, recipe):

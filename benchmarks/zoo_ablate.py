@@ -65,7 +65,6 @@ import argparse
 import contextlib
 import copy
 import datetime as _dt
-import importlib.util
 import json
 import math
 import os
@@ -78,23 +77,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchload import load_benchmark
+
 _T0 = time.perf_counter()
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-
-def _load_zoo():
-    """benchmarks/zoo.py as module ``tctune_bench_zoo`` (the same module object the tests use)."""
-    if "tctune_bench_zoo" in sys.modules:
-        return sys.modules["tctune_bench_zoo"]
-    spec = importlib.util.spec_from_file_location("tctune_bench_zoo", HERE / "zoo.py")
-    mod = sys.modules["tctune_bench_zoo"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-zoo = _load_zoo()
+zoo = load_benchmark("zoo")  # the same module object the tests use
 
 #: Kernels kept per side in the profile, and in the diff.
 TOP = 15

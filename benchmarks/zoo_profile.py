@@ -61,7 +61,6 @@ import argparse
 import contextlib
 import copy
 import datetime as _dt
-import importlib.util
 import json
 import math
 import os
@@ -74,23 +73,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchload import load_benchmark
+
 _T0 = time.perf_counter()
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-
-def _load(name: str, path: Path):
-    """A benchmarks/ script as module ``name`` (the same module object the tests use)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = sys.modules[name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-zoo = _load("tctune_bench_zoo", HERE / "zoo.py")
+zoo = load_benchmark("zoo")  # the same module object the tests use
 
 SIDES = ("inductor", "tctune")
 #: Kernels in the top-|delta| table of each model.

@@ -2,8 +2,9 @@
 
 From a folder that holds a folder named ``tctune`` with no ``__init__.py`` (a clone of this repository named
 ``tctune``), Python's path finder resolves ``import tctune`` to that folder as a namespace package when no
-*path entry* holds the real package first — e.g. under an editable install, whose finder comes after the path
-finder. Nothing of tctune's ``__init__.py`` runs then (``tctune.load`` is missing), but ``python -m tctune`` still
+*path entry* holds the real package — e.g. under an editable install made before ``pyproject.toml`` mapped the
+packages to the project root (``package-dir``): its import hook comes after the path finder; the install made
+now is a path entry (the project root), where the regular package wins over the namespace folder. Nothing of tctune's ``__init__.py`` runs then (``tctune.load`` is missing), but ``python -m tctune`` still
 reaches ``__main__.py`` through the installed package: this module names the cause there. It imports nothing
 from tctune, so it runs when the package's ``__init__.py`` did not.
 """
@@ -22,4 +23,5 @@ def namespace_error(module=None) -> str | None:
     return (f"`import tctune` found {folders}, a folder named tctune with no __init__.py (the root of a clone "
             "named tctune?), instead of the tctune package, so tctune's functions are missing\n"
             "  fix: run from another folder (inside the clone, or any folder that does not hold a tctune/ folder), "
-            "or rename the clone's folder")
+            "or rename the clone's folder, or run `pip install -e` on the clone again (an editable install of "
+            "this version is a plain path entry, which finds the package from here too)")

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import UsageError
+from .errors import TctuneError, UsageError
 
 log = logging.getLogger("tctune")
 
@@ -62,23 +62,49 @@ def _batch_sizes(value) -> tuple:
     if isinstance(value, str):
         from .cli.common import parse_batch_sizes
 
-        return parse_batch_sizes(value)
+        try:
+            return parse_batch_sizes(value)
+        except UsageError as exc:  # the parser names the flag; the option is this field
+            exc.field = exc.field or "batch_sizes"
+            raise
     return (value,) if isinstance(value, int) else tuple(value)
 
 
 def api_words(text: str) -> str:
     """``text`` (a line the library logs or prints, which names ``tctune optimize``'s flags) in the terms of
     :func:`optimize`: each flag of an :data:`OPTIONS` keyword written as the keyword (``--batch-sizes`` →
-    ``batch_sizes``; a switch as ``no_export=True``); other text unchanged."""
+    ``batch_sizes``; a switch as ``no_export=True``; a flag followed by a quoted value as the keyword argument,
+    ``--batch-sizes '8,,32'`` → ``batch_sizes='8,,32'``); other text unchanged."""
     import re
 
     def keyword(m: re.Match) -> str:
         key = m.group(1).replace("-", "_")
         if key not in OPTIONS:
             return m.group(0)
+        if m.group(2):  # a quoted value: the keyword argument as the caller wrote it
+            return f"{key}={m.group(2).lstrip()}"
         return f"{key}=True" if key in ("no_prune", "no_export", "quiet") else key
 
-    return re.sub(r"(?<![\w-])--([a-z][a-z0-9-]*)", keyword, text)
+    return re.sub(r"(?<![\w-])--([a-z][a-z0-9-]*)( (?:'[^'\n]*'|\"[^\"\n]*\"))?", keyword, text)
+
+
+#: ``TuneConfig`` field -> the :func:`optimize` keyword that sets it, where the two differ (``timeout_s`` ->
+#: ``timeout``): the inverse of :data:`OPTIONS` without the switches (``no_export`` sets ``export`` negated).
+KEYWORDS = {field: key for key, field in OPTIONS.items() if key != field and not key.startswith("no_")}
+
+
+def api_message(exc: BaseException) -> str:
+    """``exc``'s message in :func:`optimize`'s terms: a ``UsageError``'s field (``exc.field``, a ``TuneConfig``
+    field such as ``timeout_s``) written as the keyword that sets it (``timeout``, :data:`KEYWORDS`), and every
+    flag written as its keyword (:func:`api_words`). The API's counterpart of the command's
+    ``tctune.cli.common.flag_message``."""
+    import re
+
+    text = str(exc)
+    field = getattr(exc, "field", None)
+    if field in KEYWORDS:
+        text = re.sub(rf"(?<![\w-]){re.escape(field)}(?!\w)", KEYWORDS[field], text)
+    return api_words(text)
 
 
 class _ApiWords(logging.Filter):
@@ -89,12 +115,17 @@ class _ApiWords(logging.Filter):
         return True
 
 
-def _in_api_words(run: Callable[[], Any]) -> Any:
-    """``run()`` with tctune's log lines in the API's terms (:class:`_ApiWords`)."""
+def _in_api_words(run: Callable[[], Any], quiet: bool = False) -> Any:
+    """``run()`` with tctune's log lines in the API's terms (:class:`_ApiWords`), shown on stderr as the command
+    shows them unless the caller configured logging (:func:`tctune.console.console_log`; ``quiet``: warnings
+    only, like ``--quiet``)."""
+    from .console import console_log
+
     words = _ApiWords()
     log.addFilter(words)
     try:
-        return run()
+        with console_log(quiet):
+            return run()
     finally:
         log.removeFilter(words)
 
@@ -168,7 +199,8 @@ def optimize(model, example_inputs=None, /, **options):
             ``"16-64"``), ``trials``, ``timeout`` (s), ``max_error``, ``max_error_fp8``, ``objective``,
             ``max_latency_ms``, ``max_memory_mib``, ``fp8_keep`` (``"auto"``, ``"none"``, patterns),
             ``fp8_fast_accum`` (``"auto"``, ``"on"``, ``"off"``), ``autotune`` (``"auto"``, ``"on"``,
-            ``"off"``: the max-autotune finalist, ``TuneConfig.autotune``), ``target``,
+            ``"off"``: the max-autotune finalist, ``TuneConfig.autotune``; it needs ``"inductor"`` in
+            ``runtimes``, e.g. ``runtimes="eager,inductor"`` on a CPU), ``target``,
             ``storage``, ``devices`` (one GPU for a live module), ``seed``, ``runtimes`` (names or a comma
             list), ``compile_budget`` (s), ``no_prune``, ``no_export``, ``quiet``, ``mode``; and
             ``min_score_ratio``, ``min_score``, ``max_mismatch_rate``, ``output_dtype`` (``"compute"``, the
@@ -195,7 +227,19 @@ def optimize(model, example_inputs=None, /, **options):
         UsageError: an option out of range; ``mode="train"`` or several ``devices`` with a live module; no
             configuration qualified.
         ModelFileError: ``model`` or ``example_inputs`` break the contract.
+
+        Every ``TctuneError``'s message names this function's keywords (``timeout``, ``batch_sizes='8,,32'``),
+        never the command's flags (:func:`api_message`); a ``UsageError``'s ``field`` stays the ``TuneConfig``
+        field.
     """
+    try:
+        return _optimize(model, example_inputs, options)
+    except TctuneError as exc:  # the library's messages name the command's flags: the caller typed keywords
+        exc.args = (api_message(exc), *exc.args[1:])
+        raise
+
+
+def _optimize(model, example_inputs, options: dict):
     from .optimize import optimize as optimize_file, optimize_model
     from .search import TuneConfig
 
@@ -227,7 +271,7 @@ def optimize(model, example_inputs=None, /, **options):
         cfg = tune_config(options, out_dir=Path("tctune_out") / mf.name)
         if folder is not None:  # a folder of real batches, like --calibration PATH
             cfg = dataclasses.replace(cfg, calibration=str(folder))
-        return _tuned(_in_api_words(lambda: optimize_model(mf, cfg)), cfg, keep_low)
+        return _tuned(_in_api_words(lambda: optimize_model(mf, cfg), cfg.quiet), cfg, keep_low)
     return _optimize_module(model, example_inputs, options, keep_low)
 
 
@@ -258,14 +302,18 @@ def _optimize_module(model: torch.nn.Module, example_inputs: tuple | Callable | 
     if cfg.devices and len(cfg.devices) > 1:
         raise UsageError("several devices start worker processes that load a model file; a live module cannot be "
                          "sent to them\n  fix: one device, or a model file", field="devices")
-    if not options.get("out"):  # a folder the caller did not choose: made now, and said where it is
-        out = tempfile.mkdtemp(prefix=f"tctune_{mf.name}_")
-        cfg = dataclasses.replace(cfg, out_dir=out)
-        if not cfg.quiet:
+    chosen = bool(options.get("out"))
+    if not chosen:  # a folder the caller did not choose: made now, and said where it is
+        cfg = dataclasses.replace(cfg, out_dir=tempfile.mkdtemp(prefix=f"tctune_{mf.name}_"))
+
+    def run():
+        if not chosen and not cfg.quiet:
             files = "report, study and ONNX files" if cfg.export else "report and study"
             log.warning("writing the %s to %s (a new temporary folder, not removed; choose the folder with "
-                        "out=...)", files, out)
-    return _tuned(_in_api_words(lambda: optimize_model(mf, cfg)), cfg, keep_low)
+                        "out=...)", files, cfg.out_dir)
+        return optimize_model(mf, cfg)
+
+    return _tuned(_in_api_words(run, cfg.quiet), cfg, keep_low)
 
 
 def _tuned(optimized, cfg, keep_low: bool | None):
@@ -287,4 +335,4 @@ def _with_out_dir(tuned, out_dir) -> Any:
     return tuned
 
 
-__all__ = ["API_OPTIONS", "OPTIONS", "check_option_names", "optimize", "tune_config"]
+__all__ = ["API_OPTIONS", "KEYWORDS", "OPTIONS", "api_message", "check_option_names", "optimize", "tune_config"]

@@ -211,14 +211,99 @@ def test_batch_sizes_take_the_flag_strings_and_lists(value, sizes):
 
 @pytest.mark.parametrize("value,why", [("8,abc", "'abc' is not a positive integer"),
                                        ("256-16", "the range must go up, e.g. 16-256")])
-def test_bad_batch_sizes_string_gives_the_commands_message(value, why):
+def test_bad_batch_sizes_string_gives_the_commands_message_in_keywords(value, why):
+    """The command's message (its parser), naming the keyword argument as the caller wrote it, not the flag."""
+    from tctune.api import api_words
     from tctune.cli.common import parse_batch_sizes
 
     with pytest.raises(tctune.UsageError) as info:
         tctune.optimize(torch.nn.Linear(2, 2), (torch.randn(2, 2),), batch_sizes=value)
     with pytest.raises(tctune.UsageError) as cli:
         parse_batch_sizes(value)
-    assert str(info.value) == str(cli.value) and why in str(info.value)
+    assert str(cli.value).startswith(f"invalid --batch-sizes {value!r}: ")  # the command's wording
+    assert str(info.value) == api_words(str(cli.value)) and why in str(info.value)
+    assert str(info.value).startswith(f"invalid batch_sizes={value!r}: ") and "--" not in str(info.value)
+    assert info.value.field == "batch_sizes"
+
+
+@pytest.mark.parametrize("option,said,field", [({"timeout": -1}, "timeout must be a positive number of seconds",
+                                                "timeout_s"),
+                                               ({"compile_budget": 0}, "compile_budget must be a positive", "compile_budget_s"),
+                                               ({"runtimes": ""}, "runtimes has unknown (empty)", "runtimes")])
+def test_option_errors_name_the_keyword_not_the_config_field(option, said, field):
+    """A value the configuration rejects is named by the keyword that set it (timeout, not TuneConfig's timeout_s);
+    ``err.field`` stays the field."""
+    with pytest.raises(tctune.UsageError) as info:
+        tctune.optimize(torch.nn.Linear(2, 2), (torch.randn(2, 2),), **option)
+    text = str(info.value)
+    assert text.startswith(said) and "--" not in text and info.value.field == field
+    assert field == next(iter(option)) or field not in text
+
+
+@pytest.fixture()
+def plain_logging(monkeypatch):
+    """Call it first in the test: logging as in a plain Python session, no handler on the root logger (pytest adds
+    its capture handlers there as the test's call starts, after fixtures) nor on tctune's, which propagates and has
+    no level of its own. Returns tctune's logger; everything is restored afterwards."""
+    import logging
+
+    ours = logging.getLogger("tctune")
+    level = ours.level
+
+    def plain() -> logging.Logger:
+        monkeypatch.setattr(logging.getLogger(), "handlers", [])
+        monkeypatch.setattr(ours, "handlers", [])
+        monkeypatch.setattr(ours, "propagate", True)
+        ours.setLevel(logging.NOTSET)  # setLevel (not setattr): clears the loggers' cached levels
+        return ours
+
+    yield plain
+    ours.setLevel(level)
+
+
+def test_console_log_shows_tctune_lines_only_where_nothing_else_would(plain_logging, capsys):
+    import logging
+
+    from tctune.console import console_log
+
+    log = plain_logging()
+    with console_log(quiet=False):
+        log.info("shown %d", 1)
+    with console_log(quiet=True):
+        log.info("hidden")
+        log.warning("warned")
+    assert capsys.readouterr().err == "tctune: shown 1\ntctune: warned\n"
+    assert log.handlers == [] and log.level == logging.NOTSET  # as it was
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger().addHandler(handler)  # the caller configured logging: its set-up decides
+    with console_log(quiet=False):
+        log.warning("to the caller's handler")
+    assert capsys.readouterr().err == "" and [r.getMessage() for r in records] == ["to the caller's handler"]
+
+
+@pytest.mark.parametrize("case", ["every candidate tried", "timeout"])
+def test_the_search_says_why_it_ended_before_the_bars_total_as_the_command_does(tmp_path, capsys, plain_logging,
+                                                                                   case):
+    """The progress bar counts --trials plus the baselines; a search that ends below that total says why, in the
+    command's log line (the loop's), which the API shows too, in its keywords."""
+    import re
+
+    plain_logging()
+    model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.GELU(), torch.nn.Linear(24, 3))
+    options = {"trials": 40} if case == "every candidate tried" else {"trials": 3, "timeout": 1e-9}
+    tuned = tctune.optimize(model, (torch.randn(3, 12),), runtimes="eager", no_export=True, out=tmp_path / "o",
+                            **options)
+    err = capsys.readouterr().err
+    if case == "every candidate tried":  # eager on the CPU: a few candidates, all measured long before 40 trials
+        assert re.search(r"tctune: every one of the \d+ candidates of this search space was tried: \d+ measured", err), err
+    else:  # the deadline passed while the plain baselines (never cut short) ran: no searched trial started
+        said = re.findall(r"tctune: timeout 1e-09 s reached: 0 of (\d+) searched trial\(s\) ran \(.+\); a longer "
+                          r"timeout, or another run with the same out, adds the rest\n", err)
+        assert len(said) == 1 and int(said[0]) >= 1, err
+        assert not [t for t in tuned.report["trials"] if not t.get("baseline")]
+    assert "--" not in err
 
 
 def test_submodules_are_attributes_after_a_bare_import():

@@ -137,11 +137,33 @@ def _trial(number=0, throughput=100.0, runtime="inductor-cudagraphs", graph=True
     ("auto", "cuda", False, {"time_left_s": 50.0}, False, "over the 50 s left before --timeout"),
     ("auto", "cuda", False, {"over_budget": "trial compile took 400 s"}, False, "compiles are over --compile-budget"),
     ("auto", "cuda", False, {"source": _trial(setup_s=None)}, False, "recorded no compile time"),
+    # no inductor / inductor-cudagraphs among the searched runtimes: the reason names the fix
+    ("on", "cpu", False, {"source": None, "runtimes": ("eager",)}, False,
+     "runtimes searched here (eager) include neither, so there is none to rebuild; fix: add one, e.g. --runtimes "
+     "eager,inductor"),
+    ("auto", "cuda", False, {"source": None, "runtimes": ("eager", "cudagraphs")}, False,
+     "e.g. --runtimes eager,cudagraphs,inductor"),
+    ("auto", "cpu", False, {"runtimes": ("eager",)}, False,
+     "(--autotune on with --runtimes eager,inductor runs it anyway)"),
+    ("on", "cpu", False, {"runtimes": ("eager", "inductor")}, True, "--autotune on"),
+    ("auto", "cpu", False, {"runtimes": ("eager", "inductor")}, False, "(--autotune on runs it anyway)"),
 ])
 def test_decide(mode, device, training, kw, runs, why):
     kw = {"source": _trial(setup_s=1.0), **kw}  # estimate: AUTOTUNE_COMPILE_FACTOR (100) x 1 s
     d = decide(mode, device, training, kw.pop("source"), 300.0, **kw)
     assert d.run is runs and why in d.reason
+
+
+def test_runtimes_note_only_when_the_finalist_could_otherwise_run():
+    from tctune.search.autotune import runtimes_note
+
+    assert runtimes_note("on", "cpu", ("eager",)).endswith("fix: add one, e.g. --runtimes eager,inductor")
+    assert "\n" not in runtimes_note("on", "cpu", ("eager",))  # one line: the report's "Not run:" line holds it
+    assert runtimes_note("auto", "cuda", ("eager",)).startswith("--autotune auto: ")
+    assert runtimes_note("auto", "cpu", ("eager",)) is None  # auto never runs it on the CPU: decide says that
+    assert runtimes_note("off", "cuda", ("eager",)) is None
+    assert runtimes_note("on", "cuda", ("eager", "inductor-cudagraphs")) is None
+    assert runtimes_note("on", "cuda", None) is None
 
 
 def test_source_is_the_best_feasible_graph_trial_through_a_default_inductor_runtime():
@@ -312,6 +334,26 @@ def test_auto_on_the_cpu_is_not_run_and_the_report_says_why(tiny, tmp_path):
     assert "--autotune auto runs it on a CUDA GPU only" in rec["reason"] and "this run measures on the CPU" in rec["reason"]
     assert report["config"]["autotune"] == "auto"
     assert f"- Not run: {rec['reason']} (--autotune auto)." in (out / "report.md").read_text()
+
+
+def test_on_without_an_inductor_runtime_says_so_once_at_the_start_naming_the_fix(tiny, tmp_path, capsys):
+    """--autotune on, on the CPU with its default runtimes (eager only): nothing can be rebuilt with max-autotune.
+    The command says so once (a warning when the search is set up, not again when the step is skipped), naming
+    --runtimes eager,inductor; the report says it too."""
+    from tctune.cli import main
+
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert main(["optimize", str(tiny), "--out", str(out), "--batch-sizes", "4", "--trials", "1", "--no-export",
+                 "--autotune", "on"]) == 0
+    err = capsys.readouterr().err
+    fix = "fix: add one, e.g. --runtimes eager,inductor"
+    assert err.count(fix) == 1 and err.count("include neither") == 1, err
+    said = next(line for line in err.splitlines() if fix in line)
+    assert said.startswith("tctune: --autotune on: ") and "max-autotune finalist" in said
+    rec = json.loads((out / "report.json").read_text())["autotune"]
+    assert rec["ran"] is False and rec["result"] == "not run" and fix in rec["reason"]
+    assert f"- Not run: {rec['reason']} (--autotune on)." in (out / "report.md").read_text()
 
 
 # ------------------------------------------------------------------------------------------------- export

@@ -2,22 +2,13 @@
 sm_89+ GPU)."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_fp8_accum.py"
+from zoo import load_benchmark
 
 
 def _load():
-    if "bench_fp8_accum" in sys.modules:
-        return sys.modules["bench_fp8_accum"]
-    spec = importlib.util.spec_from_file_location("bench_fp8_accum", _PATH)
-    mod = sys.modules["bench_fp8_accum"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("bench_fp8_accum")
 
 
 def test_arguments_and_sizes():

@@ -2,19 +2,16 @@
 the summary read from its report, artifacts dropped, and the summary-only mode."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
+
+from zoo import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("tctune_bench_recipe_defaults", ROOT / "benchmarks" / "recipe_defaults.py")
-    mod = sys.modules["tctune_bench_recipe_defaults"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("recipe_defaults")
 
 
 def test_runs_a_model_file_and_summarizes_its_report(tiny, tmp_path):

@@ -35,7 +35,7 @@ def test_optimize_writes_every_output(seed_run):
         assert (out / name).is_file(), name
 
 
-def test_bench_times_the_onnx_optimize_wrote(seed_run):
+def test_bench_times_the_onnx_optimize_wrote(seed_run, ort):
     out, _ = seed_run
     onnx = out / "model.fp32.onnx" if (out / "model.fp32.onnx").exists() else out / "model.onnx"
     assert (out / "runner.py").is_file() and Path(str(onnx) + ".manifest.json").is_file()
@@ -312,6 +312,40 @@ def test_a_clone_named_tctune_in_the_current_folder_gets_one_clear_error(tmp_pat
     import tctune
 
     assert namespace_error(tctune) is None  # the package itself (e.g. from this repository's root)
+
+
+def test_an_editable_install_is_a_path_entry_that_wins_over_a_clone_folder_named_tctune(tmp_path):
+    """pyproject.toml maps the packages to the project root (``package-dir``), so setuptools' editable wheel is a
+    plain path entry (the project root), not an import hook consulted only after Python's path finder: from the
+    folder that holds a clone named tctune/, `import tctune` is the package, not that folder as a namespace."""
+    import os
+    import shutil
+    import zipfile
+
+    pytest.importorskip("setuptools.command.editable_wheel", reason="needs setuptools >= 64 (PEP 660 editable wheels)")
+    clone = tmp_path / "tctune"  # a clone named like the package, beside the folder Python runs from
+    clone.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, clone / name)
+    for package in ("tctune", "passes"):
+        shutil.copytree(ROOT / package, clone / package, ignore=shutil.ignore_patterns("__pycache__"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    build = subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta\n"
+                            "print(build_meta.build_editable(sys.argv[1]))", str(tmp_path / "wheel")],
+                           cwd=clone, capture_output=True, text=True, timeout=300, env=env)
+    assert build.returncode == 0, build.stderr[-3000:]
+    with zipfile.ZipFile(tmp_path / "wheel" / build.stdout.split()[-1]) as wheel:
+        pth = [n for n in wheel.namelist() if n.endswith(".pth")]
+        entries = wheel.read(pth[0]).decode().split("\n") if len(pth) == 1 else pth
+    entries = [e for e in entries if e.strip()]
+    assert len(entries) == 1 and Path(entries[0]).resolve() == clone.resolve(), entries  # no `import ...` hook
+    # what site.py does with that line: append it to sys.path, after the current folder ('' for `python -c`)
+    code = "import sys; sys.path.append(sys.argv[1]); import tctune; print(tctune.__file__, callable(tctune.optimize))"
+    r = subprocess.run([sys.executable, "-c", code, entries[0]], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    file, is_callable = r.stdout.split()
+    assert Path(file).resolve() == (clone / "tctune" / "__init__.py").resolve() and is_callable == "True"
 
 
 RAISES_IN_FP32 = ("import torch\n"

@@ -98,7 +98,7 @@ def seed_export(tmp_path_factory):
 # ------------------------------------------------------------------------------------------------ export
 
 
-def test_export_seed_cnn_writes_validated_onnx_manifest_and_runner(seed_export):
+def test_export_seed_cnn_writes_validated_onnx_manifest_and_runner(seed_export, ort):
     out, _ = seed_export
     manifest = json.loads((out / "model.onnx.manifest.json").read_text())
     assert manifest["inputs"] == [{"name": "x", "shape": ["batch", 3, 32, 32], "dtype": "float32"}]
@@ -124,7 +124,7 @@ def test_export_tensorrt_prints_skip_reason_without_tensorrt(seed_export, capsys
     assert not (out / "model.engine").exists()
 
 
-def test_bench_onnx_prints_table_and_json(seed_export, capsys):
+def test_bench_onnx_prints_table_and_json(seed_export, capsys, ort):
     out, _ = seed_export
     assert main(["bench", str(out / "model.onnx"), "--batch", "1,8", "--iters", "3", "--warmup", "1"]) == 0
     table = capsys.readouterr().out
@@ -157,7 +157,7 @@ def test_bench_without_manifest_names_the_fix(tmp_path, capsys):
     assert "no manifest" in capsys.readouterr().err
 
 
-def test_export_bert_records_int_range_from_embedding(tmp_path, capsys):
+def test_export_bert_records_int_range_from_embedding(tmp_path, capsys, ort):
     pytest.importorskip("transformers")
     model_file = tmp_path / "bert_tiny.py"
     model_file.write_text(BERT_TINY)

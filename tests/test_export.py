@@ -124,7 +124,7 @@ def test_export_onnx_batch_axis_is_symbolic(cnn_export):
     assert result["onnx_outputs"] == [{"name": "output", "shape": ["batch", 10], "dtype": "float32"}]
 
 
-def test_export_onnx_matches_pytorch_at_two_batch_sizes(cnn_export):
+def test_export_onnx_matches_pytorch_at_two_batch_sizes(cnn_export, ort):
     _, result = cnn_export
     assert result["onnx_error"] is None
     assert [v["batch_size"] for v in result["onnx_validation"]] == [2, 5]
@@ -134,7 +134,7 @@ def test_export_onnx_matches_pytorch_at_two_batch_sizes(cnn_export):
     assert result["onnx_max_abs_error"] == max(v["max_abs_error"] for v in result["onnx_validation"])
 
 
-def test_export_onnx_keeps_dict_keys_as_output_names(tmp_path):
+def test_export_onnx_keeps_dict_keys_as_output_names(tmp_path, ort):
     torch.manual_seed(0)
     make = lambda b: (torch.randn(b, 16),)  # noqa: E731
     result = export_onnx(_capture(TwoHeads(), make(4)), make, tmp_path / "heads.onnx", batch_sizes=(3, 7))
@@ -144,7 +144,7 @@ def test_export_onnx_keeps_dict_keys_as_output_names(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_export_onnx_low_precision_weights_kept_and_reported(tmp_path, dtype):
+def test_export_onnx_low_precision_weights_kept_and_reported(tmp_path, dtype, ort):
     torch.manual_seed(0)
     make = lambda b: (torch.randn(b, 64),)  # noqa: E731
     path = tmp_path / "low.onnx"
@@ -158,7 +158,7 @@ def test_export_onnx_low_precision_weights_kept_and_reported(tmp_path, dtype):
         assert "onnxruntime" in result["onnx_error"]
 
 
-def test_export_onnx_catches_frozen_batch_at_validation(tmp_path):
+def test_export_onnx_catches_frozen_batch_at_validation(tmp_path, ort):
     torch.manual_seed(0)
     make = lambda b: (torch.randn(b, 16),)  # noqa: E731
     result = export_onnx(IntBatch(), make, tmp_path / "frozen.onnx", batch_sizes=(2, 5))
@@ -201,7 +201,7 @@ def test_export_onnx_skips_cleanly_without_onnxscript(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_export_onnx_tiny_bert(tmp_path):
+def test_export_onnx_tiny_bert(tmp_path, ort):
     pytest.importorskip("transformers")
     torch.manual_seed(0)
     make = lambda b: (torch.randint(0, 1000, (b, 16), dtype=torch.int64),)  # noqa: E731

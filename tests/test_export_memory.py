@@ -83,7 +83,7 @@ def test_output_nbytes_counts_low_precision_at_four_bytes():
 # ------------------------------------------------------------------------------- tctune optimize / export
 
 
-def test_optimize_skips_validation_at_a_tuned_batch_over_the_limit(model, tmp_path, monkeypatch):
+def test_optimize_skips_validation_at_a_tuned_batch_over_the_limit(model, tmp_path, monkeypatch, ort):
     """Outputs at either searched batch (4, 16) are over the limit, batch 3's are not: the export validates at
     1 and 3 (both files where a twin is written) and report.json / report.md say why."""
     monkeypatch.setattr(onnx_export, "VALIDATION_OUTPUT_CAP", 3 * ITEM_BYTES)
@@ -114,7 +114,7 @@ def test_optimize_skips_validation_at_a_tuned_batch_over_the_limit(model, tmp_pa
     assert f"outputs at batch {bs} are" in result["onnx_validation_limited"]
 
 
-def test_export_validates_the_tuned_batch_when_it_fits(model, tmp_path):
+def test_export_validates_the_tuned_batch_when_it_fits(model, tmp_path, ort):
     out = tmp_path / "out"
     assert main(["optimize", str(model), "--out", str(out), "--batch-sizes", "4,16", "--trials", "4", "--quiet",
                  "--no-prune"]) == 0

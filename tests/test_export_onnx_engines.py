@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
 from torch import nn
@@ -52,7 +51,8 @@ def _images(batch: int) -> tuple[torch.Tensor, ...]:
 
 
 @pytest.fixture(scope="module")
-def bf16_conv(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, ConvNet]:
+def bf16_conv(tmp_path_factory: pytest.TempPathFactory, ort) -> tuple[Path, dict, ConvNet]:
+    # (ort: validating the file and writing the FP32 twin when the provider cannot load it need onnxruntime)
     low, fp32 = _twins()
     path = tmp_path_factory.mktemp("bf16conv") / "model.onnx"
     built: list[int] = []
@@ -80,7 +80,7 @@ def test_bf16_conv_is_written_at_an_opset_where_it_is_valid(bf16_conv):
     assert conv_weight.data_type == onnx.TensorProto.BFLOAT16  # the precision stays in the file
 
 
-def test_bf16_conv_deploy_names_the_file_that_runs_where(bf16_conv):
+def test_bf16_conv_deploy_names_the_file_that_runs_where(bf16_conv, ort):
     path, info, fp32 = bf16_conv
     assert info["deploy"]["tensorrt"] == "model.onnx"
     if info["onnx_load"] == "ok":  # an onnxruntime with bf16 Conv on this provider: the typed file serves it
@@ -120,7 +120,7 @@ def test_ort_load_tells_invalid_onnx_from_missing_kernel(bf16_conv, tmp_path):
     assert "cannot load the model: it rejects the graph as invalid" in invalid["reason"]
 
 
-def test_no_valid_opset_means_not_exported_and_the_fp32_twin_deploys(tmp_path, monkeypatch):
+def test_no_valid_opset_means_not_exported_and_the_fp32_twin_deploys(tmp_path, monkeypatch, ort):
     low, fp32 = _twins()
     monkeypatch.setattr(onnx.defs, "onnx_opset_version", lambda: 21)  # an onnx that knows no opset >= 22
     path = tmp_path / "model.onnx"
@@ -136,7 +136,7 @@ def test_no_valid_opset_means_not_exported_and_the_fp32_twin_deploys(tmp_path, m
     assert info["onnx_inputs"] == [{"name": "x", "shape": ["batch", 3, 8, 8], "dtype": "float32"}]
 
 
-def test_fp32_graph_deploys_itself_without_a_twin(tmp_path):
+def test_fp32_graph_deploys_itself_without_a_twin(tmp_path, ort):
     _, fp32 = _twins()
     info = export_onnx_deployable(fp32, _images, tmp_path / "model.onnx",
                                   fp32_module=lambda: pytest.fail("the twin must not be built"))
@@ -169,7 +169,7 @@ class NestedDict(nn.Module):
                 "cache": {"k": self.k(x), "v": self.v(x)}, "scores": torch.tanh(x).sum(-1)}
 
 
-def test_dict_outputs_keep_their_names_and_read_back_by_name(tmp_path):
+def test_dict_outputs_keep_their_names_and_read_back_by_name(tmp_path, ort):
     torch.manual_seed(0)
     make = lambda b: (torch.randn(b, 6),)  # noqa: E731
     model = NestedDict().eval()
@@ -202,7 +202,7 @@ class IdsOut(nn.Module):
         return {"logits": logits, "ids": logits.argmax(-1)}
 
 
-def test_an_output_named_like_an_input_is_renamed_and_exports(tmp_path):
+def test_an_output_named_like_an_input_is_renamed_and_exports(tmp_path, ort):
     torch.manual_seed(0)
     make = lambda b: (torch.randint(0, 50, (b, 7)),)  # noqa: E731
     model = IdsOut().eval()
@@ -332,7 +332,21 @@ def test_onnxruntime_is_an_extra_not_a_core_dependency():
     extras = project["optional-dependencies"]
     assert [d.split(">")[0] for d in extras["onnx"]] == ["onnxruntime"]
     assert [d.split(">")[0] for d in extras["onnx-gpu"]] == ["onnxruntime-gpu"]
-    assert any(d.startswith("onnxruntime>") for d in extras["test"])
+    # [test] forces neither wheel (both install the module onnxruntime): the install commands add the one wanted
+    assert not any(d.startswith("onnxruntime") for d in extras["test"])
+    root = Path(__file__).parents[1]
+    readme = (root / "README.md").read_text()
+    assert 'pip install -e ".[test,onnx]"' in readme and '".[test,onnx-gpu]"' in readme
+    assert 'pip install -q -e ".[test,onnx]"' in (root / ".ci" / "run").read_text()  # CI runs the ONNX tests
+
+
+def test_a_test_needing_onnxruntime_skips_naming_the_extra_to_install(monkeypatch):
+    """Without onnxruntime (neither wheel installed) the ``ort`` fixture's check skips, saying which extra to add."""
+    from zoo import onnxruntime_or_skip
+
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # what `import onnxruntime` meets without the wheel
+    with pytest.raises(pytest.skip.Exception, match=r"onnxruntime is not installed.*pip install -e '\.\[test,onnx\]'"):
+        onnxruntime_or_skip()
 
 
 def test_tctune_imports_without_onnxruntime():
@@ -359,7 +373,7 @@ class ConvThenFP8Linear(nn.Module):
         return self.head(torch.relu(self.fc1(torch.relu(self.conv(x)).mean((2, 3)))))
 
 
-def test_fp8_export_with_a_bf16_conv_is_valid_onnx(tmp_path):
+def test_fp8_export_with_a_bf16_conv_is_valid_onnx(tmp_path, ort):
     """The FP8 export asks for opset 19; its bf16 Conv is ONNX only from 22, so the file is written at 22."""
     from passes import PassSpec
     from tctune.export.onnx_fp8 import build_fp8_graphs, export_onnx_fp8

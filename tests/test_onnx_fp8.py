@@ -200,7 +200,7 @@ def test_fp8_onnx_result_reports_scales_and_note(fp8_export):
 
 
 @zoo.SCALED_MM_ROW
-def test_fp8_onnx_matches_pytorch_fp8_graph(fp8_export):
+def test_fp8_onnx_matches_pytorch_fp8_graph(fp8_export, ort):
     _, _, info = fp8_export
     fp8 = info["onnx_fp8"]
     assert fp8["validated_on"] in ("model", "fp32 twin") and fp8["reference"] == "pytorch fp8 graph"
@@ -239,7 +239,7 @@ class _FakeQuant(fx.Interpreter):
 
 
 @pytest.fixture(scope="module")
-def fp32_qdq(fp8_export, tmp_path_factory):
+def fp32_qdq(fp8_export, tmp_path_factory, ort):
     """FP8Net's FP32 graph exported and rewritten by hand with calibrated scales: (session, act_scales, path)."""
     graphs, _, _ = fp8_export
     torch.manual_seed(1)
@@ -329,7 +329,7 @@ def test_float8_qdq_needs_basic_ort_optimizations(fp32_qdq, fp8_export):
     assert error > FP8_TOL  # the known defect: wrong by far more than FP8 noise
 
 
-def test_insert_handles_transpose_and_keeps_other_readers():
+def test_insert_handles_transpose_and_keeps_other_readers(ort):
     """Transpose(W) -> MatMul is rewritten with the DQ before the Transpose (axis 0); a Gather of the same
     weight (a tied embedding) keeps reading the original FP32 initializer."""
     from onnx import helper
@@ -357,8 +357,6 @@ def test_insert_handles_transpose_and_keeps_other_readers():
     assert transpose.input[0] != "W" and _producers(model.graph)[transpose.input[0]].op_type == "DequantizeLinear"
     assert next(n for n in model.graph.node if n.op_type == "Gather").input[0] == "W"
     assert "W" in {i.name for i in model.graph.initializer}
-    import onnxruntime as ort
-
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
@@ -374,7 +372,7 @@ def test_insert_handles_transpose_and_keeps_other_readers():
 # ------------------------------------------------------------------------------------------ variants
 
 
-def test_tensor_scaling_uses_scalar_weight_scales(tmp_path):
+def test_tensor_scaling_uses_scalar_weight_scales(tmp_path, ort):
     torch.manual_seed(0)
     graphs = _graphs(FP8Net(), TENSOR)
     info = export_onnx_fp8(graphs, _inputs, tmp_path / "model.onnx", batch_sizes=(2,))
@@ -387,6 +385,28 @@ def test_tensor_scaling_uses_scalar_weight_scales(tmp_path):
     assert info["onnx_fp8"]["weight_scaling"] == "tensor"
     if scaled_mm_works("cpu", "tensor"):
         assert info["onnx_error"] is None and info["onnx_max_rel_l2_error"] <= FP8_TOL
+
+
+def test_without_onnxruntime_the_fp8_export_is_checked_and_says_validation_was_skipped(tmp_path, monkeypatch):
+    """As export_onnx does: without onnxruntime (an extra) the Q/DQ file is written, checked with onnx.checker, and
+    its validation is named as skipped (with the extra to install), not an error that fails `tctune export`."""
+    import tctune.export.onnx as tonnx
+    from tctune.export.onnx import ORT_MISSING, deployment
+
+    def missing():
+        raise ImportError("No module named 'onnxruntime'")
+
+    monkeypatch.setattr(tonnx, "load_onnxruntime", missing)
+    torch.manual_seed(0)
+    path = tmp_path / "model.onnx"
+    info = export_onnx_fp8(_graphs(FP8Net(), ROW), _inputs, path, batch_sizes=(2,))
+    onnx.checker.check_model(str(path), full_check=True)
+    assert info["onnx_error"] is None and info["onnx_validation_skipped"] == ORT_MISSING
+    assert info["onnx_validation"] == [{"batch_size": None, "max_abs_error": None, "rel_l2_error": None,
+                                        "skipped": ORT_MISSING}]
+    assert info["onnx_fp8"]["validated_on"] is None and len(info["onnx_fp8"]["quantized"]) == 3
+    assert info["onnx_note"].endswith(f"not run by onnxruntime ({ORT_MISSING})")
+    assert ORT_MISSING in deployment(info)["deploy_reason"] and "onnxruntime-cpu" not in deployment(info)["deploy"]
 
 
 def test_no_fp8_linear_gives_plain_bf16_export_and_note(tmp_path):
@@ -404,7 +424,7 @@ def test_no_fp8_linear_gives_plain_bf16_export_and_note(tmp_path):
                                                                                      "DequantizeLinear": 0}
 
 
-def test_padded_pipeline_quantizes_padded_linear(tmp_path):
+def test_padded_pipeline_quantizes_padded_linear(tmp_path, ort):
     """With the export pipeline for Hopper, pad_linear_dims pads N=10 to 16 first: the head becomes FP8 too."""
     from tctune.hardware import resolve
     from tctune.deploy import EXPORT_PIPELINE
@@ -419,7 +439,7 @@ def test_padded_pipeline_quantizes_padded_linear(tmp_path):
         assert info["onnx_error"] is None and info["onnx_max_rel_l2_error"] <= FP8_TOL
 
 
-def test_kn_weights_of_addmm_and_mm_get_qdq_too(tmp_path):
+def test_kn_weights_of_addmm_and_mm_get_qdq_too(tmp_path, ort):
     """GPT-2's Conv1D GEMMs (aten.addmm / aten.mm with a (K, N) weight) are FP8 in PyTorch, so the ONNX gets their
     Q/DQ as well; the square 64x64 weight checks that the codes are laid out (not merely shaped) right."""
     from test_passes_fp8 import KNBlock
@@ -473,7 +493,7 @@ MODEL_FILE = textwrap.dedent('''
 H200 = {"name": "NVIDIA H200", "arch": "Hopper", "compute_capability": "9.0", "source": "detected", "is_gpu": True}
 
 
-def test_cli_export_fp8_config_writes_qdq_onnx(tmp_path, capsys):
+def test_cli_export_fp8_config_writes_qdq_onnx(tmp_path, capsys, ort):
     from tctune.cli import main
 
     model_file = tmp_path / "net.py"
@@ -552,7 +572,7 @@ def _export_tuner(tmp_path):
     return tuner, params
 
 
-def test_optimize_export_best_fp8_writes_qdq_onnx(tmp_path):
+def test_optimize_export_best_fp8_writes_qdq_onnx(tmp_path, ort):
     from tctune.optimize import export_best
 
     tuner, params = _export_tuner(tmp_path)

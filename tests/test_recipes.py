@@ -14,6 +14,7 @@ import torch
 
 from tctune.errors import ModelFileError
 from tctune.modelfile import load_model_file
+from zoo import load_benchmark
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -112,12 +113,7 @@ def test_gpt2_config_sizes_and_tiny_smoke():
 
 
 def load_suite():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "suite.py"
-    spec = importlib.util.spec_from_file_location("tctune_bench_suite", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("suite")
 
 
 def test_suite_models_are_the_recipes():
@@ -228,11 +224,24 @@ def test_suite_model_limit_takes_pairs(capsys):
     assert "expected seconds" in capsys.readouterr().err
 
 
+def test_benchmark_scripts_share_one_by_path_loader_found_beside_them(tmp_path):
+    """benchmarks/ is a folder of scripts, not a package: they load each other and the recipes through
+    benchmarks/benchload.py, which a script run by path finds in its own folder (sys.path[0])."""
+    import subprocess
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    users = sorted(p.name for p in bench.glob("*.py") if "spec_from_file_location" in p.read_text())
+    assert users == ["benchload.py", "zoo.py"]  # zoo.py: only in the model file it generates, which stands alone
+    bad = tmp_path / "a.json"
+    bad.write_text("{}")
+    r = subprocess.run([sys.executable, str(bench / "merge_latest.py"), "--out", str(tmp_path / "m.json"), f"m={bad}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    # it got past `from benchload import ...` and loaded suite.py through it (merge() loads it first)
+    assert r.returncode == 1 and f"merge_latest: {bad} is not a benchmarks/suite.py latest.json" in r.stderr, r.stderr
+
+
 def test_merge_latest_takes_each_row_whole_and_recomputes_its_summary(tmp_path):
-    spec = importlib.util.spec_from_file_location(
-        "tctune_merge_latest", Path(__file__).resolve().parents[1] / "benchmarks" / "merge_latest.py")
-    merge = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(merge)
+    merge = load_benchmark("merge_latest")
     ok = {"status": "ok", "nonfinite": 0, "rel_l2_error": 1e-3}
     run = {"device": "GPU", "torch": "2.11", "ceilings_tflops": {"fp16": 600.0}, "models": {"m": {
         "tctune_name": "stale", "ratio": 9.9,  # an old summary: recomputed

@@ -17,6 +17,7 @@ pytest.importorskip("sklearn", reason="scikit-learn is needed for the digits dat
 
 from tctune.errors import ModelFileError  # noqa: E402
 from tctune.modelfile import load_model_file  # noqa: E402
+from zoo import load_benchmark  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
@@ -223,10 +224,7 @@ def test_seq_unknown_size_is_one_clear_error(monkeypatch):
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_trained", ROOT / "benchmarks" / "trained.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("trained")
 
 
 @pytest.mark.parametrize("rel_l2, score, precision, expect", [

@@ -5,8 +5,9 @@ are chosen to exercise the passes (odd widths for padding, conv + BN for folding
 the keep-list) while staying fast on two CPU cores. Beside the models: ``capture`` (as tctune captures),
 ``ALIGNMENT`` (the Tensor Core alignment the pass tests use), ``call_targets`` / ``count_calls`` (what a
 graph calls), ``rel_l2`` and ``assert_matches_eager`` (parity), and the ``SCALED_MM_ROW`` /
-``SCALED_MM_TENSOR`` skip marks for tests that run ``torch._scaled_mm`` on this CPU, and ``load_benchmark`` (a
-script of ``benchmarks/`` as a module, once per process).
+``SCALED_MM_TENSOR`` skip marks for tests that run ``torch._scaled_mm`` on this CPU, ``onnxruntime_or_skip`` (for
+tests that run ONNX files: onnxruntime is an extra), and ``load_benchmark`` (a script of ``benchmarks/`` as a
+module, once per process).
 """
 from __future__ import annotations
 
@@ -35,21 +36,39 @@ SCALED_MM_TENSOR = pytest.mark.skipif(not scaled_mm_works("cpu", "tensor"),
                                       reason="torch._scaled_mm with tensor-wise scales does not run on this CPU torch")
 
 
+#: Why a test that runs ONNX files skips without onnxruntime: it is an extra, not part of ``[test]`` (its CPU and
+#: GPU wheels both install the module ``onnxruntime`` and cannot be installed side by side).
+ORT_MISSING_REASON = ("onnxruntime is not installed: it is an extra, not part of [test]; pip install -e '.[test,onnx]' "
+                      "(CPU) or '.[test,onnx-gpu]' (GPU)")
+
+
+def onnxruntime_or_skip():
+    """``import onnxruntime`` (the ``onnxruntime`` or ``onnxruntime-gpu`` wheel), or skip the calling test with
+    :data:`ORT_MISSING_REASON`."""
+    return pytest.importorskip("onnxruntime", reason=ORT_MISSING_REASON)
+
+
+def _benchload():
+    """``benchmarks/benchload.py`` (the scripts' shared by-path loader), registered once as ``benchload``: the name
+    the scripts import it by, so a script a test loads finds it although ``benchmarks/`` is not on ``sys.path``."""
+    if "benchload" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "benchload", Path(__file__).resolve().parents[1] / "benchmarks" / "benchload.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        sys.modules["benchload"] = mod
+    return sys.modules["benchload"]
+
+
 def load_benchmark(stem: str):
     """``benchmarks/<stem>.py`` (a script, not a package module) as module ``tctune_bench_<stem>``, loaded once per
-    process: the benchmarks load each other under the same names (``zoo_profile.py`` loads ``zoo.py`` as
-    ``tctune_bench_zoo``), so a test and the script it tests share one module object."""
-    name = f"tctune_bench_{stem}"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{stem}.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = sys.modules[name] = importlib.util.module_from_spec(spec)
-        try:
-            spec.loader.exec_module(mod)
-        except BaseException:
-            del sys.modules[name]
-            raise
-    return sys.modules[name]
+    process (``benchload.load_benchmark``): the benchmarks load each other under the same names
+    (``zoo_profile.py`` loads ``zoo.py`` as ``tctune_bench_zoo``), so a test and the script it tests share one
+    module object."""
+    return _benchload().load_benchmark(stem)
+
+
+_benchload()  # at import (conftest imports this file): a script loaded by path in any test imports it
 
 
 def capture(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.fx.GraphModule:

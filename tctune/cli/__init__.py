@@ -13,9 +13,10 @@ import sys
 
 from .. import __version__
 from .. import inspect as inspect_cmd
+from ..console import console_handler
 from ..errors import ModelFileError, TctuneError, UsageError
 from . import detect, engines, optimize
-from .common import StderrHandler, flag_message, parse_batch_sizes, parse_devices, parse_fp8_keep, parse_runtimes
+from .common import flag_message, parse_batch_sizes, parse_devices, parse_fp8_keep, parse_runtimes
 
 #: The command modules, in ``--help`` order.
 COMMANDS = (detect, optimize, inspect_cmd, engines)
@@ -113,9 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet = getattr(args, "quiet", False)
     logger = logging.getLogger("tctune")  # our logger only: libraries (onnxscript, optuna) stay quiet
     if not logger.handlers:
-        handler = StderrHandler()
-        handler.setFormatter(logging.Formatter("tctune: %(message)s"))
-        logger.addHandler(handler)
+        logger.addHandler(console_handler())
         logger.propagate = False
     logger.setLevel(logging.WARNING if quiet else logging.INFO)
     note = shadowing_note()

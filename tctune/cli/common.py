@@ -5,10 +5,9 @@ the CLI knows flags: :func:`flag_message` rewrites the field to its flag (``--ba
 """
 from __future__ import annotations
 
-import logging
 import re
-import sys
 
+from ..console import StderrHandler  # noqa: F401 - moved to tctune.console (the API shows the same lines)
 from ..errors import UsageError
 
 #: Library field -> command-line flag (fields not listed are spelled ``--field-name``).
@@ -121,21 +120,3 @@ def parse_fp8_keep(text: str) -> tuple[str, ...] | None:
     if not patterns:
         raise UsageError(f"--fp8-keep: give auto, none or module-path patterns such as '*.output.dense' (got {text!r})")
     return patterns
-
-
-class StderrHandler(logging.StreamHandler):
-    """Writes to whatever ``sys.stderr`` is at each record (not the one at the first ``main()``): a caller that
-    swaps stderr (pytest's capture, a notebook) never leaves tctune's logger writing to a closed stream."""
-
-    def __init__(self) -> None:
-        super().__init__(sys.stderr)
-
-    @property  # type: ignore[override]
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value) -> None:
-        pass
-
-

@@ -130,7 +130,8 @@ def register(sub) -> str:
                         "candidate's default compile (an estimate of the max-autotune compile) fits in "
                         "--compile-budget and in the time left before --timeout; on: whenever there is such a "
                         "candidate, whatever the estimate (for a model served long enough to repay a long compile; the "
-                        "compile still counts against --compile-budget); "
+                        "compile still counts against --compile-budget). It needs inductor or inductor-cudagraphs "
+                        "in --runtimes (the CPU's default is eager only: --runtimes eager,inductor); "
                         "report.md's \"Max-autotune finalist\" says what it cost and gave")
     o.add_argument("--no-prune", action="store_true",
                    help="measure every candidate fully (default: one in the slowest quarter so far stops early)")

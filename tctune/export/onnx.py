@@ -387,7 +387,8 @@ def deployment(info: dict[str, Any]) -> dict[str, Any]:
             deploy["onnxruntime-cpu"] = twin_name
             reasons.append(f"onnxruntime cannot run {typed_name}; {twin_name} (same Q/DQ in FP32) ran and matched")
         else:
-            reasons.append(f"no ONNX file was validated in onnxruntime ({info.get('onnx_error') or 'not run'})")
+            why = info.get("onnx_error") or info.get("onnx_validation_skipped") or "not run"
+            reasons.append(f"no ONNX file was validated in onnxruntime ({why})")
         return {"deploy": deploy, "deploy_reason": "; ".join(reasons)}
 
     load = info.get("onnx_load")

@@ -87,6 +87,7 @@ from tctune.export.onnx import (
     _one_line,
     _ort_session,
     _to_device,
+    ort_load,
     _validate_batch,
     export_onnx,
     publish,
@@ -565,7 +566,8 @@ def export_onnx_fp8(
         and how it was validated) and ``onnx_fp8``: ``{quantized (list of insert_fp8_qdq dicts), skipped
         ({linear node: reason} from cast_fp8_linears), missed ({weight: reason}), qdq_nodes ({"QuantizeLinear":
         n, "DequantizeLinear": m}), activation_scaling (str), weight_scaling ("row"/"tensor"), opset,
-        validated_on ("model", "fp32 twin" or None), reference ("pytorch fp8 graph" / "pytorch bf16 graph"),
+        validated_on ("model", "fp32 twin" or None: onnxruntime is not installed, ``onnx_validation_skipped`` then
+        says so, as :func:`export_onnx`'s does, and the validation list holds one ``skipped`` entry), reference ("pytorch fp8 graph" / "pytorch bf16 graph"),
         tolerance, calibration_batches (int)}``.
 
     Raises:
@@ -641,11 +643,16 @@ def export_onnx_fp8(
     reference, ref_name, ref_problem = _reference(graphs, make_inputs, sizes[0])
     fp8_info["reference"] = ref_name
     names = _input_names(graphs.bf16, len(_as_tuple(make_inputs(export_pair[0]))))
-    session, main_reason = _ort_session(path, basic_optimizations=True)
+    load = ort_load(path, basic_optimizations=True)
+    session, main_reason = load["session"], load["reason"]
     check = (graphs.fp32, tolerance) if reference is graphs.fp8 else (None, tolerance)
     if session is not None:
         fp8_info["validated_on"] = "model"
         entries = [_validate_fp8_batch(reference, make_inputs, b, device, names, session, *check) for b in sizes]
+    elif load["status"] == "skipped":  # onnxruntime is not installed: checked, not run, as export_onnx does
+        del session
+        entries = [{"batch_size": None, "max_abs_error": None, "rel_l2_error": None, "skipped": main_reason}]
+        info["onnx_validation_skipped"] = main_reason
     else:
         del session
         entries, twin_problem = _validate_twin(graphs, make_inputs, path, export_pair, sizes, opset, reference,
@@ -666,6 +673,8 @@ def export_onnx_fp8(
     info["onnx_export_s"] = round(time.perf_counter() - started, 3)
     info["onnx_fp8"] = fp8_info
     info["onnx_note"] = _note(fp8_info, main_reason, ref_problem)
+    if info.get("onnx_validation_skipped"):
+        info["onnx_note"] += f" ({info['onnx_validation_skipped']})"
     return info
 
 

@@ -85,9 +85,25 @@ def autotune_source(study: optuna.Study, objective: str = "throughput") -> optun
     return min(ok, key=key)
 
 
+def runtimes_note(mode: str, device_type: str, runtimes: tuple[str, ...] | None) -> str | None:
+    """Why the max-autotune finalist can have nothing to rebuild whatever the trials measure: ``mode`` asks for it
+    (``"on"``; ``"auto"`` on a CUDA GPU, the only place ``auto`` runs it) and none of the searched ``runtimes`` is
+    ``inductor`` or ``inductor-cudagraphs`` (the keys of ``MAX_AUTOTUNE_VARIANT``; the CPU's default runtimes are
+    ``eager`` only). One line naming the fix (``--runtimes`` with ``inductor`` added), or None when the runtimes
+    hold one, ``mode`` is ``"off"``, or ``runtimes`` is None (not known)."""
+    if runtimes is None or mode == "off" or (mode == "auto" and device_type != "cuda"):
+        return None
+    if any(r in MAX_AUTOTUNE_VARIANT for r in runtimes):
+        return None
+    return (f"--autotune {mode}: the max-autotune finalist is the best tctune candidate through inductor or "
+            f"inductor-cudagraphs, rebuilt with max-autotune, and the runtimes searched here "
+            f"({', '.join(runtimes)}) include neither, so there is none to rebuild; fix: add one, e.g. --runtimes "
+            f"{','.join([*runtimes, 'inductor'])}")
+
+
 def decide(mode: str, device_type: str, training: bool, source: optuna.trial.FrozenTrial | None,
            compile_budget_s: float, time_left_s: float | None = None,
-           over_budget: str | None = None) -> Decision:
+           over_budget: str | None = None, runtimes: tuple[str, ...] | None = None) -> Decision:
     """Whether the max-autotune finalist step runs.
 
     Args:
@@ -101,6 +117,8 @@ def decide(mode: str, device_type: str, training: bool, source: optuna.trial.Fro
         compile_budget_s: ``--compile-budget`` (seconds, per compile).
         time_left_s: seconds left before ``--timeout`` (None: no timeout).
         over_budget: the evaluator's ``compile_over_budget`` (why compiles stopped), or None.
+        runtimes: the runtimes the trials search (None: not known); without ``inductor`` or
+            ``inductor-cudagraphs`` among them the reason is :func:`runtimes_note`'s, naming the fix.
 
     Returns:
         A :class:`Decision`; ``reason`` names the rule that decided.
@@ -110,8 +128,14 @@ def decide(mode: str, device_type: str, training: bool, source: optuna.trial.Fro
     if training:
         return Decision(False, "the max-autotune finalist is for inference; --mode train does not run it")
     if mode == "auto" and device_type != "cuda":
+        anyway = "--autotune on runs it anyway"
+        if runtimes_note("on", device_type, runtimes):  # on would have nothing to rebuild either
+            anyway = f"--autotune on with --runtimes {','.join([*runtimes, 'inductor'])} runs it anyway"
         return Decision(False, f"--autotune auto runs it on a CUDA GPU only (max-autotune's Triton templates); this run "
-                               f"measures on the {device_type.upper()} (--autotune on runs it anyway)")
+                               f"measures on the {device_type.upper()} ({anyway})")
+    note = runtimes_note(mode, device_type, runtimes)
+    if note:
+        return Decision(False, note)
     if source is None:
         return Decision(False, "no feasible tctune candidate ran through inductor or inductor-cudagraphs")
     compile_s = compile_seconds(source.user_attrs)
@@ -183,8 +207,9 @@ def run_finalist(tuner, study: optuna.Study, time_left_s: float | None = None) -
     """
     cfg = tuner.cfg
     source = autotune_source(study, cfg.objective)
+    runtimes = tuple(getattr(tuner, "runtimes", None) or ()) or None
     decision = decide(cfg.autotune, tuner.device.type, cfg.mode == "train", source, cfg.compile_budget_s,
-                      time_left_s, tuner.compile_over_budget)
+                      time_left_s, tuner.compile_over_budget, runtimes)
     src = run_params(source.params, source.user_attrs) if source is not None else {}
     record = {"mode": cfg.autotune, "ran": False, "reason": decision.reason, "result": "not run", "error": None,
               "source_trial": source.number if source is not None else None, "source_runtime": src.get("runtime"),
@@ -195,7 +220,10 @@ def run_finalist(tuner, study: optuna.Study, time_left_s: float | None = None) -
               "estimate_s": decision.estimate_s, "factor": AUTOTUNE_COMPILE_FACTOR, "budget_s": cfg.compile_budget_s,
               "run_id": tuner.run_id}
     if not decision.run:
-        log.info("max-autotune finalist not run: %s", decision.reason)
+        if decision.reason == runtimes_note(cfg.autotune, tuner.device.type, runtimes):
+            log.debug("max-autotune finalist not run: %s", decision.reason)  # the tuner warned at its start
+        else:
+            log.info("max-autotune finalist not run: %s", decision.reason)
         return record
     wanted = dict(src, runtime=record["runtime"])
     earlier = next((t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,
@@ -285,4 +313,4 @@ def autotune_lines(rec: dict | None) -> list[str]:
 
 
 __all__ = ["AUTOTUNE_COMPILE_FACTOR", "Decision", "autotune_lines", "autotune_report", "autotune_source", "decide",
-           "run_finalist"]
+           "run_finalist", "runtimes_note"]

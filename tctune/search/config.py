@@ -82,7 +82,9 @@ class TuneConfig:
             measured gain yet; benchmarks/NOTES.md). ``"auto"``: on a CUDA GPU, when the candidate's own default-mode compile times
             ``tctune.search.autotune.AUTOTUNE_COMPILE_FACTOR`` (an estimate of the max-autotune compile) fits in
             ``compile_budget_s`` and in the time left before ``timeout_s``; ``"on"``: whenever such a candidate
-            exists. Its compile is bounded by ``compile_budget_s`` like any other (checked when it ends).
+            exists. Its compile is bounded by ``compile_budget_s`` like any other (checked when it ends). It needs
+            ``inductor`` or ``inductor-cudagraphs`` in ``runtimes`` (the CPU's default is ``eager`` only); without
+            one the search warns at its start (:func:`tctune.search.autotune.runtimes_note`).
     """
 
     out_dir: str

@@ -44,7 +44,7 @@ from .results import (best_trial, confirmed_throughputs, constraint_checks, coun
                       failure_kind, first_line, resumed_words,
                       is_feasible, objective_values, outcome_words)
 from .space import SearchSpace, fp8_fast_accum_choices
-from .autotune import run_finalist
+from .autotune import run_finalist, runtimes_note
 from .storage import fail_interrupted, measured, open_study, outcome_counts, retry_interrupted
 from .train import TrainingEvaluator
 
@@ -169,6 +169,9 @@ class Tuner:
             fast = " / --fp8-fast-accum" if cfg.fp8_fast_accum != TuneConfig.fp8_fast_accum else ""
             log.warning("precision fp8 is not searched here (it needs FP8 Tensor Cores, sm_89 or newer, a GPU to "
                         "measure on and --mode infer), so --fp8-keep / --max-error-fp8%s have no effect", fast)
+        finalist = None if training or cfg.worker else runtimes_note(cfg.autotune, self.device.type, runtimes)
+        if finalist:  # said once, before the trials; report.md's "Max-autotune finalist" repeats it
+            log.warning("%s", finalist)
         self.model = mf.model().to(self.device)
         self.model.train(training)
         if not training and not cfg.worker:  # the main process checks; its --devices workers load the same file
@@ -498,7 +501,10 @@ class Tuner:
             stop_requested.append(True)
             log.warning("Ctrl-C: stopping after the current trial (press Ctrl-C again to abandon it)")
 
+        finished: list[int] = []  # the trials this call ran, baselines included
+
         def callback(st: optuna.Study, tr: optuna.trial.FrozenTrial) -> None:
+            finished.append(tr.number)
             if stop_requested:
                 st.stop()
             if tr.state == optuna.trial.TrialState.FAIL and bar is None:
@@ -546,7 +552,13 @@ class Tuner:
                     log.info("this search space has %d candidates, %d not tried yet (%s so far): at most %d "
                              "searched trials run", self.space_size(), left, outcome_words(outcome_counts(study)),
                              left)
+            before = len(finished)
             optimize(total)
+            ran = len(finished) - before
+            if ran < total and deadline is not None and time.monotonic() >= deadline and not stop_requested:
+                log.info("--timeout %g s reached: %d of %d searched trial(s) ran (%s); a longer --timeout, or another run "
+                         "with the same --out, adds the rest", self.cfg.timeout_s, ran, total,
+                         outcome_words(outcome_counts(study)))
         except KeyboardInterrupt:
             self.interrupted = True
             log.warning("interrupted: finished trials are kept in %s; writing the report", self.storage_url())
