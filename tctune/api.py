@@ -224,8 +224,8 @@ def optimize(model, example_inputs=None, /, **options):
 
     Raises:
         TypeError: an unknown option.
-        UsageError: an option out of range; ``mode="train"`` or several ``devices`` with a live module; no
-            configuration qualified.
+        UsageError: an option out of range; ``mode="train"`` or several ``devices`` with a live module;
+            ``min_score`` or ``min_score_ratio`` without ``score``; no configuration qualified.
         ModelFileError: ``model`` or ``example_inputs`` break the contract.
 
         Every ``TctuneError``'s message names this function's keywords (``timeout``, ``batch_sizes='8,,32'``),
@@ -279,6 +279,7 @@ def _optimize_module(model: torch.nn.Module, example_inputs: tuple | Callable | 
                      keep_low: bool):
     from .modelfile import ModelFile, example_batch
     from .optimize import optimize_model
+    from .search.accuracy import check_score_options
 
     if example_inputs is None:
         raise UsageError("tctune.optimize(model, example_inputs): example inputs are needed to run the model\n"
@@ -302,6 +303,7 @@ def _optimize_module(model: torch.nn.Module, example_inputs: tuple | Callable | 
     if cfg.devices and len(cfg.devices) > 1:
         raise UsageError("several devices start worker processes that load a model file; a live module cannot be "
                          "sent to them\n  fix: one device, or a model file", field="devices")
+    check_score_options(mf, cfg)  # a score limit nothing would apply
     chosen = bool(options.get("out"))
     if not chosen:  # a folder the caller did not choose: made now, and said where it is
         cfg = dataclasses.replace(cfg, out_dir=tempfile.mkdtemp(prefix=f"tctune_{mf.name}_"))

@@ -30,6 +30,7 @@ from .report import build_report, write_atomic, write_report
 from .deploy import (BF16_OUTPUTS_NOTE, Artifacts, as_written_export_graphs, cast_export_graphs, cast_onnx_out_dtype,
                      claim_batch_from, export_graphs, exports_as_written, smallest_batch)
 from .search import TuneConfig, Tuner, best_trial, is_feasible
+from .search.accuracy import check_score_options
 from .search.autotune import autotune_report
 from .search.baselines import run_params
 from .search.loop import recorded_fp8
@@ -598,6 +599,7 @@ def optimize_model(mf: ModelFile, cfg: TuneConfig) -> Optimized:
     device = torch.device(f"cuda:{devices[0]}") if devices else None
     if cfg.mode == "train":
         check_trainable(mf)  # before the model is built
+    check_score_options(mf, cfg)
     tuner = Tuner(cfg, mf, hw, device)  # its evaluator times training steps in --mode train
     out = check_out_dir(cfg.out_dir)  # after every input check: a rejected run leaves no empty folder
     if lock is not None:

@@ -559,3 +559,44 @@ def test_a_rejected_call_without_out_leaves_no_temporary_folder(bad, tmp_path, m
     with pytest.raises(UsageError):
         tctune.optimize(torch.nn.Linear(4, 2), (torch.randn(2, 4),), **bad)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("option,kind", [({"trials": "3"}, "an integer, got '3' (str)"),
+                                         ({"seed": 1.5}, "an integer, got 1.5 (float)"),
+                                         ({"timeout": "60"}, "a number, got '60' (str)"),
+                                         ({"max_error": True}, "a number, got True (bool)"),
+                                         ({"min_score": "0.9"}, "a number, got '0.9' (str)")])
+def test_a_number_option_of_another_type_is_one_error_naming_the_keyword(option, kind, tmp_path, monkeypatch):
+    """Not Python's "'<' not supported between instances of 'str' and 'int'" from a range check."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(tctune.UsageError) as info:
+        tctune.optimize(torch.nn.Linear(4, 2), (torch.randn(2, 4),), **option)
+    keyword = next(iter(option))
+    assert str(info.value) == f"{keyword} must be {kind}"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_numpy_numbers_are_numbers():
+    import numpy as np
+
+    from tctune.api import tune_config
+
+    cfg = tune_config({"trials": np.int64(3), "max_error": np.float32(0.5)}, out_dir="unused")
+    assert (cfg.trials, cfg.max_error) == (3, 0.5)
+
+
+@pytest.mark.parametrize("option", [{"min_score": 0.5}, {"min_score_ratio": 0.9}])
+def test_a_score_limit_without_a_score_is_refused_before_anything_runs(option, tmp_path, monkeypatch):
+    """Without score= the relative L2 limit decides: a score limit would be silently ignored."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    keyword = next(iter(option))
+    with pytest.raises(tctune.UsageError) as info:
+        tctune.optimize(torch.nn.Linear(4, 2), (torch.randn(2, 4),), quiet=True, **option)
+    text = str(info.value)
+    assert text.startswith(f"{keyword} needs a score(model) metric, and <Linear> gives none: ")
+    assert "(max_error) decides" in text and "fix: pass score=" in text and "--" not in text
+    assert info.value.field == keyword and list(tmp_path.iterdir()) == []

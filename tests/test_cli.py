@@ -413,3 +413,16 @@ def test_a_forward_that_raises_names_the_users_file_and_line(tmp_path):
     assert lines[1] == f"  at {f}:8 in forward: return y @ torch.randn(5, 3)"
     assert "forward" in lines[2] and "example_inputs(4)" in lines[2] and "build_model" not in str(info.value)
 
+
+
+@pytest.mark.parametrize("flag,value", [("--min-score", "0.5"), ("--min-score-ratio", "0.9")])
+def test_a_score_limit_for_a_model_file_without_score_is_a_usage_error(tmp_path, flag, value):
+    f = tmp_path / "no_score.py"
+    f.write_text("import torch\ndef build_model():\n    return torch.nn.Linear(4, 2)\n"
+                 "def example_inputs(b):\n    return (torch.randn(b, 4),)\n")
+    r = run_cli("optimize", f, "--out", tmp_path / "out", "--trials", "1", "--quiet", flag, value)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.startswith(f"tctune: error: {flag} needs a score(model) metric, and no_score.py gives none: ")
+    assert "(--max-error) decides accuracy" in r.stderr
+    assert f"fix: define def score(model) -> float (higher is better) in the model file, or leave {flag} out" in r.stderr
+    assert not (tmp_path / "out").exists()  # refused before the model was built or the folder made

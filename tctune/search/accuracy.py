@@ -27,9 +27,10 @@ from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence
 
 import torch
 
-from ..errors import CandidateRejected, ModelFileError
+from ..errors import CandidateRejected, ModelFileError, UsageError
 from ..measure import precision_mode, worst_stats
 from ..trial import FailureKind, TrialParams, reference_inputs
+from .config import DEFAULT_MIN_SCORE_RATIO
 
 
 def graph_key(trial: TrialParams) -> Hashable:
@@ -46,6 +47,31 @@ def format_score(value: float | None) -> str:
     if text.lstrip("-").isdigit():
         text = format(value, "#.4g").rstrip(".")
     return text
+
+
+def check_score_options(mf, cfg) -> None:
+    """Refuse a score limit that nothing would apply: ``cfg.min_score`` given, or ``cfg.min_score_ratio`` set
+    away from its default (0.99), while the model file (or the live module's ``score=``) gives no ``score``;
+    without one the relative L2 limit (``max_error``) decides accuracy and the score limit would be ignored.
+
+    Args:
+        mf: the model file (``mf.score`` is the metric or None; ``mf.path.name`` names it in the message).
+        cfg: the run's ``TuneConfig``.
+
+    Raises:
+        UsageError: ``field`` ``"min_score"`` or ``"min_score_ratio"``, naming the missing ``score`` and the fix.
+    """
+    if getattr(mf, "score", None) is not None:
+        return
+    field = ("min_score" if cfg.min_score is not None
+             else "min_score_ratio" if cfg.min_score_ratio != DEFAULT_MIN_SCORE_RATIO else None)
+    if field is not None:
+        live = mf.path.name.startswith("<")  # ModelFile.from_module: a live module, its metric passed as score=
+        add = ("pass score=your_metric (score(model) -> float, higher is better)" if live
+               else "define def score(model) -> float (higher is better) in the model file")
+        raise UsageError(f"{field} needs a score(model) metric, and {mf.path.name} gives none: without one the "
+                         "relative L2 limit (--max-error) decides accuracy and the score limit would be ignored\n"
+                         f"  fix: {add}, or leave {field} out", field=field)
 
 
 class ScoreGate:

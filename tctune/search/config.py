@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from dataclasses import asdict, dataclass, fields
 
 from ..errors import UsageError
@@ -16,6 +17,15 @@ FP8_FAST_ACCUM_MODES = ("auto", "on", "off")
 #: budget allows, :func:`tctune.search.autotune.decide`), ``on`` (whenever there is a candidate to rebuild),
 #: ``off`` (never).
 AUTOTUNE_MODES = ("auto", "on", "off")
+#: ``TuneConfig.min_score_ratio``'s default: MLPerf's "99 % of FP32" rule.
+DEFAULT_MIN_SCORE_RATIO = 0.99
+#: Numeric ``TuneConfig`` fields and the kind each must be (``int`` or any real ``float``; ``bool`` is neither).
+NUMBER_FIELDS = {"trials": int, "seed": int, "effective_batch": int, "timeout_s": float, "max_error": float,
+                 "max_error_fp8": float, "max_latency_ms": float, "max_memory_mib": float, "compile_budget_s": float,
+                 "min_score_ratio": float, "min_score": float, "max_mismatch_rate": float}
+#: The fields of :data:`NUMBER_FIELDS` that may be None (not set).
+OPTIONAL_NUMBERS = ("effective_batch", "timeout_s", "max_latency_ms", "max_memory_mib", "min_score")
+
 
 @dataclass(frozen=True)
 class TuneConfig:
@@ -109,7 +119,7 @@ class TuneConfig:
     max_latency_ms: float | None = None
     max_memory_mib: float | None = None
     fp8_keep: tuple[str, ...] | None = None
-    min_score_ratio: float = 0.99
+    min_score_ratio: float = DEFAULT_MIN_SCORE_RATIO
     min_score: float | None = None
     max_mismatch_rate: float = 0.0
     calibration: str | None = None
@@ -124,6 +134,13 @@ class TuneConfig:
         def bad(field: str, message: str) -> UsageError:
             return UsageError(f"{field} {message}", field=field)
 
+        for name, kind in NUMBER_FIELDS.items():  # first: the range checks below compare these with numbers
+            v = getattr(self, name)
+            if v is None and name in OPTIONAL_NUMBERS:
+                continue
+            if isinstance(v, bool) or not isinstance(v, numbers.Real if kind is float else numbers.Integral):
+                raise bad(name, f"must be {'an integer' if kind is int else 'a number'}, got {v!r} "
+                                f"({type(v).__name__})")
         if self.runtimes is not None:
             unknown = [r for r in self.runtimes if r not in ALL_RUNTIMES]
             if unknown or not self.runtimes:
