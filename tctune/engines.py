@@ -220,7 +220,8 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
         why ``min`` is above 1 or None, "formats": {fmt: {"status": "built" | "reused" | "skipped" | "failed",
         "path", "manifest", "runner", "reason", "seconds", "files", ...build details}}}``. ``files``: every
         file this call wrote for the format (the artifact, its manifest, the FP32 twin ``model.fp32.onnx`` and
-        its manifest when written, ``runner.py``; empty when reused). A failed ONNX export or AOTInductor package
+        its manifest when written, ``runner.py``; empty when reused). ``rebuilt`` (built only, when an artifact
+        with another cache key was there): why it was not reused (:func:`tctune.export.cache.stale_reason`). A failed ONNX export or AOTInductor package
         does not stop the call: its entry has ``error`` (one line) and ``log`` (``out/tctune_errors.log``, holding
         the full traceback); TensorRT, which builds from the ONNX file, is then skipped with that reason.
 
@@ -283,6 +284,7 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
 
     def finish(fmt: str, key: dict, info: dict, started: float, **manifest_extra) -> None:
         path = out / ARTIFACT_NAMES[fmt]
+        stale = None if force else cache.stale_reason(path, key)  # the old manifest is still there
         if fmt == "onnx" and not info.get("onnx") and info.get("onnx_fp32"):  # typed graph not valid ONNX
             path = Path(info["onnx_fp32"])
             manifest_extra["precision"] = "fp32"
@@ -299,7 +301,7 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
             files += [str(twin), str(twin) + ".manifest.json"]
         results[fmt] = {"status": "built", "path": str(path), "manifest": str(path) + ".manifest.json",
                         "runner": str(runner), "seconds": round(time.perf_counter() - started, 2), **info,
-                        "files": files + [str(runner)]}
+                        "files": files + [str(runner)], **({"rebuilt": stale} if stale else {})}
 
     onnx_inputs = None
     if "onnx" in formats or "tensorrt" in formats:

@@ -226,8 +226,36 @@ def test_export_reuses_matching_artifact_and_rebuilds_on_changed_key(seed_export
     changed = _config(tmp_path / "best_config.json", batch_size=8, batch_sizes=(8, 32))  # new largest batch
     rc, stdout, _ = _export(capsys, SEED_CNN, "--config", changed, "--format", "onnx", "--out", out)
     assert rc == 0 and "onnx      built" in stdout
+    assert "not reused: model.onnx's batch_sizes differ from this build's" in stdout  # says why it rebuilt
     manifest = json.loads((out / "model.onnx.manifest.json").read_text())
     assert manifest["cache_key"]["batch_sizes"]["max"] == 32
+
+
+def test_stale_reason_names_what_differs(tmp_path):
+    """A rebuild says why the artifact there was not reused: other weights (an unseeded build_model()), or the
+    key fields that differ; nothing when there is no artifact or the key matches."""
+    inputs = [{"name": "x", "shape": ["batch", 4], "dtype": "float32"}]
+    sizes = {"min": 1, "opt": 8, "max": 16}
+    a, b = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)  # two draws of random weights
+    with torch.no_grad():
+        b.weight.copy_(a.weight + torch.rand_like(a.weight) + 0.1)
+        b.bias.copy_(a.bias)
+    key_a = cache.artifact_key(a, fmt="onnx", precision="fp32", inputs=inputs, batch_sizes=sizes,
+                               compute_capability=None)
+    artifact = tmp_path / "model.onnx"
+    assert cache.stale_reason(artifact, key_a) is None  # nothing there
+    artifact.write_bytes(b"onnx")
+    assert cache.stale_reason(artifact, key_a) == "model.onnx has no manifest with a cache key beside it"
+    (tmp_path / "model.onnx.manifest.json").write_text(json.dumps({"cache_key": key_a}))
+    assert cache.stale_reason(artifact, key_a) is None and cache.cached(artifact, key_a) is not None
+    key_b = cache.artifact_key(b, fmt="onnx", precision="fp32", inputs=inputs, batch_sizes=sizes,
+                               compute_capability=None)
+    assert cache.cached(artifact, key_b) is None
+    assert cache.stale_reason(artifact, key_b).startswith("model.onnx's graph or weights differ from this build's "
+                                                         "(a build_model() that draws random weights")
+    key_c = cache.artifact_key(a, fmt="onnx", precision="fp32", inputs=inputs, batch_sizes={**sizes, "max": 32},
+                               compute_capability=None)
+    assert cache.stale_reason(artifact, key_c) == "model.onnx's batch_sizes differ from this build's"
 
 
 def test_graph_hash_follows_weights_not_identity():

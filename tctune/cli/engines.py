@@ -121,6 +121,8 @@ def export_summary(result: dict, formats) -> str:
         detail = f", max abs error vs PyTorch {err:.2e}" if isinstance(err, float) else ""
         took = f" in {r['seconds']:.1f} s" if "seconds" in r and str(r.get("status")).startswith("built") else ""
         lines.append(f"  {fmt:9s} {r.get('status')}{took}: {r.get('path')}{detail}")
+        if r.get("rebuilt"):  # an artifact was there but its cache key differs: say why it was not reused
+            lines.append(f"{pad}not reused: {r['rebuilt']}")
         twin = r.get("onnx_fp32") if fmt == "onnx" else None
         if twin and Path(twin).name != Path(str(r.get("path"))).name:
             terr = r.get("onnx_fp32_max_abs_error")

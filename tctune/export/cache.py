@@ -109,6 +109,30 @@ def cached(artifact_path, key: dict) -> dict | None:
     return manifest
 
 
+def stale_reason(artifact_path, key: dict) -> str | None:
+    """Why the artifact at ``artifact_path`` was not reused for ``key`` (:func:`cached` returned None), in words
+    for the console; None when there is no artifact there (nothing to reuse) or its key matches.
+
+    Returns:
+        e.g. ``"model.onnx's graph or weights differ from this build's ..."`` or ``"its versions differ"``.
+    """
+    from pathlib import Path
+
+    path = Path(artifact_path)
+    if not path.exists():
+        return None
+    old = (read_manifest(path) or {}).get("cache_key")
+    if not isinstance(old, dict):
+        return f"{path.name} has no manifest with a cache key beside it"
+    if old.get("digest") == key.get("digest"):
+        return None
+    fields = [k for k in sorted(set(old) | set(key)) if k != "digest" and old.get(k) != key.get(k)]
+    if "graph" in fields:
+        return (f"{path.name}'s graph or weights differ from this build's (a build_model() that draws random "
+                "weights without a fixed seed gives other weights every time the file runs)")
+    return f"{path.name}'s {', '.join(fields) or 'cache key'} differ from this build's"
+
+
 def _version_of(package: str) -> str | None:
     try:
         from importlib.metadata import PackageNotFoundError, version
