@@ -393,7 +393,9 @@ def load_model_file(path: str | Path) -> ModelFile:
                 )
             continue
         if not callable(obj):
-            raise ModelFileError(f"{p.name}: {fn} is a {type(obj).__name__}, not a function\n  expected: {SIGNATURES[fn]}")
+            better = " (higher is better)" if fn == "score" else ""
+            raise ModelFileError(f"{p.name}: {fn} is a {type(obj).__name__}, not a function\n  expected: "
+                                 f"{SIGNATURES[fn]}{better}")
         found[fn] = obj
     dynamic = getattr(module, "DYNAMIC_SHAPES", None)
     fn = getattr(module, "dynamic_shapes", None)

@@ -600,3 +600,30 @@ def test_a_score_limit_without_a_score_is_refused_before_anything_runs(option, t
     assert text.startswith(f"{keyword} needs a score(model) metric, and <Linear> gives none: ")
     assert "(max_error) decides" in text and "fix: pass score=" in text and "--" not in text
     assert info.value.field == keyword and list(tmp_path.iterdir()) == []
+
+
+def test_a_score_that_is_not_a_function_is_refused_before_the_model_runs(tmp_path, monkeypatch):
+    """score=5 was called only after the FP32 model ran ("'int' object is not callable"): one error up front,
+    naming the keyword and the contract; a ModelFile built in Python with such a score gets a ModelFileError."""
+    import dataclasses
+    import tempfile
+
+    from tctune.errors import ModelFileError
+    from tctune.modelfile import ModelFile
+    from tctune.optimize import optimize_model
+    from tctune.search import TuneConfig
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    model, calls = torch.nn.Linear(4, 2), []
+    model.register_forward_hook(lambda *args: calls.append(1))
+    with pytest.raises(tctune.UsageError) as info:
+        tctune.optimize(model, (torch.randn(2, 4),), quiet=True, score=5)
+    text = str(info.value)
+    assert text.startswith("score=5 is an int, not a function") and "score(model) -> float (higher is better)" in text
+    assert "fix: pass score=your_metric" in text and "--" not in text
+    assert calls == [] and list(tmp_path.iterdir()) == []  # nothing ran, no folder made
+    mf = dataclasses.replace(ModelFile.from_module(model, (torch.randn(2, 4),)), path=Path("m.py"), score="top1")
+    cfg = TuneConfig(out_dir=str(tmp_path / "out"), batch_sizes=(2,), trials=1, quiet=True, export=False)
+    with pytest.raises(ModelFileError, match=r"m.py: score is a str, not a function\n  expected: def score\(model"):
+        optimize_model(mf, cfg)
+    assert calls == [] and list(tmp_path.iterdir()) == []

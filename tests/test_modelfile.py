@@ -61,6 +61,12 @@ def test_not_callable(tmp_path):
         load_model_file(write(tmp_path, "def build_model():\n    pass\nexample_inputs = 3\n"))
 
 
+def test_a_score_that_is_not_a_function_names_the_contract(tmp_path):
+    with pytest.raises(ModelFileError, match=r"score is a float, not a function\n  expected: def score\(model: "
+                                             r"torch.nn.Module\) -> float \(higher is better\)"):
+        load_model_file(write(tmp_path, GOOD + "\nscore = 0.9\n"))
+
+
 def test_build_model_wrong_type(tmp_path):
     mf = load_model_file(write(tmp_path, GOOD.replace("return torch.nn.Linear(4, 3)", "return 42")))
     with pytest.raises(ModelFileError, match="must return a torch.nn.Module, got int"):

@@ -50,23 +50,36 @@ def format_score(value: float | None) -> str:
 
 
 def check_score_options(mf, cfg) -> None:
-    """Refuse a score limit that nothing would apply: ``cfg.min_score`` given, or ``cfg.min_score_ratio`` set
-    away from its default (0.99), while the model file (or the live module's ``score=``) gives no ``score``;
-    without one the relative L2 limit (``max_error``) decides accuracy and the score limit would be ignored.
+    """Refuse a ``score`` that cannot be called, before the model runs (it is first called on the FP32 model),
+    and a score limit that nothing would apply: ``cfg.min_score`` given, or ``cfg.min_score_ratio`` set away
+    from its default (0.99), while the model file (or the live module's ``score=``) gives no ``score``; without
+    one the relative L2 limit (``max_error``) decides accuracy and the score limit would be ignored.
 
     Args:
         mf: the model file (``mf.score`` is the metric or None; ``mf.path.name`` names it in the message).
         cfg: the run's ``TuneConfig``.
 
     Raises:
-        UsageError: ``field`` ``"min_score"`` or ``"min_score_ratio"``, naming the missing ``score`` and the fix.
+        UsageError: a live module's ``score=`` is not callable (``tctune.optimize(model, inputs, score=5)``), or
+            ``field`` ``"min_score"`` or ``"min_score_ratio"``, naming the missing ``score`` and the fix.
+        ModelFileError: a model file's ``score`` (a ``ModelFile`` built in Python) is not callable.
     """
-    if getattr(mf, "score", None) is not None:
+    score = getattr(mf, "score", None)
+    live = mf.path.name.startswith("<")  # ModelFile.from_module: a live module, its metric passed as score=
+    if score is not None and not callable(score):
+        what = type(score).__name__
+        if live:
+            raise UsageError(f"score={score!r:.40} is {'an' if what[0] in 'aeiou' else 'a'} {what}, not a function: "
+                             "tctune calls score(model) on each candidate to gate its accuracy\n"
+                             "  fix: pass score=your_metric, a function score(model) -> float (higher is better), "
+                             "or leave score out")
+        raise ModelFileError(f"{mf.path.name}: score is {'an' if what[0] in 'aeiou' else 'a'} {what}, not a "
+                             "function\n  expected: def score(model: torch.nn.Module) -> float (higher is better)")
+    if score is not None:
         return
     field = ("min_score" if cfg.min_score is not None
              else "min_score_ratio" if cfg.min_score_ratio != DEFAULT_MIN_SCORE_RATIO else None)
     if field is not None:
-        live = mf.path.name.startswith("<")  # ModelFile.from_module: a live module, its metric passed as score=
         add = ("pass score=your_metric (score(model) -> float, higher is better)" if live
                else "define def score(model) -> float (higher is better) in the model file")
         raise UsageError(f"{field} needs a score(model) metric, and {mf.path.name} gives none: without one the "
