@@ -58,4 +58,28 @@ def console_log(quiet: bool) -> Iterator[None]:
         logger.setLevel(level)
 
 
-__all__ = ["CONSOLE_FORMAT", "StderrHandler", "console_handler", "console_log"]
+def is_console(handler: logging.Handler) -> bool:
+    """Whether ``handler`` writes to the terminal: a ``StreamHandler`` on ``sys.stdout`` or ``sys.stderr`` (a
+    :class:`StderrHandler` always is)."""
+    return isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.stderr)
+
+
+@contextlib.contextmanager
+def above_progress_bar(tqdm_class: type) -> Iterator[None]:
+    """While the block runs, the ``tctune`` logger's console handlers (:func:`is_console`: the command's
+    :func:`console_handler`, :func:`console_log`'s) write through ``tqdm_class.write``, so a log line printed
+    while a progress bar of that class is drawn lands on its own line above the bar instead of on the bar's
+    line (``tqdm.contrib.logging.logging_redirect_tqdm``, applied only where such a handler exists: a logger
+    without one, e.g. a caller's logging set-up on the root logger, is left as it is). Handlers are restored
+    afterwards."""
+    logger = logging.getLogger("tctune")
+    if not any(is_console(h) for h in logger.handlers):
+        yield
+        return
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with logging_redirect_tqdm(loggers=[logger], tqdm_class=tqdm_class):
+        yield
+
+
+__all__ = ["CONSOLE_FORMAT", "StderrHandler", "above_progress_bar", "console_handler", "console_log", "is_console"]

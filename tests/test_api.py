@@ -306,6 +306,33 @@ def test_the_search_says_why_it_ended_before_the_bars_total_as_the_command_does(
     assert "--" not in err
 
 
+@pytest.mark.parametrize("handler", ["api", "command"])
+def test_log_lines_print_above_the_progress_bar_not_on_its_line(tmp_path, capsys, plain_logging, monkeypatch,
+                                                                  handler):
+    """A line logged while the trials bar is drawn (here: the timeout reached during the plain baselines) starts
+    its own line: tqdm clears the bar (``\\r``), writes the line, then redraws the bar below it. Both console
+    set-ups: the API's (``console_log``) and the command's (``console_handler`` on a non-propagating logger)."""
+    import re
+
+    from tctune.console import console_handler
+
+    log = plain_logging()
+    if handler == "command":
+        log.addHandler(console_handler())
+        monkeypatch.setattr(log, "propagate", False)
+        log.setLevel("INFO")
+    model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.GELU(), torch.nn.Linear(24, 3))
+    try:
+        tctune.optimize(model, (torch.randn(3, 12),), runtimes="eager", no_export=True, out=tmp_path / "o",
+                        trials=3, timeout=1e-9)
+    finally:
+        log.handlers.clear()
+    err = capsys.readouterr().err
+    assert "trials:" in err and "timeout 1e-09 s reached" in err, err  # the bar was drawn; the line was said
+    starts = [m.start() for m in re.finditer("tctune: ", err)]
+    assert starts and [err[i - 1:i + 40] for i in starts if i and err[i - 1] not in "\r\n"] == [], err
+
+
 def test_submodules_are_attributes_after_a_bare_import():
     code = ("import sys, tctune\n"
             "assert 'tctune.backend' not in sys.modules\n"  # lazy: `import tctune` stays fast

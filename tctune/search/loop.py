@@ -13,6 +13,7 @@ The :class:`Tuner` composes the parts: the :class:`~tctune.search.space.SearchSp
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -30,6 +31,7 @@ import optuna
 import torch
 
 from ..capture import Captured, batch_range, try_capture
+from ..console import above_progress_bar
 from ..errors import CandidateRejected, ModelFileError, PassError, UsageError
 from ..hardware import HardwareSpec
 from ..measure import is_oom, precision_mode, release_memory, time_interleaved
@@ -533,6 +535,9 @@ class Tuner:
         previous = None
         if threading.current_thread() is threading.main_thread():
             previous = signal.signal(signal.SIGINT, on_sigint)
+        above_bar = contextlib.ExitStack()  # while the bar is drawn, log lines print above it, not on its line
+        if bar is not None:
+            above_bar.enter_context(above_progress_bar(type(bar)))
         try:
             optimize(pending, bounded=False)  # the plain baselines, enqueued first
             if not self.cfg.worker:
@@ -567,6 +572,7 @@ class Tuner:
                 signal.signal(signal.SIGINT, previous)
             if bar is not None:
                 bar.close()
+            above_bar.close()
         if self.space_size() <= BRUTE_FORCE_MAX and len(self.measured(study)) >= self.space_size():
             log.info("every one of the %d candidates of this search space was tried: %s", self.space_size(),
                      outcome_words(outcome_counts(study)))
