@@ -813,7 +813,8 @@ def console_summary(report: dict, out: str | Path) -> str:
     ``quiet``: the best configuration (precision, graph, runtime, batch, items/s, relative error), the exported
     graph, the accuracy gate that accepted it, the verdict when a plain baseline wins, its speedups over the
     fastest plain baseline and FP32 eager at the same batch (with the 95 % CI when there is one), an unstable
-    timing, TensorRT's skip reason, and the path of ``report.md`` with the study's counts. Plain text, lines
+    timing, TensorRT's skip reason (or, when no format was exported for one reason, that reason alone, e.g.
+    ``export disabled (--no-export)``), and the path of ``report.md`` with the study's counts. Plain text, lines
     joined by newlines; ``out`` is the run's output folder. With no qualifying configuration: why (the two most
     common failure reasons)."""
     out = Path(out)
@@ -863,7 +864,10 @@ def console_summary(report: dict, out: str | Path) -> str:
     if report.get("interrupted"):
         lines.append("interrupted: finished trials are kept, nothing was exported; run the same command again to resume")
     elif a.get("tensorrt_skipped_reason"):
-        lines.append(f"TensorRT: {a['tensorrt_skipped_reason']}")
+        reason = a["tensorrt_skipped_reason"]
+        # one reason for every format (--no-export, --mode train): about the whole export, not TensorRT's
+        whole = reason == a.get("onnx_error") and not (a.get("onnx") or a.get("onnx_fp32"))
+        lines.append(reason if whole else f"TensorRT: {reason}")
     lines.append(f"report: {out / 'report.md'}  (the study: {study_counts(report['study'], report.get('trials'))})")
     return "\n".join(lines)
 

@@ -566,6 +566,8 @@ def test_the_winner_summary_is_printed_as_the_command_prints_it_unless_quiet(tmp
     printed = capsys.readouterr().out
     summary = _summary(tuned.report, tmp_path / "o")  # the command's summary of the same report
     assert summary.startswith("best: ") and f"report: {tmp_path / 'o' / 'report.md'}" in summary
+    # no export at all is said as such, not on a line labelled TensorRT
+    assert "export disabled (--no-export)" in summary.splitlines() and "TensorRT" not in summary
     if quiet:
         assert "best: " not in printed and "report: " not in printed
     else:  # the command's summary, in the API's terms (no_export=True where the command says --no-export)

@@ -156,6 +156,22 @@ def test_console_and_report_md_give_fp32_eager_the_same_throughput(tmp_path):
     assert f"{base['throughput']:.4g} items/s)" not in console_summary(r, tmp_path).split("FP32 eager")[-1]
 
 
+@pytest.mark.parametrize("artifacts,line", [
+    ({"onnx_error": "export disabled (--no-export)", "tensorrt_skipped_reason": "export disabled (--no-export)"},
+     "export disabled (--no-export)"),
+    ({"onnx": "model.onnx", "tensorrt_skipped_reason": "tensorrt is not installed"},
+     "TensorRT: tensorrt is not installed"),
+    ({"onnx_error": "not exported: the model could not be captured (x)", "tensorrt_skipped_reason":
+      "no ONNX to build from"}, "TensorRT: no ONNX to build from"),
+])
+def test_the_console_labels_a_skip_reason_tensorrt_only_when_it_is_tensorrts_own(tmp_path, artifacts, line):
+    from tctune.report import console_summary
+
+    r = _report(_study(states=("COMPLETE",) * 3))
+    r["artifacts"] = artifacts
+    assert line in console_summary(r, tmp_path).splitlines()
+
+
 def _baseline_wins_study(setup=(0.0, 0.42)):
     """Trial 0: FP32 eager (a plain baseline, the fastest); trial 1: tctune's graph, slower, with its passes."""
     study = optuna.create_study(direction="maximize")
