@@ -961,16 +961,18 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
             report.results = run_pipeline(exported, spec, names, seconds=pass_s)
         _drop_round_trips(exported, marked)
         _drop_unused_weights(exported)
-        _plain_codegen(exported)
+        # Dynamo's size inputs, handed on to Inductor as unused inputs of a plain graph (:func:`_bind_sizes`)
+        sizes = _bind_sizes(exported, inputs) if _plain_codegen(exported) else []
     t2 = time.perf_counter()
     report.seconds["passes"] = round(t2 - t1, 3)
     report.pass_seconds = {n: round(v, 4) for n, v in pass_s.items()}
     for r in report.results:
         logger.debug("tctune pass %s: %d rewrites, %d skipped", r.name, r.count, len(r.skipped))
     _stable_cache_key(exported)
-    compiled = inductor_compile(exported, list(runtime_args), cfg.config_patches())
+    compiled = inductor_compile(exported, [*runtime_args, *(example_inputs[i] for i in sizes)],
+                                cfg.config_patches())
     report.seconds["inductor"] = round(time.perf_counter() - t2, 3)
-    run = _runtime_caller(compiled, inputs.runtime)
+    run = _runtime_caller(compiled, inputs.runtime + sizes)
 
     # Only once tctune's graph compiled: a fallback runs no pass, so it has none to explain.
     report.notes.extend(f"{n} not run: {why}" for n, why in cfg.left_out().items())
@@ -1082,6 +1084,27 @@ def _plain_codegen(gm: fx.GraphModule) -> bool:
     gm.graph._codegen = fx.graph.CodeGen()
     recompile(gm)
     return True
+
+
+def _bind_sizes(gm: fx.GraphModule, inputs: _Inputs) -> list[int]:
+    """Append to ``gm`` (a plain-codegen graph of the runtime tensors) one unused placeholder per size input of
+    Dynamo's graph (``inputs.sizes``), and return their positions among Dynamo's inputs, in order.
+
+    Inductor traces ``gm`` with Dynamo's fake tensors, whose symbolic sizes are Dynamo's symbols. A scalar
+    computed from a size (a float such as BatchNorm's ``n / (n - 1)`` in training) is turned into a tensor by
+    AOT autograd's ``tensorify_python_scalars``, which needs each symbol bound by a graph input; in Dynamo's own
+    graph the size inputs bind them, in the re-exported graph nothing did (``KeyError: s53``: the subgraph fell
+    back to plain Inductor). With these placeholders, fed Dynamo's size values at compile time and the sizes at
+    every call, tctune's graph binds the same symbols Dynamo's does."""
+    positions = sorted(inputs.sizes)
+    if not positions:
+        return []
+    prev = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    for i in positions:
+        with gm.graph.inserting_after(prev):
+            prev = gm.graph.placeholder(f"size_input_{i}")
+    recompile(gm)
+    return positions
 
 
 def _drop_unused_weights(gm: fx.GraphModule) -> list[str]:

@@ -250,6 +250,43 @@ def test_backend_training_grads_match_eager():
     assert fold.count == 0
 
 
+class _Audio(nn.Module):
+    """A 1D-conv classifier with BatchNorm (a training graph computes a float from the batch's size: the
+    unbiased running variance's n / (n - 1))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.bn = nn.Conv1d(1, 8, 9, stride=4), nn.BatchNorm1d(8)
+        self.c2, self.fc = nn.Conv1d(8, 16, 5, stride=2), nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn(self.c1(x)))
+        return self.fc(F.relu(self.c2(h)).mean(-1))
+
+
+def test_backend_training_with_a_changing_length_binds_dynamos_sizes():
+    """A length change makes Dynamo recompile with symbolic sizes; BatchNorm in training then computes a float
+    from them, which AOT autograd turns into a tensor only when a graph input binds each size symbol. tctune's
+    re-exported graph bound none (``KeyError: s53`` and a fallback to plain Inductor) until Dynamo's size inputs
+    were handed on (``_bind_sizes``). Outputs, gradients and running statistics match eager at every shape."""
+    torch.manual_seed(0)
+    model = _Audio().train()
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=tb.backend(precision="fp32"))
+    for shape in ((4, 1, 200), (6, 1, 200), (4, 1, 400), (3, 1, 296)):
+        x = torch.randn(*shape)
+        out, ref = compiled(x), eager(x)
+        torch.testing.assert_close(out, ref, **FP32_TOL)
+        out.square().sum().backward()
+        ref.square().sum().backward()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4, msg=f"grad of {name} at {shape}")
+        torch.testing.assert_close(model.bn.running_var, eager.bn.running_var, **FP32_TOL)
+    assert len(tb.reports) >= 2 and all(rep.training and not rep.fallback for rep in tb.reports), \
+        [rep.fallback for rep in tb.reports]
+    assert tb.reports[-1].results, "the last (dynamic) subgraph ran tctune's passes"
+
+
 # ------------------------------------------------------------------------------------------------ caching
 
 
