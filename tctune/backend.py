@@ -21,7 +21,8 @@ into ``aten.t`` + ``aten.addmm`` there. So each Dynamo subgraph is **re-exported
    included in training) and code generation. Its AOTAutograd cache key must be picklable and the same in
    every process (:func:`_strip_export_checks`, :func:`_stable_cache_key`), or each warm-cache compile redoes
    AOT tracing that plain ``torch.compile`` loads from its cache (issue #7). Per call, the compiled callable
-   runs what plain Inductor's runs plus one Python function picking the runtime tensors
+   runs what plain Inductor's runs plus one Python function picking the runtime tensors (and Dynamo's size inputs
+   of a dynamic graph, :func:`_bind_sizes`)
    (:func:`_runtime_caller`): frozen weights no node reads are deleted first (:func:`_drop_unused_weights`),
    and the graph gets a plain FX codegen (:func:`_plain_codegen`), so Inductor wraps no pytree code around it.
 
@@ -1008,9 +1009,9 @@ def _calibrate_fp16(exported: fx.GraphModule, runtime_args: tuple, spec, report:
 
 def _runtime_caller(compiled: Callable, runtime: list[int]) -> Callable:
     """The callable handed back to Dynamo: called with all of Dynamo's graph inputs (runtime tensors, the
-    lifted weights, sizes), it calls ``compiled`` with the runtime tensors only (the weights are stored in the
-    compiled graph, the sizes read from the tensors' shapes): an index or one ``operator.itemgetter`` per
-    call, no list built.
+    lifted weights, sizes), it calls ``compiled`` with the inputs at the positions ``runtime`` only (the runtime
+    tensors, then the size inputs :func:`_bind_sizes` kept; the weights are stored in the compiled graph): an
+    index or one ``operator.itemgetter`` per call, no list built.
 
     Inductor's compiled function comes wrapped in ``torch._dynamo.disable`` (its frames must not be traced).
     Dynamo wraps what a backend returns in ``disable`` too, unwrapping a callable that already is one; a closure
