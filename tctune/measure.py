@@ -155,6 +155,9 @@ def release_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+#: Calls timed one by one to size a timed repeat (:func:`_iterations_for`); the fastest of them is used.
+CALIBRATION_CALLS = 3
+
 
 def _iterations_for(fn: Callable[[], Any], device: torch.device, warmup: int, target_s: float,
                     max_iterations: int) -> int:
@@ -175,9 +178,6 @@ def _iterations_for(fn: Callable[[], Any], device: torch.device, warmup: int, ta
     one = max(min(times), 1e-6)
     return int(min(max_iterations, max(1, target_s / one)))
 
-
-#: Calls timed one by one to size a timed repeat (:func:`_iterations_for`); the fastest of them is used.
-CALIBRATION_CALLS = 3
 
 def time_call(
     fn: Callable[[], Any],

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 
-from ..console import StderrHandler  # noqa: F401 - moved to tctune.console (the API shows the same lines)
 from ..errors import UsageError
 
 #: Library field -> command-line flag (fields not listed are spelled ``--field-name``).

@@ -68,12 +68,13 @@ def check_score_options(mf, cfg) -> None:
     live = mf.path.name.startswith("<")  # ModelFile.from_module: a live module, its metric passed as score=
     if score is not None and not callable(score):
         what = type(score).__name__
+        what = f"{'an' if what[0] in 'aeiou' else 'a'} {what}"
         if live:
-            raise UsageError(f"score={score!r:.40} is {'an' if what[0] in 'aeiou' else 'a'} {what}, not a function: "
+            raise UsageError(f"score={score!r:.40} is {what}, not a function: "
                              "tctune calls score(model) on each candidate to gate its accuracy\n"
                              "  fix: pass score=your_metric, a function score(model) -> float (higher is better), "
                              "or leave score out")
-        raise ModelFileError(f"{mf.path.name}: score is {'an' if what[0] in 'aeiou' else 'a'} {what}, not a "
+        raise ModelFileError(f"{mf.path.name}: score is {what}, not a "
                              "function\n  expected: def score(model: torch.nn.Module) -> float (higher is better)")
     if score is not None:
         return
