@@ -272,6 +272,9 @@ from importlib.machinery import PathFinder
 from pathlib import Path
 ROOT = Path(sys.argv[1])
 MAPPING = {"tctune": ROOT / "tctune", "passes": ROOT / "passes"}
+# an editable install of this checkout as a plain path entry (pyproject's package-dir) would win over the clone below:
+# drop every path entry that holds a regular tctune package, so that only the import hook under test can find it
+sys.path[:] = [p for p in sys.path if not (Path(p or ".") / "tctune" / "__init__.py").is_file()]
 class Editable:
     @classmethod
     def find_spec(cls, name, path=None, target=None):
@@ -340,7 +343,11 @@ def test_an_editable_install_is_a_path_entry_that_wins_over_a_clone_folder_named
     entries = [e for e in entries if e.strip()]
     assert len(entries) == 1 and Path(entries[0]).resolve() == clone.resolve(), entries  # no `import ...` hook
     # what site.py does with that line: append it to sys.path, after the current folder ('' for `python -c`)
-    code = "import sys; sys.path.append(sys.argv[1]); import tctune; print(tctune.__file__, callable(tctune.optimize))"
+    # (first dropping any path entry that already holds a regular tctune package: the installed checkout running these
+    # tests, when it is itself an editable install of the same kind)
+    code = ("import sys; from pathlib import Path\n"
+            "sys.path[:] = [p for p in sys.path if not (Path(p or '.') / 'tctune' / '__init__.py').is_file()]\n"
+            "sys.path.append(sys.argv[1]); import tctune; print(tctune.__file__, callable(tctune.optimize))")
     r = subprocess.run([sys.executable, "-c", code, entries[0]], cwd=tmp_path, capture_output=True, text=True,
                        timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
