@@ -749,8 +749,12 @@ def render_markdown(r: dict) -> str:
     fb = a.get("export_fallback")
     stopped = r.get("interrupted")  # the artifacts' "interrupted" notes repeat the line above
     said_below = bool(fb and fb.get("best_error") and a.get("onnx_error") and fb["best_error"] in a["onnx_error"])
+    # one reason for both engines (--no-export): said once
+    same = bool(a.get("onnx_error") and a["onnx_error"] == a.get("tensorrt_skipped_reason") and not a.get("tensorrt"))
     if a.get("onnx_failed") and not said_below:  # the export raised: a failed artifact, its full text in the log
         lines.append(f"- **ONNX export failed**: {export_failed_line(a)}")
+    elif same and not stopped and not said_below:
+        lines.append(f"- Export (ONNX, TensorRT): skipped: {a['onnx_error']}")
     elif a.get("onnx_error") and not stopped and not said_below:
         lines.append(f"- ONNX note: {a['onnx_error']}")  # (the fallback line below says it otherwise)
     if a.get("onnx_note"):
@@ -781,7 +785,7 @@ def render_markdown(r: dict) -> str:
                          + ("" if not others or others == [fb.get("best_error")] else f" ({'; '.join(others)})"))
     if a.get("tensorrt"):
         lines.append(f"- TensorRT engine: `{a['tensorrt']}`")
-    elif a.get("tensorrt_skipped_reason") and not stopped:
+    elif a.get("tensorrt_skipped_reason") and not stopped and not (same and not said_below):
         lines.append(f"- TensorRT: skipped: {a['tensorrt_skipped_reason']}")
     for k in ("best_config", "study_db"):
         if a.get(k):

@@ -112,6 +112,10 @@ def test_score_limits_ratio_absolute_and_negative_scores():
         with pytest.raises(UsageError) as e:
             TuneConfig(out_dir="x", **bad)
         assert e.value.field == next(iter(bad))
+    with pytest.raises(UsageError, match="both given") as e:  # the absolute limit would silently win
+        TuneConfig(out_dir="x", min_score=0.9, min_score_ratio=0.95)
+    assert e.value.field == "min_score" and "fix: give one of them" in str(e.value)
+    assert TuneConfig(out_dir="x", min_score=0.9).min_score == 0.9  # with the ratio at its default: fine
 
 
 def test_fp8_is_judged_by_the_score_where_relative_l2_rejects():
@@ -323,6 +327,7 @@ def test_optimize_digits_cnn_reports_score_fields(tmp_path):
     (["--min-score-ratio", "1.5"], "--min-score-ratio must be in (0, 1]"),
     (["--max-mismatch-rate", "-1"], "--max-mismatch-rate must be a fraction in [0, 1]"),
     (["--calibration", "no_such_folder"], "--calibration no_such_folder: not a folder"),
+    (["--min-score", "0.5", "--min-score-ratio", "0.9"], "--min-score and --min-score-ratio are both given"),
 ])
 def test_cli_flags_reach_the_config_and_name_themselves_in_errors(tmp_path, args, match):
     f = _write(tmp_path, "two", TWO_INPUTS)

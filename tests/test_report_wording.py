@@ -172,6 +172,22 @@ def test_the_console_labels_a_skip_reason_tensorrt_only_when_it_is_tensorrts_own
     assert line in console_summary(r, tmp_path).splitlines()
 
 
+@pytest.mark.parametrize("artifacts,lines", [
+    ({"onnx_error": "export disabled (--no-export)", "tensorrt_skipped_reason": "export disabled (--no-export)"},
+     ["- Export (ONNX, TensorRT): skipped: export disabled (--no-export)"]),
+    ({"onnx_error": "not exported: the model could not be captured (x)", "tensorrt_skipped_reason":
+      "no ONNX to build from"},
+     ["- ONNX note: not exported: the model could not be captured (x)", "- TensorRT: skipped: no ONNX to build from"]),
+])
+def test_report_md_says_a_reason_both_engines_share_once(artifacts, lines):
+    r = _report(_study(states=("COMPLETE",) * 3))
+    r["artifacts"] = artifacts
+    md = render_markdown(r).split("## Artifacts")[1].split("\n## ")[0]
+    got = [line for line in md.splitlines() if line.startswith("- ")]
+    assert got == lines, got
+    assert md.count(artifacts["tensorrt_skipped_reason"]) == 1
+
+
 def _baseline_wins_study(setup=(0.0, 0.42)):
     """Trial 0: FP32 eager (a plain baseline, the fastest); trial 1: tctune's graph, slower, with its passes."""
     study = optuna.create_study(direction="maximize")

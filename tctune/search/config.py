@@ -61,7 +61,8 @@ class TuneConfig:
         min_score_ratio: when the model file gives ``score(model)`` (higher is better), a candidate is infeasible
             when its score is below ``fp32 - (1 - min_score_ratio) * |fp32|`` (``min_score_ratio * fp32`` for a
             positive FP32 score); default 0.99, MLPerf's "99 % of FP32" accuracy target. In (0, 1].
-        min_score: absolute alternative: the lowest score a candidate may have (replaces ``min_score_ratio``).
+        min_score: absolute alternative: the lowest score a candidate may have (replaces ``min_score_ratio``, which
+            must then stay at its default: both given raise UsageError).
             When a score is given, it decides feasibility for every precision; ``max_error`` /
             ``max_error_fp8`` are reported but do not reject (NaN/inf and integer mismatches still do).
         max_mismatch_rate: largest fraction (0 to 1) of the elements of integer/bool outputs that may differ
@@ -178,6 +179,10 @@ class TuneConfig:
             raise bad("min_score_ratio", f"must be in (0, 1] (a fraction of the FP32 score), got {self.min_score_ratio}")
         if self.min_score is not None and not math.isfinite(self.min_score):
             raise bad("min_score", f"must be a finite number, got {self.min_score}")
+        if self.min_score is not None and self.min_score_ratio != DEFAULT_MIN_SCORE_RATIO:
+            raise UsageError(f"min_score and --min-score-ratio are both given: an absolute min_score replaces the "
+                             f"ratio, so --min-score-ratio {self.min_score_ratio:g} would be ignored\n"
+                             f"  fix: give one of them", field="min_score")
         if not (0 <= self.max_mismatch_rate <= 1):
             raise bad("max_mismatch_rate", f"must be a fraction in [0, 1], got {self.max_mismatch_rate}")
         from ..trial import OUTPUT_DTYPES
