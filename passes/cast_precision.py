@@ -105,6 +105,7 @@ _PASSTHROUGH = frozenset(
     {
         "sym_size", "sym_numel", "sym_stride", "sym_storage_offset", "_assert_scalar", "_assert_async",
         "_assert_tensor_metadata", "sym_constrain_range", "sym_constrain_range_for_size", "_local_scalar_dense",
+        "item",  # reads the value as a Python number (a tensorified Python float): never rounded to low first
     }
 )
 #: Elementwise ops that run in FP32 on the residual stream (see the module docstring).

@@ -491,6 +491,8 @@ def _compile(gm: fx.GraphModule, example_inputs: list, cfg: BackendConfig) -> Ca
                                                   cfg.output_dtype, cfg.fp8_fast_accum),
                                         cfg, report, hw)
     except Exception as exc:  # noqa: BLE001 - never break the user's compile
+        if _is_dynamo_restart(exc):
+            raise  # Dynamo's own control flow (retrace the frame): plain Inductor raises it too
         reason = f"{type(exc).__name__}: {exc}"
         report.fallback = reason
         report.results = []
@@ -498,6 +500,22 @@ def _compile(gm: fx.GraphModule, example_inputs: list, cfg: BackendConfig) -> Ca
         compiled = _fallback(gm, example_inputs, report, cfg.config_patches(), cfg.output_dtype)
     _record(report)
     return compiled
+
+
+def _is_dynamo_restart(exc: BaseException) -> bool:
+    """Whether ``exc`` is one of Dynamo's restart signals (``torch._dynamo.exc.RestartAnalysis`` and its
+    subclasses), which a backend must let through: Dynamo catches them and traces the frame again.
+
+    AOT autograd's ``tensorify_python_scalars`` raises ``TensorifyScalarRestartAnalysis`` from inside
+    ``compile_fx`` when a Python float of the graph cannot become a tensor (a float computed from an
+    ``.item()`` after a graph break); Dynamo then retraces with that float specialized and compiles again.
+    Caught as a tctune failure, it made that subgraph fall back to plain Inductor, with
+    ``"TensorifyScalarRestartAnalysis: "`` as the reason, where plain Inductor compiled the retraced graph."""
+    try:
+        from torch._dynamo.exc import RestartAnalysis
+    except ImportError:  # pragma: no cover - other torch versions
+        return False
+    return isinstance(exc, RestartAnalysis)
 
 
 def _spec_for(hw, training: bool, policy: str, precision: str, fp8_keep: Sequence[str] = (),
@@ -550,6 +568,8 @@ def _fallback(gm: fx.GraphModule, example_inputs: list, report: SubgraphReport,
                 report.notes.append("fallback kept FP32 (no low-precision kernel): "
                                     + "; ".join(f"{n}: {why}" for n, why in kept.items()))
         except Exception as exc:  # noqa: BLE001 - the FP32 graph below still compiles
+            if _is_dynamo_restart(exc):
+                raise
             report.notes.append(f"fallback at {report.precision} failed ({type(exc).__name__}: {exc}); "
                                 "compiled in the model's own dtypes")
             how = f"plain Inductor in the model's own dtypes ({report.precision} cast failed: {exc})"
@@ -671,7 +691,8 @@ def _record(report: SubgraphReport) -> None:
 
 @dataclass
 class _Inputs:
-    """Dynamo's inputs, sorted: runtime tensors, frozen weights, and sizes recomputed from runtime shapes."""
+    """Dynamo's inputs, sorted: runtime inputs (tensors, and ``int`` arguments tied to no tensor's size),
+    frozen weights, and sizes recomputed from runtime shapes."""
 
     runtime: list[int]
     weights: dict[int, str]
@@ -716,20 +737,31 @@ def _classify(gm: fx.GraphModule, example_inputs: list, freeze: bool) -> _Inputs
             symbolic.append((i, node.meta.get("example_value", value)))
         else:
             raise RuntimeError(f"unsupported graph input {node.name}: {type(value).__name__}")
+    tensors = list(out.runtime)
     for i, sym in symbolic:
-        out.sizes[i] = _find_size(sym, nodes, out.runtime)
+        where = _find_size(sym, nodes, tensors)
+        if where is None:  # an int argument of the user's (a step, a length): passed at every call
+            out.runtime.append(i)
+        else:
+            out.sizes[i] = where
+    out.runtime.sort()
     return out
 
 
-def _find_size(sym: Any, nodes: list[fx.Node], runtime: list[int]) -> tuple[int, int]:
-    """Which runtime tensor dimension carries the size ``sym`` (a SymInt graph input)."""
+def _find_size(sym: Any, nodes: list[fx.Node], runtime: list[int]) -> tuple[int, int] | None:
+    """Which runtime tensor dimension carries the size ``sym`` (a SymInt graph input); None when none does.
+
+    None is a Python ``int`` the model takes as an argument (``forward(x, n)``): Dynamo specializes it on the
+    first call and, once a second value arrives, makes it a ``SymInt`` input of its own, tied to no tensor.
+    :func:`_classify` makes it a runtime input, exported as a dynamic int (``Dim.DYNAMIC``); it used to be an
+    error ("size input s86 is not a dimension of any runtime tensor input") and a fallback to plain Inductor."""
     expr = getattr(getattr(sym, "node", None), "expr", None)
     for j in runtime:
         fake = nodes[j].meta.get("example_value")
         for d, size in enumerate(getattr(fake, "shape", ())):
             if isinstance(size, torch.SymInt) and expr is not None and size.node.expr == expr:
                 return j, d
-    raise RuntimeError(f"size input {sym} is not a dimension of any runtime tensor input")
+    return None
 
 
 class _Frozen(torch.nn.Module):
@@ -764,6 +796,17 @@ class _Frozen(torch.nn.Module):
         return self.gm(*args)
 
 
+def _concrete(value: Any) -> Any:
+    """``value`` as ``torch.export`` takes an example input: a ``SymInt`` (Dynamo's example of an ``int``
+    argument made dynamic) as its hint, the value of this call; anything else as it is."""
+    if isinstance(value, torch.SymInt):
+        hint = getattr(value.node, "hint", None)
+        if hint is None:
+            raise RuntimeError(f"int input {value} has no example value to export with")
+        return int(hint)
+    return value
+
+
 def _still_symbolic(size: Any) -> bool:
     """Whether a size in Dynamo's fake tensors is still symbolic after its guards (``dynamic=True`` marks
     every dimension, then guards specialize e.g. the channels a conv weight fixes)."""
@@ -776,9 +819,12 @@ def _still_symbolic(size: Any) -> bool:
 
 def _dynamic_shapes(nodes: list[fx.Node], runtime: list[int]) -> tuple | None:
     """``Dim.DYNAMIC`` for every dimension Dynamo made symbolic; None when everything is static."""
-    specs = []
+    specs: list[Any] = []
     for i in runtime:
         fake = nodes[i].meta.get("example_value")
+        if isinstance(fake, (int, torch.SymInt)):  # an int argument (:func:`_find_size`)
+            specs.append(torch.export.Dim.DYNAMIC if _still_symbolic(fake) else None)
+            continue
         dims = {d: torch.export.Dim.DYNAMIC for d, s in enumerate(getattr(fake, "shape", ())) if _still_symbolic(s)}
         specs.append(dims or None)
     return tuple(specs) if any(specs) else None
@@ -807,18 +853,24 @@ def _entry_casts(example_inputs: list, runtime: list[int]) -> dict[int, torch.dt
     graph; :func:`_drop_round_trips` removes the cast back to the arriving dtype they put after the up-cast,
     so a bf16 activation read by a bf16 op is read as it came, with no FP32 copy.
 
+    The target is FP32, never float64, and only fp16 / bf16 inputs are cast: a float64 input is no evidence of
+    the model's dtype. Dynamo hands a Python ``float`` argument over as a 0-dim float64 tensor, and a model may
+    keep one submodule in float64 (``nn.Linear(...).double()`` on a ``.double()``'d activation); taking the
+    widest dtype as the target cast the FP32 activations up to float64 in front of FP32 linears ("mat1 and mat2
+    must have the same dtype, but got Double and Float"), a fallback at fp16 / bf16 and an error at fp32.
+
     Args:
         example_inputs: Dynamo's example inputs (tensors, ints, SymInts).
         runtime: the indices of ``example_inputs`` passed at every call (:class:`_Inputs` ``runtime``).
 
     Returns:
-        ``{k: dtype}`` for the ``k``-th runtime input; empty when every floating input has the widest dtype
-        (the usual case: one subgraph, or ``output_dtype="fp32"``).
+        ``{k: torch.float32}`` for the ``k``-th runtime input when it is fp16 / bf16 and the graph has an FP32
+        input; empty otherwise (the usual case: one subgraph, or ``output_dtype="fp32"``).
     """
-    floats = [t.dtype for t in example_inputs if isinstance(t, torch.Tensor) and t.dtype in _FLOAT_BITS]
-    if not floats:
+    floats = {t.dtype for t in example_inputs if isinstance(t, torch.Tensor) and t.dtype in _FLOAT_BITS}
+    if torch.float32 not in floats:
         return {}
-    wide = max(floats, key=_FLOAT_BITS.__getitem__)
+    wide = torch.float32  # never float64: see the docstring
     out = {}
     for pos, i in enumerate(runtime):
         t = example_inputs[i]
@@ -918,7 +970,7 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
     nodes = _placeholders(gm)
     up = _entry_casts(example_inputs, inputs.runtime)
     wrapper = _Frozen(gm, example_inputs, inputs, up)
-    runtime_args = tuple(example_inputs[i] for i in inputs.runtime)
+    runtime_args = tuple(_concrete(example_inputs[i]) for i in inputs.runtime)
     dims = _dynamic_shapes(nodes, inputs.runtime)
     # forward(*runtime): export sees one varargs tuple, so the specs are nested one level.
     # Export and passes run outside Dynamo's tracing context: its guards and symbols must not leak into Dynamo's,
@@ -970,7 +1022,8 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
     for r in report.results:
         logger.debug("tctune pass %s: %d rewrites, %d skipped", r.name, r.count, len(r.skipped))
     _stable_cache_key(exported)
-    compiled = inductor_compile(exported, [*runtime_args, *(example_inputs[i] for i in sizes)],
+    compiled = inductor_compile(exported, [*(example_inputs[i] for i in inputs.runtime),
+                                           *(example_inputs[i] for i in sizes)],
                                 cfg.config_patches())
     report.seconds["inductor"] = round(time.perf_counter() - t2, 3)
     run = _runtime_caller(compiled, inputs.runtime + sizes)
@@ -1153,6 +1206,13 @@ def _strip_export_checks(gm: fx.GraphModule) -> None:
     Dynamo's own guards already decide which calls reach this graph, and these checks are closures that
     Inductor's FX graph cache cannot pickle (it would log a warning and skip the cache on every compile).
 
+    The ``aten._assert_tensor_metadata`` nodes export puts before each ``.to()`` / ``.float()`` go too: they
+    check a value's dtype against export's own metadata, which is wrong after a ``torch.autocast`` region
+    (torch 2.13 records the ``wrap_with_autocast`` outputs as FP32 where they run bf16), so the exported graph
+    of ``with torch.autocast(...): h = linear(x)`` then ``h.float()`` raised "Tensor dtype mismatch! Expected:
+    torch.float32, Got: torch.bfloat16" on its first run, at every precision, and fell back to plain Inductor.
+    Dynamo's graph has no such checks.
+
     ``ep.module()`` also sets ``gm.train`` / ``gm.eval`` to methods *bound to gm* (they raise
     NotImplementedError). AOTAutograd's cache key pickles ``gm.__dict__``; the bound method's ``__self__`` is
     ``gm`` again, so the key recurses until ``RecursionError`` and AOTAutogradCache is bypassed on *every*
@@ -1171,6 +1231,9 @@ def _strip_export_checks(gm: fx.GraphModule) -> None:
     removed = False
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and str(node.target).startswith("_guards_fn") and not node.users:
+            gm.graph.erase_node(node)
+            removed = True
+        elif node.target is torch.ops.aten._assert_tensor_metadata.default and not node.users:
             gm.graph.erase_node(node)
             removed = True
     if removed:
