@@ -90,7 +90,7 @@ import torch
 from torch import fx
 
 from passes._graph import (alias_targets, copy_meta, fake_from_tensor, finish, get_attr_value, op_name,
-                           set_attr_tensor)
+                           set_attr_tensor, writes_in_place, written_nodes)
 from passes.base import PassResult, PassSpec, Skip
 from passes.calibrate import (FINITE_MAX, MAX_ABS_META, NONFINITE_META, CalibrationRanges, ignored_reasons,
                               source_module)
@@ -234,12 +234,16 @@ def cast_precision(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
     overflow = _overflow_reasons(nodes, spec)
     tied: dict[str, list[str]] = {}
     no_kernel = _no_kernel_reasons(nodes)
+    written = written_nodes(gm)
     weights_low, weights_fp32 = _cast_weights(gm, nodes, keep, low, new, frozenset(overflow) | frozenset(no_kernel),
-                                              spec.residual_fp32, big, saturated, tied)
+                                              spec.residual_fp32, big, saturated, tied, frozenset(written))
     anchors: set[fx.Node] = set()  # FP32 values from keep-list ops / the residual stream (module docstring)
     explicit32: set[fx.Node] = set()  # FP32 values the model converted to FP32 itself, and ops on them only
 
     for node in nodes:
+        if node in written or writes_in_place(node):
+            _keep_written(node, orig, new, rewriter, result)
+            continue
         _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors, explicit32, big, saturated,
                no_kernel)
         out = new.get(node)
@@ -392,6 +396,23 @@ def _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors
             saturated.extend(_saturate_scalars(node, low))
     elif _has_fp32(new[node]) and _big_scalars(node, low):
         big.add(node)
+
+
+def _keep_written(node: fx.Node, orig: dict, new: dict, rewriter: "_Caster", result: PassResult) -> None:
+    """An op that writes a tensor in place (``add_``, ``copy_``, ``index_copy_``, BN's running statistics), or
+    a view of a written tensor on the way to its base (``passes._graph.written_nodes``): it keeps the dtypes of
+    the original graph. Its floating inputs come back to their original dtype, so the write lands in the
+    model's own tensor (a cast is a copy: an input, a buffer or a KV cache written through a bf16 copy lost
+    the write). The cast cache is emptied after a write: a cast made before it holds the old values."""
+    if node.op in ("placeholder", "get_attr"):
+        new.setdefault(node, orig[node])
+        return
+    rewriter.map_inputs(node, lambda arg: orig.get(arg))
+    new[node] = orig[node]
+    if writes_in_place(node):
+        rewriter.cache.clear()
+        if _has_float(orig[node]) or _has_float_input(node, orig):
+            result.skipped.append(Skip(node.name, f"written in place: {op_name(node)} keeps its dtype"))
 
 
 def _no_kernel_reasons(nodes: list[fx.Node]) -> dict[str, str]:
@@ -601,6 +622,7 @@ def _cast_weights(
     big: set | None = None,
     saturated: list | None = None,
     tied: dict | None = None,
+    written: frozenset = frozenset(),
 ) -> tuple[list[str], list[str]]:
     """Store floating weights read only by non-keep-list ops in ``low``; returns (low names, FP32 names).
 
@@ -609,6 +631,8 @@ def _cast_weights(
 
     ``fp32_ops``: names of further ops that compute in FP32 (overflow), whose weights stay FP32 too.
     ``fp32_lookups``: embedding tables read only by lookups stay FP32 (``PassSpec.residual_fp32``).
+    ``written``: nodes written in place (``passes._graph.written_nodes``); such a weight stays FP32 (a low copy
+    would take the writes).
     Finite values beyond ``low``'s range saturate to ``torch.finfo(low).max`` in the low copy (noted in
     ``saturated``); an FP32 weight holding such values joins ``big`` (clamped wherever it is cast down).
     """
@@ -628,6 +652,7 @@ def _cast_weights(
         # Read by a keep-list op (or handed out as an output), or an embedding table no GEMM reads: FP32.
         if (
             not users
+            or any(n in written for n in attr_nodes)
             or any(_reads_fp32(u, keep) or u.name in fp32_ops for u in users)
             or (fp32_lookups and all(_is_lookup(u, attr_nodes) for u in users))
         ):

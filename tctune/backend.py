@@ -968,30 +968,23 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
                          hw: Any = None) -> Callable:
     inputs = _classify(gm, example_inputs, freeze=not spec.training)
     nodes = _placeholders(gm)
-    up = _entry_casts(example_inputs, inputs.runtime)
-    wrapper = _Frozen(gm, example_inputs, inputs, up)
-    runtime_args = tuple(_concrete(example_inputs[i]) for i in inputs.runtime)
-    dims = _dynamic_shapes(nodes, inputs.runtime)
-    # forward(*runtime): export sees one varargs tuple, so the specs are nested one level.
     # Export and passes run outside Dynamo's tracing context: its guards and symbols must not leak into Dynamo's,
     # and the passes' fake tensors are export's (Dynamo's fake mode cannot mix with them).
     # One code generation for all of tctune's rewrites (export's checks removed, the passes, the round-trip
     # casts, the plain codegen): each step marks the module, the block's end recompiles it once.
     t0 = time.perf_counter()
     with deferred_recompile(), torch._guards.tracing(None):
-        with _no_stack_traces():
-            ep = torch.export.export(
-                wrapper, runtime_args, dynamic_shapes=None if dims is None else (dims,), strict=False
-            )
-        sig = ep.graph_signature
-        mutated = dict(getattr(sig, "buffers_to_mutate", {}) or {})
-        if mutated:
-            # A module in train mode updating BN statistics: freezing would update a copy. Keep them inputs.
-            raise RuntimeError(f"the graph mutates module buffers {sorted(mutated.values())}; not frozen")
-        if getattr(sig, "user_inputs_to_mutate", None):
-            raise RuntimeError("the graph mutates its inputs in place; tctune does not rewrite such graphs")
-        exported = ep.module()
-        _strip_export_checks(exported)
+        exported, runtime_args, up = _export(gm, example_inputs, inputs, nodes)
+        written = _written_weights(exported, inputs)
+        if written:
+            # A buffer the graph writes (running statistics, a KV cache): frozen, the passes would fold, pad or
+            # cast a snapshot of it and the writes would land in a copy. It becomes a runtime input; export again.
+            report.notes.append("written in place, passed at every call (not frozen): "
+                                + ", ".join(inputs.weights[i] for i in sorted(written)))
+            for i in written:
+                del inputs.weights[i]
+            inputs.runtime = sorted(inputs.runtime + sorted(written))
+            exported, runtime_args, up = _export(gm, example_inputs, inputs, nodes)
         marked = _mark_entry_casts(exported, up)
         if up:
             report.notes.append(
@@ -1034,6 +1027,32 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
     return run
 
 
+def _export(gm: fx.GraphModule, example_inputs: list, inputs: _Inputs, nodes: list[fx.Node]):
+    """Dynamo's graph re-exported with ``inputs``' weights frozen: ``(ep.module() without export's checks,
+    the runtime example arguments, the entry casts)`` (:func:`_entry_casts`)."""
+    up = _entry_casts(example_inputs, inputs.runtime)
+    wrapper = _Frozen(gm, example_inputs, inputs, up)
+    runtime_args = tuple(_concrete(example_inputs[i]) for i in inputs.runtime)
+    dims = _dynamic_shapes(nodes, inputs.runtime)
+    with _no_stack_traces():
+        # forward(*runtime): export sees one varargs tuple, so the specs are nested one level.
+        ep = torch.export.export(wrapper, runtime_args, dynamic_shapes=None if dims is None else (dims,),
+                                 strict=False)
+    exported = ep.module()
+    _strip_export_checks(exported)
+    return exported, runtime_args, up
+
+
+def _written_weights(exported: fx.GraphModule, inputs: _Inputs) -> list[int]:
+    """Positions (among Dynamo's inputs) of the frozen weights ``exported`` writes in place
+    (``passes._graph.written_nodes``: ``add_``, ``copy_``, ``index_copy_``, slice assignment, BatchNorm's running
+    statistics in training mode)."""
+    from passes._graph import written_nodes
+
+    targets = {str(n.target) for n in written_nodes(exported) if n.op == "get_attr"}
+    return sorted(i for i, name in inputs.weights.items() if name in targets)
+
+
 def _calibrate_fp16(exported: fx.GraphModule, runtime_args: tuple, spec, report: SubgraphReport, hw: Any,
                     policy: str):
     """``spec`` with ``fp32_nodes`` from a calibration run on ``runtime_args``; bf16's spec (with a warning and a
@@ -1042,8 +1061,15 @@ def _calibrate_fp16(exported: fx.GraphModule, runtime_args: tuple, spec, report:
 
     real = all(not (isinstance(t, torch.Tensor) and is_fake(t)) for t in runtime_args)
     if real:
+        from passes._graph import written_nodes
+
+        # The run must not write the user's tensors (an input updated in place, a KV cache): the call that
+        # follows does, once. Those it writes are calibrated on copies.
+        written = written_nodes(exported)
+        args = tuple(a.clone() if isinstance(a, torch.Tensor) and p in written else a
+                     for p, a in zip(_placeholders(exported), runtime_args))
         with torch.no_grad():
-            ranges = calibrate_ranges(exported, [runtime_args])
+            ranges = calibrate_ranges(exported, [args])
         fp32 = overflow_nodes(ranges, "fp16", spec.overflow_margin)
         report.notes.append(f"fp16 calibrated on the first call's inputs: {len(fp32)} op(s) kept FP32 for overflow")
         return dataclasses.replace(spec, fp32_nodes=fp32)
