@@ -355,7 +355,7 @@ def written_nodes(gm: fx.GraphModule) -> set[fx.Node]:
         for arg in writes_in_place(node):
             while isinstance(arg, fx.Node) and arg not in out:
                 out.add(arg)
-                arg = _view_base(arg)
+                arg = view_base(arg)
     return out
 
 
@@ -378,7 +378,7 @@ def writes_in_place(node: fx.Node) -> list[fx.Node]:
     return out
 
 
-def _view_base(node: fx.Node) -> fx.Node | None:
+def view_base(node: fx.Node) -> fx.Node | None:
     """The tensor ``node`` is a view of (its first argument), or None when ``node`` is not a view op."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or not node.args:
         return None

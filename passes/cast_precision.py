@@ -90,7 +90,7 @@ import torch
 from torch import fx
 
 from passes._graph import (alias_targets, copy_meta, fake_from_tensor, finish, get_attr_value, op_name,
-                           set_attr_tensor, writes_in_place, written_nodes)
+                           set_attr_tensor, view_base, writes_in_place, written_nodes)
 from passes.base import PassResult, PassSpec, Skip
 from passes.calibrate import (FINITE_MAX, MAX_ABS_META, NONFINITE_META, CalibrationRanges, ignored_reasons,
                               source_module)
@@ -235,13 +235,14 @@ def cast_precision(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
     tied: dict[str, list[str]] = {}
     no_kernel = _no_kernel_reasons(nodes)
     written = written_nodes(gm)
+    returned = _returned_input_views(gm)
     weights_low, weights_fp32 = _cast_weights(gm, nodes, keep, low, new, frozenset(overflow) | frozenset(no_kernel),
                                               spec.residual_fp32, big, saturated, tied, frozenset(written))
     anchors: set[fx.Node] = set()  # FP32 values from keep-list ops / the residual stream (module docstring)
     explicit32: set[fx.Node] = set()  # FP32 values the model converted to FP32 itself, and ops on them only
 
     for node in nodes:
-        if node in written or writes_in_place(node):
+        if node in written or node in returned or writes_in_place(node):
             _keep_written(node, orig, new, rewriter, result)
             continue
         _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors, explicit32, big, saturated,
@@ -396,6 +397,27 @@ def _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors
             saturated.extend(_saturate_scalars(node, low))
     elif _has_fp32(new[node]) and _big_scalars(node, low):
         big.add(node)
+
+
+def _returned_input_views(gm: fx.GraphModule) -> set[fx.Node]:
+    """Graph outputs that are a graph input or a view of one (``x[:, :4]``, ``x.view(-1)``: view ops only, no
+    arithmetic), with the views between them and the input. They keep the input's dtype: cast down and back
+    up, the caller got the input rounded to fp16 / bf16 in a new tensor where eager returns its exact values
+    (and a view of it)."""
+    output = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
+    if output is None:
+        return set()
+    out: set[fx.Node] = set()
+    for ret in output.all_input_nodes:
+        chain = [ret]
+        while chain[-1].op not in ("placeholder", "get_attr"):
+            base = view_base(chain[-1])
+            if base is None:
+                break
+            chain.append(base)
+        if chain[-1].op in ("placeholder", "get_attr") and len(chain) > 1:
+            out.update(chain)
+    return out
 
 
 def _keep_written(node: fx.Node, orig: dict, new: dict, rewriter: "_Caster", result: PassResult) -> None:

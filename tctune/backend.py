@@ -557,6 +557,12 @@ def _fallback(gm: fx.GraphModule, example_inputs: list, report: SubgraphReport,
     dtype = _LOW_DTYPES.get("bf16" if report.precision == "fp8" else report.precision)
     how = "plain Inductor"
     compiled = None
+    if dtype is not None and _writes_in_place(gm):
+        # Casting the inputs would give the writes copies to land in (an input, a buffer left unchanged).
+        report.notes.append(f"fallback compiled in the model's own dtypes, not at {report.precision}: the graph "
+                            "writes tensors in place")
+        how = "plain Inductor in the model's own dtypes (the graph writes tensors in place)"
+        dtype = None
     if dtype is not None:
         try:
             cast = _cast_like_model_to(gm, example_inputs, dtype, restore_outputs=output_dtype == "fp32")
@@ -583,6 +589,24 @@ def _fallback(gm: fx.GraphModule, example_inputs: list, report: SubgraphReport,
     else:
         logger.debug("tctune backend: falling back to %s for this subgraph (%s)", how, report.fallback)
     return compiled
+
+
+def _writes_in_place(gm: fx.GraphModule) -> bool:
+    """Whether Dynamo's graph ``gm`` may write a tensor in place: an in-place method or function (``x.add_``,
+    ``torch.relu_``, ``index_copy_``), an item assignment (``x[i] = v``), an ``out=`` argument, or a batch norm
+    in training mode (its running statistics). Errs on the side of True: it only decides that the fallback
+    compiles the graph uncast (:func:`_fallback`)."""
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
+        if node.target is operator.setitem or "out" in node.kwargs:
+            return True
+        if name.endswith("_") and not name.endswith("__"):
+            return True
+        if name == "batch_norm" and (node.kwargs.get("training") or (len(node.args) > 5 and node.args[5] is True)):
+            return True
+    return False
 
 
 def _op_name(node: fx.Node) -> str:
