@@ -69,7 +69,15 @@ of placeholders and ``get_attr`` nodes (``meta`` is not updated by FX, so the pa
   complex) outputs are cast down by the low-precision ops that read them. Casting them down made the whole
   graph fail ("Unsupported dtype BFloat16" from ``fft_fftn`` in Hugging Face's FNet on the H200), so the
   backend fell back to plain Inductor. The reason is in ``skipped`` and ``notes["no_low_precision_kernel"]``.
-* Integer and bool tensors are never cast; symbolic-size queries, guards and asserts are left alone.
+* Writes in place (``passes._graph.written_nodes``: ``add_``, ``copy_``, ``index_copy_``, slice assignment,
+  BatchNorm's running statistics in training mode) keep the original graph's dtypes: the written tensor, the
+  views the write goes through and the writing op are never replaced by a cast (a copy, where the write would be
+  lost: an input updated in place, a KV cache, an ``out=`` tensor), the other inputs of the writing op are cast
+  to their original dtype, and no cast made before a write is reused after it. A written weight stays FP32.
+  The reason is ``"written in place: index_copy_ keeps its dtype"``.
+* A graph output that is a graph input or a view of one (view ops only) keeps the input's dtype: returned
+  exact, as eager returns it, not rounded through the low dtype.
+* Integer and bool tensors are never cast; symbolic-size queries, guards, asserts and ``item`` are left alone.
 * Graph outputs are cast back to their original dtypes, so the caller sees eager's dtypes and shapes. With
   ``spec.restore_output_dtypes`` False, an output the original graph returned in FP32 is returned in the dtype
   the rewritten graph computed it in (low, or FP32 where a rule above kept its op FP32), as ``model.half()`` /

@@ -26,11 +26,20 @@ into ``aten.t`` + ``aten.addmm`` there. So each Dynamo subgraph is **re-exported
    (:func:`_runtime_caller`): frozen weights no node reads are deleted first (:func:`_drop_unused_weights`),
    and the graph gets a plain FX codegen (:func:`_plain_codegen`), so Inductor wraps no pytree code around it.
 
+Writes in place. A graph that writes a tensor in place (``x.add_``, ``out.copy_``, ``cache[:, pos] = v``,
+``index_copy_``, a BatchNorm left in train mode) goes through tctune's passes like any other: a buffer it writes
+is not frozen (:func:`_written_weights`: it is exported again as a runtime input, named in the report's notes),
+``passes.cast_precision`` never puts a cast copy between a write and the tensor written, and the fp16
+calibration run writes copies. The writes land in the user's tensors as in eager.
+
 Any exception in tctune's part (export, passes) is logged as a warning on the ``tctune`` logger with its
 reason (once per distinct reason), recorded in the :class:`SubgraphReport`, and that subgraph is compiled by
 plain Inductor instead: tctune never breaks the user's compile. The fallback keeps the requested precision: at
 fp16 / bf16 Inductor compiles Dynamo's graph cast the way ``model.to(dt)`` would run it (floating inputs,
-parameters and buffers cast to ``dt`` on entry, floating outputs cast back to their dtype), never the FP32 graph.
+parameters and buffers cast to ``dt`` on entry, floating outputs cast back to their dtype), never the FP32 graph,
+except a graph that writes tensors in place (:func:`_writes_in_place`): cast, its writes would land in copies, so
+it is compiled as written, with a note. Dynamo's restart signals (:func:`_is_dynamo_restart`) are not failures:
+they go back to Dynamo, which traces the frame again, as it does for plain Inductor.
 
 fp16 overflow. fp16 holds at most 65504, and the backend has no calibration data of its own: at fp16 it runs
 the overflow analysis (``passes.calibrate``) on the first call's inputs, which Dynamo hands the backend as real
