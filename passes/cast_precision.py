@@ -75,8 +75,8 @@ of placeholders and ``get_attr`` nodes (``meta`` is not updated by FX, so the pa
   lost: an input updated in place, a KV cache, an ``out=`` tensor), the other inputs of the writing op are cast
   to their original dtype, and no cast made before a write is reused after it. A written weight stays FP32.
   The reason is ``"written in place: index_copy_ keeps its dtype"``.
-* A graph output that is a graph input or a view of one (view ops only) keeps the input's dtype: returned
-  exact, as eager returns it, not rounded through the low dtype.
+* A graph output that is a graph input or weight, or a view of one (view ops only), keeps its dtype: returned
+  exact, as eager returns it, not rounded through the low dtype (such a weight is not stored low).
 * Integer and bool tensors are never cast; symbolic-size queries, guards, asserts and ``item`` are left alone.
 * Graph outputs are cast back to their original dtypes, so the caller sees eager's dtypes and shapes. With
   ``spec.restore_output_dtypes`` False, an output the original graph returned in FP32 is returned in the dtype
@@ -245,7 +245,8 @@ def cast_precision(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
     written = written_nodes(gm)
     returned = _returned_input_views(gm)
     weights_low, weights_fp32 = _cast_weights(gm, nodes, keep, low, new, frozenset(overflow) | frozenset(no_kernel),
-                                              spec.residual_fp32, big, saturated, tied, frozenset(written))
+                                              spec.residual_fp32, big, saturated, tied,
+                                              frozenset(written | returned))
     anchors: set[fx.Node] = set()  # FP32 values from keep-list ops / the residual stream (module docstring)
     explicit32: set[fx.Node] = set()  # FP32 values the model converted to FP32 itself, and ops on them only
 
@@ -652,7 +653,7 @@ def _cast_weights(
     big: set | None = None,
     saturated: list | None = None,
     tied: dict | None = None,
-    written: frozenset = frozenset(),
+    exact: frozenset = frozenset(),
 ) -> tuple[list[str], list[str]]:
     """Store floating weights read only by non-keep-list ops in ``low``; returns (low names, FP32 names).
 
@@ -661,8 +662,9 @@ def _cast_weights(
 
     ``fp32_ops``: names of further ops that compute in FP32 (overflow), whose weights stay FP32 too.
     ``fp32_lookups``: embedding tables read only by lookups stay FP32 (``PassSpec.residual_fp32``).
-    ``written``: nodes written in place (``passes._graph.written_nodes``); such a weight stays FP32 (a low copy
-    would take the writes).
+    ``exact``: nodes written in place (``passes._graph.written_nodes``) or returned as they are or as a view
+    (:func:`_returned_input_views`); such a weight stays FP32 (a low copy would take the writes, or be returned
+    rounded).
     Finite values beyond ``low``'s range saturate to ``torch.finfo(low).max`` in the low copy (noted in
     ``saturated``); an FP32 weight holding such values joins ``big`` (clamped wherever it is cast down).
     """
@@ -682,7 +684,7 @@ def _cast_weights(
         # Read by a keep-list op (or handed out as an output), or an embedding table no GEMM reads: FP32.
         if (
             not users
-            or any(n in written for n in attr_nodes)
+            or any(n in exact for n in attr_nodes)
             or any(_reads_fp32(u, keep) or u.name in fp32_ops for u in users)
             or (fp32_lookups and all(_is_lookup(u, attr_nodes) for u in users))
         ):

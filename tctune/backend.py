@@ -1067,13 +1067,61 @@ def _export(gm: fx.GraphModule, example_inputs: list, inputs: _Inputs, nodes: li
     wrapper = _Frozen(gm, example_inputs, inputs, up)
     runtime_args = tuple(_concrete(example_inputs[i]) for i in inputs.runtime)
     dims = _dynamic_shapes(nodes, inputs.runtime)
-    with _no_stack_traces():
+    with _no_stack_traces(), _checkpoint_context_fns(gm) as added:
         # forward(*runtime): export sees one varargs tuple, so the specs are nested one level.
         ep = torch.export.export(wrapper, runtime_args, dynamic_shapes=None if dims is None else (dims,),
                                  strict=False)
-    exported = ep.module()
+        exported = ep.module()
+        for module in exported.modules():  # the copies export made of the bodies: vanilla again
+            if any(getattr(module, "meta", {}).get(_CONTEXT_FN) is fn for fn in added):
+                del module.meta[_CONTEXT_FN]
     _strip_export_checks(exported)
     return exported, runtime_args, up
+
+
+#: ``GraphModule.meta`` key of a checkpointed body's ``context_fn`` (selective activation checkpointing).
+_CONTEXT_FN = "_checkpoint_context_fn"
+
+
+@contextlib.contextmanager
+def _checkpoint_context_fns(gm: fx.GraphModule):
+    """Within the block, every body of a ``tag_activation_checkpoint`` node of ``gm`` (Dynamo's graph of
+    ``torch.utils.checkpoint.checkpoint``) has a ``context_fn`` in its meta; yields those added.
+
+    Dynamo stores one only for selective checkpointing (a ``context_fn=`` argument); vanilla checkpointing
+    has none, and the HOP's pre-dispatch tracing that ``torch.export`` runs copies the key unconditionally
+    (``torch._higher_order_ops.wrap.proxy_mode_key``, torch 2.13): ``KeyError: '_checkpoint_context_fn'``, and
+    every graph using ``checkpoint`` in training fell back to plain Inductor. The one added is what the HOP
+    runs without a key (``create_selective_checkpoint_contexts`` recomputing every op), so nothing changes;
+    :func:`_export` removes it from export's copies of the bodies and the block restores Dynamo's."""
+    added: list = []
+    bodies = []
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    for node in gm.graph.nodes:
+        if hop is not None and node.op == "call_function" and node.target is hop and node.args:
+            body = node.args[0]
+            module = getattr(gm, str(body.target), None) if isinstance(body, fx.Node) else None
+            if isinstance(module, fx.GraphModule) and _CONTEXT_FN not in module.meta:
+                bodies.append(module)
+    if bodies:
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        try:
+            from torch._higher_order_ops.wrap import _always_prefer_recompute as policy
+        except ImportError:  # pragma: no cover - other torch versions
+            from torch.utils.checkpoint import CheckpointPolicy
+
+            def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        for module in bodies:
+            fn = functools.partial(create_selective_checkpoint_contexts, policy)
+            module.meta[_CONTEXT_FN] = fn
+            added.append(fn)
+    try:
+        yield added
+    finally:
+        for module in bodies:
+            module.meta.pop(_CONTEXT_FN, None)
 
 
 def _written_weights(exported: fx.GraphModule, inputs: _Inputs) -> list[int]:

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import tctune.backend as tb
@@ -467,19 +468,20 @@ class ReturnsInputViews(nn.Module):
         self.fc = nn.Linear(8, 8)
 
     def forward(self, x):
-        return x[:, :4], x.view(-1), self.fc(x)
+        return x[:, :4], x.view(-1), self.fc(x), self.fc.weight.t()
 
 
 def test_returned_views_of_an_input_are_exact_views(aot_only):
-    """At bf16 a returned ``x[:, :4]`` came back as a new tensor holding x rounded to bf16."""
+    """At bf16 a returned ``x[:, :4]`` came back as a new tensor holding x rounded to bf16, and a returned
+    ``weight.t()`` as the bf16 copy of the weight cast back up."""
     torch.manual_seed(0)
     model = ReturnsInputViews().eval()
     compiled = torch.compile(model, backend="tctune", options={"precision": "bf16"})
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
-        a, b, c = compiled(x)
+        a, b, c, w = compiled(x)
     _no_fallback()
-    assert torch.equal(a, x[:, :4]) and torch.equal(b, x.view(-1))
+    assert torch.equal(a, x[:, :4]) and torch.equal(b, x.view(-1)) and torch.equal(w, model.fc.weight.t())
     assert a.data_ptr() == x.data_ptr() and b.data_ptr() == x.data_ptr()
     _close(c, model.fc(x), "bf16")
     assert _results("cast_precision")[0].count > 0
@@ -506,3 +508,49 @@ def test_fallback_of_a_graph_that_writes_in_place_compiles_it_uncast(monkeypatch
                          "place"]
     torch.testing.assert_close(x, x_ref, rtol=0, atol=0)
     torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-6)
+
+
+class Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(lambda t: F.gelu(self.a(t)), x, use_reentrant=False)
+        return self.b(h)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_activation_checkpointing_in_training(precision, monkeypatch):
+    """Vanilla ``torch.utils.checkpoint`` under the backend in training: the re-export raised
+    ``KeyError: '_checkpoint_context_fn'`` (torch's pre-dispatch tracing of the checkpoint HOP reads a key Dynamo
+    only sets for selective checkpointing), so every such graph fell back to plain Inductor."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def spy(gm, example_inputs, config_patches):
+        graphs.append(gm)
+        return aot_eager(gm, list(example_inputs))
+
+    monkeypatch.setattr(tb, "inductor_compile", spy)
+    torch.manual_seed(0)
+    model = Checkpointed().train()
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="tctune", options={"precision": precision})
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(2))
+    out, ref = compiled(x), eager(x)
+    _close(out, ref, precision)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    _no_fallback()
+    assert tb.reports[-1].training
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert p.grad is not None, name
+        _close(p.grad, q.grad, precision)
+    # The checkpointed region is still one (recomputed in the backward), and vanilla: no context_fn left behind.
+    hop = torch.ops.higher_order.tag_activation_checkpoint
+    (gm,) = graphs
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is hop]
+    assert len(calls) == 1
+    assert "_checkpoint_context_fn" not in getattr(gm, str(calls[0].args[0].target)).meta
