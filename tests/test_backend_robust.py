@@ -554,3 +554,44 @@ def test_activation_checkpointing_in_training(precision, monkeypatch):
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is hop]
     assert len(calls) == 1
     assert "_checkpoint_context_fn" not in getattr(gm, str(calls[0].args[0].target)).meta
+
+
+class _MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_evaluation_after_optimizer_steps_reads_the_new_weights(dynamic, aot_only):
+    """Train through the compiled module, then evaluate it under ``no_grad``, every epoch: the inference graph
+    froze the first evaluation's weights (stored bf16), and later evaluations kept using them (relative error
+    0.39 at the second epoch). An optimizer step now makes the next inference call compile again."""
+    torch.manual_seed(0)
+    model = _MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    compiled = torch.compile(model, backend="tctune", options={"precision": "bf16"}, dynamic=dynamic)
+    g = torch.Generator().manual_seed(1)
+    for epoch in range(3):
+        x = torch.randn(4, 16, generator=g)
+        model.train()
+        opt.zero_grad()
+        compiled(x).square().mean().backward()
+        opt.step()
+        model.eval()
+        with torch.no_grad():
+            for batch in (4, 6):
+                x = torch.randn(batch, 16, generator=g)
+                _close(compiled(x), model(x), "bf16")
+    _no_fallback()
+    again = [rep for rep in tb.reports if rep.notes and rep.notes[0].startswith("compiled again: ")]
+    assert len(again) >= 2 and all(not rep.training for rep in again)
+    # No optimizer step, no new compile: a further evaluation reuses the graph.
+    before = len(tb.reports)
+    with torch.no_grad():
+        x = torch.randn(4, 16, generator=g)
+        _close(compiled(x), model(x), "bf16")
+    assert len(tb.reports) == before
