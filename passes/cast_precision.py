@@ -75,6 +75,9 @@ of placeholders and ``get_attr`` nodes (``meta`` is not updated by FX, so the pa
   lost: an input updated in place, a KV cache, an ``out=`` tensor), the other inputs of the writing op are cast
   to their original dtype, and no cast made before a write is reused after it. A written weight stays FP32.
   The reason is ``"written in place: index_copy_ keeps its dtype"``.
+* An activation-checkpointed region (``torch.utils.checkpoint``: the ``tag_activation_checkpoint`` higher-order
+  op) is cast inside its body at bf16, its boundary dtypes unchanged; at fp16 it stays as written (the overflow
+  calibration sees the region as one node): ``"checkpointed region: not cast at fp16 (...)"``.
 * A graph output that is a graph input or weight, or a view of one (view ops only), keeps its dtype: returned
   exact, as eager returns it, not rounded through the low dtype (such a weight is not stored low).
 * Integer and bool tensors are never cast; symbolic-size queries, guards, asserts and ``item`` are left alone.
@@ -90,6 +93,7 @@ second cast.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from typing import Any
@@ -254,6 +258,10 @@ def cast_precision(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         if node in written or node in returned or writes_in_place(node):
             _keep_written(node, orig, new, rewriter, result)
             continue
+        if _checkpoint_body(gm, node) is not None:
+            _cast_checkpoint_body(gm, node, spec, result)
+            new[node] = orig[node]
+            continue
         _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors, explicit32, big, saturated,
                no_kernel)
         out = new.get(node)
@@ -406,6 +414,34 @@ def _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors
             saturated.extend(_saturate_scalars(node, low))
     elif _has_fp32(new[node]) and _big_scalars(node, low):
         big.add(node)
+
+
+def _checkpoint_body(gm: fx.GraphModule, node: fx.Node) -> fx.GraphModule | None:
+    """The body of ``node`` when it is an activation-checkpointed region (``torch.utils.checkpoint`` as the
+    ``tag_activation_checkpoint`` higher-order op, its body a ``get_attr`` graph module); else None."""
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    if hop is None or node.op != "call_function" or node.target is not hop or not node.args:
+        return None
+    body = node.args[0]
+    if not isinstance(body, fx.Node) or body.op != "get_attr":
+        return None
+    module = get_attr_value(gm, str(body.target))
+    return module if isinstance(module, fx.GraphModule) else None
+
+
+def _cast_checkpoint_body(gm: fx.GraphModule, node: fx.Node, spec: PassSpec, result: PassResult) -> None:
+    """Cast the body of a checkpointed region (:func:`_checkpoint_body`) like a graph of its own, at bf16 only:
+    its inputs and outputs keep their dtypes (the region's boundary is the original one), its ops compute
+    low inside, and the backward recomputes them so. At fp16 the body stays as it is: the overflow calibration
+    records the region as one node, so nothing says which of its ops stay FP32."""
+    if spec.precision != "bf16":
+        result.skipped.append(Skip(node.name, "checkpointed region: not cast at fp16 (no calibration inside it)"))
+        return
+    body = _checkpoint_body(gm, node)
+    inner = cast_precision(body, dataclasses.replace(spec, restore_output_dtypes=True, fp32_nodes=frozenset()))
+    result.count += inner.count
+    result.changed.extend(f"{node.name}.{n}" for n in inner.changed)
+    result.skipped.extend(Skip(f"{node.name}.{s.node}", s.reason) for s in inner.skipped)
 
 
 def _returned_input_views(gm: fx.GraphModule) -> set[fx.Node]:

@@ -520,11 +520,12 @@ class Checkpointed(nn.Module):
         return self.b(h)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
 def test_activation_checkpointing_in_training(precision, monkeypatch):
     """Vanilla ``torch.utils.checkpoint`` under the backend in training: the re-export raised
     ``KeyError: '_checkpoint_context_fn'`` (torch's pre-dispatch tracing of the checkpoint HOP reads a key Dynamo
-    only sets for selective checkpointing), so every such graph fell back to plain Inductor."""
+    only sets for selective checkpointing), so every such graph fell back to plain Inductor. At bf16 the
+    region's ops are cast inside it; at fp16 it stays FP32 (the calibration sees it as one node)."""
     from torch._dynamo.backends.debugging import aot_eager
 
     graphs: list[torch.fx.GraphModule] = []
@@ -554,6 +555,14 @@ def test_activation_checkpointing_in_training(precision, monkeypatch):
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is hop]
     assert len(calls) == 1
     assert "_checkpoint_context_fn" not in getattr(gm, str(calls[0].args[0].target)).meta
+    inside = [n for r in _results("cast_precision") for n in r.changed if n.startswith(calls[0].name + ".")]
+    if precision == "bf16":
+        assert inside, _results("cast_precision")[0].changed  # the region's linear and GELU run bf16
+    else:
+        assert not inside
+    if precision == "fp16":
+        (cast,) = _results("cast_precision")
+        assert any(s.reason.startswith("checkpointed region: not cast at fp16") for s in cast.skipped)
 
 
 class _MLP(nn.Module):
