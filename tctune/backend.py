@@ -53,10 +53,11 @@ pipeline is :data:`BACKEND_PIPELINE`: :data:`passes.PIPELINE` without the passes
 reason; a pass named in ``passes=`` runs. And ``PassSpec.pad_graph_outputs`` is False: ``pad_linear_dims``
 leaves the N of a linear the graph returns (an LM head's logits) unpadded, with its skip reason.
 
-Frozen weights are a snapshot, taken again after an optimizer step: a subgraph whose frozen weights an
-``optimizer.step()`` changed compiles again on its next call (:func:`_rebuilt_after_steps`: the train / evaluate
-loop). After changing weights any other way (``load_state_dict``, ``p.data.copy_(...)``), call
-``torch._dynamo.reset()`` (or compile again) so the padded / cast copies are rebuilt.
+Frozen weights are a snapshot, taken again after an optimizer step or a parameter assignment: a subgraph whose
+frozen weights an ``optimizer.step()`` changed, or whose parameter was replaced (``m.fc.weight = nn.Parameter(w)``),
+compiles again on its next call (:func:`_rebuilt_after_steps`: the train / evaluate loop). After changing weights
+in place any other way (``load_state_dict``, ``p.data.copy_(...)``), call ``torch._dynamo.reset()`` (or compile
+again) so the padded / cast copies are rebuilt.
 
 Options. ``torch.compile(m, backend="tctune", options={"precision": "bf16"})`` works: for a backend given by
 name, torch 2.11-2.13 call it as ``backend(gm, example_inputs, options=options)``, or ``mode=mode`` when
@@ -522,24 +523,32 @@ def _compile(gm: fx.GraphModule, example_inputs: list, cfg: BackendConfig, rebui
     return compiled
 
 
-#: Optimizer steps taken in this process, counted by a ``torch.optim`` global step hook (:func:`_count_steps`).
+#: Events of this process that may change a frozen weight (:func:`_count_steps`): optimizer steps, parameters and
+#: buffers (re)assigned on any module.
 _optimizer_steps = [0]
 _step_hook: list = []
 
 
 def _count_steps() -> None:
-    """Count every ``optimizer.step()`` of the process in :data:`_optimizer_steps` (hook registered once)."""
+    """Count in :data:`_optimizer_steps` every ``optimizer.step()`` of the process (``torch.optim``'s global step
+    hook) and every parameter or buffer assigned to a module (``m.fc.weight = nn.Parameter(...)``: torch.nn's
+    global registration hooks). Registered once."""
     if _step_hook:
         return
+    from torch.nn.modules import module as nn_module
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    def bump(optimizer: Any, args: Any, kwargs: Any) -> None:
+    def bump(*args: Any) -> None:
         _optimizer_steps[0] += 1
 
     _step_hook.append(register_optimizer_step_post_hook(bump))
+    for name in ("register_module_parameter_registration_hook", "register_module_buffer_registration_hook"):
+        hook = getattr(nn_module, name, None)
+        if hook is not None:
+            _step_hook.append(hook(bump))
 
 
-def _rebuilt_after_steps(run: Callable, weights: Sequence[torch.Tensor], gm: fx.GraphModule,
+def _rebuilt_after_steps(run: Callable, weights: Sequence[tuple[int, torch.Tensor]], gm: fx.GraphModule,
                          cfg: BackendConfig) -> Callable:
     """``run`` (a subgraph compiled with frozen weights), compiled again when an optimizer step changed them.
 
@@ -548,33 +557,35 @@ def _rebuilt_after_steps(run: Callable, weights: Sequence[torch.Tensor], gm: fx.
     then ``model.eval()`` and an evaluation under ``torch.no_grad()``, every epoch) compiled its inference
     graph at the first evaluation and kept evaluating those first weights: at bf16 the second epoch's
     evaluation was off by a relative error of 0.39, the third by 0.72 (no warning; plain Inductor reads the
-    live weights). Now each call compares one counter of the process's optimizer steps (``torch.optim``'s
-    global step hook) with the one it last saw; only when it moved does it compare the weights' version
-    counters, and a changed weight compiles the subgraph again from the live weights (with an info log and a
-    new :class:`SubgraphReport` whose notes say why). Weights changed outside an optimizer (``load_state_dict``,
-    ``p.data.copy_``, a parameter replaced by another) are not seen: call ``torch._dynamo.reset()`` after them.
+    live weights). A parameter replaced by another (``m.fc.weight = nn.Parameter(w)``) was ignored the same way,
+    at every precision. Now each call compares one counter (:func:`_count_steps`: optimizer steps, parameters and
+    buffers assigned) with the one it last saw; only when it moved does it compare the weights Dynamo passes
+    (``weights``: ``(position among Dynamo's inputs, tensor frozen)``) with those frozen, by identity and
+    version counter, and a changed one compiles the subgraph again from the live weights (with an info log
+    and a new :class:`SubgraphReport` whose first note says why). Weights changed in place outside an
+    optimizer (``load_state_dict``, ``p.data.copy_``) are not seen: call ``torch._dynamo.reset()`` after them.
     """
     from torch._dynamo.eval_frame import innermost_fn
 
     _count_steps()
     ctx = torch._guards.TracingContext.try_get()
     fakes = [n.meta.get("example_value") for n in _placeholders(gm)]
-    state = [_optimizer_steps[0], innermost_fn(run), [w._version for w in weights]]
+    state = [_optimizer_steps[0], innermost_fn(run), list(weights), [w._version for _, w in weights]]
 
     def call(*args: Any):
         if _optimizer_steps[0] != state[0]:
             state[0] = _optimizer_steps[0]
-            now = [w._version for w in weights]
-            if now != state[2]:
-                logger.info("tctune backend: frozen weights changed (an optimizer step): compiling the subgraph "
-                            "again")
+            if any(args[i] is not w or w._version != v for (i, w), v in zip(state[2], state[3])):
+                logger.info("tctune backend: frozen weights changed (an optimizer step or a new parameter): "
+                            "compiling the subgraph again")
                 with torch._guards.tracing(ctx), torch.no_grad():
                     inputs = [f if isinstance(f, (torch.Tensor, torch.SymInt)) and not isinstance(a, torch.nn.Parameter)
                               else a for f, a in zip(fakes, args)]
                     fresh = _compile(gm, list(args), cfg, rebuild=False, compile_inputs=inputs)
                 reports[-1].notes.insert(0, "compiled again: frozen weights changed since the last compile "
-                                            "(an optimizer step)")
-                state[1], state[2] = innermost_fn(fresh), now
+                                            "(an optimizer step or a new parameter)")
+                frozen = list(getattr(fresh, "_tctune_frozen", ()))  # none after a fallback: weights are inputs
+                state[1], state[2], state[3] = innermost_fn(fresh), frozen, [w._version for _, w in frozen]
         return state[1](*args)
 
     out = torch._dynamo.disable(call)
@@ -1128,7 +1139,7 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
     # Only once tctune's graph compiled: a fallback runs no pass, so it has none to explain.
     report.notes.extend(f"{n} not run: {why}" for n, why in cfg.left_out().items())
     run._tctune_report = report  # type: ignore[attr-defined]
-    run._tctune_frozen = [example_inputs[i] for i in inputs.weights]  # type: ignore[attr-defined]
+    run._tctune_frozen = [(i, example_inputs[i]) for i in inputs.weights]  # type: ignore[attr-defined]
     return run
 
 
