@@ -315,7 +315,10 @@ class SubgraphReport:
             (``"fp16 calibrated on the first call's inputs: 2 op(s) kept FP32 for overflow"``), a switch to
             bf16, how a fallback was compiled (``"fallback compiled at bf16, cast like model.to(dt)"``), the
             inputs cast up on entry (``"inputs narrower than the graph's float32 cast up on entry (...):
-            l_hidden_states_ bfloat16"``, :func:`_entry_casts`), and
+            l_hidden_states_ bfloat16"``, :func:`_entry_casts`), the buffers a graph writes and so passes at
+            every call (``"written in place, passed at every call (not frozen): w3_l_s_buffers_k_"``), a graph
+            compiled again (first note: ``"compiled again: frozen weights changed since the last compile (an
+            optimizer step or a new parameter)"``, :func:`_rebuilt_after_steps`), and
             each pass the default pipeline left out with its reason (``"fuse_attention not run: Inductor
             matches attention itself; ..."``, :data:`INDUCTOR_SKIPS`).
 
