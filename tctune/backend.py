@@ -38,7 +38,8 @@ plain Inductor instead: tctune never breaks the user's compile. The fallback kee
 fp16 / bf16 Inductor compiles Dynamo's graph cast the way ``model.to(dt)`` would run it (floating inputs,
 parameters and buffers cast to ``dt`` on entry, floating outputs cast back to their dtype), never the FP32 graph,
 except a graph that writes tensors in place (:func:`_writes_in_place`): cast, its writes would land in copies, so
-it is compiled as written, with a note. Dynamo's restart signals (:func:`_is_dynamo_restart`) are not failures:
+it is compiled as written, with a note; and a cast graph that does not run on the first call's inputs
+(:func:`_check_runs`) is compiled in the model's own dtypes, with the reason in the notes. Dynamo's restart signals (:func:`_is_dynamo_restart`) are not failures:
 they go back to Dynamo, which traces the frame again, as it does for plain Inductor.
 
 fp16 overflow. fp16 holds at most 65504, and the backend has no calibration data of its own: at fp16 it runs
@@ -660,6 +661,7 @@ def _fallback(gm: fx.GraphModule, example_inputs: list, report: SubgraphReport,
     if dtype is not None:
         try:
             cast = _cast_like_model_to(gm, example_inputs, dtype, restore_outputs=output_dtype == "fp32")
+            _check_runs(cast, example_inputs)
             compiled = compile_fx(cast, example_inputs)
             how = f"plain Inductor at {report.precision} (inputs, weights cast like model.to(dt))"
             report.notes.append(f"fallback compiled at {report.precision}, cast like model.to(dt)")
@@ -683,6 +685,24 @@ def _fallback(gm: fx.GraphModule, example_inputs: list, report: SubgraphReport,
     else:
         logger.debug("tctune backend: falling back to %s for this subgraph (%s)", how, report.fallback)
     return compiled
+
+
+def _check_runs(cast: fx.GraphModule, example_inputs: list) -> None:
+    """Run ``cast`` (the fallback's graph cast like ``model.to(dt)``) once, eagerly, on the first call's inputs,
+    so that a cast graph that cannot run is never what the user gets: a model that converts a value to FP32
+    itself before a linear (``self.b(h.float())``) runs under ``model.to(bf16)`` into "mat1 and mat2 must have
+    the same dtype, but got Float and BFloat16", and the compiled fallback raised it at every call where plain
+    Inductor ran the FP32 graph. Raises what the graph raises (the caller then compiles the model's own
+    dtypes); nothing when an input is a fake tensor (nothing to run on). The random-number state is restored
+    (a dropout in the graph draws its mask from it)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+    if any(is_fake(t) for t in tensors):
+        return
+    devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
+    with torch.random.fork_rng(devices=devices), torch.no_grad(), torch._guards.tracing(None):
+        cast(*example_inputs)
 
 
 def _writes_in_place(gm: fx.GraphModule) -> bool:

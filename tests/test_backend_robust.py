@@ -622,3 +622,26 @@ def test_a_replaced_parameter_is_read_after_the_replacement(precision, aot_only)
         _close(compiled(x), model(x), precision)
     _no_fallback()
     assert tb.reports[-1].notes[0].startswith("compiled again: frozen weights changed")
+
+
+def test_fallback_cast_that_cannot_run_compiles_the_model_dtypes(monkeypatch, aot_only):
+    """The fallback casts Dynamo's graph like ``model.to(bf16)``; a model that converts a value to FP32 itself
+    before a linear (``self.b(h.float())``) cannot run so ("mat1 and mat2 must have the same dtype"), and the
+    compiled fallback raised that at every call. The cast graph is now run once on the first call's inputs;
+    when it fails the model's own dtypes are compiled, with the reason in the notes."""
+    def boom(gm, spec, names=(), seconds=None):  # run_pipeline's signature
+        raise RuntimeError("injected pass failure")
+
+    monkeypatch.setattr(tb, "run_pipeline", boom)
+    torch.manual_seed(0)
+    model = AutocastInside().eval()
+    compiled = torch.compile(model, backend="tctune", options={"precision": "bf16"})
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(4, 16, generator=g)
+            _close(compiled(x), model(x), "bf16")
+    (rep,) = tb.reports
+    assert "injected pass failure" in rep.fallback
+    assert any(n.startswith("fallback at bf16 failed (RuntimeError: mat1 and mat2 must have the same dtype")
+               for n in rep.notes), rep.notes
