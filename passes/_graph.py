@@ -330,3 +330,64 @@ def deferred_recompile():
     _DEFERRED.reset(token)
     for gm in pending:
         gm.recompile()
+
+
+#: ATen ops that write some inputs without saying so in their schema: ``{op name: (arg position, ...)}``, taken
+#: only when ``training`` (position 5) is True: ``batch_norm`` updates ``running_mean`` / ``running_var``.
+_UNANNOTATED_WRITES = {"batch_norm": (3, 4)}
+
+
+def written_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes of ``gm`` whose tensors some op writes in place, with every view they are a view of.
+
+    An op writes an argument when its schema marks it ``Tensor(a!)`` (``add_``, ``copy_``, ``index_copy_``,
+    ``index_put_``; the ``out=`` of an out variant); ``aten.batch_norm`` in training mode writes its running
+    statistics without the mark. A written view (``buffer[:, pos] = v`` is ``slice`` then ``copy_``) writes its
+    base, so the walk goes back through view ops (a schema whose output aliases its first argument without
+    writing it) to the placeholder or ``get_attr``. A pass must not replace such a node by a copy (a cast, a
+    padded or folded weight): the write would land in the copy and be lost.
+
+    Returns:
+        The written nodes and the views between them and their base, the base included.
+    """
+    out: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        for arg in writes_in_place(node):
+            while isinstance(arg, fx.Node) and arg not in out:
+                out.add(arg)
+                arg = view_base(arg)
+    return out
+
+
+def writes_in_place(node: fx.Node) -> list[fx.Node]:
+    """The arguments the ATen op ``node`` writes in place (:func:`written_nodes`); ``[]`` for other nodes."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return []
+    out: list[fx.Node] = []
+    schema = node.target._schema
+    if schema.is_mutable:
+        for i, formal in enumerate(schema.arguments):
+            info = formal.alias_info
+            if info is not None and info.is_write:
+                arg = node.args[i] if i < len(node.args) else node.kwargs.get(formal.name)
+                if isinstance(arg, fx.Node):
+                    out.append(arg)
+    positions = _UNANNOTATED_WRITES.get(op_name(node))
+    if positions and node_arg(node, 5, "training", False) is True:
+        out.extend(node.args[i] for i in positions if i < len(node.args) and isinstance(node.args[i], fx.Node))
+    return out
+
+
+def view_base(node: fx.Node) -> fx.Node | None:
+    """The tensor ``node`` is a view of (its first argument), or None when ``node`` is not a view op."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or not node.args:
+        return None
+    schema = node.target._schema
+    if not schema.returns or schema.is_mutable:
+        return None
+    ret = schema.returns[0].alias_info
+    first = schema.arguments[0].alias_info if schema.arguments else None
+    if ret is None or first is None or ret.is_write or not (set(ret.before_set) & set(first.before_set)):
+        return None
+    base = node.args[0]
+    return base if isinstance(base, fx.Node) else None

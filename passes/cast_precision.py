@@ -69,7 +69,18 @@ of placeholders and ``get_attr`` nodes (``meta`` is not updated by FX, so the pa
   complex) outputs are cast down by the low-precision ops that read them. Casting them down made the whole
   graph fail ("Unsupported dtype BFloat16" from ``fft_fftn`` in Hugging Face's FNet on the H200), so the
   backend fell back to plain Inductor. The reason is in ``skipped`` and ``notes["no_low_precision_kernel"]``.
-* Integer and bool tensors are never cast; symbolic-size queries, guards and asserts are left alone.
+* Writes in place (``passes._graph.written_nodes``: ``add_``, ``copy_``, ``index_copy_``, slice assignment,
+  BatchNorm's running statistics in training mode) keep the original graph's dtypes: the written tensor, the
+  views the write goes through and the writing op are never replaced by a cast (a copy, where the write would be
+  lost: an input updated in place, a KV cache, an ``out=`` tensor), the other inputs of the writing op are cast
+  to their original dtype, and no cast made before a write is reused after it. A written weight stays FP32.
+  The reason is ``"written in place: index_copy_ keeps its dtype"``.
+* An activation-checkpointed region (``torch.utils.checkpoint``: the ``tag_activation_checkpoint`` higher-order
+  op) is cast inside its body at bf16, its boundary dtypes unchanged; at fp16 it stays as written (the overflow
+  calibration sees the region as one node): ``"checkpointed region: not cast at fp16 (...)"``.
+* A graph output that is a graph input or weight, or a view of one (view ops only), keeps its dtype: returned
+  exact, as eager returns it, not rounded through the low dtype (such a weight is not stored low).
+* Integer and bool tensors are never cast; symbolic-size queries, guards, asserts and ``item`` are left alone.
 * Graph outputs are cast back to their original dtypes, so the caller sees eager's dtypes and shapes. With
   ``spec.restore_output_dtypes`` False, an output the original graph returned in FP32 is returned in the dtype
   the rewritten graph computed it in (low, or FP32 where a rule above kept its op FP32), as ``model.half()`` /
@@ -82,6 +93,7 @@ second cast.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from typing import Any
@@ -90,7 +102,7 @@ import torch
 from torch import fx
 
 from passes._graph import (alias_targets, copy_meta, fake_from_tensor, finish, get_attr_value, op_name,
-                           set_attr_tensor)
+                           set_attr_tensor, view_base, writes_in_place, written_nodes)
 from passes.base import PassResult, PassSpec, Skip
 from passes.calibrate import (FINITE_MAX, MAX_ABS_META, NONFINITE_META, CalibrationRanges, ignored_reasons,
                               source_module)
@@ -105,6 +117,7 @@ _PASSTHROUGH = frozenset(
     {
         "sym_size", "sym_numel", "sym_stride", "sym_storage_offset", "_assert_scalar", "_assert_async",
         "_assert_tensor_metadata", "sym_constrain_range", "sym_constrain_range_for_size", "_local_scalar_dense",
+        "item",  # reads the value as a Python number (a tensorified Python float): never rounded to low first
     }
 )
 #: Elementwise ops that run in FP32 on the residual stream (see the module docstring).
@@ -233,12 +246,22 @@ def cast_precision(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
     overflow = _overflow_reasons(nodes, spec)
     tied: dict[str, list[str]] = {}
     no_kernel = _no_kernel_reasons(nodes)
+    written = written_nodes(gm)
+    returned = _returned_input_views(gm)
     weights_low, weights_fp32 = _cast_weights(gm, nodes, keep, low, new, frozenset(overflow) | frozenset(no_kernel),
-                                              spec.residual_fp32, big, saturated, tied)
+                                              spec.residual_fp32, big, saturated, tied,
+                                              frozenset(written | returned))
     anchors: set[fx.Node] = set()  # FP32 values from keep-list ops / the residual stream (module docstring)
     explicit32: set[fx.Node] = set()  # FP32 values the model converted to FP32 itself, and ops on them only
 
     for node in nodes:
+        if node in written or node in returned or writes_in_place(node):
+            _keep_written(node, orig, new, rewriter, result)
+            continue
+        if _checkpoint_body(gm, node) is not None:
+            _cast_checkpoint_body(gm, node, spec, result)
+            new[node] = orig[node]
+            continue
         _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors, explicit32, big, saturated,
                no_kernel)
         out = new.get(node)
@@ -391,6 +414,72 @@ def _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors
             saturated.extend(_saturate_scalars(node, low))
     elif _has_fp32(new[node]) and _big_scalars(node, low):
         big.add(node)
+
+
+def _checkpoint_body(gm: fx.GraphModule, node: fx.Node) -> fx.GraphModule | None:
+    """The body of ``node`` when it is an activation-checkpointed region (``torch.utils.checkpoint`` as the
+    ``tag_activation_checkpoint`` higher-order op, its body a ``get_attr`` graph module); else None."""
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    if hop is None or node.op != "call_function" or node.target is not hop or not node.args:
+        return None
+    body = node.args[0]
+    if not isinstance(body, fx.Node) or body.op != "get_attr":
+        return None
+    module = get_attr_value(gm, str(body.target))
+    return module if isinstance(module, fx.GraphModule) else None
+
+
+def _cast_checkpoint_body(gm: fx.GraphModule, node: fx.Node, spec: PassSpec, result: PassResult) -> None:
+    """Cast the body of a checkpointed region (:func:`_checkpoint_body`) like a graph of its own, at bf16 only:
+    its inputs and outputs keep their dtypes (the region's boundary is the original one), its ops compute
+    low inside, and the backward recomputes them so. At fp16 the body stays as it is: the overflow calibration
+    records the region as one node, so nothing says which of its ops stay FP32."""
+    if spec.precision != "bf16":
+        result.skipped.append(Skip(node.name, "checkpointed region: not cast at fp16 (no calibration inside it)"))
+        return
+    body = _checkpoint_body(gm, node)
+    inner = cast_precision(body, dataclasses.replace(spec, restore_output_dtypes=True, fp32_nodes=frozenset()))
+    result.count += inner.count
+    result.changed.extend(f"{node.name}.{n}" for n in inner.changed)
+    result.skipped.extend(Skip(f"{node.name}.{s.node}", s.reason) for s in inner.skipped)
+
+
+def _returned_input_views(gm: fx.GraphModule) -> set[fx.Node]:
+    """Graph outputs that are a graph input or a view of one (``x[:, :4]``, ``x.view(-1)``: view ops only, no
+    arithmetic), with the views between them and the input. They keep the input's dtype: cast down and back
+    up, the caller got the input rounded to fp16 / bf16 in a new tensor where eager returns its exact values
+    (and a view of it)."""
+    output = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
+    if output is None:
+        return set()
+    out: set[fx.Node] = set()
+    for ret in output.all_input_nodes:
+        chain = [ret]
+        while chain[-1].op not in ("placeholder", "get_attr"):
+            base = view_base(chain[-1])
+            if base is None:
+                break
+            chain.append(base)
+        if chain[-1].op in ("placeholder", "get_attr") and len(chain) > 1:
+            out.update(chain)
+    return out
+
+
+def _keep_written(node: fx.Node, orig: dict, new: dict, rewriter: "_Caster", result: PassResult) -> None:
+    """An op that writes a tensor in place (``add_``, ``copy_``, ``index_copy_``, BN's running statistics), or
+    a view of a written tensor on the way to its base (``passes._graph.written_nodes``): it keeps the dtypes of
+    the original graph. Its floating inputs come back to their original dtype, so the write lands in the
+    model's own tensor (a cast is a copy: an input, a buffer or a KV cache written through a bf16 copy lost
+    the write). The cast cache is emptied after a write: a cast made before it holds the old values."""
+    if node.op in ("placeholder", "get_attr"):
+        new.setdefault(node, orig[node])
+        return
+    rewriter.map_inputs(node, lambda arg: orig.get(arg))
+    new[node] = orig[node]
+    if writes_in_place(node):
+        rewriter.cache.clear()
+        if _has_float(orig[node]) or _has_float_input(node, orig):
+            result.skipped.append(Skip(node.name, f"written in place: {op_name(node)} keeps its dtype"))
 
 
 def _no_kernel_reasons(nodes: list[fx.Node]) -> dict[str, str]:
@@ -600,6 +689,7 @@ def _cast_weights(
     big: set | None = None,
     saturated: list | None = None,
     tied: dict | None = None,
+    exact: frozenset = frozenset(),
 ) -> tuple[list[str], list[str]]:
     """Store floating weights read only by non-keep-list ops in ``low``; returns (low names, FP32 names).
 
@@ -608,6 +698,9 @@ def _cast_weights(
 
     ``fp32_ops``: names of further ops that compute in FP32 (overflow), whose weights stay FP32 too.
     ``fp32_lookups``: embedding tables read only by lookups stay FP32 (``PassSpec.residual_fp32``).
+    ``exact``: nodes written in place (``passes._graph.written_nodes``) or returned as they are or as a view
+    (:func:`_returned_input_views`); such a weight stays FP32 (a low copy would take the writes, or be returned
+    rounded).
     Finite values beyond ``low``'s range saturate to ``torch.finfo(low).max`` in the low copy (noted in
     ``saturated``); an FP32 weight holding such values joins ``big`` (clamped wherever it is cast down).
     """
@@ -627,6 +720,7 @@ def _cast_weights(
         # Read by a keep-list op (or handed out as an output), or an embedding table no GEMM reads: FP32.
         if (
             not users
+            or any(n in exact for n in attr_nodes)
             or any(_reads_fp32(u, keep) or u.name in fp32_ops for u in users)
             or (fp32_lookups and all(_is_lookup(u, attr_nodes) for u in users))
         ):

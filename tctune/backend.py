@@ -26,11 +26,21 @@ into ``aten.t`` + ``aten.addmm`` there. So each Dynamo subgraph is **re-exported
    (:func:`_runtime_caller`): frozen weights no node reads are deleted first (:func:`_drop_unused_weights`),
    and the graph gets a plain FX codegen (:func:`_plain_codegen`), so Inductor wraps no pytree code around it.
 
+Writes in place. A graph that writes a tensor in place (``x.add_``, ``out.copy_``, ``cache[:, pos] = v``,
+``index_copy_``, a BatchNorm left in train mode) goes through tctune's passes like any other: a buffer it writes
+is not frozen (:func:`_written_weights`: it is exported again as a runtime input, named in the report's notes),
+``passes.cast_precision`` never puts a cast copy between a write and the tensor written, and the fp16
+calibration run writes copies. The writes land in the user's tensors as in eager.
+
 Any exception in tctune's part (export, passes) is logged as a warning on the ``tctune`` logger with its
 reason (once per distinct reason), recorded in the :class:`SubgraphReport`, and that subgraph is compiled by
 plain Inductor instead: tctune never breaks the user's compile. The fallback keeps the requested precision: at
 fp16 / bf16 Inductor compiles Dynamo's graph cast the way ``model.to(dt)`` would run it (floating inputs,
-parameters and buffers cast to ``dt`` on entry, floating outputs cast back to their dtype), never the FP32 graph.
+parameters and buffers cast to ``dt`` on entry, floating outputs cast back to their dtype), never the FP32 graph,
+except a graph that writes tensors in place (:func:`_writes_in_place`): cast, its writes would land in copies, so
+it is compiled as written, with a note; and a cast graph that does not run on the first call's inputs
+(:func:`_check_runs`) is compiled in the model's own dtypes, with the reason in the notes. Dynamo's restart signals (:func:`_is_dynamo_restart`) are not failures:
+they go back to Dynamo, which traces the frame again, as it does for plain Inductor.
 
 fp16 overflow. fp16 holds at most 65504, and the backend has no calibration data of its own: at fp16 it runs
 the overflow analysis (``passes.calibrate``) on the first call's inputs, which Dynamo hands the backend as real
@@ -44,8 +54,11 @@ pipeline is :data:`BACKEND_PIPELINE`: :data:`passes.PIPELINE` without the passes
 reason; a pass named in ``passes=`` runs. And ``PassSpec.pad_graph_outputs`` is False: ``pad_linear_dims``
 leaves the N of a linear the graph returns (an LM head's logits) unpadded, with its skip reason.
 
-Frozen weights are a snapshot: after changing a model's weights in inference, call ``torch._dynamo.reset()``
-(or compile again) so the padded / cast copies are rebuilt.
+Frozen weights are a snapshot, taken again after an optimizer step or a parameter assignment: a subgraph whose
+frozen weights an ``optimizer.step()`` changed, or whose parameter was replaced (``m.fc.weight = nn.Parameter(w)``),
+compiles again on its next call (:func:`_rebuilt_after_steps`: the train / evaluate loop). After changing weights
+in place any other way (``load_state_dict``, ``p.data.copy_(...)``), call ``torch._dynamo.reset()`` (or compile
+again) so the padded / cast copies are rebuilt.
 
 Options. ``torch.compile(m, backend="tctune", options={"precision": "bf16"})`` works: for a backend given by
 name, torch 2.11-2.13 call it as ``backend(gm, example_inputs, options=options)``, or ``mode=mode`` when
@@ -303,7 +316,10 @@ class SubgraphReport:
             (``"fp16 calibrated on the first call's inputs: 2 op(s) kept FP32 for overflow"``), a switch to
             bf16, how a fallback was compiled (``"fallback compiled at bf16, cast like model.to(dt)"``), the
             inputs cast up on entry (``"inputs narrower than the graph's float32 cast up on entry (...):
-            l_hidden_states_ bfloat16"``, :func:`_entry_casts`), and
+            l_hidden_states_ bfloat16"``, :func:`_entry_casts`), the buffers a graph writes and so passes at
+            every call (``"written in place, passed at every call (not frozen): w3_l_s_buffers_k_"``), a graph
+            compiled again (first note: ``"compiled again: frozen weights changed since the last compile (an
+            optimizer step or a new parameter)"``, :func:`_rebuilt_after_steps`), and
             each pass the default pipeline left out with its reason (``"fuse_attention not run: Inductor
             matches attention itself; ..."``, :data:`INDUCTOR_SKIPS`).
 
@@ -472,7 +488,13 @@ def _default_precision(hw) -> str:
     return "bf16" if "bf16" in hw.tensor_core_precisions else "fp16"
 
 
-def _compile(gm: fx.GraphModule, example_inputs: list, cfg: BackendConfig) -> Callable:
+def _compile(gm: fx.GraphModule, example_inputs: list, cfg: BackendConfig, rebuild: bool = True,
+             compile_inputs: list | None = None) -> Callable:
+    """Compile one Dynamo subgraph (tctune's passes, else :func:`_fallback`) and record its report.
+
+    ``rebuild``: wrap a graph with frozen weights in :func:`_rebuilt_after_steps`. ``compile_inputs``: what
+    Inductor is given in place of ``example_inputs`` (a rebuild passes Dynamo's fake tensors: its symbolic
+    sizes)."""
     _warm_compile_pool()
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
     training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
@@ -489,8 +511,13 @@ def _compile(gm: fx.GraphModule, example_inputs: list, cfg: BackendConfig) -> Ca
         compiled = _compile_with_passes(gm, example_inputs,
                                         _spec_for(hw, training, cfg.policy, report.precision, cfg.fp8_keep,
                                                   cfg.output_dtype, cfg.fp8_fast_accum),
-                                        cfg, report, hw)
+                                        cfg, report, hw, compile_inputs)
+        frozen = getattr(compiled, "_tctune_frozen", ())
+        if rebuild and frozen:
+            compiled = _rebuilt_after_steps(compiled, frozen, gm, cfg)
     except Exception as exc:  # noqa: BLE001 - never break the user's compile
+        if _is_dynamo_restart(exc):
+            raise  # Dynamo's own control flow (retrace the frame): plain Inductor raises it too
         reason = f"{type(exc).__name__}: {exc}"
         report.fallback = reason
         report.results = []
@@ -498,6 +525,92 @@ def _compile(gm: fx.GraphModule, example_inputs: list, cfg: BackendConfig) -> Ca
         compiled = _fallback(gm, example_inputs, report, cfg.config_patches(), cfg.output_dtype)
     _record(report)
     return compiled
+
+
+#: Events of this process that may change a frozen weight (:func:`_count_steps`): optimizer steps, parameters and
+#: buffers (re)assigned on any module.
+_optimizer_steps = [0]
+_step_hook: list = []
+
+
+def _count_steps() -> None:
+    """Count in :data:`_optimizer_steps` every ``optimizer.step()`` of the process (``torch.optim``'s global step
+    hook) and every parameter or buffer assigned to a module (``m.fc.weight = nn.Parameter(...)``: torch.nn's
+    global registration hooks). Registered once."""
+    if _step_hook:
+        return
+    from torch.nn.modules import module as nn_module
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    def bump(*args: Any) -> None:
+        _optimizer_steps[0] += 1
+
+    _step_hook.append(register_optimizer_step_post_hook(bump))
+    for name in ("register_module_parameter_registration_hook", "register_module_buffer_registration_hook"):
+        hook = getattr(nn_module, name, None)
+        if hook is not None:
+            _step_hook.append(hook(bump))
+
+
+def _rebuilt_after_steps(run: Callable, weights: Sequence[tuple[int, torch.Tensor]], gm: fx.GraphModule,
+                         cfg: BackendConfig) -> Callable:
+    """``run`` (a subgraph compiled with frozen weights), compiled again when an optimizer step changed them.
+
+    Frozen weights are read once, at compile time: the passes store cast, padded, folded or fused copies of
+    them in the compiled graph. The usual training loop (``model.train()``, steps through the compiled module,
+    then ``model.eval()`` and an evaluation under ``torch.no_grad()``, every epoch) compiled its inference
+    graph at the first evaluation and kept evaluating those first weights: at bf16 the second epoch's
+    evaluation was off by a relative error of 0.39, the third by 0.72 (no warning; plain Inductor reads the
+    live weights). A parameter replaced by another (``m.fc.weight = nn.Parameter(w)``) was ignored the same way,
+    at every precision. Now each call compares one counter (:func:`_count_steps`: optimizer steps, parameters and
+    buffers assigned) with the one it last saw; only when it moved does it compare the weights Dynamo passes
+    (``weights``: ``(position among Dynamo's inputs, tensor frozen)``) with those frozen, by identity and
+    version counter, and a changed one compiles the subgraph again from the live weights (with an info log
+    and a new :class:`SubgraphReport` whose first note says why). Weights changed in place outside an
+    optimizer (``load_state_dict``, ``p.data.copy_``) are not seen: call ``torch._dynamo.reset()`` after them.
+    """
+    from torch._dynamo.eval_frame import innermost_fn
+
+    _count_steps()
+    ctx = torch._guards.TracingContext.try_get()
+    fakes = [n.meta.get("example_value") for n in _placeholders(gm)]
+    state = [_optimizer_steps[0], innermost_fn(run), list(weights), [w._version for _, w in weights]]
+
+    def call(*args: Any):
+        if _optimizer_steps[0] != state[0]:
+            state[0] = _optimizer_steps[0]
+            if any(args[i] is not w or w._version != v for (i, w), v in zip(state[2], state[3])):
+                logger.info("tctune backend: frozen weights changed (an optimizer step or a new parameter): "
+                            "compiling the subgraph again")
+                with torch._guards.tracing(ctx), torch.no_grad():
+                    inputs = [f if isinstance(f, (torch.Tensor, torch.SymInt)) and not isinstance(a, torch.nn.Parameter)
+                              else a for f, a in zip(fakes, args)]
+                    fresh = _compile(gm, list(args), cfg, rebuild=False, compile_inputs=inputs)
+                reports[-1].notes.insert(0, "compiled again: frozen weights changed since the last compile "
+                                            "(an optimizer step or a new parameter)")
+                frozen = list(getattr(fresh, "_tctune_frozen", ()))  # none after a fallback: weights are inputs
+                state[1], state[2], state[3] = innermost_fn(fresh), frozen, [w._version for _, w in frozen]
+        return state[1](*args)
+
+    out = torch._dynamo.disable(call)
+    out._tctune_report = getattr(run, "_tctune_report", None)  # type: ignore[attr-defined]
+    return out
+
+
+def _is_dynamo_restart(exc: BaseException) -> bool:
+    """Whether ``exc`` is one of Dynamo's restart signals (``torch._dynamo.exc.RestartAnalysis`` and its
+    subclasses), which a backend must let through: Dynamo catches them and traces the frame again.
+
+    AOT autograd's ``tensorify_python_scalars`` raises ``TensorifyScalarRestartAnalysis`` from inside
+    ``compile_fx`` when a Python float of the graph cannot become a tensor (a float computed from an
+    ``.item()`` after a graph break); Dynamo then retraces with that float specialized and compiles again.
+    Caught as a tctune failure, it made that subgraph fall back to plain Inductor, with
+    ``"TensorifyScalarRestartAnalysis: "`` as the reason, where plain Inductor compiled the retraced graph."""
+    try:
+        from torch._dynamo.exc import RestartAnalysis
+    except ImportError:  # pragma: no cover - other torch versions
+        return False
+    return isinstance(exc, RestartAnalysis)
 
 
 def _spec_for(hw, training: bool, policy: str, precision: str, fp8_keep: Sequence[str] = (),
@@ -539,9 +652,16 @@ def _fallback(gm: fx.GraphModule, example_inputs: list, report: SubgraphReport,
     dtype = _LOW_DTYPES.get("bf16" if report.precision == "fp8" else report.precision)
     how = "plain Inductor"
     compiled = None
+    if dtype is not None and _writes_in_place(gm):
+        # Casting the inputs would give the writes copies to land in (an input, a buffer left unchanged).
+        report.notes.append(f"fallback compiled in the model's own dtypes, not at {report.precision}: the graph "
+                            "writes tensors in place")
+        how = "plain Inductor in the model's own dtypes (the graph writes tensors in place)"
+        dtype = None
     if dtype is not None:
         try:
             cast = _cast_like_model_to(gm, example_inputs, dtype, restore_outputs=output_dtype == "fp32")
+            _check_runs(cast, example_inputs)
             compiled = compile_fx(cast, example_inputs)
             how = f"plain Inductor at {report.precision} (inputs, weights cast like model.to(dt))"
             report.notes.append(f"fallback compiled at {report.precision}, cast like model.to(dt)")
@@ -550,6 +670,8 @@ def _fallback(gm: fx.GraphModule, example_inputs: list, report: SubgraphReport,
                 report.notes.append("fallback kept FP32 (no low-precision kernel): "
                                     + "; ".join(f"{n}: {why}" for n, why in kept.items()))
         except Exception as exc:  # noqa: BLE001 - the FP32 graph below still compiles
+            if _is_dynamo_restart(exc):
+                raise
             report.notes.append(f"fallback at {report.precision} failed ({type(exc).__name__}: {exc}); "
                                 "compiled in the model's own dtypes")
             how = f"plain Inductor in the model's own dtypes ({report.precision} cast failed: {exc})"
@@ -563,6 +685,42 @@ def _fallback(gm: fx.GraphModule, example_inputs: list, report: SubgraphReport,
     else:
         logger.debug("tctune backend: falling back to %s for this subgraph (%s)", how, report.fallback)
     return compiled
+
+
+def _check_runs(cast: fx.GraphModule, example_inputs: list) -> None:
+    """Run ``cast`` (the fallback's graph cast like ``model.to(dt)``) once, eagerly, on the first call's inputs,
+    so that a cast graph that cannot run is never what the user gets: a model that converts a value to FP32
+    itself before a linear (``self.b(h.float())``) runs under ``model.to(bf16)`` into "mat1 and mat2 must have
+    the same dtype, but got Float and BFloat16", and the compiled fallback raised it at every call where plain
+    Inductor ran the FP32 graph. Raises what the graph raises (the caller then compiles the model's own
+    dtypes); nothing when an input is a fake tensor (nothing to run on). The random-number state is restored
+    (a dropout in the graph draws its mask from it)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+    if any(is_fake(t) for t in tensors):
+        return
+    devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
+    with torch.random.fork_rng(devices=devices), torch.no_grad(), torch._guards.tracing(None):
+        cast(*example_inputs)
+
+
+def _writes_in_place(gm: fx.GraphModule) -> bool:
+    """Whether Dynamo's graph ``gm`` may write a tensor in place: an in-place method or function (``x.add_``,
+    ``torch.relu_``, ``index_copy_``), an item assignment (``x[i] = v``), an ``out=`` argument, or a batch norm
+    in training mode (its running statistics). Errs on the side of True: it only decides that the fallback
+    compiles the graph uncast (:func:`_fallback`)."""
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
+        if node.target is operator.setitem or "out" in node.kwargs:
+            return True
+        if name.endswith("_") and not name.endswith("__"):
+            return True
+        if name == "batch_norm" and (node.kwargs.get("training") or (len(node.args) > 5 and node.args[5] is True)):
+            return True
+    return False
 
 
 def _op_name(node: fx.Node) -> str:
@@ -671,7 +829,8 @@ def _record(report: SubgraphReport) -> None:
 
 @dataclass
 class _Inputs:
-    """Dynamo's inputs, sorted: runtime tensors, frozen weights, and sizes recomputed from runtime shapes."""
+    """Dynamo's inputs, sorted: runtime inputs (tensors, and ``int`` arguments tied to no tensor's size),
+    frozen weights, and sizes recomputed from runtime shapes."""
 
     runtime: list[int]
     weights: dict[int, str]
@@ -716,20 +875,31 @@ def _classify(gm: fx.GraphModule, example_inputs: list, freeze: bool) -> _Inputs
             symbolic.append((i, node.meta.get("example_value", value)))
         else:
             raise RuntimeError(f"unsupported graph input {node.name}: {type(value).__name__}")
+    tensors = list(out.runtime)
     for i, sym in symbolic:
-        out.sizes[i] = _find_size(sym, nodes, out.runtime)
+        where = _find_size(sym, nodes, tensors)
+        if where is None:  # an int argument of the user's (a step, a length): passed at every call
+            out.runtime.append(i)
+        else:
+            out.sizes[i] = where
+    out.runtime.sort()
     return out
 
 
-def _find_size(sym: Any, nodes: list[fx.Node], runtime: list[int]) -> tuple[int, int]:
-    """Which runtime tensor dimension carries the size ``sym`` (a SymInt graph input)."""
+def _find_size(sym: Any, nodes: list[fx.Node], runtime: list[int]) -> tuple[int, int] | None:
+    """Which runtime tensor dimension carries the size ``sym`` (a SymInt graph input); None when none does.
+
+    None is a Python ``int`` the model takes as an argument (``forward(x, n)``): Dynamo specializes it on the
+    first call and, once a second value arrives, makes it a ``SymInt`` input of its own, tied to no tensor.
+    :func:`_classify` makes it a runtime input, exported as a dynamic int (``Dim.DYNAMIC``); it used to be an
+    error ("size input s86 is not a dimension of any runtime tensor input") and a fallback to plain Inductor."""
     expr = getattr(getattr(sym, "node", None), "expr", None)
     for j in runtime:
         fake = nodes[j].meta.get("example_value")
         for d, size in enumerate(getattr(fake, "shape", ())):
             if isinstance(size, torch.SymInt) and expr is not None and size.node.expr == expr:
                 return j, d
-    raise RuntimeError(f"size input {sym} is not a dimension of any runtime tensor input")
+    return None
 
 
 class _Frozen(torch.nn.Module):
@@ -764,6 +934,17 @@ class _Frozen(torch.nn.Module):
         return self.gm(*args)
 
 
+def _concrete(value: Any) -> Any:
+    """``value`` as ``torch.export`` takes an example input: a ``SymInt`` (Dynamo's example of an ``int``
+    argument made dynamic) as its hint, the value of this call; anything else as it is."""
+    if isinstance(value, torch.SymInt):
+        hint = getattr(value.node, "hint", None)
+        if hint is None:
+            raise RuntimeError(f"int input {value} has no example value to export with")
+        return int(hint)
+    return value
+
+
 def _still_symbolic(size: Any) -> bool:
     """Whether a size in Dynamo's fake tensors is still symbolic after its guards (``dynamic=True`` marks
     every dimension, then guards specialize e.g. the channels a conv weight fixes)."""
@@ -776,9 +957,12 @@ def _still_symbolic(size: Any) -> bool:
 
 def _dynamic_shapes(nodes: list[fx.Node], runtime: list[int]) -> tuple | None:
     """``Dim.DYNAMIC`` for every dimension Dynamo made symbolic; None when everything is static."""
-    specs = []
+    specs: list[Any] = []
     for i in runtime:
         fake = nodes[i].meta.get("example_value")
+        if isinstance(fake, (int, torch.SymInt)):  # an int argument (:func:`_find_size`)
+            specs.append(torch.export.Dim.DYNAMIC if _still_symbolic(fake) else None)
+            continue
         dims = {d: torch.export.Dim.DYNAMIC for d, s in enumerate(getattr(fake, "shape", ())) if _still_symbolic(s)}
         specs.append(dims or None)
     return tuple(specs) if any(specs) else None
@@ -807,18 +991,24 @@ def _entry_casts(example_inputs: list, runtime: list[int]) -> dict[int, torch.dt
     graph; :func:`_drop_round_trips` removes the cast back to the arriving dtype they put after the up-cast,
     so a bf16 activation read by a bf16 op is read as it came, with no FP32 copy.
 
+    The target is FP32, never float64, and only fp16 / bf16 inputs are cast: a float64 input is no evidence of
+    the model's dtype. Dynamo hands a Python ``float`` argument over as a 0-dim float64 tensor, and a model may
+    keep one submodule in float64 (``nn.Linear(...).double()`` on a ``.double()``'d activation); taking the
+    widest dtype as the target cast the FP32 activations up to float64 in front of FP32 linears ("mat1 and mat2
+    must have the same dtype, but got Double and Float"), a fallback at fp16 / bf16 and an error at fp32.
+
     Args:
         example_inputs: Dynamo's example inputs (tensors, ints, SymInts).
         runtime: the indices of ``example_inputs`` passed at every call (:class:`_Inputs` ``runtime``).
 
     Returns:
-        ``{k: dtype}`` for the ``k``-th runtime input; empty when every floating input has the widest dtype
-        (the usual case: one subgraph, or ``output_dtype="fp32"``).
+        ``{k: torch.float32}`` for the ``k``-th runtime input when it is fp16 / bf16 and the graph has an FP32
+        input; empty otherwise (the usual case: one subgraph, or ``output_dtype="fp32"``).
     """
-    floats = [t.dtype for t in example_inputs if isinstance(t, torch.Tensor) and t.dtype in _FLOAT_BITS]
-    if not floats:
+    floats = {t.dtype for t in example_inputs if isinstance(t, torch.Tensor) and t.dtype in _FLOAT_BITS}
+    if torch.float32 not in floats:
         return {}
-    wide = max(floats, key=_FLOAT_BITS.__getitem__)
+    wide = torch.float32  # never float64: see the docstring
     out = {}
     for pos, i in enumerate(runtime):
         t = example_inputs[i]
@@ -913,33 +1103,26 @@ def _no_stack_traces():
 
 
 def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: SubgraphReport,
-                         hw: Any = None) -> Callable:
+                         hw: Any = None, compile_inputs: list | None = None) -> Callable:
     inputs = _classify(gm, example_inputs, freeze=not spec.training)
     nodes = _placeholders(gm)
-    up = _entry_casts(example_inputs, inputs.runtime)
-    wrapper = _Frozen(gm, example_inputs, inputs, up)
-    runtime_args = tuple(example_inputs[i] for i in inputs.runtime)
-    dims = _dynamic_shapes(nodes, inputs.runtime)
-    # forward(*runtime): export sees one varargs tuple, so the specs are nested one level.
     # Export and passes run outside Dynamo's tracing context: its guards and symbols must not leak into Dynamo's,
     # and the passes' fake tensors are export's (Dynamo's fake mode cannot mix with them).
     # One code generation for all of tctune's rewrites (export's checks removed, the passes, the round-trip
     # casts, the plain codegen): each step marks the module, the block's end recompiles it once.
     t0 = time.perf_counter()
     with deferred_recompile(), torch._guards.tracing(None):
-        with _no_stack_traces():
-            ep = torch.export.export(
-                wrapper, runtime_args, dynamic_shapes=None if dims is None else (dims,), strict=False
-            )
-        sig = ep.graph_signature
-        mutated = dict(getattr(sig, "buffers_to_mutate", {}) or {})
-        if mutated:
-            # A module in train mode updating BN statistics: freezing would update a copy. Keep them inputs.
-            raise RuntimeError(f"the graph mutates module buffers {sorted(mutated.values())}; not frozen")
-        if getattr(sig, "user_inputs_to_mutate", None):
-            raise RuntimeError("the graph mutates its inputs in place; tctune does not rewrite such graphs")
-        exported = ep.module()
-        _strip_export_checks(exported)
+        exported, runtime_args, up = _export(gm, example_inputs, inputs, nodes)
+        written = _written_weights(exported, inputs)
+        if written:
+            # A buffer the graph writes (running statistics, a KV cache): frozen, the passes would fold, pad or
+            # cast a snapshot of it and the writes would land in a copy. It becomes a runtime input; export again.
+            report.notes.append("written in place, passed at every call (not frozen): "
+                                + ", ".join(inputs.weights[i] for i in sorted(written)))
+            for i in written:
+                del inputs.weights[i]
+            inputs.runtime = sorted(inputs.runtime + sorted(written))
+            exported, runtime_args, up = _export(gm, example_inputs, inputs, nodes)
         marked = _mark_entry_casts(exported, up)
         if up:
             report.notes.append(
@@ -970,7 +1153,8 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
     for r in report.results:
         logger.debug("tctune pass %s: %d rewrites, %d skipped", r.name, r.count, len(r.skipped))
     _stable_cache_key(exported)
-    compiled = inductor_compile(exported, [*runtime_args, *(example_inputs[i] for i in sizes)],
+    given = example_inputs if compile_inputs is None else compile_inputs
+    compiled = inductor_compile(exported, [*(given[i] for i in inputs.runtime), *(given[i] for i in sizes)],
                                 cfg.config_patches())
     report.seconds["inductor"] = round(time.perf_counter() - t2, 3)
     run = _runtime_caller(compiled, inputs.runtime + sizes)
@@ -978,7 +1162,82 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
     # Only once tctune's graph compiled: a fallback runs no pass, so it has none to explain.
     report.notes.extend(f"{n} not run: {why}" for n, why in cfg.left_out().items())
     run._tctune_report = report  # type: ignore[attr-defined]
+    run._tctune_frozen = [(i, example_inputs[i]) for i in inputs.weights]  # type: ignore[attr-defined]
     return run
+
+
+def _export(gm: fx.GraphModule, example_inputs: list, inputs: _Inputs, nodes: list[fx.Node]):
+    """Dynamo's graph re-exported with ``inputs``' weights frozen: ``(ep.module() without export's checks,
+    the runtime example arguments, the entry casts)`` (:func:`_entry_casts`)."""
+    up = _entry_casts(example_inputs, inputs.runtime)
+    wrapper = _Frozen(gm, example_inputs, inputs, up)
+    runtime_args = tuple(_concrete(example_inputs[i]) for i in inputs.runtime)
+    dims = _dynamic_shapes(nodes, inputs.runtime)
+    with _no_stack_traces(), _checkpoint_context_fns(gm) as added:
+        # forward(*runtime): export sees one varargs tuple, so the specs are nested one level.
+        ep = torch.export.export(wrapper, runtime_args, dynamic_shapes=None if dims is None else (dims,),
+                                 strict=False)
+        exported = ep.module()
+        for module in exported.modules():  # the copies export made of the bodies: vanilla again
+            if any(getattr(module, "meta", {}).get(_CONTEXT_FN) is fn for fn in added):
+                del module.meta[_CONTEXT_FN]
+    _strip_export_checks(exported)
+    return exported, runtime_args, up
+
+
+#: ``GraphModule.meta`` key of a checkpointed body's ``context_fn`` (selective activation checkpointing).
+_CONTEXT_FN = "_checkpoint_context_fn"
+
+
+@contextlib.contextmanager
+def _checkpoint_context_fns(gm: fx.GraphModule):
+    """Within the block, every body of a ``tag_activation_checkpoint`` node of ``gm`` (Dynamo's graph of
+    ``torch.utils.checkpoint.checkpoint``) has a ``context_fn`` in its meta; yields those added.
+
+    Dynamo stores one only for selective checkpointing (a ``context_fn=`` argument); vanilla checkpointing
+    has none, and the HOP's pre-dispatch tracing that ``torch.export`` runs copies the key unconditionally
+    (``torch._higher_order_ops.wrap.proxy_mode_key``, torch 2.13): ``KeyError: '_checkpoint_context_fn'``, and
+    every graph using ``checkpoint`` in training fell back to plain Inductor. The one added is what the HOP
+    runs without a key (``create_selective_checkpoint_contexts`` recomputing every op), so nothing changes;
+    :func:`_export` removes it from export's copies of the bodies and the block restores Dynamo's."""
+    added: list = []
+    bodies = []
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    for node in gm.graph.nodes:
+        if hop is not None and node.op == "call_function" and node.target is hop and node.args:
+            body = node.args[0]
+            module = getattr(gm, str(body.target), None) if isinstance(body, fx.Node) else None
+            if isinstance(module, fx.GraphModule) and _CONTEXT_FN not in module.meta:
+                bodies.append(module)
+    if bodies:
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        try:
+            from torch._higher_order_ops.wrap import _always_prefer_recompute as policy
+        except ImportError:  # pragma: no cover - other torch versions
+            from torch.utils.checkpoint import CheckpointPolicy
+
+            def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        for module in bodies:
+            fn = functools.partial(create_selective_checkpoint_contexts, policy)
+            module.meta[_CONTEXT_FN] = fn
+            added.append(fn)
+    try:
+        yield added
+    finally:
+        for module in bodies:
+            module.meta.pop(_CONTEXT_FN, None)
+
+
+def _written_weights(exported: fx.GraphModule, inputs: _Inputs) -> list[int]:
+    """Positions (among Dynamo's inputs) of the frozen weights ``exported`` writes in place
+    (``passes._graph.written_nodes``: ``add_``, ``copy_``, ``index_copy_``, slice assignment, BatchNorm's running
+    statistics in training mode)."""
+    from passes._graph import written_nodes
+
+    targets = {str(n.target) for n in written_nodes(exported) if n.op == "get_attr"}
+    return sorted(i for i, name in inputs.weights.items() if name in targets)
 
 
 def _calibrate_fp16(exported: fx.GraphModule, runtime_args: tuple, spec, report: SubgraphReport, hw: Any,
@@ -989,8 +1248,15 @@ def _calibrate_fp16(exported: fx.GraphModule, runtime_args: tuple, spec, report:
 
     real = all(not (isinstance(t, torch.Tensor) and is_fake(t)) for t in runtime_args)
     if real:
+        from passes._graph import written_nodes
+
+        # The run must not write the user's tensors (an input updated in place, a KV cache): the call that
+        # follows does, once. Those it writes are calibrated on copies.
+        written = written_nodes(exported)
+        args = tuple(a.clone() if isinstance(a, torch.Tensor) and p in written else a
+                     for p, a in zip(_placeholders(exported), runtime_args))
         with torch.no_grad():
-            ranges = calibrate_ranges(exported, [runtime_args])
+            ranges = calibrate_ranges(exported, [args])
         fp32 = overflow_nodes(ranges, "fp16", spec.overflow_margin)
         report.notes.append(f"fp16 calibrated on the first call's inputs: {len(fp32)} op(s) kept FP32 for overflow")
         return dataclasses.replace(spec, fp32_nodes=fp32)
@@ -1153,6 +1419,13 @@ def _strip_export_checks(gm: fx.GraphModule) -> None:
     Dynamo's own guards already decide which calls reach this graph, and these checks are closures that
     Inductor's FX graph cache cannot pickle (it would log a warning and skip the cache on every compile).
 
+    The ``aten._assert_tensor_metadata`` nodes export puts before each ``.to()`` / ``.float()`` go too: they
+    check a value's dtype against export's own metadata, which is wrong after a ``torch.autocast`` region
+    (torch 2.13 records the ``wrap_with_autocast`` outputs as FP32 where they run bf16), so the exported graph
+    of ``with torch.autocast(...): h = linear(x)`` then ``h.float()`` raised "Tensor dtype mismatch! Expected:
+    torch.float32, Got: torch.bfloat16" on its first run, at every precision, and fell back to plain Inductor.
+    Dynamo's graph has no such checks.
+
     ``ep.module()`` also sets ``gm.train`` / ``gm.eval`` to methods *bound to gm* (they raise
     NotImplementedError). AOTAutograd's cache key pickles ``gm.__dict__``; the bound method's ``__self__`` is
     ``gm`` again, so the key recurses until ``RecursionError`` and AOTAutogradCache is bypassed on *every*
@@ -1171,6 +1444,9 @@ def _strip_export_checks(gm: fx.GraphModule) -> None:
     removed = False
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and str(node.target).startswith("_guards_fn") and not node.users:
+            gm.graph.erase_node(node)
+            removed = True
+        elif node.target is torch.ops.aten._assert_tensor_metadata.default and not node.users:
             gm.graph.erase_node(node)
             removed = True
     if removed:

@@ -207,3 +207,45 @@ def test_cast_precision_pure_policy_casts_residuals_and_embeddings_too():
     assert gm_pure.get_parameter("embeddings.word_embeddings.weight").dtype == torch.bfloat16
     assert gm_autocast.get_parameter("embeddings.word_embeddings.weight").dtype == torch.float32
     zoo.assert_matches_eager(model, gm_pure, entry.example_inputs(5), "bf16")
+
+
+class _WritesCache(torch.nn.Module):
+    """A linear whose output is written into the caller's cache by slice assignment, then read back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x, cache):
+        cache[:, :2] = self.fc(x)
+        cache.mul_(0.5)
+        return cache.sum(-1)[:, 2:] + self.fc(cache[:, 2:]).mean(-1)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_cast_precision_keeps_written_tensors_and_their_views(precision):
+    """A written tensor (and the slice the write goes through) is never replaced by a cast copy: the write must
+    land in the caller's tensor. The linears still run low."""
+    from passes._graph import view_base, writes_in_place, written_nodes
+
+    model = _WritesCache().eval()
+    g = torch.Generator().manual_seed(3)
+    x, cache = torch.randn(3, 2, 8, generator=g), torch.randn(3, 4, 8, generator=g)
+    gm = torch.export.export(model, (x, cache.clone()), strict=False).module()
+    written = written_nodes(gm)
+    assert {n.op for n in written} >= {"placeholder"}
+    result = cast_precision(gm, PassSpec(precision=precision))
+    assert result.count > 0
+    assert any(s.reason.startswith("written in place: ") for s in result.skipped), result.skipped
+    writes = [(n, a) for n in gm.graph.nodes for a in writes_in_place(n)]
+    assert writes
+    for node, arg in writes:  # each write goes through views to the caller's tensor, never through a cast
+        while arg.op != "placeholder":
+            assert arg.target is not _CAST, f"{node.name} writes a cast copy"
+            arg = view_base(arg)
+    mine, ref = cache.clone(), cache.clone()
+    with torch.no_grad():
+        got, want = gm(x, mine), model(x, ref)
+    torch.testing.assert_close(mine, ref, rtol=2e-2, atol=2e-2)
+    assert not torch.equal(mine, cache)  # the write reached the caller's tensor
+    torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)
