@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tctune.calibration import load_calibration, read_folder
-from tctune.errors import ModelFileError, UsageError
+from tctune.errors import CandidateRejected, ModelFileError, UsageError
 from tctune.fp8_plan import METRIC_SCORE, plan_fp8_keep
 from tctune.hardware import resolve
 from tctune.measure import ErrorStats
@@ -22,6 +22,7 @@ from tctune.report import accepted_by, gate_line
 from tctune.search import TuneConfig, Tuner, best_trial
 from tctune.search.accuracy import ScoreGate, worst
 from tctune.search.results import constraint_checks
+from tctune.trial import FailureKind
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -112,6 +113,31 @@ def test_score_limits_ratio_absolute_and_negative_scores():
         with pytest.raises(UsageError) as e:
             TuneConfig(out_dir="x", **bad)
         assert e.value.field == next(iter(bad))
+
+
+
+@pytest.mark.parametrize("returned, accepted", [
+    (0.5, 0.5), (3, 3.0), (np.float32(0.25), 0.25), (torch.tensor(0.75), 0.75), (torch.tensor([0.5]), 0.5),
+    (None, "returned None"), (True, "returned True"), ("0.9", "returned the str '0.9'"),
+    (torch.ones(3), "tensor of shape (3,)"), ([0.5], "returned a list"),
+])
+def test_score_must_return_one_number(returned, accepted):
+    # A number or a one-element tensor is the score; anything else (a score() without return, a formatted
+    # string, a per-class tensor) is one error saying what it returned, not "score raised" and not a silent cast.
+    model = torch.nn.Linear(2, 2)
+    gate = ScoreGate(lambda m: returned, where="m.py")
+    if not isinstance(accepted, str):
+        assert gate.reference(model) == pytest.approx(accepted)
+        assert gate.score("g", model, "bf16")[0] == pytest.approx(accepted)
+        return
+    with pytest.raises(ModelFileError) as e:
+        gate.reference(model)
+    msg = str(e.value)
+    assert msg.startswith("m.py: score(model) ") and accepted in msg and "must be one number for the FP32 model" in msg
+    assert "raised" not in msg and "fix: return one number" in msg
+    with pytest.raises(CandidateRejected, match="must be one number for the bf16 candidate") as e:
+        ScoreGate(lambda m: returned).score("g", model, "bf16")
+    assert e.value.kind == FailureKind.RUNTIME_ERROR
 
 
 def test_fp8_is_judged_by_the_score_where_relative_l2_rejects():
