@@ -134,7 +134,10 @@ class TunedModule(torch.nn.Module):
     """A tuned model: the winning configuration of a search, callable like the original model.
 
     ``tuned(*inputs)`` takes the original model's positional inputs (batch on dim 0; any batch the captured
-    graph accepts) and returns its output structure (dict, tuple, ``ModelOutput``-like object). Output dtypes:
+    graph accepts), and also by the names of ``forward``'s arguments (``tuned(input_ids=ids,
+    attention_mask=mask)``, as the original model is called) where those names are known (``input_names``);
+    exactly the tuned inputs: an input missing or named twice, or a keyword that is not one of them (an optional
+    ``forward`` argument the search did not pass), is a ``TypeError`` naming the accepted inputs. It returns its output structure (dict, tuple, ``ModelOutput``-like object). Output dtypes:
     with ``keep_low_precision_outputs`` (the ``"compute"`` output contract, what :func:`from_search` sets
     under ``TuneConfig.output_dtype="compute"``, the default) floating outputs come back in the dtype the
     winning graph computed them in (e.g. bf16, or FP32 where the cast policy kept the producing op FP32);
@@ -151,6 +154,8 @@ class TunedModule(torch.nn.Module):
         runtime: one of ``tctune.runtime.ALL_RUNTIMES`` (``eager``, ``cudagraphs``, ``inductor``,
             ``inductor-max-autotune``, ``inductor-cudagraphs``, ``inductor-max-autotune-cudagraphs``).
         manifest: what :func:`save` writes beside the graph (see the module docstring).
+        input_names: the names of ``forward``'s arguments for the tuned inputs, in order (the manifest's
+            ``input_names``), or None where unknown (then inputs are positional only).
 
     Built by :func:`from_search` (``tctune.optimize``) or :func:`load`; the constructor's other arguments:
     ``autocast`` (``"fp16"``/``"bf16"``: run the graph under ``torch.autocast``, a winning model as written),
@@ -166,7 +171,7 @@ class TunedModule(torch.nn.Module):
                  out_spec: pytree.TreeSpec | None = None, out_dtypes: Sequence[str | None] = (),
                  keep_low_precision_outputs: bool = False, report: dict | None = None, manifest: dict | None = None,
                  save_graph: torch.nn.Module | None = None, example_inputs: tuple | None = None,
-                 exported: Any = None):
+                 exported: Any = None, input_names: Sequence[str] | None = None):
         super().__init__()
         self.graph = graph
         self.config = config
@@ -179,6 +184,7 @@ class TunedModule(torch.nn.Module):
         self.report = report or {}
         self.out_dir: str | None = None
         self.manifest = manifest or {}
+        self.input_names = list(input_names) if input_names else None
         # Not submodules: neither in state_dict nor moved by .to() twice.
         self.__dict__["_save_graph"] = save_graph  # what save() exports (FP32 graph for a model-as-written win)
         self.__dict__["_example_inputs"] = example_inputs  # inputs at batch >= 2 for the re-export
@@ -248,7 +254,30 @@ class TunedModule(torch.nn.Module):
             self._graphs[key] = CudaGraphed(base, inputs)
         return self._graphs[key]
 
-    def forward(self, *inputs):
+    def _bind(self, inputs: tuple, kwargs: dict) -> tuple:
+        """``inputs`` and ``kwargs`` as the positional tuple of the tuned inputs (see the class docstring)."""
+        names = self.input_names
+        if not names:
+            raise TypeError(f"this tuned module takes its inputs by position only (the names of forward's "
+                            f"arguments are unknown), got keyword(s) {sorted(kwargs)}\n  fix: tuned(*inputs), in "
+                            "the order of the model's forward")
+        accepted = ", ".join(names)
+        if len(inputs) > len(names):
+            raise TypeError(f"the tuned module takes {len(names)} inputs ({accepted}), got {len(inputs)} positional")
+        twice = [n for n in names[:len(inputs)] if n in kwargs]
+        unknown = [k for k in kwargs if k not in names]
+        missing = [n for n in names[len(inputs):] if n not in kwargs]
+        if twice or unknown or missing:
+            why = "; ".join(w for w in (
+                f"{twice} given by position and by name" if twice else "",
+                f"{unknown} not among them (the search tuned only these inputs)" if unknown else "",
+                f"missing {missing}" if missing else "") if w)
+            raise TypeError(f"the tuned module takes the inputs it was tuned with: {accepted}; {why}")
+        return tuple(inputs) + tuple(kwargs[n] for n in names[len(inputs):])
+
+    def forward(self, *inputs, **kwargs):
+        if kwargs:
+            inputs = self._bind(inputs, kwargs)
         with precision_mode(self.config.precision), torch.inference_mode():
             fn = self._runner(inputs)
             out = fn(*inputs)
@@ -351,9 +380,12 @@ def from_search(optimized, keep_low_precision_outputs: bool | None = None) -> Tu
                 "layout": layout, "compute_capability": hw.compute_capability or None, "hardware": hw.name,
                 "arch": hw.arch, "device": tuner.device.type, "torch_version": torch.__version__,
                 "tctune_version": _version()}
+    names = tuner.mf.forward_names()
+    names = names[:len(inputs)] if len(names) >= len(inputs) else None
+    manifest["input_names"] = names
     return TunedModule(graph, trial, trial.runtime, autocast=autocast, cast=cast, out_spec=spec, out_dtypes=dtypes,
                        keep_low_precision_outputs=bool(keep_low_precision_outputs), report=optimized.report,
-                       manifest=manifest, save_graph=save_graph, example_inputs=example)
+                       manifest=manifest, save_graph=save_graph, example_inputs=example, input_names=names)
 
 
 def _version() -> str:
@@ -518,7 +550,7 @@ def load(path: str | Path, device: str | torch.device | None = None) -> TunedMod
                        cast=manifest.get("cast"), out_spec=spec,
                        out_dtypes=manifest.get("out_dtypes") or (),
                        keep_low_precision_outputs=_keeps_low(manifest), report=report,
-                       manifest=manifest, exported=ep)
+                       manifest=manifest, exported=ep, input_names=manifest.get("input_names"))
 
 
 def _keeps_low(manifest: dict) -> bool:

@@ -383,6 +383,31 @@ def test_save_load_in_process_and_capability_warning(tuned_bf16, tmp_path, monke
         tctune.load(path)
 
 
+
+def test_inputs_by_forward_argument_name_before_and_after_save_load(tuned_bf16, tmp_path):
+    # tuned(ids=..., feats=...) as the model is called; the names survive save/load; a wrong keyword is one
+    # TypeError naming the tuned inputs.
+    _, tuned = tuned_bf16
+    ids, feats = _inputs(5, 31)
+    assert tuned.input_names == ["ids", "feats"]
+    loaded = tctune.load(tctune.save(tuned, tmp_path / "k.pt2"))
+    assert loaded.input_names == ["ids", "feats"]
+    for m in (tuned, loaded):
+        want = torch.utils._pytree.tree_leaves(m(ids, feats))
+        for call in (lambda: m(ids=ids, feats=feats), lambda: m(feats=feats, ids=ids), lambda: m(ids, feats=feats)):
+            for a, b in zip(torch.utils._pytree.tree_leaves(call()), want):
+                assert torch.equal(a, b)
+        for bad, said in ((lambda: m(ids, ids=ids, feats=feats), "['ids'] given by position and by name"),
+                          (lambda: m(ids=ids), "missing ['feats']"),
+                          (lambda: m(ids, feats, mask=feats), "['mask'] not among them")):
+            with pytest.raises(TypeError, match=r"tuned with: ids, feats; ") as e:
+                bad()
+            assert said in str(e.value)
+    anonymous = TunedModule(tuned.graph, tuned.config, tuned.runtime)
+    with pytest.raises(TypeError, match="by position only"):
+        anonymous(ids=ids, feats=feats)
+
+
 def test_load_refuses_a_file_that_is_not_a_tctune_archive(tmp_path):
     p = tmp_path / "x.pt2"
     p.write_bytes(b"not a zip")
