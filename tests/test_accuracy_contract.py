@@ -367,3 +367,35 @@ def test_export_rebuild_calibrates_fp16_on_the_same_real_batches(tmp_path):
     _, graphs = rebuild_graphs(load_model_file(f), cfg, resolve("h100"), torch.device("cpu"))
     with torch.inference_mode():
         assert torch.isfinite(graphs.graph(torch.full((4, 8), 1000.0))).all()
+
+
+def test_a_score_that_calls_the_model_by_keyword_scores_every_wrapper():
+    # Hugging Face users call a model by keyword (model(input_ids=..., attention_mask=...)). The autocast baseline
+    # and a channels-last candidate hand score() a wrapper: it takes keywords as the model does, and runs them
+    # under autocast / in channels-last as it does positional inputs.
+    from tctune.runtime import Autocast, ChannelsLast
+
+    class KwModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 3)
+
+        def forward(self, pixels, scale):
+            self.seen = (torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None,
+                         pixels.is_contiguous(memory_format=torch.channels_last))
+            return self.conv(pixels).abs().mean((1, 2, 3)) * scale
+
+    torch.manual_seed(0)
+    model = KwModel().eval()
+    x, s = torch.randn(2, 3, 8, 8), torch.rand(2) + 0.5
+
+    def score(m):
+        return float(m(pixels=x, scale=s).float().sum())
+
+    gate = ScoreGate(score)
+    ref = gate.reference(model)
+    assert model.seen == (None, False)
+    low, _ = gate.score("autocast", Autocast(model, torch.bfloat16, "cpu"), "bf16")
+    assert model.seen == (torch.bfloat16, False) and low == pytest.approx(ref, rel=5e-2) and low != ref
+    nhwc, _ = gate.score("channels_last", ChannelsLast(model), "fp32")
+    assert model.seen == (None, True) and nhwc == pytest.approx(ref, rel=1e-5)
