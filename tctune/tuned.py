@@ -162,8 +162,10 @@ class TunedModule(torch.nn.Module):
     ``cast`` (``"fp16"``/``"bf16"``: the graph is the model cast as a whole, every floating parameter and buffer
     in that dtype, and floating inputs are cast to it on every call, as the winning ``cast_<p>`` baseline ran),
     ``out_spec`` / ``out_dtypes`` (the FP32 reference's output structure and leaf dtype names, ``"float32"``),
-    ``save_graph`` (what :func:`save` exports), ``example_inputs`` (inputs at batch 2 for that export) and
-    ``exported`` (the ``ExportedProgram`` a loaded module came from).
+    ``save_graph`` (what :func:`save` exports), ``example_inputs`` (inputs at batch 2 for that export),
+    ``dynamic_shapes`` (that export's ``torch.export`` dynamic shapes: the capture's batch and declared
+    dimensions, e.g. a ``seq`` Dim; None: a batch on dim 0 only) and ``exported`` (the ``ExportedProgram`` a
+    loaded module came from).
     """
 
     def __init__(self, graph: torch.nn.Module, config, runtime: str, *, autocast: str | None = None,
@@ -171,7 +173,8 @@ class TunedModule(torch.nn.Module):
                  out_spec: pytree.TreeSpec | None = None, out_dtypes: Sequence[str | None] = (),
                  keep_low_precision_outputs: bool = False, report: dict | None = None, manifest: dict | None = None,
                  save_graph: torch.nn.Module | None = None, example_inputs: tuple | None = None,
-                 exported: Any = None, input_names: Sequence[str] | None = None):
+                 exported: Any = None, input_names: Sequence[str] | None = None,
+                 dynamic_shapes: tuple | None = None):
         super().__init__()
         self.graph = graph
         self.config = config
@@ -189,6 +192,8 @@ class TunedModule(torch.nn.Module):
         self.__dict__["_save_graph"] = save_graph  # what save() exports (FP32 graph for a model-as-written win)
         self.__dict__["_example_inputs"] = example_inputs  # inputs at batch >= 2 for the re-export
         self.__dict__["_exported"] = exported  # the ExportedProgram a loaded module came from
+        # torch.export dynamic_shapes of the capture (batch and the model file's declared Dims) for save()
+        self.__dict__["_dynamic_shapes"] = dynamic_shapes
         self.__dict__["_compiled"] = None
         self.__dict__["_graphs"] = {}
         self.eval()  # inference: the graph (and a model as written) in eval mode
@@ -380,12 +385,17 @@ def from_search(optimized, keep_low_precision_outputs: bool | None = None) -> Tu
                 "layout": layout, "compute_capability": hw.compute_capability or None, "hardware": hw.name,
                 "arch": hw.arch, "device": tuner.device.type, "torch_version": torch.__version__,
                 "tctune_version": _version()}
+    from .capture import export_dynamic_shapes
+
+    captured = getattr(getattr(tuner, "captured", None), "graph_module", None)
+    dynamic = export_dynamic_shapes(captured) if captured is not None else None
     names = tuner.mf.forward_names()
     names = names[:len(inputs)] if len(names) >= len(inputs) else None
     manifest["input_names"] = names
     return TunedModule(graph, trial, trial.runtime, autocast=autocast, cast=cast, out_spec=spec, out_dtypes=dtypes,
                        keep_low_precision_outputs=bool(keep_low_precision_outputs), report=optimized.report,
-                       manifest=manifest, save_graph=save_graph, example_inputs=example, input_names=names)
+                       manifest=manifest, save_graph=save_graph, example_inputs=example, input_names=names,
+                       dynamic_shapes=dynamic)
 
 
 def _version() -> str:
@@ -406,18 +416,28 @@ def _dynamic_spec(example: tuple) -> tuple:
                  for t in example)
 
 
-def _describe_inputs(example: tuple) -> list[dict]:
+def _describe_inputs(example: tuple, dynamic: tuple | None = None) -> list[dict]:
+    """One entry per input: ``shape`` (sizes, the name of a dynamic dimension's symbol in its place:
+    ``"batch"``, ``"seq"``) and ``dtype``; ``dynamic``: the export's dynamic shapes (None: batch on dim 0)."""
     from .modelfile import example_batch
 
-    b = example_batch(example)
-    return [{"shape": ["batch" if i == 0 and t.shape[0] == b else d for i, d in enumerate(t.shape)],
+    if dynamic is None:
+        b = example_batch(example)
+        dynamic = tuple({0: "batch"} if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == b else None
+                        for t in example)
+
+    def name(dim) -> str:
+        return dim if isinstance(dim, str) else str(getattr(dim, "__name__", dim))
+
+    return [{"shape": [name((spec or {})[i]) if i in (spec or {}) else d for i, d in enumerate(t.shape)],
              "dtype": str(t.dtype).removeprefix("torch.")} if isinstance(t, torch.Tensor) else {"value": repr(t)}
-            for t in example]
+            for t, spec in zip(example, tuple(dynamic) + (None,) * (len(example) - len(dynamic)))]
 
 
 def export_program(tuned: TunedModule):
     """The ``ExportedProgram`` :func:`save` writes: the tuned graph (its precision in its ops and weights),
-    re-exported with a dynamic batch and the original model's state layout.
+    re-exported with a dynamic batch (and the model file's declared dynamic dimensions, ``DYNAMIC_SHAPES``, with
+    their names and ranges) and the original model's state layout.
 
     Raises:
         ExportError: the graph cannot be exported (e.g. the model could not be captured: the reason is given).
@@ -437,7 +457,8 @@ def export_program(tuned: TunedModule):
     try:
         with warnings.catch_warnings(), _quiet_torch_logs():
             warnings.simplefilter("ignore")
-            ep = torch.export.export(graph, tuple(example), dynamic_shapes=_dynamic_spec(example), strict=False)
+            ep = torch.export.export(graph, tuple(example), dynamic_shapes=tuned._dynamic_shapes or _dynamic_spec(example),
+                                     strict=False)
     except Exception as exc:  # noqa: BLE001 - one clear error for any export failure
         raise ExportError(f"cannot save: torch.export of the tuned graph failed: {type(exc).__name__}: "
                           f"{str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}") from exc
@@ -481,7 +502,7 @@ def save(tuned: TunedModule, path: str | Path) -> Path:
     example = tuned._example_inputs
     manifest = dict(tuned.manifest)
     if example is not None:
-        manifest["inputs"] = _describe_inputs(example)
+        manifest["inputs"] = _describe_inputs(example, tuned._dynamic_shapes)
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     torch.export.save(ep, str(p), extra_files={MANIFEST: json.dumps(manifest, indent=1),
