@@ -410,3 +410,10 @@ def test_a_finalist_slower_in_its_first_timing_is_reported_as_compared_not_as_sl
     lines = autotune_lines({**study.user_attrs["autotune"], "result": "not kept", "runtime": "inductor-max-autotune",
                             "source_runtime": "inductor", "reason": "--autotune on", "mode": "on", "budget_s": 300.0})
     assert "not the recommended configuration" in lines[-1] and "slower" not in lines[-1]
+
+
+def test_not_run_because_off_says_the_mode_once():
+    # report.md said "Not run: --autotune off (--autotune off)."
+    assert autotune_lines({"mode": "off", "reason": "--autotune off", "trial": None}) == ["- Not run: --autotune off."]
+    assert autotune_lines({"mode": "on", "reason": "no graph candidate through inductor", "trial": None}) == [
+        "- Not run: no graph candidate through inductor (--autotune on)."]
