@@ -273,10 +273,14 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
         return artifact_cache_key(graph, fmt, precision=precision, inputs=inputs, sizes=sizes, hw=hw, device=device,
                                   fp8=fp8 is not None, digest=digest, extra=extra)
 
+    stale: dict[str, str | None] = {}  # why the artifact there before the build was not reused
+
     def reuse(fmt: str, key: dict) -> bool:
         path = out / ARTIFACT_NAMES[fmt]
         hit = None if force else cache.cached(path, key)
         if hit is None:
+            # read before the build writes the new file: a file built now has no manifest until finish()
+            stale[fmt] = None if force else cache.stale_reason(path, key)
             return False
         results[fmt] = {"status": "reused", "path": str(path), "manifest": str(path) + ".manifest.json",
                         "runner": str(out / "runner.py"), **(hit.get("result") or {}), "files": []}
@@ -284,7 +288,6 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
 
     def finish(fmt: str, key: dict, info: dict, started: float, **manifest_extra) -> None:
         path = out / ARTIFACT_NAMES[fmt]
-        stale = None if force else cache.stale_reason(path, key)  # the old manifest is still there
         if fmt == "onnx" and not info.get("onnx") and info.get("onnx_fp32"):  # typed graph not valid ONNX
             path = Path(info["onnx_fp32"])
             manifest_extra["precision"] = "fp32"
@@ -301,7 +304,7 @@ def export_artifacts(model_file: str | Path, config_path: str | Path, formats=FO
             files += [str(twin), str(twin) + ".manifest.json"]
         results[fmt] = {"status": "built", "path": str(path), "manifest": str(path) + ".manifest.json",
                         "runner": str(runner), "seconds": round(time.perf_counter() - started, 2), **info,
-                        "files": files + [str(runner)], **({"rebuilt": stale} if stale else {})}
+                        "files": files + [str(runner)], **({"rebuilt": stale[fmt]} if stale.get(fmt) else {})}
 
     onnx_inputs = None
     if "onnx" in formats or "tensorrt" in formats:

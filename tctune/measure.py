@@ -732,7 +732,7 @@ def check_accuracy(err: ErrorStats, precision: str, out: Any, *, max_mismatch_ra
     if err.mismatch_rate is not None and err.mismatch_rate > max_mismatch_rate:
         raise CandidateRejected(
             f"{precision} integer/bool outputs differ from FP32 in {err.mismatch_rate:.2%} of their elements "
-            f"({err.mismatched} elements) > allowed mismatch rate {max_mismatch_rate:g} (class ids or counts changed; "
+            f"({err.mismatched} element{'s' if err.mismatched != 1 else ''}) > allowed mismatch rate {max_mismatch_rate:g} (class ids or counts changed; "
             "raise the allowed mismatch rate to accept this)")
     if fp64_gate and err.fp64_ratio is not None and err.fp64_ratio > fp64_multiplier(precision):
         raise CandidateRejected(

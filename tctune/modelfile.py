@@ -118,7 +118,9 @@ class ModelFile:
         Raises:
             ModelFileError: ``example_inputs`` fails or returns something else than tensors; no input is
                 batched (dim 0 must be the batch of at least one); the calls return different numbers of inputs; ``BATCHED_INPUTS`` names an unknown input; an input's dim 0
-                changes with the batch size without being the batch; or an undeclared dimension changes size
+                changes with the batch size without being the batch; an input not batched on dim 0 has another
+                dimension that equals the batch size in every call (a time-major ``(T, B, F)`` input: the message
+                says to put the batch first); or an undeclared dimension changes size
                 (the message names the input, the dimension, the two sizes and the fix).
         """
         if self._batched is None:
@@ -173,6 +175,14 @@ class ModelFile:
                 if (batched and d == 0) or d in declared[i]:
                     continue
                 seen = {sh[d] for _, sh in shapes}
+                if len(seen) > 1 and not batched and all(sh[d] == b for b, sh in shapes):
+                    raise ModelFileError(
+                        f"{self.path.name}: example_inputs input {i}{names[i]} has its batch on dim {d} (shapes "
+                        f"{', '.join(str(sh) for _, sh in shapes)} at batch 2, 3, 2), but tctune takes dim 0 of "
+                        f"every batched input as the batch\n  fix: put the batch first: return the input with "
+                        f"batch_size as dim 0 and move it back inside the model (e.g. a wrapper module whose "
+                        f"forward calls the model on x.movedim(0, {d}))"
+                    )
                 if len(seen) > 1:
                     a, b = sorted(seen)[:2]
                     dim = f"torch.export.Dim('d{d}', min=1, max={max(seen) * 4})"

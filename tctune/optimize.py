@@ -62,6 +62,24 @@ def check_out_dir(out_dir: str | Path) -> Path:
     return p
 
 
+def warn_other_model(out: Path, mf: ModelFile) -> str | None:
+    """Warn (and return the warning) when ``out`` holds the report of another model (``report.json``'s model name
+    or path differs from ``mf``'s): this run replaces that report, ``best_config.json`` and the exported files;
+    the other model's study stays in ``study.db``. None when the folder is new or holds this model's report."""
+    try:
+        old = json.loads((out / "report.json").read_text()).get("model") or {}
+    except (OSError, ValueError, AttributeError):
+        return None
+    name, path = old.get("name"), old.get("path")
+    if not name or (name == mf.name and path == str(mf.path)):
+        return None
+    msg = (f"{out} holds the report of another model, {name} ({path}): this run of {mf.name} replaces its "
+           "report.md, report.json, best_config.json and exported files (its study stays in study.db); use "
+           "another output folder to keep both")
+    log.warning(msg)
+    return msg
+
+
 def measured_on(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)}), torch {torch.__version__}"
@@ -604,6 +622,8 @@ def optimize_model(mf: ModelFile, cfg: TuneConfig) -> Optimized:
     out = check_out_dir(cfg.out_dir)  # after every input check: a rejected run leaves no empty folder
     if lock is not None:
         lock.acquire()  # before the study is opened; the --devices workers run under this lock
+    if not cfg.worker:
+        warn_other_model(out, mf)
     try:
         return _optimize(tuner, mf, hw, cfg, devices, out)
     finally:

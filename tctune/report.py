@@ -397,7 +397,7 @@ def accuracy_summary(row: dict) -> str | None:
         parts.append("no floating outputs (no relative error)")
     if row.get("mismatch_rate") is not None:
         parts.append(f"integer/bool outputs: {row['mismatch_rate']:.2%} of elements differ"
-                     + (f" ({row['mismatched']} elements)" if row.get("mismatched") else "")
+                     + (f" ({row['mismatched']} element{'s' if row['mismatched'] != 1 else ''})" if row.get("mismatched") else "")
                      + f" over {row.get('exact_outputs')} exact output(s)")
     if row.get("top1_agreement") is not None:
         parts.append(f"top-1 agreement {row['top1_agreement']:.2%}"

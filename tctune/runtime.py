@@ -84,23 +84,25 @@ class Autocast(torch.nn.Module):
         super().__init__()
         self.model, self.dtype, self.device_type = model, dtype, device_type
 
-    def forward(self, *args):
+    def forward(self, *args, **kwargs):  # keywords too: a score(model) calls it as the model is called
         with torch.autocast(self.device_type, dtype=self.dtype):
-            return self.model(*args)
+            return self.model(*args, **kwargs)
 
 
 class ChannelsLast(torch.nn.Module):
-    """A module converted to channels-last (NHWC) weights; 4-D floating inputs are converted on every call
-    (that copy is part of the measured time)."""
+    """A module converted to channels-last (NHWC) weights; 4-D floating inputs (positional or keyword) are
+    converted on every call (that copy is part of the measured time)."""
 
     def __init__(self, module: torch.nn.Module):
         super().__init__()
         self.module = module
 
-    def forward(self, *args):
-        return self.module(*(a.contiguous(memory_format=torch.channels_last)
-                             if isinstance(a, torch.Tensor) and a.dim() == 4 and a.is_floating_point() else a
-                             for a in args))
+    def forward(self, *args, **kwargs):
+        def nhwc(a):
+            return (a.contiguous(memory_format=torch.channels_last)
+                    if isinstance(a, torch.Tensor) and a.dim() == 4 and a.is_floating_point() else a)
+
+        return self.module(*(nhwc(a) for a in args), **{k: nhwc(v) for k, v in kwargs.items()})
 
 
 class CudaGraphed:

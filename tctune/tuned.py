@@ -134,7 +134,10 @@ class TunedModule(torch.nn.Module):
     """A tuned model: the winning configuration of a search, callable like the original model.
 
     ``tuned(*inputs)`` takes the original model's positional inputs (batch on dim 0; any batch the captured
-    graph accepts) and returns its output structure (dict, tuple, ``ModelOutput``-like object). Output dtypes:
+    graph accepts), and also by the names of ``forward``'s arguments (``tuned(input_ids=ids,
+    attention_mask=mask)``, as the original model is called) where those names are known (``input_names``);
+    exactly the tuned inputs: an input missing or named twice, or a keyword that is not one of them (an optional
+    ``forward`` argument the search did not pass), is a ``TypeError`` naming the accepted inputs. It returns its output structure (dict, tuple, ``ModelOutput``-like object). Output dtypes:
     with ``keep_low_precision_outputs`` (the ``"compute"`` output contract, what :func:`from_search` sets
     under ``TuneConfig.output_dtype="compute"``, the default) floating outputs come back in the dtype the
     winning graph computed them in (e.g. bf16, or FP32 where the cast policy kept the producing op FP32);
@@ -151,14 +154,18 @@ class TunedModule(torch.nn.Module):
         runtime: one of ``tctune.runtime.ALL_RUNTIMES`` (``eager``, ``cudagraphs``, ``inductor``,
             ``inductor-max-autotune``, ``inductor-cudagraphs``, ``inductor-max-autotune-cudagraphs``).
         manifest: what :func:`save` writes beside the graph (see the module docstring).
+        input_names: the names of ``forward``'s arguments for the tuned inputs, in order (the manifest's
+            ``input_names``), or None where unknown (then inputs are positional only).
 
     Built by :func:`from_search` (``tctune.optimize``) or :func:`load`; the constructor's other arguments:
     ``autocast`` (``"fp16"``/``"bf16"``: run the graph under ``torch.autocast``, a winning model as written),
     ``cast`` (``"fp16"``/``"bf16"``: the graph is the model cast as a whole, every floating parameter and buffer
     in that dtype, and floating inputs are cast to it on every call, as the winning ``cast_<p>`` baseline ran),
     ``out_spec`` / ``out_dtypes`` (the FP32 reference's output structure and leaf dtype names, ``"float32"``),
-    ``save_graph`` (what :func:`save` exports), ``example_inputs`` (inputs at batch 2 for that export) and
-    ``exported`` (the ``ExportedProgram`` a loaded module came from).
+    ``save_graph`` (what :func:`save` exports), ``example_inputs`` (inputs at batch 2 for that export),
+    ``dynamic_shapes`` (that export's ``torch.export`` dynamic shapes: the capture's batch and declared
+    dimensions, e.g. a ``seq`` Dim; None: a batch on dim 0 only) and ``exported`` (the ``ExportedProgram`` a
+    loaded module came from).
     """
 
     def __init__(self, graph: torch.nn.Module, config, runtime: str, *, autocast: str | None = None,
@@ -166,7 +173,8 @@ class TunedModule(torch.nn.Module):
                  out_spec: pytree.TreeSpec | None = None, out_dtypes: Sequence[str | None] = (),
                  keep_low_precision_outputs: bool = False, report: dict | None = None, manifest: dict | None = None,
                  save_graph: torch.nn.Module | None = None, example_inputs: tuple | None = None,
-                 exported: Any = None):
+                 exported: Any = None, input_names: Sequence[str] | None = None,
+                 dynamic_shapes: tuple | None = None):
         super().__init__()
         self.graph = graph
         self.config = config
@@ -179,10 +187,13 @@ class TunedModule(torch.nn.Module):
         self.report = report or {}
         self.out_dir: str | None = None
         self.manifest = manifest or {}
+        self.input_names = list(input_names) if input_names else None
         # Not submodules: neither in state_dict nor moved by .to() twice.
         self.__dict__["_save_graph"] = save_graph  # what save() exports (FP32 graph for a model-as-written win)
         self.__dict__["_example_inputs"] = example_inputs  # inputs at batch >= 2 for the re-export
         self.__dict__["_exported"] = exported  # the ExportedProgram a loaded module came from
+        # torch.export dynamic_shapes of the capture (batch and the model file's declared Dims) for save()
+        self.__dict__["_dynamic_shapes"] = dynamic_shapes
         self.__dict__["_compiled"] = None
         self.__dict__["_graphs"] = {}
         self.eval()  # inference: the graph (and a model as written) in eval mode
@@ -248,7 +259,30 @@ class TunedModule(torch.nn.Module):
             self._graphs[key] = CudaGraphed(base, inputs)
         return self._graphs[key]
 
-    def forward(self, *inputs):
+    def _bind(self, inputs: tuple, kwargs: dict) -> tuple:
+        """``inputs`` and ``kwargs`` as the positional tuple of the tuned inputs (see the class docstring)."""
+        names = self.input_names
+        if not names:
+            raise TypeError(f"this tuned module takes its inputs by position only (the names of forward's "
+                            f"arguments are unknown), got keyword(s) {sorted(kwargs)}\n  fix: tuned(*inputs), in "
+                            "the order of the model's forward")
+        accepted = ", ".join(names)
+        if len(inputs) > len(names):
+            raise TypeError(f"the tuned module takes {len(names)} inputs ({accepted}), got {len(inputs)} positional")
+        twice = [n for n in names[:len(inputs)] if n in kwargs]
+        unknown = [k for k in kwargs if k not in names]
+        missing = [n for n in names[len(inputs):] if n not in kwargs]
+        if twice or unknown or missing:
+            why = "; ".join(w for w in (
+                f"{twice} given by position and by name" if twice else "",
+                f"{unknown} not among them (the search tuned only these inputs)" if unknown else "",
+                f"missing {missing}" if missing else "") if w)
+            raise TypeError(f"the tuned module takes the inputs it was tuned with: {accepted}; {why}")
+        return tuple(inputs) + tuple(kwargs[n] for n in names[len(inputs):])
+
+    def forward(self, *inputs, **kwargs):
+        if kwargs:
+            inputs = self._bind(inputs, kwargs)
         with precision_mode(self.config.precision), torch.inference_mode():
             fn = self._runner(inputs)
             out = fn(*inputs)
@@ -351,9 +385,17 @@ def from_search(optimized, keep_low_precision_outputs: bool | None = None) -> Tu
                 "layout": layout, "compute_capability": hw.compute_capability or None, "hardware": hw.name,
                 "arch": hw.arch, "device": tuner.device.type, "torch_version": torch.__version__,
                 "tctune_version": _version()}
+    from .capture import export_dynamic_shapes
+
+    captured = getattr(getattr(tuner, "captured", None), "graph_module", None)
+    dynamic = export_dynamic_shapes(captured) if captured is not None else None
+    names = tuner.mf.forward_names()
+    names = names[:len(inputs)] if len(names) >= len(inputs) else None
+    manifest["input_names"] = names
     return TunedModule(graph, trial, trial.runtime, autocast=autocast, cast=cast, out_spec=spec, out_dtypes=dtypes,
                        keep_low_precision_outputs=bool(keep_low_precision_outputs), report=optimized.report,
-                       manifest=manifest, save_graph=save_graph, example_inputs=example)
+                       manifest=manifest, save_graph=save_graph, example_inputs=example, input_names=names,
+                       dynamic_shapes=dynamic)
 
 
 def _version() -> str:
@@ -374,18 +416,28 @@ def _dynamic_spec(example: tuple) -> tuple:
                  for t in example)
 
 
-def _describe_inputs(example: tuple) -> list[dict]:
+def _describe_inputs(example: tuple, dynamic: tuple | None = None) -> list[dict]:
+    """One entry per input: ``shape`` (sizes, the name of a dynamic dimension's symbol in its place:
+    ``"batch"``, ``"seq"``) and ``dtype``; ``dynamic``: the export's dynamic shapes (None: batch on dim 0)."""
     from .modelfile import example_batch
 
-    b = example_batch(example)
-    return [{"shape": ["batch" if i == 0 and t.shape[0] == b else d for i, d in enumerate(t.shape)],
+    if dynamic is None:
+        b = example_batch(example)
+        dynamic = tuple({0: "batch"} if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == b else None
+                        for t in example)
+
+    def name(dim) -> str:
+        return dim if isinstance(dim, str) else str(getattr(dim, "__name__", dim))
+
+    return [{"shape": [name((spec or {})[i]) if i in (spec or {}) else d for i, d in enumerate(t.shape)],
              "dtype": str(t.dtype).removeprefix("torch.")} if isinstance(t, torch.Tensor) else {"value": repr(t)}
-            for t in example]
+            for t, spec in zip(example, tuple(dynamic) + (None,) * (len(example) - len(dynamic)))]
 
 
 def export_program(tuned: TunedModule):
     """The ``ExportedProgram`` :func:`save` writes: the tuned graph (its precision in its ops and weights),
-    re-exported with a dynamic batch and the original model's state layout.
+    re-exported with a dynamic batch (and the model file's declared dynamic dimensions, ``DYNAMIC_SHAPES``, with
+    their names and ranges) and the original model's state layout.
 
     Raises:
         ExportError: the graph cannot be exported (e.g. the model could not be captured: the reason is given).
@@ -405,7 +457,8 @@ def export_program(tuned: TunedModule):
     try:
         with warnings.catch_warnings(), _quiet_torch_logs():
             warnings.simplefilter("ignore")
-            ep = torch.export.export(graph, tuple(example), dynamic_shapes=_dynamic_spec(example), strict=False)
+            ep = torch.export.export(graph, tuple(example), dynamic_shapes=tuned._dynamic_shapes or _dynamic_spec(example),
+                                     strict=False)
     except Exception as exc:  # noqa: BLE001 - one clear error for any export failure
         raise ExportError(f"cannot save: torch.export of the tuned graph failed: {type(exc).__name__}: "
                           f"{str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}") from exc
@@ -449,7 +502,7 @@ def save(tuned: TunedModule, path: str | Path) -> Path:
     example = tuned._example_inputs
     manifest = dict(tuned.manifest)
     if example is not None:
-        manifest["inputs"] = _describe_inputs(example)
+        manifest["inputs"] = _describe_inputs(example, tuned._dynamic_shapes)
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     torch.export.save(ep, str(p), extra_files={MANIFEST: json.dumps(manifest, indent=1),
@@ -518,7 +571,7 @@ def load(path: str | Path, device: str | torch.device | None = None) -> TunedMod
                        cast=manifest.get("cast"), out_spec=spec,
                        out_dtypes=manifest.get("out_dtypes") or (),
                        keep_low_precision_outputs=_keeps_low(manifest), report=report,
-                       manifest=manifest, exported=ep)
+                       manifest=manifest, exported=ep, input_names=manifest.get("input_names"))
 
 
 def _keeps_low(manifest: dict) -> bool:

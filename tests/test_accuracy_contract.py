@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tctune.calibration import load_calibration, read_folder
-from tctune.errors import ModelFileError, UsageError
+from tctune.errors import CandidateRejected, ModelFileError, UsageError
 from tctune.fp8_plan import METRIC_SCORE, plan_fp8_keep
 from tctune.hardware import resolve
 from tctune.measure import ErrorStats
@@ -22,6 +22,7 @@ from tctune.report import accepted_by, gate_line
 from tctune.search import TuneConfig, Tuner, best_trial
 from tctune.search.accuracy import ScoreGate, worst
 from tctune.search.results import constraint_checks
+from tctune.trial import FailureKind
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,6 +117,31 @@ def test_score_limits_ratio_absolute_and_negative_scores():
         TuneConfig(out_dir="x", min_score=0.9, min_score_ratio=0.95)
     assert e.value.field == "min_score" and "fix: give one of them" in str(e.value)
     assert TuneConfig(out_dir="x", min_score=0.9).min_score == 0.9  # with the ratio at its default: fine
+
+
+
+@pytest.mark.parametrize("returned, accepted", [
+    (0.5, 0.5), (3, 3.0), (np.float32(0.25), 0.25), (torch.tensor(0.75), 0.75), (torch.tensor([0.5]), 0.5),
+    (None, "returned None"), (True, "returned True"), ("0.9", "returned the str '0.9'"),
+    (torch.ones(3), "tensor of shape (3,)"), ([0.5], "returned a list"),
+])
+def test_score_must_return_one_number(returned, accepted):
+    # A number or a one-element tensor is the score; anything else (a score() without return, a formatted
+    # string, a per-class tensor) is one error saying what it returned, not "score raised" and not a silent cast.
+    model = torch.nn.Linear(2, 2)
+    gate = ScoreGate(lambda m: returned, where="m.py")
+    if not isinstance(accepted, str):
+        assert gate.reference(model) == pytest.approx(accepted)
+        assert gate.score("g", model, "bf16")[0] == pytest.approx(accepted)
+        return
+    with pytest.raises(ModelFileError) as e:
+        gate.reference(model)
+    msg = str(e.value)
+    assert msg.startswith("m.py: score(model) ") and accepted in msg and "must be one number for the FP32 model" in msg
+    assert "raised" not in msg and "fix: return one number" in msg
+    with pytest.raises(CandidateRejected, match="must be one number for the bf16 candidate") as e:
+        ScoreGate(lambda m: returned).score("g", model, "bf16")
+    assert e.value.kind == FailureKind.RUNTIME_ERROR
 
 
 def test_fp8_is_judged_by_the_score_where_relative_l2_rejects():
@@ -346,3 +372,35 @@ def test_export_rebuild_calibrates_fp16_on_the_same_real_batches(tmp_path):
     _, graphs = rebuild_graphs(load_model_file(f), cfg, resolve("h100"), torch.device("cpu"))
     with torch.inference_mode():
         assert torch.isfinite(graphs.graph(torch.full((4, 8), 1000.0))).all()
+
+
+def test_a_score_that_calls_the_model_by_keyword_scores_every_wrapper():
+    # Hugging Face users call a model by keyword (model(input_ids=..., attention_mask=...)). The autocast baseline
+    # and a channels-last candidate hand score() a wrapper: it takes keywords as the model does, and runs them
+    # under autocast / in channels-last as it does positional inputs.
+    from tctune.runtime import Autocast, ChannelsLast
+
+    class KwModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 3)
+
+        def forward(self, pixels, scale):
+            self.seen = (torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None,
+                         pixels.is_contiguous(memory_format=torch.channels_last))
+            return self.conv(pixels).abs().mean((1, 2, 3)) * scale
+
+    torch.manual_seed(0)
+    model = KwModel().eval()
+    x, s = torch.randn(2, 3, 8, 8), torch.rand(2) + 0.5
+
+    def score(m):
+        return float(m(pixels=x, scale=s).float().sum())
+
+    gate = ScoreGate(score)
+    ref = gate.reference(model)
+    assert model.seen == (None, False)
+    low, _ = gate.score("autocast", Autocast(model, torch.bfloat16, "cpu"), "bf16")
+    assert model.seen == (torch.bfloat16, False) and low == pytest.approx(ref, rel=5e-2) and low != ref
+    nhwc, _ = gate.score("channels_last", ChannelsLast(model), "fp32")
+    assert model.seen == (None, True) and nhwc == pytest.approx(ref, rel=1e-5)

@@ -383,6 +383,31 @@ def test_save_load_in_process_and_capability_warning(tuned_bf16, tmp_path, monke
         tctune.load(path)
 
 
+
+def test_inputs_by_forward_argument_name_before_and_after_save_load(tuned_bf16, tmp_path):
+    # tuned(ids=..., feats=...) as the model is called; the names survive save/load; a wrong keyword is one
+    # TypeError naming the tuned inputs.
+    _, tuned = tuned_bf16
+    ids, feats = _inputs(5, 31)
+    assert tuned.input_names == ["ids", "feats"]
+    loaded = tctune.load(tctune.save(tuned, tmp_path / "k.pt2"))
+    assert loaded.input_names == ["ids", "feats"]
+    for m in (tuned, loaded):
+        want = torch.utils._pytree.tree_leaves(m(ids, feats))
+        for call in (lambda: m(ids=ids, feats=feats), lambda: m(feats=feats, ids=ids), lambda: m(ids, feats=feats)):
+            for a, b in zip(torch.utils._pytree.tree_leaves(call()), want):
+                assert torch.equal(a, b)
+        for bad, said in ((lambda: m(ids, ids=ids, feats=feats), "['ids'] given by position and by name"),
+                          (lambda: m(ids=ids), "missing ['feats']"),
+                          (lambda: m(ids, feats, mask=feats), "['mask'] not among them")):
+            with pytest.raises(TypeError, match=r"tuned with: ids, feats; ") as e:
+                bad()
+            assert said in str(e.value)
+    anonymous = TunedModule(tuned.graph, tuned.config, tuned.runtime)
+    with pytest.raises(TypeError, match="by position only"):
+        anonymous(ids=ids, feats=feats)
+
+
 def test_load_refuses_a_file_that_is_not_a_tctune_archive(tmp_path):
     p = tmp_path / "x.pt2"
     p.write_bytes(b"not a zip")
@@ -506,6 +531,43 @@ def test_model_as_written_autocast_winner_and_a_namedtuple_output_survive_save_a
     assert type(back) is tuple and list(back[1]) == ["norm"] and back[0].dtype == torch.bfloat16
     assert loaded.manifest["output_dtype"] == "compute" and back[1]["norm"].dtype == out.extra["norm"].dtype
     assert _rel(back[0], out.y) <= 1e-2 and _rel(back[1]["norm"], out.extra["norm"]) <= 1e-2
+
+
+
+class SeqPool(torch.nn.Module):
+    """(batch, seq, 12) -> (batch, 3): a linear per token, then a mean over the sequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.head = torch.nn.Linear(12, 20), torch.nn.Linear(20, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.proj(x)).mean(1))
+
+
+@pytest.mark.parametrize("winner", ["graph_bf16", "as_written"])
+def test_save_keeps_the_declared_dynamic_dims(winner, tmp_path, monkeypatch):
+    # dynamic_shapes declares seq: the tuned module, and the file tctune.save writes, accept any length in the
+    # Dim's range, not only the example's; the manifest names the symbol in each input's shape.
+    from torch.export import Dim
+
+    if winner == "graph_bf16":
+        _pick_graph_bf16(monkeypatch)
+    torch.manual_seed(0)
+    model = SeqPool().eval()
+    seq = Dim("seq", min=2, max=64)
+    tuned = tctune.optimize(model, (torch.randn(4, 10, 12),), trials=2, runtimes=["eager"], no_export=True,
+                            quiet=True, dynamic_shapes=({1: seq},), out=tmp_path / "o")
+    assert tuned.config.graph_passes == (winner == "graph_bf16")
+    loaded = tctune.load(tctune.save(tuned, tmp_path / "d.pt2"))
+    assert loaded.manifest["inputs"] == [{"shape": ["batch", "seq", 12], "dtype": "float32"}]
+    for b, length in ((3, 10), (5, 7), (2, 33)):
+        x = torch.randn(b, length, 12)
+        with torch.no_grad():
+            ref = model(x)
+        got, back = tuned(x), loaded(x)
+        assert back.shape == got.shape == (b, 3)
+        assert _rel(got.float(), ref) <= 1e-2 and _rel(back.float(), got.float()) <= 1e-2
 
 
 def test_a_model_file_path_returns_a_tuned_module_too(tmp_path):

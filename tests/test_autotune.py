@@ -276,7 +276,7 @@ def test_the_finalist_is_a_trial_of_the_study_and_wins_with_its_runtime(tiny, tm
     t.cfg = dataclasses.replace(cfg, autotune="auto")
     auto = t.autotune(study)
     assert auto["ran"] is False and auto["result"] == "not run" and "measures on the CPU" in auto["reason"]
-    assert autotune_lines(auto) == [f"- Not run: {auto['reason']} (--autotune auto)."]
+    assert autotune_lines(auto) == [f"- Not run: {auto['reason']}."]  # the reason names --autotune auto itself
 
 
 @pytest.mark.parametrize("case", ["raises", "over budget"])
@@ -333,7 +333,7 @@ def test_auto_on_the_cpu_is_not_run_and_the_report_says_why(tiny, tmp_path):
     assert rec["mode"] == "auto" and rec["ran"] is False and rec["trial"] is None and rec["result"] == "not run"
     assert "--autotune auto runs it on a CUDA GPU only" in rec["reason"] and "this run measures on the CPU" in rec["reason"]
     assert report["config"]["autotune"] == "auto"
-    assert f"- Not run: {rec['reason']} (--autotune auto)." in (out / "report.md").read_text()
+    assert f"- Not run: {rec['reason']}." in (out / "report.md").read_text()  # the reason names --autotune auto
 
 
 def test_on_without_an_inductor_runtime_says_so_once_at_the_start_naming_the_fix(tiny, tmp_path, capsys):
@@ -353,7 +353,7 @@ def test_on_without_an_inductor_runtime_says_so_once_at_the_start_naming_the_fix
     assert said.startswith("tctune: --autotune on: ") and "max-autotune finalist" in said
     rec = json.loads((out / "report.json").read_text())["autotune"]
     assert rec["ran"] is False and rec["result"] == "not run" and fix in rec["reason"]
-    assert f"- Not run: {rec['reason']} (--autotune on)." in (out / "report.md").read_text()
+    assert f"- Not run: {rec['reason']}." in (out / "report.md").read_text()  # the reason names --autotune on
 
 
 # ------------------------------------------------------------------------------------------------- export
@@ -410,3 +410,10 @@ def test_a_finalist_slower_in_its_first_timing_is_reported_as_compared_not_as_sl
     lines = autotune_lines({**study.user_attrs["autotune"], "result": "not kept", "runtime": "inductor-max-autotune",
                             "source_runtime": "inductor", "reason": "--autotune on", "mode": "on", "budget_s": 300.0})
     assert "not the recommended configuration" in lines[-1] and "slower" not in lines[-1]
+
+
+def test_not_run_because_off_says_the_mode_once():
+    # report.md said "Not run: --autotune off (--autotune off)."
+    assert autotune_lines({"mode": "off", "reason": "--autotune off", "trial": None}) == ["- Not run: --autotune off."]
+    assert autotune_lines({"mode": "on", "reason": "no graph candidate through inductor", "trial": None}) == [
+        "- Not run: no graph candidate through inductor (--autotune on)."]

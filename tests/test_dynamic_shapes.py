@@ -319,3 +319,28 @@ def test_runner_manifest_keeps_non_batched_shapes(tmp_path):
     described = describe_inputs(gm, mf.inputs, ["ids", "mask", "table", "scale"], (2, 3))
     assert [d["shape"] for d in described] == [["batch", 12], [1, 1, 12, 12], [7, 2], []]
     assert described[0]["range"] == [0, 50]
+
+
+def test_batch_on_another_dim_than_0_is_named_as_such(tmp_path):
+    # A time-major input (T, B, F): dim 1 is the batch at every call. The error says so and asks for the batch
+    # first; it does not suggest declaring the batch as a dynamic sequence-like dimension.
+    src = textwrap.dedent('''
+        import torch
+        class TimeMajor(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = torch.nn.Linear(12, 4)
+            def forward(self, x):
+                return self.fc(x).sum(0)
+        def build_model():
+            return TimeMajor()
+        def example_inputs(batch_size):
+            return (torch.randn(10, batch_size, 12),)
+    ''')
+    mf = load_model_file(_write(tmp_path, src))
+    with pytest.raises(ModelFileError) as err:
+        mf.inputs(2)
+    msg = str(err.value)
+    assert "input 0 (x) has its batch on dim 1" in msg and "(10, 3, 12)" in msg
+    assert "fix: put the batch first" in msg and "movedim(0, 1)" in msg
+    assert "DYNAMIC_SHAPES" not in msg and msg.count("\n") == 1

@@ -87,12 +87,29 @@ def _export(capsys, *argv) -> tuple[int, str, str]:
 
 @pytest.fixture(scope="module")
 def seed_export(tmp_path_factory):
-    """Seed CNN exported once to ONNX (+ the tensorrt skip): (out folder, config path, stdout)."""
+    """Seed CNN exported once to ONNX (+ the tensorrt skip): (out folder, config path); its console output is
+    kept in ``stdout.txt`` beside the out folder."""
+    import contextlib
+    import io
+
     root = tmp_path_factory.mktemp("seed")
     cfg = _config(root / "best_config.json")
-    rc = main(["export", str(SEED_CNN), "--config", str(cfg), "--format", "onnx,tensorrt", "--out", str(root / "out")])
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rc = main(["export", str(SEED_CNN), "--config", str(cfg), "--format", "onnx,tensorrt", "--out",
+                   str(root / "out")])
+    (root / "stdout.txt").write_text(printed.getvalue())
     assert rc == 0
     return root / "out", cfg
+
+
+def test_a_first_build_into_an_empty_folder_gives_no_reason_for_not_reusing(seed_export):
+    # Nothing was there to reuse: the console says "built", not "not reused: model.onnx has no manifest".
+    out, _ = seed_export
+    stdout = (out.parent / "stdout.txt").read_text()
+    assert "onnx      built" in stdout and "not reused" not in stdout
+    manifest = json.loads((out / "model.onnx.manifest.json").read_text())
+    assert "rebuilt" not in manifest["result"]
 
 
 # ------------------------------------------------------------------------------------------------ export

@@ -292,6 +292,8 @@ def test_report_lines_for_the_new_fields():
     assert "top-1 agreement 75.00%, KL(FP32 ‖ candidate) 1.50e-03 nats" in line
     assert "error against FP64 1.7x the baseline's" in line
     assert accuracy_summary({"float_outputs": 1, "max_rel_error": 1e-3}) is None
+    assert "0.83% of elements differ (1 element) over" in accuracy_summary({**row, "mismatch_rate": 1 / 120,
+                                                                             "mismatched": 1})
 
 
 CLASS_IDS = '''

@@ -88,3 +88,24 @@ def test_unstable_timing_of_earlier_runs_trials_is_not_printed_again_but_stays_i
     assert "**Unstable timing**" in render_markdown(_report(old))  # report.md keeps it
     partly = console_summary(_report({**old, "numbers": [3]}), tmp_path)  # the FP32 baseline is this run's
     assert "unstable timing (trial 0: median of repeats" in partly
+
+
+def test_a_run_into_a_folder_holding_another_models_report_warns_once(tmp_path, caplog):
+    import json
+    from types import SimpleNamespace
+
+    from tctune.optimize import warn_other_model
+
+    mine = SimpleNamespace(name="int_outputs", path=tmp_path / "int_outputs.py")
+    assert warn_other_model(tmp_path, mine) is None  # a new folder
+    (tmp_path / "report.json").write_text(json.dumps({"model": {"name": "int_outputs", "path": str(mine.path)}}))
+    assert warn_other_model(tmp_path, mine) is None  # this model's own report: a resumed run
+    (tmp_path / "report.json").write_text(json.dumps({"model": {"name": "two_dtypes", "path": "/m/two_dtypes.py"}}))
+    with caplog.at_level("WARNING", logger="tctune"):
+        msg = warn_other_model(tmp_path, mine)
+    assert msg == (f"{tmp_path} holds the report of another model, two_dtypes (/m/two_dtypes.py): this run of "
+                   "int_outputs replaces its report.md, report.json, best_config.json and exported files (its "
+                   "study stays in study.db); use another output folder to keep both")
+    assert caplog.text.count("holds the report of another model") == 1
+    (tmp_path / "report.json").write_text("{not json")
+    assert warn_other_model(tmp_path, mine) is None  # an unreadable report: nothing to say

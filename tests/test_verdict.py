@@ -360,3 +360,31 @@ def test_the_any_batch_line_of_a_measurably_faster_winner_is_unchanged():
     line = next(x for x in render_markdown(_report(study)).splitlines()
                 if x.startswith("- The fastest plain baseline at any searched batch size"))
     assert line.endswith("(the best is 1.00× it).")
+
+
+def test_a_baseline_answer_because_every_candidate_failed_says_why(tmp_path):
+    # Every searched candidate failed (here: the user's score() raised on each graph): the verdict, the console
+    # and report.md name the most common reasons, not only "no tctune candidate was timed side by side".
+    from tctune.cli.optimize import _summary
+
+    study = optuna.create_study(direction="maximize")
+    p = {"batch_size": 8, "precision": "fp32", "graph_passes": False, "runtime": "eager"}
+    fp32 = _add(study, p, 400.0, baseline="fp32_eager")
+    for prec, extra in (("bf16", 1), ("bf16", 2), ("fp32", 3)):
+        study.add_trial(optuna.trial.create_trial(
+            params=dict(p, precision=prec, graph_passes=True),
+            distributions={k: optuna.distributions.CategoricalDistribution([v])
+                           for k, v in dict(p, precision=prec, graph_passes=True).items()},
+            state=optuna.trial.TrialState.FAIL,
+            user_attrs={"run_id": "r", "fail_kind": "runtime_error",
+                        "fail_reason": f"score(model) raised on the {prec} candidate: KeyError: 'net{extra}'"}))
+    v = verdict(study)
+    assert v["kind"] == "baseline" and v["trial"].number == fp32
+    assert v["reason"].endswith("; none of the 3 tctune candidates measured qualified: score(model) raised on the "
+                                "bf16 candidate: KeyError: 'net1' (2x); score(model) raised on the fp32 candidate: "
+                                "KeyError: 'net3' (1x)")
+    rep = _report(study)
+    assert v["reason"] in render_markdown(rep) and v["reason"] in _summary(rep, tmp_path)
+    # one candidate that qualified: no such clause
+    _add(study, dict(p, graph_passes=True), 300.0, description="tctune graph fp32")
+    assert "none of the" not in verdict(study)["reason"]

@@ -111,7 +111,7 @@ def register(sub) -> str:
     o.add_argument("--devices", metavar="LIST",
                    help="GPU indices, e.g. 0,1: one worker process per GPU on the same study (this process "
                         "measures on the first); the study is shared through --storage or OUT/study.db")
-    o.add_argument("--seed", type=int, default=0, help="sampler seed (default %(default)s)")
+    o.add_argument("--seed", type=int, default=0, help="sampler seed, 0 to 4294967295 (default %(default)s)")
     o.add_argument("--runtimes", metavar="LIST",
                    help="execution backends to search: eager, cudagraphs, inductor, inductor-max-autotune, "
                         "inductor-cudagraphs (Inductor's code replayed as a CUDA graph), "

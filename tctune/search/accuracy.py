@@ -21,6 +21,7 @@ without runtime and batch size, so one graph is scored once whatever runtime or 
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from dataclasses import replace
 from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence
@@ -88,6 +89,27 @@ def check_score_options(mf, cfg) -> None:
                          f"  fix: {add}, or leave {field} out", field=field)
 
 
+def score_value(value: Any) -> float:
+    """``value`` (what ``score(model)`` returned) as a float: a real number (``int``, ``float``, a numpy scalar) or a
+    tensor of one element (any dtype but bool, any device). NaN/inf pass through (the caller decides).
+
+    Raises:
+        TypeError: anything else — ``None`` (a ``score`` without ``return``), a bool, a string, a tensor of several
+            elements —, with a message ``returned <what>; it must be one number``.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1 and value.dtype != torch.bool:
+            return float(value.detach().reshape(()).item())
+        what = f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    elif isinstance(value, bool) or value is None or isinstance(value, (str, bytes)):
+        what = repr(value) if not isinstance(value, (str, bytes)) else f"the {type(value).__name__} {value!r:.40}"
+    elif isinstance(value, numbers.Real) and not str(getattr(value, "dtype", "")).startswith("bool"):
+        return float(value)
+    else:
+        what = f"a {type(value).__name__}"
+    raise TypeError(f"returned {what}; it must be one number")
+
+
 class ScoreGate:
     """Calls ``score`` (cached per graph), and says whether a score is accurate enough.
 
@@ -128,11 +150,16 @@ class ScoreGate:
         if self.fp32 is None:
             try:
                 value, _ = self._call(model, "fp32")
-                value = float(value)
             except Exception as exc:  # the user's code
                 raise ModelFileError(f"{self.where}: score(model) raised {type(exc).__name__} on the FP32 model: {exc}\n"
                                      "  expected: def score(model: torch.nn.Module) -> float (higher is better; move "
                                      "your data to the model's device)") from exc
+            try:
+                value = score_value(value)
+            except TypeError as exc:
+                raise ModelFileError(f"{self.where}: score(model) {exc} for the FP32 model\n"
+                                     "  fix: return one number, e.g. float(accuracy); expected: def score(model: "
+                                     "torch.nn.Module) -> float (higher is better)") from None
             if not math.isfinite(value):
                 raise ModelFileError(f"{self.where}: score(model) returned {value} for the FP32 model; it must be a "
                                      "finite number (higher is better)")
@@ -152,11 +179,15 @@ class ScoreGate:
             return self.cache[key], 0.0
         try:
             value, dt = self._call(module, numerics or precision)
-            value = float(value)
         except Exception as exc:  # noqa: BLE001 - the candidate broke the user's metric
             raise CandidateRejected(f"score(model) raised on the {precision} candidate: {type(exc).__name__}: "
                                     f"{(str(exc).strip().splitlines() or [''])[0][:200]}",
                                     FailureKind.RUNTIME_ERROR) from exc
+        try:
+            value = score_value(value)
+        except TypeError as exc:
+            raise CandidateRejected(f"score(model) {exc} for the {precision} candidate",
+                                    FailureKind.RUNTIME_ERROR) from None
         if not math.isfinite(value):
             raise CandidateRejected(f"score(model) of the {precision} candidate is {value}", FailureKind.ACCURACY)
         self.cache[key] = value

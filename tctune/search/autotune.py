@@ -285,7 +285,8 @@ def autotune_lines(rec: dict | None) -> list[str]:
     if not rec:
         return []
     if rec.get("trial") is None:
-        return [f"- Not run: {rec.get('reason')} (--autotune {rec.get('mode')})."]
+        reason = str(rec.get("reason"))  # a reason that is the mode itself ("--autotune off") is not said twice
+        return [f"- Not run: {reason}" + ("" if "--autotune" in reason else f" (--autotune {rec.get('mode')})") + "."]
 
     def s(v, spec=".1f"):
         return "–" if v is None else format(v, spec)

@@ -39,7 +39,7 @@ class TuneConfig:
         max_error_fp8: the same for FP8 candidates (E4M3 keeps 3 mantissa bits; 5e-2 ≈ 26 dB SQNR).
         target: ``--target`` name or ``sm_XX`` (plan for that GPU's alignment); None: the detected device.
         storage: Optuna storage URL; None: ``sqlite:///<out>/study.db``.
-        seed: sampler seed.
+        seed: sampler seed, 0 to 2**32 - 1 (numpy's seed range).
         out_dir: output folder.
         export: build ONNX (and TensorRT where importable) for the best configuration.
         quiet: no progress bar.
@@ -166,6 +166,8 @@ class TuneConfig:
             raise bad("batch_sizes", f"must be distinct, got {self.batch_sizes!r}")
         if self.trials < 1:
             raise bad("trials", f"must be at least 1, got {self.trials}")
+        if not 0 <= self.seed < 2 ** 32:  # Optuna's samplers seed numpy, which takes 0 .. 2**32 - 1
+            raise bad("seed", f"must be an integer from 0 to {2 ** 32 - 1}, got {self.seed}")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise bad("timeout_s", f"must be a positive number of seconds, got {self.timeout_s}")
         if not (self.max_error > 0):

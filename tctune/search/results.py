@@ -261,6 +261,9 @@ def verdict(study: optuna.Study) -> dict | None:
     def result(t, rule, reason, challenger=None):
         base = t.user_attrs.get("baseline")
         name = base or t.user_attrs.get("description") or f"tctune trial {t.number}"
+        why_none = no_candidate_qualified(study) if base and measured else None
+        if why_none:  # a baseline answer because every searched candidate failed: say why, not only "use it"
+            reason = f"{reason}; {why_none}"
         return {"trial": t, "kind": "baseline" if base else "tctune", "name": name, "rule": rule,
                 "reason": reason, "challenger": challenger, "candidates_measured": measured}
 
@@ -313,6 +316,35 @@ def verdict(study: optuna.Study) -> dict | None:
                        "ci95": None, "p_value": None, "rounds": None})
     return result(best, VERDICT_RULE_NO_CI, "faster than every plain baseline of the same run at its batch size"
                   if same is not None else "no plain baseline of the same run at its batch size to compare with")
+
+
+def no_candidate_qualified(study: optuna.Study, top: int = 2) -> str | None:
+    """Why no tctune candidate (a trial that is not a plain baseline) qualified, in one clause, when every such
+    trial with a result failed or was rejected with a recorded ``fail_reason``, e.g. ``"none of the 4 tctune
+    candidates qualified: score(model) raised on the bf16 candidate: KeyError: 'x' (3x); ... (1x)"``
+    (reasons that differ only in numbers count together; the most common ``top``); None when one qualified
+    or none failed with a reason (e.g. all stopped early by the pruner)."""
+    import re
+    from collections import Counter
+
+    searched = [t for t in study.get_trials(deepcopy=False)
+                if not t.user_attrs.get("baseline") and counts_as_measured(t)
+                and t.state != optuna.trial.TrialState.PRUNED]
+    if not searched or any(is_feasible(t) for t in searched):
+        return None
+    reasons: Counter = Counter()
+    example: dict[str, str] = {}
+    for t in searched:
+        text = ((t.user_attrs.get("fail_reason") or "").strip().splitlines() or [""])[0]
+        if text:
+            key = re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "N", text)[:160]
+            reasons[key] += 1
+            example.setdefault(key, text[:200])
+    if not reasons:
+        return None
+    n = len(searched)
+    return (f"none of the {n} tctune candidate{'s' if n != 1 else ''} measured qualified: "
+            + "; ".join(f"{example[k]} ({c}x)" for k, c in reasons.most_common(top)))
 
 
 def candidates_measured(study: optuna.Study) -> bool:
