@@ -45,7 +45,10 @@ reason; a pass named in ``passes=`` runs. And ``PassSpec.pad_graph_outputs`` is 
 leaves the N of a linear the graph returns (an LM head's logits) unpadded, with its skip reason.
 
 Frozen weights are a snapshot: after changing a model's weights in inference, call ``torch._dynamo.reset()``
-(or compile again) so the padded / cast copies are rebuilt.
+(or compile again) so the padded / cast copies are rebuilt. Dynamo does not guard which parameter objects it
+lifts, so one of its graphs may be called with other modules' parameters (a graph break inside a repeated
+layer, another instance of the class): each distinct set of weight objects gets its own tctune graph, compiled
+on its first call (:func:`_weight_guard`).
 
 Options. ``torch.compile(m, backend="tctune", options={"precision": "bf16"})`` works: for a backend given by
 name, torch 2.11-2.13 call it as ``backend(gm, example_inputs, options=options)``, or ``mode=mode`` when
@@ -974,11 +977,57 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
                                 cfg.config_patches())
     report.seconds["inductor"] = round(time.perf_counter() - t2, 3)
     run = _runtime_caller(compiled, inputs.runtime + sizes)
+    if inputs.weights:
+        run = _weight_guard(run, example_inputs, sorted(inputs.weights), lambda args: _compile(gm, list(args), cfg))
 
     # Only once tctune's graph compiled: a fallback runs no pass, so it has none to explain.
     report.notes.extend(f"{n} not run: {why}" for n, why in cfg.left_out().items())
     run._tctune_report = report  # type: ignore[attr-defined]
     return run
+
+
+def _weight_guard(run: Callable, example_inputs: list, weights: list[int],
+                  recompile: Callable[[tuple], Callable]) -> Callable:
+    """``run`` (a graph with the weights at positions ``weights`` of ``example_inputs`` frozen into it) behind a
+    check that a call hands it those same weight objects; a call with other weights gets its own graph,
+    ``recompile(args)`` (the backend's compile of Dynamo's graph with these inputs), kept for later calls.
+
+    Dynamo does not guard the identity of the parameters it lifts to graph inputs (``inline_inbuilt_nn_modules``):
+    one compiled graph serves every module that runs the same code. With a graph break inside a repeated layer,
+    the resumed code of layer 2 is layer 1's, and Dynamo calls layer 1's graph with layer 2's parameters; so
+    does a second instance of a compiled model's class. A graph with layer 1's weights frozen into it then
+    computed layer 1 everywhere (Hugging Face's HiggsAudioV2, whose decoder layers break on a data-dependent
+    audio-token branch: FP32 logits off by 0.8 of their scale). Per call this costs one tuple of the weights'
+    ``id``s and a dict lookup; the weight objects of every graph are kept referenced, so no id is reused."""
+    pick = operator.itemgetter(*weights)
+
+    def ids(args: Sequence[Any]) -> tuple:
+        got = pick(args)
+        return tuple(map(id, got)) if len(weights) > 1 else (id(got),)
+
+    variants: dict[tuple, Callable] = {ids(example_inputs): _innermost(run)}
+    held: list = [[example_inputs[i] for i in weights]]  # keeps the ids of the frozen weights unique
+
+    def call(*args: Any):
+        key = ids(args)
+        fn = variants.get(key)
+        if fn is None:
+            logger.debug("tctune backend: a compiled graph called with other weights (a repeated layer or "
+                         "another instance): compiling it for them")
+            fn = variants[key] = _innermost(recompile(args))
+            held.append([args[i] for i in weights])
+        return fn(*args)
+
+    return torch._dynamo.disable(call)
+
+
+def _innermost(fn: Callable) -> Callable:
+    """``fn`` without its ``torch._dynamo.disable`` wrappers (the caller is already disabled)."""
+    if getattr(fn, "_torchdynamo_disable", False):
+        from torch._dynamo.eval_frame import innermost_fn
+
+        return innermost_fn(fn)
+    return fn
 
 
 def _calibrate_fp16(exported: fx.GraphModule, runtime_args: tuple, spec, report: SubgraphReport, hw: Any,

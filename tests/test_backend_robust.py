@@ -319,3 +319,61 @@ def test_dead_code_elimination_keeps_model_calls_and_drops_orphaned_ops():
     x = torch.randn(4)
     torch.testing.assert_close(gm(x), -x)
     assert log == [1]
+
+
+class BreakingLayer(nn.Module):
+    """Linear 16 -> 16, ReLU, a graph break, Linear 16 -> 16 and a residual: ``(batch, 16)`` -> ``(batch, 16)``.
+    Repeated, every layer's second half is the same resumed code, so Dynamo calls one compiled graph with each
+    layer's parameters (Hugging Face's HiggsAudioV2 breaks inside its decoder layers this way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.a(x).relu()
+        torch._dynamo.graph_break()
+        return self.b(h) + x
+
+
+class BreakingStack(nn.Module):
+    def __init__(self, layers: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(BreakingLayer() for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_graph_reused_for_other_layers_uses_their_weights(monkeypatch):
+    """Dynamo reuses a compiled graph for every layer that runs its code, handing it that layer's parameters;
+    tctune froze the first layer's weights into the graph, so every layer computed layer 1 (FP32 outputs off by
+    ~1.9 here). Each set of weights gets its own graph now (one report per layer and graph), and the model
+    matches eager on fresh inputs, on later calls too (no further compile). Inductor's code generation is
+    replaced by running the rewritten graph."""
+    monkeypatch.setattr(tb, "inductor_compile", lambda gm, example_inputs, config_patches: gm.forward)
+    torch.manual_seed(0)
+    model = BreakingStack().eval()
+    compiled = torch.compile(model, backend="tctune", options={"precision": "fp32"}, dynamic=False)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(4, 16, generator=g)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-6, atol=1e-6)
+    assert len(tb.reports) == 2 * len(model.layers), [r.summary() for r in tb.reports]
+    assert all(not r.fallback for r in tb.reports)
+    assert sorted(len(r.frozen) for r in tb.reports) == [2] * 6  # each graph froze its own layer's weight and bias
+
+
+def test_a_second_instance_of_a_compiled_class_uses_its_own_weights(monkeypatch):
+    monkeypatch.setattr(tb, "inductor_compile", lambda gm, example_inputs, config_patches: gm.forward)
+    torch.manual_seed(0)
+    first, second = BreakingStack(layers=1).eval(), BreakingStack(layers=1).eval()
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        for model in (first, second):
+            compiled = torch.compile(model, backend="tctune", options={"precision": "fp32"}, dynamic=False)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-6, atol=1e-6)
