@@ -282,13 +282,43 @@ def copy_meta(src: fx.Node, dst: fx.Node, val: Any = None) -> None:
 _DEFERRED: contextvars.ContextVar[list | None] = contextvars.ContextVar("tctune_deferred_recompile", default=None)
 
 
+#: Python callables a graph may call whose unused results are still dead code: ``operator`` and ``math``
+#: (``getitem``, symbolic size arithmetic) and the builtins (:func:`kept_by_dce`).
+_PURE_MODULES = frozenset({"_operator", "operator", "math", "builtins"})
+
+
+def kept_by_dce(node: fx.Node) -> bool:
+    """Whether dead-code elimination must keep ``node`` although nothing reads it: ``Node.is_impure`` (in-place
+    ATen ops, asserts, grad and autocast switches), and also every ``call_function`` of a Python callable that
+    is neither a torch op (``OpOverload``, ``OpOverloadPacket``, higher-order op), nor symbolic size arithmetic
+    (``torch.sym_max``, ...), nor in :data:`_PURE_MODULES`.
+
+    The passes orphan only ATen ops, ``getitem`` and ``get_attr`` nodes. Any other call in the graph came from
+    the model, and FX cannot tell a side effect there: ``torch.vmap`` in a model's forward (Hugging Face's
+    Mamba and Jamba) leaves ``torch._C._functorch._vmap_increment_nesting`` / ``_vmap_decrement_nesting`` calls
+    nothing reads, which ``Node.is_impure`` does not list (torch 2.13: it lists the JVP ones); removing them left
+    the graph's ``_add_batch_dim`` calls without a vmap level, and every call raised "Either your tensor may
+    have escaped from inside a function being vmapped"."""
+    if node.is_impure():
+        return True
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)):
+        return False
+    if getattr(target, "__name__", "").startswith(("sym_", "_sym_")):  # torch.sym_max, torch.sym_float, ...
+        return False
+    return getattr(target, "__module__", None) not in _PURE_MODULES
+
+
 def finish(gm: fx.GraphModule) -> None:
-    """Clean up after a rewrite: dead-code elimination, lint, recompile (callers do this only on change).
+    """Clean up after a rewrite: dead-code elimination (keeping :func:`kept_by_dce`'s calls), lint, recompile
+    (callers do this only on change).
 
     Inside :func:`deferred_recompile` the recompile (regenerating ``gm.forward``'s Python code, the costly part on
     a large graph) waits until the block ends; passes read ``gm.graph``, never ``gm.code``.
     """
-    gm.graph.eliminate_dead_code()
+    gm.graph.eliminate_dead_code(is_impure_node=kept_by_dce)
     gm.graph.lint()
     recompile(gm)
 

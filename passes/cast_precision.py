@@ -59,7 +59,7 @@ of placeholders and ``get_attr`` nodes (``meta`` is not updated by FX, so the pa
 * Constants outside the low dtype's range (a mask filled with ``torch.finfo(torch.float32).min``,
   ``masked_fill(mask, -1e9)`` at fp16) saturate to the low dtype's finite range (``torch.finfo(dt).max``):
   a Python-scalar fill value of an op computing low (``masked_fill``, ``where``, ``full_like``, ``mul``,
-  ``add``, ...; PyTorch raises "value cannot be converted to type c10::Half without overflow" on the fill
+  ``add``, ..., and their in-place forms such as ``masked_fill_``; PyTorch raises "value cannot be converted to type c10::Half without overflow" on the fill
   ones), a weight or lifted constant stored low, and an FP32 value computed from such a constant (a
   ``full(..., dtype=torch.float32)`` mask) when it is cast down (a ``clamp`` before the cast). Infinities are
   not touched: a deliberate ``-inf`` mask stays ``-inf`` (fp16 and bf16 hold it), except in a value that also
@@ -141,6 +141,15 @@ _VALUE_OPS = frozenset(
         "clamp_max", "index_fill", "constant_pad_nd", "hardtanh", "scatter", "mul", "add", "sub", "rsub",
     }
 )
+
+
+def _value_op(name: str) -> bool:
+    """Whether op ``name`` is one of :data:`_VALUE_OPS` or its in-place form (``masked_fill_``, ``fill_``,
+    ``clamp_``, ``add_``: ``torch.export`` keeps a model's in-place ops; XLM fills its attention scores with
+    ``masked_fill_(mask, -finfo(float32).max)``, which bf16 cannot hold)."""
+    return name in _VALUE_OPS or (name.endswith("_") and name[:-1] in _VALUE_OPS)
+
+
 #: ``node.meta`` flag on the casts this pass inserts (never taken for the model's own conversions).
 _OWN_CAST = "tctune_cast"
 #: The same flag for callers that insert a cast this pass must not take for one the model wrote (an up-cast
@@ -410,7 +419,7 @@ def _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors
     if _lowered(orig[node], new[node]):
         result.changed.append(node.name)
         result.count += 1
-        if name in _VALUE_OPS:
+        if _value_op(name):
             saturated.extend(_saturate_scalars(node, low))
     elif _has_fp32(new[node]) and _big_scalars(node, low):
         big.add(node)
@@ -531,7 +540,7 @@ def _out_of_range(value: float, dtype: torch.dtype) -> bool:
 
 def _big_scalars(node: fx.Node, low: torch.dtype) -> bool:
     """Whether ``node`` (an FP32 op) takes a finite Python-float constant beyond ``low``'s range as a value."""
-    if not isinstance(node.target, torch._ops.OpOverload) or op_name(node) not in _VALUE_OPS:
+    if not isinstance(node.target, torch._ops.OpOverload) or not _value_op(op_name(node)):
         return False
     return any(_out_of_range(v, low) for _, _, v, _ in _scalar_args(node))
 

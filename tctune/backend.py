@@ -54,11 +54,13 @@ pipeline is :data:`BACKEND_PIPELINE`: :data:`passes.PIPELINE` without the passes
 reason; a pass named in ``passes=`` runs. And ``PassSpec.pad_graph_outputs`` is False: ``pad_linear_dims``
 leaves the N of a linear the graph returns (an LM head's logits) unpadded, with its skip reason.
 
-Frozen weights are a snapshot, taken again after an optimizer step or a parameter assignment: a subgraph whose
-frozen weights an ``optimizer.step()`` changed, or whose parameter was replaced (``m.fc.weight = nn.Parameter(w)``),
-compiles again on its next call (:func:`_rebuilt_after_steps`: the train / evaluate loop). After changing weights
-in place any other way (``load_state_dict``, ``p.data.copy_(...)``), call ``torch._dynamo.reset()`` (or compile
-again) so the padded / cast copies are rebuilt.
+Frozen weights are a snapshot, taken again when they change under it: a subgraph whose frozen weights an
+``optimizer.step()`` changed, or whose parameter was replaced (``m.fc.weight = nn.Parameter(w)``), compiles again
+on its next call (the train / evaluate loop), and Dynamo, which does not guard which parameter objects it lifts,
+may call one of its graphs with other modules' weights (a graph break inside a repeated layer, another instance
+of the class): each set of weight objects gets its own tctune graph (:func:`_rebuilt_after_steps`). After
+changing weights in place any other way (``load_state_dict``, ``p.data.copy_(...)``), call
+``torch._dynamo.reset()`` (or compile again) so the padded / cast copies are rebuilt.
 
 Options. ``torch.compile(m, backend="tctune", options={"precision": "bf16"})`` works: for a backend given by
 name, torch 2.11-2.13 call it as ``backend(gm, example_inputs, options=options)``, or ``mode=mode`` when
@@ -512,8 +514,9 @@ def _compile(gm: fx.GraphModule, example_inputs: list, cfg: BackendConfig, rebui
                                         _spec_for(hw, training, cfg.policy, report.precision, cfg.fp8_keep,
                                                   cfg.output_dtype, cfg.fp8_fast_accum),
                                         cfg, report, hw, compile_inputs)
-        frozen = getattr(compiled, "_tctune_frozen", ())
-        if rebuild and frozen:
+        # taken off the callable: the variants below hold the weights only weakly (a replaced one can be freed)
+        frozen = getattr(compiled, "__dict__", {}).pop("_tctune_frozen", ()) if rebuild else ()
+        if frozen:
             compiled = _rebuilt_after_steps(compiled, frozen, gm, cfg)
     except Exception as exc:  # noqa: BLE001 - never break the user's compile
         if _is_dynamo_restart(exc):
@@ -554,43 +557,85 @@ def _count_steps() -> None:
 
 def _rebuilt_after_steps(run: Callable, weights: Sequence[tuple[int, torch.Tensor]], gm: fx.GraphModule,
                          cfg: BackendConfig) -> Callable:
-    """``run`` (a subgraph compiled with frozen weights), compiled again when an optimizer step changed them.
+    """``run`` (a subgraph compiled with frozen weights) behind the checks that the weights it froze are still
+    the ones a call hands it: compiled again for other weight objects, or when an optimizer step changed them.
 
     Frozen weights are read once, at compile time: the passes store cast, padded, folded or fused copies of
-    them in the compiled graph. The usual training loop (``model.train()``, steps through the compiled module,
-    then ``model.eval()`` and an evaluation under ``torch.no_grad()``, every epoch) compiled its inference
-    graph at the first evaluation and kept evaluating those first weights: at bf16 the second epoch's
-    evaluation was off by a relative error of 0.39, the third by 0.72 (no warning; plain Inductor reads the
-    live weights). A parameter replaced by another (``m.fc.weight = nn.Parameter(w)``) was ignored the same way,
-    at every precision. Now each call compares one counter (:func:`_count_steps`: optimizer steps, parameters and
-    buffers assigned) with the one it last saw; only when it moved does it compare the weights Dynamo passes
-    (``weights``: ``(position among Dynamo's inputs, tensor frozen)``) with those frozen, by identity and
-    version counter, and a changed one compiles the subgraph again from the live weights (with an info log
-    and a new :class:`SubgraphReport` whose first note says why). Weights changed in place outside an
-    optimizer (``load_state_dict``, ``p.data.copy_``) are not seen: call ``torch._dynamo.reset()`` after them.
+    them in the compiled graph. Two ways the live weights left that snapshot behind, both silently wrong:
+
+    - The usual training loop (``model.train()``, steps through the compiled module, then ``model.eval()`` and
+      an evaluation under ``torch.no_grad()``, every epoch) compiled its inference graph at the first evaluation
+      and kept evaluating those first weights: at bf16 the second epoch's evaluation was off by a relative
+      error of 0.39, the third by 0.72 (plain Inductor reads the live weights). A parameter replaced by another
+      (``m.fc.weight = nn.Parameter(w)``) was ignored the same way, at every precision.
+    - Dynamo does not guard the identity of the parameters it lifts to graph inputs
+      (``inline_inbuilt_nn_modules``): one compiled graph serves every module that runs the same code. With a
+      graph break inside a repeated layer, Dynamo calls layer 1's graph with layer 2's parameters; so does a
+      second instance of a compiled model's class. Layer 1's frozen weights then computed every layer (Hugging
+      Face's HiggsAudioV2, whose decoder layers break on a data-dependent branch: FP32 logits off by 0.8 of their
+      scale).
+
+    So each set of weight objects (``weights``: ``(position among Dynamo's inputs, tensor frozen)``) gets its own
+    compiled variant, built on its first call and kept while its weights live (weak references: a variant whose
+    weight was replaced and freed is dropped when the counter below moves). Per call: the identity of the first
+    and last weight against the current variant's, and one counter (:func:`_count_steps`: optimizer steps,
+    parameters and buffers assigned) against the one the variant last saw; only when one differs are all the
+    weights' ids looked up and, after the counter moved, their version counters compared. A changed weight
+    compiles the variant again from the live weights (an info log and a new :class:`SubgraphReport` whose first
+    note says why). Weights changed in place outside an optimizer (``load_state_dict``, ``p.data.copy_``) are
+    not seen: call ``torch._dynamo.reset()`` after them.
     """
+    import weakref
+
     from torch._dynamo.eval_frame import innermost_fn
 
     _count_steps()
     ctx = torch._guards.TracingContext.try_get()
     fakes = [n.meta.get("example_value") for n in _placeholders(gm)]
-    state = [_optimizer_steps[0], innermost_fn(run), list(weights), [w._version for _, w in weights]]
+    positions = [i for i, _ in weights]
+    first, last = positions[0], positions[-1]
+
+    def variant(fn: Callable, live: list, frozen: bool) -> list:
+        # [callable, weak references to the weights, their versions, counter seen, frozen (False: a fallback,
+        # which reads the weights live)]
+        return [innermost_fn(fn), [weakref.ref(w) for w in live], [w._version for w in live], _optimizer_steps[0],
+                frozen]
+
+    def rebuild(args: tuple, why: str) -> list:
+        logger.info("tctune backend: %s: compiling the subgraph again", why)
+        with torch._guards.tracing(ctx), torch.no_grad():
+            inputs = [f if isinstance(f, (torch.Tensor, torch.SymInt)) and not isinstance(a, torch.nn.Parameter)
+                      else a for f, a in zip(fakes, args)]
+            fresh = _compile(gm, list(args), cfg, rebuild=False, compile_inputs=inputs)
+        reports[-1].notes.insert(0, f"compiled again: {why}")
+        frozen = bool(getattr(fresh, "__dict__", {}).pop("_tctune_frozen", ()))
+        return variant(fresh, [args[i] for i in positions], frozen)
+
+    variants = {tuple(id(w) for _, w in weights): variant(run, [w for _, w in weights], True)}
+    current = [next(iter(variants.values()))]
+    changed = ("frozen weights changed since the last compile (an optimizer step or a new parameter)")
+    other = "called with other weights (a repeated layer or another instance of the module)"
 
     def call(*args: Any):
-        if _optimizer_steps[0] != state[0]:
-            state[0] = _optimizer_steps[0]
-            if any(args[i] is not w or w._version != v for (i, w), v in zip(state[2], state[3])):
-                logger.info("tctune backend: frozen weights changed (an optimizer step or a new parameter): "
-                            "compiling the subgraph again")
-                with torch._guards.tracing(ctx), torch.no_grad():
-                    inputs = [f if isinstance(f, (torch.Tensor, torch.SymInt)) and not isinstance(a, torch.nn.Parameter)
-                              else a for f, a in zip(fakes, args)]
-                    fresh = _compile(gm, list(args), cfg, rebuild=False, compile_inputs=inputs)
-                reports[-1].notes.insert(0, "compiled again: frozen weights changed since the last compile "
-                                            "(an optimizer step or a new parameter)")
-                frozen = list(getattr(fresh, "_tctune_frozen", ()))  # none after a fallback: weights are inputs
-                state[1], state[2], state[3] = innermost_fn(fresh), frozen, [w._version for _, w in frozen]
-        return state[1](*args)
+        v = current[0]
+        refs = v[1]
+        if args[first] is not refs[0]() or args[last] is not refs[-1]() or v[3] != _optimizer_steps[0]:
+            moved = v[3] != _optimizer_steps[0]
+            if moved:  # forget the variants of weights no longer alive (a replaced parameter)
+                for k in [k for k, w in variants.items() if any(r() is None for r in w[1])]:
+                    del variants[k]
+            key = tuple(id(args[i]) for i in positions)
+            v = variants.get(key)
+            if v is not None and any(r() is not args[i] for r, i in zip(v[1], positions)):
+                v = None  # an id reused by a new object
+            if v is None:
+                v = variants[key] = rebuild(args, changed if moved else other)
+            elif v[3] != _optimizer_steps[0]:
+                v[3] = _optimizer_steps[0]
+                if v[4] and any(r()._version != n for r, n in zip(v[1], v[2])):
+                    v = variants[key] = rebuild(args, changed)
+            current[0] = v
+        return v[0](*args)
 
     out = torch._dynamo.disable(call)
     out._tctune_report = getattr(run, "_tctune_report", None)  # type: ignore[attr-defined]
@@ -1158,7 +1203,6 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
                                 cfg.config_patches())
     report.seconds["inductor"] = round(time.perf_counter() - t2, 3)
     run = _runtime_caller(compiled, inputs.runtime + sizes)
-
     # Only once tctune's graph compiled: a fallback runs no pass, so it has none to explain.
     report.notes.extend(f"{n} not run: {why}" for n, why in cfg.left_out().items())
     run._tctune_report = report  # type: ignore[attr-defined]

@@ -4,6 +4,8 @@ backend), tiny models."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -617,11 +619,14 @@ def test_a_replaced_parameter_is_read_after_the_replacement(precision, aot_only)
     with torch.no_grad():
         x = torch.randn(4, 16, generator=g)
         _close(compiled(x), model(x), precision)
+        replaced = weakref.ref(model.a.weight)
         model.a.weight = nn.Parameter(torch.randn(32, 16, generator=g) / 4)
         x = torch.randn(4, 16, generator=g)
         _close(compiled(x), model(x), precision)
     _no_fallback()
     assert tb.reports[-1].notes[0].startswith("compiled again: frozen weights changed")
+    gc.collect()
+    assert replaced() is None  # the graph of the replaced weight is not kept (its weight held weakly)
 
 
 def test_fallback_cast_that_cannot_run_compiles_the_model_dtypes(monkeypatch, aot_only):
@@ -645,3 +650,154 @@ def test_fallback_cast_that_cannot_run_compiles_the_model_dtypes(monkeypatch, ao
     assert "injected pass failure" in rep.fallback
     assert any(n.startswith("fallback at bf16 failed (RuntimeError: mat1 and mat2 must have the same dtype")
                for n in rep.notes), rep.notes
+
+
+class VmapMix(nn.Module):
+    """Linear 24 -> 36, a per-item function applied with ``torch.vmap`` (as Hugging Face's Mamba, Jamba and
+    FalconMamba do in their forward), Linear 36 -> 20. ``(batch, 5, 24)`` -> ``(batch, 5, 20)``; 36 is 4 mod 8,
+    so ``pad_linear_dims`` pads both linears at bf16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(24, 36)
+        self.fc2 = nn.Linear(36, 20)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 36))
+
+    def forward(self, x):
+        h = self.fc1(x)
+        h = torch.vmap(lambda r, s: r * r.sigmoid() * s + r.mean(), in_dims=(0, None))(h, self.scale)
+        return self.fc2(h)
+
+
+def _vmap_nesting_calls(gm: torch.fx.GraphModule) -> list[str]:
+    return [n.target.__name__ for n in gm.graph.nodes
+            if n.op == "call_function" and "vmap_" in getattr(n.target, "__name__", "")]
+
+
+@pytest.mark.parametrize("cast", [False, True], ids=["structural_fp32", "bf16"])
+def test_vmap_in_forward_keeps_its_nesting_calls_through_the_passes(monkeypatch, cast):
+    """Dynamo writes ``torch.vmap`` as ``_vmap_increment_nesting`` / ``_vmap_decrement_nesting`` calls nothing
+    reads around ``_add_batch_dim`` ops. The passes' dead-code elimination removed those calls, so the graph's
+    batched ops ran outside any vmap level: every call raised (Inductor's trace at compile time: a fallback).
+    They stay now, the padding and cast passes still fire, and the graph matches eager. Inductor's code
+    generation is replaced by running the graph handed to it (what reaches Inductor is under test). Without
+    the cast passes (planned for bf16, computing FP32) the graph must match eager to FP32 rounding."""
+    from passes import CASTS
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def eager(gm, example_inputs, config_patches):
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(tb, "inductor_compile", eager)
+    torch.manual_seed(0)
+    model = VmapMix().eval()
+    options = {"precision": "bf16", "policy": "pure", "target": "sm_90"}
+    if not cast:
+        options["passes"] = [n for n in tb.BACKEND_PIPELINE if n not in CASTS]
+    compiled = torch.compile(model, backend="tctune", dynamic=False, options=options)
+    g = torch.Generator().manual_seed(8)
+    batches = [torch.randn(3, 5, 24, generator=g) for _ in range(2)]
+    with torch.no_grad():
+        outs = [(compiled(x), model(x)) for x in batches]
+    assert tb.reports and all(not rep.fallback for rep in tb.reports), [rep.fallback for rep in tb.reports]
+    assert sum(r.count for r in _results("pad_linear_dims")) == 2
+    (gm,) = graphs
+    calls = _vmap_nesting_calls(gm)
+    assert calls.count("_vmap_increment_nesting") == calls.count("_vmap_decrement_nesting") >= 1, calls
+    for got, ref in outs:
+        assert got.dtype == ref.dtype
+        if not cast:
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        else:
+            assert sum(r.count for r in _results("cast_precision")) > 0
+            assert _rel(got, ref) <= TOLERANCES["bf16"]["rel_l2"]
+
+
+def test_dead_code_elimination_keeps_model_calls_and_drops_orphaned_ops():
+    """``passes._graph.kept_by_dce``: an unused call of a Python function the model made stays (FX cannot
+    know it has no side effect), an unused ATen op or ``getitem`` a pass orphaned goes, as do unused symbolic
+    size computations."""
+    import operator
+
+    from passes._graph import finish
+
+    log: list[int] = []
+
+    def side_effect(x):  # stands in for torch._C._functorch._vmap_increment_nesting
+        log.append(1)
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.call_function(side_effect, (x,))
+    graph.call_function(torch.ops.aten.relu.default, (x,))
+    pair = graph.call_function(torch.ops.aten.split.Tensor, (x, 2))
+    graph.call_function(operator.getitem, (pair, 0))
+    graph.call_function(torch.sym_max, (2, 3))
+    graph.output(graph.call_function(torch.ops.aten.neg.default, (x,)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    finish(gm)
+    left = [getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op == "call_function"]
+    assert left == ["side_effect", "neg.default"], left
+    x = torch.randn(4)
+    torch.testing.assert_close(gm(x), -x)
+    assert log == [1]
+
+
+class BreakingLayer(nn.Module):
+    """Linear 16 -> 16, ReLU, a graph break, Linear 16 -> 16 and a residual: ``(batch, 16)`` -> ``(batch, 16)``.
+    Repeated, every layer's second half is the same resumed code, so Dynamo calls one compiled graph with each
+    layer's parameters (Hugging Face's HiggsAudioV2 breaks inside its decoder layers this way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.a(x).relu()
+        torch._dynamo.graph_break()
+        return self.b(h) + x
+
+
+class BreakingStack(nn.Module):
+    def __init__(self, layers: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(BreakingLayer() for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_graph_reused_for_other_layers_uses_their_weights(monkeypatch):
+    """Dynamo reuses a compiled graph for every layer that runs its code, handing it that layer's parameters;
+    tctune froze the first layer's weights into the graph, so every layer computed layer 1 (FP32 outputs off by
+    ~1.9 here). Each set of weights gets its own graph now (one report per layer and graph), and the model
+    matches eager on fresh inputs, on later calls too (no further compile). Inductor's code generation is
+    replaced by running the rewritten graph."""
+    monkeypatch.setattr(tb, "inductor_compile", lambda gm, example_inputs, config_patches: gm.forward)
+    torch.manual_seed(0)
+    model = BreakingStack().eval()
+    compiled = torch.compile(model, backend="tctune", options={"precision": "fp32"}, dynamic=False)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(4, 16, generator=g)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-6, atol=1e-6)
+    assert len(tb.reports) == 2 * len(model.layers), [r.summary() for r in tb.reports]
+    assert all(not r.fallback for r in tb.reports)
+    assert sorted(len(r.frozen) for r in tb.reports) == [2] * 6  # each graph froze its own layer's weight and bias
+
+
+def test_a_second_instance_of_a_compiled_class_uses_its_own_weights(monkeypatch):
+    monkeypatch.setattr(tb, "inductor_compile", lambda gm, example_inputs, config_patches: gm.forward)
+    torch.manual_seed(0)
+    first, second = BreakingStack(layers=1).eval(), BreakingStack(layers=1).eval()
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        for model in (first, second):
+            compiled = torch.compile(model, backend="tctune", options={"precision": "fp32"}, dynamic=False)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-6, atol=1e-6)

@@ -104,6 +104,54 @@ def test_out_of_range_constants_saturate(precision, policy):
     assert got.dtype == ref.dtype and _rel(got, ref) <= zoo.TOLERANCES[precision]["rel_l2"]
 
 
+class InplaceMaskedScores(nn.Module):
+    """One attention head whose scores are masked in place with FP32's extreme, as Hugging Face's XLM writes it:
+    ``scores.masked_fill_(mask, -torch.finfo(torch.float32).max)``, a value neither bf16 nor fp16 holds; then an
+    in-place ``add_`` of a second FP32-extreme bias on padded keys. Inputs ``x (batch, seq, 24)`` float and
+    ``m (batch, seq)`` int64 (0: padded key)."""
+
+    def __init__(self, d: int = 24) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.d = d
+
+    def forward(self, x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ self.k(x).transpose(-1, -2) / math.sqrt(self.d)
+        seq = x.shape[1]
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
+        scores.masked_fill_(causal, -torch.finfo(torch.float32).max)
+        scores.add_((m[:, None, :] == 0) * torch.finfo(torch.float32).min)
+        return F.softmax(scores, dim=-1) @ self.v(x)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_in_place_fill_values_saturate(precision):
+    """An in-place fill with an out-of-range scalar (``masked_fill_(mask, -finfo(float32).max)``) runs: before,
+    ``masked_fill_`` kept -3.4e38 on bf16 scores and every call raised "value cannot be converted to type
+    c10::BFloat16 without overflow" (XLM through the backend). The in-place forms of the value ops get their
+    scalar saturated like the out-of-place ones, where the tensor they write is cast at all."""
+    torch.manual_seed(0)
+    model = InplaceMaskedScores().eval()
+    gm = zoo.capture(model, _mask_inputs(3))
+    assert any(op_name in str(n.target) for n in gm.graph.nodes for op_name in ("masked_fill_",)), gm.graph
+
+    result = cast_precision(gm, _spec(precision, "pure"))
+
+    limit = torch.finfo(LOW[precision]).max
+    notes = result.notes.get("constants_saturated", [])
+    # either the fill value is saturated to the low dtype, or the scores written in place stay in their dtype
+    # (cast_precision never casts a tensor the graph writes): both run, and the values below match eager
+    kept = [sk.reason for sk in result.skipped if "written in place" in sk.reason]
+    assert any("masked_fill_" in n and f"-> {-limit:.4g}" in n for n in notes) or kept, (notes, result.skipped)
+    for seed in (5, 6):
+        torch.manual_seed(seed)
+        x, m = _mask_inputs(4)
+        with torch.no_grad():
+            got, ref = gm(x, m), model(x, m)
+        assert torch.isfinite(got).all()
+        assert got.dtype == ref.dtype and _rel(got, ref) <= zoo.TOLERANCES[precision]["rel_l2"]
+
+
 def _gpt_neo():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPTNeoConfig(
