@@ -614,8 +614,11 @@ def test_every_optimize_flag_has_an_api_keyword():
 def test_api_accuracy_options_reach_the_config():
     from tctune.api import tune_config
 
-    cfg = tune_config({"min_score_ratio": 0.98, "max_mismatch_rate": 0.01, "min_score": 0.5}, out_dir="unused")
-    assert (cfg.min_score_ratio, cfg.max_mismatch_rate, cfg.min_score) == (0.98, 0.01, 0.5)
+    cfg = tune_config({"min_score_ratio": 0.98, "max_mismatch_rate": 0.01}, out_dir="unused")
+    assert (cfg.min_score_ratio, cfg.max_mismatch_rate, cfg.min_score) == (0.98, 0.01, None)
+    assert tune_config({"min_score": 0.5}, out_dir="unused").min_score == 0.5
+    with pytest.raises(tctune.UsageError, match="both given"):  # an absolute min_score would silently replace the ratio
+        tune_config({"min_score_ratio": 0.98, "min_score": 0.5}, out_dir="unused")
 
 
 @pytest.mark.parametrize("quiet", [False, True])
