@@ -421,3 +421,17 @@ def view_base(node: fx.Node) -> fx.Node | None:
         return None
     base = node.args[0]
     return base if isinstance(base, fx.Node) else None
+
+
+def checkpoint_body(gm: fx.GraphModule, node: fx.Node) -> fx.GraphModule | None:
+    """The body of ``node`` when it is an activation-checkpointed region (``torch.utils.checkpoint`` as the
+    ``tag_activation_checkpoint`` higher-order op, its body a ``get_attr`` graph module), in an ATen graph or in
+    Dynamo's; else None."""
+    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    if hop is None or node.op != "call_function" or node.target is not hop or not node.args:
+        return None
+    body = node.args[0]
+    if not isinstance(body, fx.Node) or body.op != "get_attr":
+        return None
+    module = get_attr_value(gm, str(body.target))
+    return module if isinstance(module, fx.GraphModule) else None

@@ -59,8 +59,8 @@ of placeholders and ``get_attr`` nodes (``meta`` is not updated by FX, so the pa
 * Constants outside the low dtype's range (a mask filled with ``torch.finfo(torch.float32).min``,
   ``masked_fill(mask, -1e9)`` at fp16) saturate to the low dtype's finite range (``torch.finfo(dt).max``):
   a Python-scalar fill value of an op computing low (``masked_fill``, ``where``, ``full_like``, ``mul``,
-  ``add``, ..., and their in-place forms such as ``masked_fill_``; PyTorch raises "value cannot be converted to type c10::Half without overflow" on the fill
-  ones), a weight or lifted constant stored low, and an FP32 value computed from such a constant (a
+  ``add``, ..., and their in-place forms such as ``masked_fill_``; PyTorch raises "value cannot be converted
+  to type c10::Half without overflow" on the fill ones), a weight or lifted constant stored low, and an FP32 value computed from such a constant (a
   ``full(..., dtype=torch.float32)`` mask) when it is cast down (a ``clamp`` before the cast). Infinities are
   not touched: a deliberate ``-inf`` mask stays ``-inf`` (fp16 and bf16 hold it), except in a value that also
   carries such a constant, whose cast down saturates it too. ``notes["constants_saturated"]`` lists each.
@@ -101,8 +101,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from passes._graph import (alias_targets, copy_meta, fake_from_tensor, finish, get_attr_value, op_name,
-                           set_attr_tensor, view_base, writes_in_place, written_nodes)
+from passes._graph import (alias_targets, checkpoint_body, copy_meta, fake_from_tensor, finish, get_attr_value,
+                           op_name, set_attr_tensor, view_base, writes_in_place, written_nodes)
 from passes.base import PassResult, PassSpec, Skip
 from passes.calibrate import (FINITE_MAX, MAX_ABS_META, NONFINITE_META, CalibrationRanges, ignored_reasons,
                               source_module)
@@ -267,8 +267,9 @@ def cast_precision(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         if node in written or node in returned or writes_in_place(node):
             _keep_written(node, orig, new, rewriter, result)
             continue
-        if _checkpoint_body(gm, node) is not None:
-            _cast_checkpoint_body(gm, node, spec, result)
+        body = checkpoint_body(gm, node)
+        if body is not None:
+            _cast_checkpoint_body(body, node, spec, result)
             new[node] = orig[node]
             continue
         _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors, explicit32, big, saturated,
@@ -425,28 +426,15 @@ def _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors
         big.add(node)
 
 
-def _checkpoint_body(gm: fx.GraphModule, node: fx.Node) -> fx.GraphModule | None:
-    """The body of ``node`` when it is an activation-checkpointed region (``torch.utils.checkpoint`` as the
-    ``tag_activation_checkpoint`` higher-order op, its body a ``get_attr`` graph module); else None."""
-    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
-    if hop is None or node.op != "call_function" or node.target is not hop or not node.args:
-        return None
-    body = node.args[0]
-    if not isinstance(body, fx.Node) or body.op != "get_attr":
-        return None
-    module = get_attr_value(gm, str(body.target))
-    return module if isinstance(module, fx.GraphModule) else None
-
-
-def _cast_checkpoint_body(gm: fx.GraphModule, node: fx.Node, spec: PassSpec, result: PassResult) -> None:
-    """Cast the body of a checkpointed region (:func:`_checkpoint_body`) like a graph of its own, at bf16 only:
+def _cast_checkpoint_body(body: fx.GraphModule, node: fx.Node, spec: PassSpec, result: PassResult) -> None:
+    """Cast ``body``, the body of the checkpointed region ``node`` (``passes._graph.checkpoint_body``), like a
+    graph of its own, at bf16 only:
     its inputs and outputs keep their dtypes (the region's boundary is the original one), its ops compute
     low inside, and the backward recomputes them so. At fp16 the body stays as it is: the overflow calibration
     records the region as one node, so nothing says which of its ops stay FP32."""
     if spec.precision != "bf16":
         result.skipped.append(Skip(node.name, "checkpointed region: not cast at fp16 (no calibration inside it)"))
         return
-    body = _checkpoint_body(gm, node)
     inner = cast_precision(body, dataclasses.replace(spec, restore_output_dtypes=True, fp32_nodes=frozenset()))
     result.count += inner.count
     result.changed.extend(f"{node.name}.{n}" for n in inner.changed)

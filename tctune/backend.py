@@ -39,8 +39,9 @@ fp16 / bf16 Inductor compiles Dynamo's graph cast the way ``model.to(dt)`` would
 parameters and buffers cast to ``dt`` on entry, floating outputs cast back to their dtype), never the FP32 graph,
 except a graph that writes tensors in place (:func:`_writes_in_place`): cast, its writes would land in copies, so
 it is compiled as written, with a note; and a cast graph that does not run on the first call's inputs
-(:func:`_check_runs`) is compiled in the model's own dtypes, with the reason in the notes. Dynamo's restart signals (:func:`_is_dynamo_restart`) are not failures:
-they go back to Dynamo, which traces the frame again, as it does for plain Inductor.
+(:func:`_check_runs`) is compiled in the model's own dtypes, with the reason in the notes. Dynamo's restart
+signals (:func:`_is_dynamo_restart`) are not failures: they go back to Dynamo, which traces the frame again, as
+it does for plain Inductor.
 
 fp16 overflow. fp16 holds at most 65504, and the backend has no calibration data of its own: at fp16 it runs
 the overflow analysis (``passes.calibrate``) on the first call's inputs, which Dynamo hands the backend as real
@@ -1244,15 +1245,11 @@ def _checkpoint_context_fns(gm: fx.GraphModule):
     every graph using ``checkpoint`` in training fell back to plain Inductor. The one added is what the HOP
     runs without a key (``create_selective_checkpoint_contexts`` recomputing every op), so nothing changes;
     :func:`_export` removes it from export's copies of the bodies and the block restores Dynamo's."""
+    from passes._graph import checkpoint_body
+
     added: list = []
-    bodies = []
-    hop = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
-    for node in gm.graph.nodes:
-        if hop is not None and node.op == "call_function" and node.target is hop and node.args:
-            body = node.args[0]
-            module = getattr(gm, str(body.target), None) if isinstance(body, fx.Node) else None
-            if isinstance(module, fx.GraphModule) and _CONTEXT_FN not in module.meta:
-                bodies.append(module)
+    bodies = [b for b in map(functools.partial(checkpoint_body, gm), gm.graph.nodes)
+              if b is not None and _CONTEXT_FN not in b.meta]
     if bodies:
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
