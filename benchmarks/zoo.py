@@ -52,6 +52,13 @@ Variants (``--variants``), on the same seeded inputs, each in ``torch.no_grad``:
                    graph: this variant prices that entry cast the same way on both sides. Timed
                    interleaved with ``inductor`` and ``tctune``; summarized as
                    ``speedup_vs_inductor_fp32in``; no CUDA-graph variant
+``tctune_freezing`` optional (``--variants +tctune_freezing``): ``tctune`` with Inductor's ``freezing`` config on
+                   (``options["inductor"] = {"freezing": True}``): Inductor treats the frozen weights as
+                   constants (constant folding, weight layouts chosen at compile time). Timed interleaved with
+                   ``inductor`` and ``tctune``; summarized as ``speedup_freezing_vs_inductor``
+``inductor_freezing`` optional (``--variants +inductor_freezing``): ``torch.compile(model.to(dt),
+                   options={"freezing": True})``, the same lever on the plain side; summarized as
+                   ``speedup_freezing_vs_inductor_freezing`` (tctune_freezing over it)
 ``tctune_fp32``    optional (``--variants +tctune_fp32``; one more compile per model, so not in the default):
                    ``torch.compile(fp32 model, backend="tctune", options=parity_options(dt))``: every structural
                    pass of the backend's default pipeline as it plans at dt (padding to dt's alignment), the
@@ -276,7 +283,7 @@ OPTIMIZE_DEFAULT = ("BertForMaskedLM", "GPT2ForSequenceClassification", "T5Small
 
 VARIANTS = ("fp32_eager", "eager", "eager_cg", "inductor", "inductor_cg", "tctune", "tctune_cg")
 #: Variants measured only when named in ``--variants`` (one more compile per model; see the module docstring).
-OPTIONAL_VARIANTS = ("tctune_fp32", "inductor_fp32in")
+OPTIONAL_VARIANTS = ("tctune_fp32", "inductor_fp32in", "tctune_freezing", "inductor_freezing")
 ALL_VARIANTS = VARIANTS + OPTIONAL_VARIANTS
 #: FP32 parity limit of ``tctune_fp32``: max |tctune - FP32 eager| / max |FP32 eager| per floating output, or,
 #: for a model whose FP32 eager output is itself far from a float64 run, :data:`FP32_ROUNDING_FACTOR` x that
@@ -1366,8 +1373,24 @@ def measure_model(entry: Entry, args: argparse.Namespace) -> dict:
             record("tctune", lambda: model, inputs)  # records it as not requested
         record("inductor", lambda: torch.compile(low), low_inputs, fresh_cache=True)
         record("inductor_fp32in", lambda: torch.compile(cast_inputs_inside(low, dt)), inputs, fresh_cache=True)
-        timed("inductor", "tctune", "inductor_fp32in")
-        fns.pop("inductor_fp32in", None)
+        if "tctune_freezing" in wanted:
+            import tctune.backend as tb
+
+            tb.reset()
+            backend = "tctune" if "tctune" in torch._dynamo.list_backends() else tb.tctune_backend
+            fopts = {"precision": args.dtype, "policy": "pure", "output_dtype": TCTUNE_OUTPUT_DTYPE,
+                     "inductor": {"freezing": True}}
+            fmodel = copy.deepcopy(model)  # its own Dynamo cache entry, not a recompile of the tctune variant's
+            record("tctune_freezing", lambda: torch.compile(fmodel, backend=backend, options=fopts), inputs,
+                   fresh_cache=True)
+            row["tctune_freezing"] = {"options": fopts, "fallbacks": [
+                (r.fallback.strip().splitlines() or [""])[0][:300] for r in tb.reports if r.fallback]}
+        else:
+            record("tctune_freezing", lambda: model, inputs)  # records it as not requested
+        record("inductor_freezing", lambda: torch.compile(copy.deepcopy(low), options={"freezing": True}),
+               low_inputs, fresh_cache=True)
+        timed("inductor", "tctune", "inductor_fp32in", "tctune_freezing", "inductor_freezing")
+        fns.pop("inductor_fp32in", None), fns.pop("tctune_freezing", None), fns.pop("inductor_freezing", None)
         cg_args = {"tctune_cg": ("tctune", inputs), "inductor_cg": ("inductor", low_inputs)}
         per_capture: dict[str, list[dict]] = {n: [] for n in cg_args}
         for k in range(max(1, args.cg_captures)):  # K captures of both sides (module docstring, CUDA graphs)
@@ -1554,6 +1577,11 @@ def summarize(row: dict, opt: dict | None = None) -> dict:
         "speedup_vs_inductor_cg": _ratio(get("tctune_cg", "items_per_s"), get("inductor_cg", "items_per_s")),
         # both sides handed the same FP32 inputs, each casting them inside its compiled graph (inductor_fp32in)
         "speedup_vs_inductor_fp32in": _ratio(get("tctune", "items_per_s"), get("inductor_fp32in", "items_per_s")),
+        # Inductor's freezing on the tctune side, against plain Inductor and against plain Inductor with freezing
+        "speedup_freezing_vs_inductor": _ratio(get("tctune_freezing", "items_per_s"), get("inductor", "items_per_s")),
+        "speedup_freezing_vs_inductor_freezing": _ratio(get("tctune_freezing", "items_per_s"),
+                                                        get("inductor_freezing", "items_per_s")),
+        "compile_s_freezing": get("tctune_freezing", "compile_s"),
         "accuracy_consistent": accuracy_consistent(rel, eager_rel),
         "rel_err": rel, "eager_rel_err": eager_rel, "inductor_rel_err": get("inductor", "rel_err"),
         "compile_s": get("tctune", "compile_s"), "inductor_compile_s": get("inductor", "compile_s"),
