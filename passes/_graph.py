@@ -365,6 +365,10 @@ def deferred_recompile():
 #: ATen ops that write some inputs without saying so in their schema: ``{op name: (arg position, ...)}``, taken
 #: only when ``training`` (position 5) is True: ``batch_norm`` updates ``running_mean`` / ``running_var``.
 _UNANNOTATED_WRITES = {"batch_norm": (3, 4)}
+#: In-place ops whose ``Tensor(a!)`` changes autograd metadata only, never the data: ``torch.tensor(v)`` in a
+#: model exports as ``lift_fresh_copy`` then ``detach_``; taking that for a write kept the constant out of the
+#: casts and left an FP32 read of a cast constant that Inductor could not trace (GPT-Neo, DeBERTa-v2).
+METADATA_ONLY_WRITES = frozenset({"detach_", "requires_grad_"})
 
 
 def written_nodes(gm: fx.GraphModule) -> set[fx.Node]:
@@ -392,6 +396,8 @@ def written_nodes(gm: fx.GraphModule) -> set[fx.Node]:
 def writes_in_place(node: fx.Node) -> list[fx.Node]:
     """The arguments the ATen op ``node`` writes in place (:func:`written_nodes`); ``[]`` for other nodes."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return []
+    if op_name(node) in METADATA_ONLY_WRITES:
         return []
     out: list[fx.Node] = []
     schema = node.target._schema

@@ -533,6 +533,15 @@ def _big_scalars(node: fx.Node, low: torch.dtype) -> bool:
     return any(_out_of_range(v, low) for _, _, v, _ in _scalar_args(node))
 
 
+def saturate_value_scalars(node: fx.Node, name: str, low: torch.dtype) -> list[str]:
+    """Clamp the finite Python-float arguments beyond ``low``'s range of a value op (:data:`_VALUE_OPS` or its
+    in-place form; ``name`` is the op's name: an ATen packet, a torch function or a Tensor method name) to
+    ``torch.finfo(low).max`` with their sign, in place on ``node``: a model that fills with
+    ``torch.finfo(torch.float32).min`` as Dynamo traced it in FP32 raises "value cannot be converted to type
+    c10::BFloat16 without overflow" once that op runs in ``low``. Returns one note per changed value."""
+    return _saturate_scalars(node, low) if _value_op(name) else []
+
+
 def _saturate_scalars(node: fx.Node, low: torch.dtype) -> list[str]:
     """Clamp ``node``'s finite out-of-range float arguments to ``low``'s finite range; one note per change."""
     limit = torch.finfo(low).max

@@ -126,7 +126,7 @@ import torch
 from torch import fx
 
 from passes import PIPELINE, PassResult, run_pipeline
-from passes._graph import deferred_recompile, recompile
+from passes._graph import METADATA_ONLY_WRITES, deferred_recompile, recompile
 from passes.calibrate import calibrate_ranges, overflow_nodes
 from passes.policy import pass_spec
 
@@ -705,23 +705,38 @@ def _fallback(gm: fx.GraphModule, example_inputs: list, report: SubgraphReport,
         how = "plain Inductor in the model's own dtypes (the graph writes tensors in place)"
         dtype = None
     if dtype is not None:
-        try:
-            cast = _cast_like_model_to(gm, example_inputs, dtype, restore_outputs=output_dtype == "fp32")
-            _check_runs(cast, example_inputs)
-            compiled = compile_fx(cast, example_inputs)
-            how = f"plain Inductor at {report.precision} (inputs, weights cast like model.to(dt))"
-            report.notes.append(f"fallback compiled at {report.precision}, cast like model.to(dt)")
+        restore = output_dtype == "fp32"
+        failed: list[str] = []
+        # model.to(dt) first (what plain Inductor of the cast model runs); then torch.autocast over the FP32 graph,
+        # for a graph that model.to(dt) cannot run: Dynamo traced it in FP32, so a dtype the model read off a
+        # tensor (``attn.to(value.dtype)``, ``torch.tensor(x, dtype=q.dtype)``) is baked in as float32 and meets
+        # a cast tensor in a matmul ("mat1 and mat2 must have the same dtype"); autocast casts both operands.
+        for label, make in (("cast like model.to(dt)", _cast_like_model_to),
+                            ("under torch.autocast(dt)", _under_autocast)):
+            try:
+                cast = make(gm, example_inputs, dtype, restore_outputs=restore)
+                with _autocast_state_kept():  # a graph that fails inside its autocast region never exits it
+                    _check_runs(cast, example_inputs)
+                    compiled = compile_fx(cast, example_inputs)
+            except Exception as exc:  # noqa: BLE001 - the next way, then the FP32 graph below, still compiles
+                if _is_dynamo_restart(exc):
+                    raise
+                failed.append(f"{label}: {type(exc).__name__}: {exc}")
+                compiled = None
+                continue
+            how = f"plain Inductor at {report.precision} ({label})"
+            if failed:
+                report.notes.append(f"fallback at {report.precision} failed ({failed[0]})")
+            report.notes.append(f"fallback compiled at {report.precision}, {label}")
             kept = cast.meta.get("tctune_fp32_ops") or {}
             if kept:  # ops model.to(dt) could not run: computed in the model's own dtype
                 report.notes.append("fallback kept FP32 (no low-precision kernel): "
                                     + "; ".join(f"{n}: {why}" for n, why in kept.items()))
-        except Exception as exc:  # noqa: BLE001 - the FP32 graph below still compiles
-            if _is_dynamo_restart(exc):
-                raise
-            report.notes.append(f"fallback at {report.precision} failed ({type(exc).__name__}: {exc}); "
+            break
+        if compiled is None:
+            report.notes.append(f"fallback at {report.precision} failed ({'; '.join(failed)}); "
                                 "compiled in the model's own dtypes")
-            how = f"plain Inductor in the model's own dtypes ({report.precision} cast failed: {exc})"
-            compiled = None
+            how = f"plain Inductor in the model's own dtypes ({report.precision} cast failed: {failed[-1]})"
     if compiled is None:
         compiled = compile_fx(gm, example_inputs)
     key = report.fallback.splitlines()[0] if report.fallback else ""
@@ -731,6 +746,43 @@ def _fallback(gm: fx.GraphModule, example_inputs: list, report: SubgraphReport,
     else:
         logger.debug("tctune backend: falling back to %s for this subgraph (%s)", how, report.fallback)
     return compiled
+
+
+@contextlib.contextmanager
+def _autocast_state_kept():
+    """Restores every device's autocast state (enabled, dtype, nesting) on exit: a graph of
+    :func:`_under_autocast` that raises between its ``_enter_autocast`` and ``_exit_autocast`` leaves autocast on,
+    and the next compile (the model's own dtypes) would be traced under it."""
+    devices = [d for d in ("cpu", "cuda", "xpu", "mps", "hpu") if _has_autocast(d)]
+    saved = {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices}
+    cache = torch.is_autocast_cache_enabled()
+    nesting = _autocast_nesting()
+    try:
+        yield
+    finally:
+        for d, (enabled, dt) in saved.items():
+            torch.set_autocast_enabled(d, enabled)
+            torch.set_autocast_dtype(d, dt)
+        torch.set_autocast_cache_enabled(cache)
+        for _ in range(_autocast_nesting() - nesting):  # regions entered and never exited
+            torch.autocast_decrement_nesting()
+        if nesting == 0:
+            torch.clear_autocast_cache()
+
+
+def _autocast_nesting() -> int:
+    """How many autocast regions are open (torch has no getter: one up and down again)."""
+    depth = torch.autocast_increment_nesting() - 1
+    torch.autocast_decrement_nesting()
+    return depth
+
+
+def _has_autocast(device: str) -> bool:
+    try:
+        torch.is_autocast_enabled(device)
+    except RuntimeError:  # a device type this build does not know
+        return False
+    return True
 
 
 def _check_runs(cast: fx.GraphModule, example_inputs: list) -> None:
@@ -751,6 +803,12 @@ def _check_runs(cast: fx.GraphModule, example_inputs: list) -> None:
         cast(*example_inputs)
 
 
+#: Python's augmented assignments as Dynamo records them (``x &= m`` is ``operator.iand``), which write a tensor in
+#: place; the other ``operator`` functions (``operator.and_`` is ``x & m``) do not, whatever their name ends with.
+_INPLACE_OPERATORS = frozenset({"iadd", "iand", "iconcat", "ifloordiv", "ilshift", "imatmul", "imod", "imul", "ior",
+                                "ipow", "irshift", "isub", "itruediv", "ixor"})
+
+
 def _writes_in_place(gm: fx.GraphModule) -> bool:
     """Whether Dynamo's graph ``gm`` may write a tensor in place: an in-place method or function (``x.add_``,
     ``torch.relu_``, ``index_copy_``), an item assignment (``x[i] = v``), an ``out=`` argument, or a batch norm
@@ -762,7 +820,11 @@ def _writes_in_place(gm: fx.GraphModule) -> bool:
         name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
         if node.target is operator.setitem or "out" in node.kwargs:
             return True
-        if name.endswith("_") and not name.endswith("__"):
+        if getattr(node.target, "__module__", None) == "_operator":  # operator.and_ is `&`; operator.iand is `&=`
+            if name in _INPLACE_OPERATORS:
+                return True
+            continue
+        if name.endswith("_") and not name.endswith("__") and name not in METADATA_ONLY_WRITES:
             return True
         if name == "batch_norm" and (node.kwargs.get("training") or (len(node.args) > 5 and node.args[5] is True)):
             return True
@@ -781,6 +843,46 @@ def _op_name(node: fx.Node) -> str:
     return getattr(target, "__name__", "") or ""
 
 
+def _under_autocast(gm: fx.GraphModule, example_inputs: list, dtype: torch.dtype,
+                    restore_outputs: bool = True) -> fx.GraphModule:
+    """A copy of Dynamo's graph ``gm`` run under ``torch.autocast(device, dtype)``, as Dynamo records an autocast
+    region (``_enter_autocast`` after the inputs, ``_exit_autocast`` before the output); the device is the first
+    tensor input's. Inputs, weights and constants keep their dtypes; autocast casts the operands of its
+    low-precision ops (linear, matmul, convolution, SDPA) per call and runs its FP32 list (softmax, norms,
+    losses) in FP32. Floating outputs not in their original dtype are cast back to it (``restore_outputs``).
+    Fill values beyond ``dtype``'s range saturate to it (``passes.cast_precision.saturate_value_scalars``: an
+    ``finfo(float32).min`` mask meets the bf16 scores of an autocast matmul). The fallback's second way
+    (:func:`_fallback`)."""
+    from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
+
+    from passes.cast_precision import saturate_value_scalars
+
+    device = next((t.device.type for t in example_inputs if isinstance(t, torch.Tensor)), "cpu")
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    ctx = None
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" and ctx is None:
+            ctx = graph.call_function(_enter_autocast, (device, dtype, True, None))
+        if node.op == "output":
+            graph.call_function(_exit_autocast, (ctx,))
+
+            def back(arg: fx.Node) -> fx.Node:
+                val = arg.meta.get("example_value")
+                if restore_outputs and isinstance(val, torch.Tensor) and val.is_floating_point():
+                    return graph.call_method("to", (env[arg], val.dtype))  # a no-op where it already is
+                return env[arg]
+
+            graph.output(fx.node.map_arg(node.args[0], back))
+            continue
+        env[node] = graph.node_copy(node, lambda a: env[a])
+        if node.op in ("call_function", "call_method"):
+            saturate_value_scalars(env[node], _op_name(node), dtype)
+    out = fx.GraphModule(gm, graph)
+    out.meta.update(gm.meta)
+    return out
+
+
 def _cast_like_model_to(gm: fx.GraphModule, example_inputs: list, dtype: torch.dtype,
                         restore_outputs: bool = True) -> fx.GraphModule:
     """A copy of Dynamo's graph ``gm`` computing as ``model.to(dtype)`` would: every floating tensor input
@@ -792,8 +894,10 @@ def _cast_like_model_to(gm: fx.GraphModule, example_inputs: list, dtype: torch.d
     LAPACK-style solvers), where ``model.to(dtype)`` itself would fail, compute in the model's own dtype: their
     real floating inputs are cast back to it (FP32), and what they return stays in it (a complex FFT result
     stays complex) until an op reads a real floating value of it, which gets it cast to ``dtype`` again. The
-    kept ops are listed in the returned graph's ``meta["tctune_fp32_ops"]`` (``{node name: reason}``)."""
-    from passes.cast_precision import no_low_precision_kernel
+    kept ops are listed in the returned graph's ``meta["tctune_fp32_ops"]`` (``{node name: reason}``). Fill values
+    beyond ``dtype``'s range (a ``torch.finfo(torch.float32).min`` mask, Dynamo having traced the FP32 model)
+    saturate to it, as ``torch.finfo(dtype).min`` would have been under ``model.to(dtype)``."""
+    from passes.cast_precision import no_low_precision_kernel, saturate_value_scalars
 
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -842,6 +946,8 @@ def _cast_like_model_to(gm: fx.GraphModule, example_inputs: list, dtype: torch.d
                 return down[arg]
 
             new = graph.node_copy(node, low)
+            if node.op in ("call_function", "call_method"):  # finfo(float32).min fills: dtype's range
+                saturate_value_scalars(new, _op_name(node), dtype)
             if any(a in full and not real_float(value(a)) for a in node.all_input_nodes):
                 full.add(node)  # e.g. .real of a complex FFT result: in the model's dtype until read
         val = values.get(node)

@@ -629,15 +629,19 @@ def test_a_replaced_parameter_is_read_after_the_replacement(precision, aot_only)
     assert replaced() is None  # the graph of the replaced weight is not kept (its weight held weakly)
 
 
-def test_fallback_cast_that_cannot_run_compiles_the_model_dtypes(monkeypatch, aot_only):
-    """The fallback casts Dynamo's graph like ``model.to(bf16)``; a model that converts a value to FP32 itself
-    before a linear (``self.b(h.float())``) cannot run so ("mat1 and mat2 must have the same dtype"), and the
-    compiled fallback raised that at every call. The cast graph is now run once on the first call's inputs;
-    when it fails the model's own dtypes are compiled, with the reason in the notes."""
+def _inject_pass_failure(monkeypatch):
     def boom(gm, spec, names=(), seconds=None):  # run_pipeline's signature
         raise RuntimeError("injected pass failure")
 
     monkeypatch.setattr(tb, "run_pipeline", boom)
+
+
+def test_fallback_that_model_to_cannot_run_compiles_under_autocast(monkeypatch, aot_only):
+    """The fallback casts Dynamo's graph like ``model.to(bf16)``; a model that converts a value to FP32 itself
+    before a linear (``self.b(h.float())``) cannot run so ("mat1 and mat2 must have the same dtype"). The cast
+    graph is run once on the first call's inputs; when it fails, the FP32 graph runs under
+    ``torch.autocast(bf16)`` (which casts both operands), still at the requested precision, not in FP32."""
+    _inject_pass_failure(monkeypatch)
     torch.manual_seed(0)
     model = AutocastInside().eval()
     compiled = torch.compile(model, backend="tctune", options={"precision": "bf16"})
@@ -648,8 +652,129 @@ def test_fallback_cast_that_cannot_run_compiles_the_model_dtypes(monkeypatch, ao
             _close(compiled(x), model(x), "bf16")
     (rep,) = tb.reports
     assert "injected pass failure" in rep.fallback
-    assert any(n.startswith("fallback at bf16 failed (RuntimeError: mat1 and mat2 must have the same dtype")
-               for n in rep.notes), rep.notes
+    assert rep.notes == ["fallback at bf16 failed (cast like model.to(dt): RuntimeError: mat1 and mat2 must have "
+                         "the same dtype, but got Float and BFloat16)",
+                         "fallback compiled at bf16, under torch.autocast(dt)"], rep.notes
+
+
+class DtypeReadInForward(nn.Module):
+    """GPT-Neo's attention, reduced: scores in FP32 (``q.float()``), a mask filled with
+    ``torch.finfo(scores.dtype).min`` and the weights cast back with ``.to(v.dtype)``. Dynamo traces the FP32
+    model, so both dtypes are baked into its graph as float32: cast like ``model.to(bf16)`` the graph multiplies
+    FP32 weights with bf16 values; under autocast the bf16 scores meet the FP32 minimum."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = q.float() @ k.float().transpose(-1, -2)
+        n = x.shape[1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+        scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+        w = scores.softmax(-1).to(v.dtype)
+        return self.out(w @ v)
+
+
+@pytest.mark.parametrize("output_dtype", ["fp32", "compute"])
+def test_fallback_of_dtypes_read_in_forward_stays_at_bf16(monkeypatch, aot_only, output_dtype):
+    """The fallback's graph of a model that reads dtypes in forward, at bf16: the ``finfo(float32).min`` fill
+    saturates to bf16's range and autocast runs the matmuls; the result matches the FP32 model at bf16's
+    tolerance (not the model's own FP32 graph: that was 10x slower than plain Inductor at bf16 on the H200)."""
+    _inject_pass_failure(monkeypatch)
+    torch.manual_seed(0)
+    model = DtypeReadInForward().eval()
+    compiled = torch.compile(model, backend="tctune", options={"precision": "bf16", "output_dtype": output_dtype})
+    x = torch.randn(2, 7, 16, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got, ref = compiled(x), model(x)
+    (rep,) = tb.reports
+    assert rep.notes[-1] == "fallback compiled at bf16, under torch.autocast(dt)", rep.notes
+    assert got.dtype == (torch.float32 if output_dtype == "fp32" else torch.bfloat16)
+    assert torch.isfinite(got).all() and 0 < _rel(got.float(), ref) <= TOLERANCES["bf16"]["rel_l2"]
+
+
+class BitsOfFloat32(nn.Module):
+    """``|h| + h`` with the absolute value taken on FP32's bits (``h.view(torch.int32) & 0x7FFFFFFF``): with
+    ``h`` in bf16 (``model.to(bf16)`` or autocast) the int32 view has half the columns and the sum fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return (h.view(torch.int32) & 0x7FFFFFFF).view(torch.float32) + h
+
+
+def test_fallback_compiles_the_model_dtypes_when_no_low_precision_way_runs(monkeypatch, aot_only):
+    """Neither ``model.to(bf16)`` nor autocast can run the graph: the model's own dtypes are compiled (what
+    eager runs), with both reasons in the notes, never a graph that raises at every call."""
+    _inject_pass_failure(monkeypatch)
+    torch.manual_seed(0)
+    model = BitsOfFloat32().eval()
+    compiled = torch.compile(model, backend="tctune", options={"precision": "bf16"})
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    (rep,) = tb.reports
+    (note,) = rep.notes
+    assert note.startswith("fallback at bf16 failed (cast like model.to(dt): RuntimeError:"), note
+    assert "; under torch.autocast(dt): RuntimeError:" in note and note.endswith("compiled in the model's own dtypes")
+
+
+class TensorConstantAndMasks(nn.Module):
+    """``torch.tensor(v)`` built in forward (export: ``lift_fresh_copy`` then ``detach_``) and masks combined
+    with ``&`` (Dynamo: ``operator.and_``): neither writes a tensor in place. GPT-Neo and DeBERTa-v2 have both;
+    taking them for writes made every bf16 graph of theirs fall back to the FP32 graph."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 32), nn.Linear(32, d)
+
+    def forward(self, x, mask):
+        scale = torch.sqrt(torch.tensor(x.shape[-1], dtype=torch.float32))
+        keep = (mask > 0) & (x.abs() < 3)
+        h = self.fc1(x / scale)
+        return self.fc2(h.relu()).masked_fill(~keep, 0.0)
+
+
+def test_tensor_constants_and_mask_and_are_not_writes(aot_only):
+    torch.manual_seed(0)
+    model = TensorConstantAndMasks().eval()
+    compiled = torch.compile(model, backend="tctune", options={"precision": "bf16"})
+    g = torch.Generator().manual_seed(5)
+    x, mask = torch.randn(3, 5, 16, generator=g), torch.randint(0, 2, (3, 5, 16), generator=g)
+    with torch.no_grad():
+        _close(compiled(x, mask), model(x, mask), "bf16")
+    _no_fallback()
+    assert _results("cast_precision")[0].count > 0
+    assert not any("written in place" in n for rep in tb.reports for n in rep.notes)
+
+
+def test_writes_in_place_ignores_metadata_only_and_operator_functions():
+    """The two readings of "writes in place": ``passes._graph.writes_in_place`` on export's ATen graph
+    (``detach_`` changes autograd metadata only) and the fallback's check on Dynamo's graph (``operator.and_``
+    is ``&``; ``operator.iand`` is ``&=``, a write)."""
+    from torch import fx
+
+    from passes._graph import writes_in_place
+
+    g = fx.Graph()
+    a = g.placeholder("a")
+    det = g.call_function(torch.ops.aten.detach_.default, (a,))
+    add = g.call_function(torch.ops.aten.add_.Tensor, (a, a))
+    g.output((det, add))
+    assert writes_in_place(det) == [] and writes_in_place(add) == [a]
+
+    import operator
+
+    for fn, writes in ((operator.and_, False), (operator.iand, True)):
+        d = fx.Graph()
+        x, y = d.placeholder("x"), d.placeholder("y")
+        d.output(d.call_function(fn, (x, y)))
+        assert tb._writes_in_place(fx.GraphModule(nn.Module(), d)) is writes, fn
 
 
 class VmapMix(nn.Module):
