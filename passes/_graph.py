@@ -381,16 +381,32 @@ def written_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     writing it) to the placeholder or ``get_attr``. A pass must not replace such a node by a copy (a cast, a
     padded or folded weight): the write would land in the copy and be lost.
 
+    Only writes that reach a tensor from outside the graph count: the base is a placeholder (an input, a KV
+    cache) or a ``get_attr`` (a buffer). A write into a tensor the graph made itself (``nn.ReLU(inplace=True)``
+    on a convolution's output, ``masked_fill_`` on scores) is invisible outside the graph, and casting it is
+    as safe as casting its out-of-place form: taking those for writes kept every torchvision / timm network
+    with in-place activations in FP32 (ResNet-50 at 0.15x Inductor on the H200).
+
     Returns:
         The written nodes and the views between them and their base, the base included.
     """
     out: set[fx.Node] = set()
     for node in gm.graph.nodes:
         for arg in writes_in_place(node):
-            while isinstance(arg, fx.Node) and arg not in out:
-                out.add(arg)
+            chain: list[fx.Node] = []
+            while isinstance(arg, fx.Node) and arg not in out and arg not in chain:
+                chain.append(arg)
                 arg = view_base(arg)
+            base = arg if isinstance(arg, fx.Node) and arg in out else (chain[-1] if chain else None)
+            if base is not None and (base in out or base.op in ("placeholder", "get_attr")):
+                out.update(chain)
     return out
+
+
+def writes_outside(node: fx.Node, written: set[fx.Node]) -> bool:
+    """Whether ``node`` writes in place a tensor of ``written`` (:func:`written_nodes` of its graph): a tensor
+    from outside the graph, or a view of one."""
+    return any(arg in written for arg in writes_in_place(node))
 
 
 def writes_in_place(node: fx.Node) -> list[fx.Node]:

@@ -74,7 +74,9 @@ of placeholders and ``get_attr`` nodes (``meta`` is not updated by FX, so the pa
   views the write goes through and the writing op are never replaced by a cast (a copy, where the write would be
   lost: an input updated in place, a KV cache, an ``out=`` tensor), the other inputs of the writing op are cast
   to their original dtype, and no cast made before a write is reused after it. A written weight stays FP32.
-  The reason is ``"written in place: index_copy_ keeps its dtype"``.
+  The reason is ``"written in place: index_copy_ keeps its dtype"``. Only writes into tensors from outside the
+  graph (inputs, buffers, views of them) count; an in-place op on a tensor the graph made (``relu_`` after a
+  convolution) is cast like its out-of-place form.
 * An activation-checkpointed region (``torch.utils.checkpoint``: the ``tag_activation_checkpoint`` higher-order
   op) is cast inside its body at bf16, its boundary dtypes unchanged; at fp16 it stays as written (the overflow
   calibration sees the region as one node): ``"checkpointed region: not cast at fp16 (...)"``.
@@ -102,7 +104,8 @@ import torch
 from torch import fx
 
 from passes._graph import (alias_targets, checkpoint_body, copy_meta, fake_from_tensor, finish, get_attr_value,
-                           op_name, set_attr_tensor, view_base, writes_in_place, written_nodes)
+                           op_name, set_attr_tensor, view_base, writes_in_place, writes_outside,
+                           written_nodes)
 from passes.base import PassResult, PassSpec, Skip
 from passes.calibrate import (FINITE_MAX, MAX_ABS_META, NONFINITE_META, CalibrationRanges, ignored_reasons,
                               source_module)
@@ -264,7 +267,7 @@ def cast_precision(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
     explicit32: set[fx.Node] = set()  # FP32 values the model converted to FP32 itself, and ops on them only
 
     for node in nodes:
-        if node in written or node in returned or writes_in_place(node):
+        if node in written or node in returned or writes_outside(node, written):
             _keep_written(node, orig, new, rewriter, result)
             continue
         body = checkpoint_body(gm, node)
@@ -274,6 +277,8 @@ def cast_precision(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
             continue
         _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors, explicit32, big, saturated,
                no_kernel)
+        if writes_in_place(node):  # a write into the graph's own tensor (relu_): casts made before hold old values
+            rewriter.cache.clear()
         out = new.get(node)
         if node.op == "call_function" and _has_fp32(out):
             ins = node.all_input_nodes

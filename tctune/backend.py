@@ -809,25 +809,63 @@ _INPLACE_OPERATORS = frozenset({"iadd", "iand", "iconcat", "ifloordiv", "ilshift
                                 "ipow", "irshift", "isub", "itruediv", "ixor"})
 
 
+#: Dynamo-graph calls (functions, methods, ``operator.getitem``) whose result is a view of their first argument:
+#: a write into it is a write into that argument (:func:`_writes_in_place` walks back through them).
+_VIEW_CALLS = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "getitem", "narrow", "select", "squeeze",
+    "unsqueeze", "expand", "expand_as", "flatten", "unflatten", "t", "contiguous", "as_strided", "diagonal",
+    "chunk", "split", "split_with_sizes", "tensor_split", "unbind", "detach", "movedim", "swapaxes", "swapdims",
+    "unfold", "real", "imag", "view_as_real", "view_as_complex", "__getitem__", "alias",
+})
+
+
 def _writes_in_place(gm: fx.GraphModule) -> bool:
-    """Whether Dynamo's graph ``gm`` may write a tensor in place: an in-place method or function (``x.add_``,
-    ``torch.relu_``, ``index_copy_``), an item assignment (``x[i] = v``), an ``out=`` argument, or a batch norm
-    in training mode (its running statistics). Errs on the side of True: it only decides that the fallback
-    compiles the graph uncast (:func:`_fallback`)."""
+    """Whether Dynamo's graph ``gm`` may write in place a tensor from outside the graph (an input, a parameter or
+    buffer, or a view of one): an in-place method or function (``x.add_``, ``torch.relu_``, ``index_copy_``,
+    ``F.relu(x, inplace=True)``, ``x += y``), an item assignment (``x[i] = v``), an ``out=`` argument, or a batch
+    norm in training mode (its running statistics). A write into a tensor the graph made itself (an in-place
+    ReLU after a convolution) is invisible outside and does not count: the fallback compiled every torchvision
+    network with in-place activations in FP32. It only decides that the fallback compiles the graph uncast
+    (:func:`_fallback`); a write through a call it does not know for a view is taken for a fresh tensor's."""
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method"):
             continue
         name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
-        if node.target is operator.setitem or "out" in node.kwargs:
+        targets: list = []
+        if node.target is operator.setitem:
+            targets = [node.args[0]]
+        elif getattr(node.target, "__module__", None) == "_operator":  # operator.and_ is `&`; operator.iand `&=`
+            targets = [node.args[0]] if name in _INPLACE_OPERATORS else []
+        elif name.endswith("_") and not name.endswith("__") and name not in METADATA_ONLY_WRITES:
+            targets = [node.args[0]] if node.args else list(node.kwargs.values())[:1]
+        elif node.kwargs.get("inplace") is True:
+            targets = [node.args[0] if node.args else node.kwargs.get("input")]
+        elif name == "batch_norm" and (node.kwargs.get("training")
+                                       or (len(node.args) > 5 and node.args[5] is True)):
+            targets = [node.args[i] if len(node.args) > i else node.kwargs.get(k)
+                       for i, k in ((1, "running_mean"), (2, "running_var"))]
+        if "out" in node.kwargs:
+            targets.append(node.kwargs["out"])
+        if any(_from_outside(t) for t in targets):
             return True
-        if getattr(node.target, "__module__", None) == "_operator":  # operator.and_ is `&`; operator.iand is `&=`
-            if name in _INPLACE_OPERATORS:
-                return True
-            continue
-        if name.endswith("_") and not name.endswith("__") and name not in METADATA_ONLY_WRITES:
+    return False
+
+
+def _from_outside(arg: Any) -> bool:
+    """Whether ``arg`` (a node of Dynamo's graph, or a tuple of them) is an input of the graph, or a view of one
+    (through :data:`_VIEW_CALLS`)."""
+    if isinstance(arg, (list, tuple)):
+        return any(_from_outside(a) for a in arg)
+    seen = 0
+    while isinstance(arg, fx.Node) and seen < 10_000:
+        if arg.op in ("placeholder", "get_attr"):
             return True
-        if name == "batch_norm" and (node.kwargs.get("training") or (len(node.args) > 5 and node.args[5] is True)):
-            return True
+        if arg.op not in ("call_function", "call_method"):
+            return False
+        name = str(arg.target) if arg.op == "call_method" else getattr(arg.target, "__name__", "")
+        if name not in _VIEW_CALLS or not arg.args:
+            return False
+        arg, seen = arg.args[0], seen + 1
     return False
 
 
