@@ -672,6 +672,30 @@ def test_a_number_option_of_another_type_is_one_error_naming_the_keyword(option,
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("option,meant", [({"max_error": 2}, "did you mean 0.02 (2 %)?"),
+                                          ({"max_error_fp8": 5.0}, "did you mean 0.05 (5 %)?"),
+                                          ({"max_error": 1}, "did you mean 0.01 (1 %)?"),
+                                          ({"max_error": 250}, "e.g. 0.01 for 1 %")])
+def test_an_error_limit_of_1_or_more_is_one_error_suggesting_the_fraction(option, meant, tmp_path, monkeypatch):
+    """max_error=2 (200 %: a percentage typed as the fraction) let any output through, silently."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(tctune.UsageError) as info:
+        tctune.optimize(torch.nn.Linear(4, 2), (torch.randn(2, 4),), **option)
+    (keyword, value), = option.items()
+    assert str(info.value) == (f"{keyword} must be below 1, got {value:g}: it is the largest relative L2 error "
+                               f"against the FP32 reference, as a fraction (0.01 = 1 %); {meant}")
+    assert info.value.field == keyword and list(tmp_path.iterdir()) == []
+
+
+def test_an_error_limit_below_1_is_taken_as_given():
+    from tctune.api import tune_config
+
+    cfg = tune_config({"max_error": 0.999, "max_error_fp8": 1e-6}, out_dir="unused")
+    assert (cfg.max_error, cfg.max_error_fp8) == (0.999, 1e-6)
+
+
 def test_numpy_numbers_are_numbers():
     import numpy as np
 
