@@ -8,6 +8,10 @@
     tctune.save(tuned, "model.pt2")                     # one file: graph (tuned dtypes) + manifest
     tuned = tctune.load("model.pt2")                    # in any process, without the model's code
 
+    enc = tokenizer(texts, return_tensors="pt")         # inputs by forward's argument names (any Mapping)
+    tuned = tctune.optimize(model, enc)                 # taken in forward's parameter order
+    y = tuned(**enc)                                    # and by the same names
+
 The keyword options are the ``tctune optimize`` flags with ``_`` for ``-`` (:data:`OPTIONS`).
 """
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable
 
@@ -187,8 +192,14 @@ def optimize(model, example_inputs=None, /, **options):
             else the CPU; a winning "model as written" configuration runs this very object), or the path of a
             model file.
         example_inputs: for a module: a tuple of example tensors (a tensor alone is a 1-tuple), or a callable
-            ``batch_size -> tuple of tensors`` (fresh random data, never all zeros). From a tuple, the batch
-            sizes searched default to the tuple's batch (dim 0 of its first tensor), and the inputs of another
+            ``batch_size -> tuple of tensors`` (fresh random data, never all zeros). A mapping of ``forward``'s
+            argument names to tensors, given or returned by the callable (``{"input_ids": ids,
+            "attention_mask": mask}``, a Hugging Face tokenizer's ``BatchEncoding`` with ``return_tensors="pt"``),
+            is taken by name: its tensors in the order of ``forward``'s parameters, as ``model(**inputs)`` would
+            bind them; they must be ``forward``'s first parameters, none skipped
+            (``tctune.modelfile.mapping_inputs``), and the tuned module takes them by the same names
+            (``tuned(**inputs)``). From a tuple (or mapping), the batch
+            sizes searched default to its batch (dim 0 of its first tensor), and the inputs of another
             batch size repeat or cut its rows along dim 0 (``tctune.modelfile.resize_batch``); from a callable
             they default to 8, 32, 128 as on the command line. For a model file: leave it out (the file
             defines ``example_inputs``), or pass a ``TuneConfig`` to get the report dictionary as before.
@@ -196,7 +207,8 @@ def optimize(model, example_inputs=None, /, **options):
             report, study and ONNX files; default: a new folder ``tctune_<name>_*`` in the system's temporary
             folder for a module, named in a warning and never removed, ``tctune_out/<stem>`` for a file),
             ``batch_sizes`` (int, sequence of ints, or a string as ``--batch-sizes`` takes it: ``"8,32"``,
-            ``"16-64"``), ``trials``, ``timeout`` (s), ``max_error``, ``max_error_fp8``, ``objective``,
+            ``"16-64"``), ``trials``, ``timeout`` (s), ``max_error``, ``max_error_fp8`` (relative L2 error limits
+            against the FP32 reference, fractions below 1: ``0.02`` is 2 %), ``objective``,
             ``max_latency_ms``, ``max_memory_mib``, ``fp8_keep`` (``"auto"``, ``"none"``, patterns),
             ``fp8_fast_accum`` (``"auto"``, ``"on"``, ``"off"``), ``autotune`` (``"auto"``, ``"on"``,
             ``"off"``: the max-autotune finalist, ``TuneConfig.autotune``; it needs ``"inductor"`` in
@@ -207,9 +219,10 @@ def optimize(model, example_inputs=None, /, **options):
             default: floating outputs in the winner's compute precision, as ``model.half()`` returns them, for
             the timed candidates, the plain baselines and the returned module alike; ``"fp32"``: the FP32
             model's dtypes); ``score`` (``score(model) -> float``,
-            higher is better), ``calibration`` (real input batches: an iterable of input tuples, a callable
-            returning one, or a folder of ``.safetensors`` / ``.npz`` files like ``--calibration``: the folder
-            also with a model file path, whose own batches are its ``calibration_inputs()``) and
+            higher is better), ``calibration`` (real input batches: an iterable of input tuples (or mappings by
+            argument name, as ``example_inputs``), a callable returning one, or a folder of ``.safetensors`` /
+            ``.npz`` files like ``--calibration``: the folder also with a model file path, whose own batches are
+            its ``calibration_inputs()``) and
             ``dynamic_shapes`` as in the model-file contract, ``name`` (the report's model name; default the
             class name), ``keep_low_precision_outputs`` (the older spelling of ``output_dtype``: True is
             ``"compute"``, False ``"fp32"``; giving both with different meanings raises ``UsageError``).
@@ -224,9 +237,11 @@ def optimize(model, example_inputs=None, /, **options):
 
     Raises:
         TypeError: an unknown option.
-        UsageError: an option out of range; ``mode="train"`` or several ``devices`` with a live module;
+        UsageError: an option out of range (e.g. ``max_error=2``: the message suggests ``0.02``);
+            ``mode="train"`` or several ``devices`` with a live module;
             ``min_score`` or ``min_score_ratio`` without ``score``; no configuration qualified.
-        ModelFileError: ``model`` or ``example_inputs`` break the contract.
+        ModelFileError: ``model`` or ``example_inputs`` break the contract (e.g. a mapping whose keys are not
+            ``forward``'s first parameters: the message names the missing ones and the fix).
 
         Every ``TctuneError``'s message names this function's keywords (``timeout``, ``batch_sizes='8,,32'``),
         never the command's flags (:func:`api_message`); a ``UsageError``'s ``field`` stays the ``TuneConfig``
@@ -285,6 +300,11 @@ def _optimize_module(model: torch.nn.Module, example_inputs: tuple | Callable | 
         raise UsageError("tctune.optimize(model, example_inputs): example inputs are needed to run the model\n"
                          "  fix: pass a tuple of tensors, or a function batch_size -> tuple of tensors")
     contract = {k: options.pop(k) for k in ("score", "calibration", "dynamic_shapes", "name") if k in options}
+    if isinstance(example_inputs, Mapping) and isinstance(model, torch.nn.Module):  # inputs by argument name
+        from .modelfile import forward_names, mapping_inputs
+
+        label = contract.get("name") or type(model).__name__
+        example_inputs = mapping_inputs(example_inputs, forward_names(model), f"{label}: example_inputs")
     folder = None
     if isinstance(contract.get("calibration"), (str, Path)):  # a folder of batches, like --calibration PATH
         folder = str(contract.pop("calibration"))

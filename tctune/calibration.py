@@ -29,6 +29,7 @@ from __future__ import annotations
 import inspect
 import logging
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -235,7 +236,9 @@ def check_batch(batch: CalibrationBatch, example: Sequence[torch.Tensor], error)
 
 
 def from_model_file(mf, example: Sequence[torch.Tensor]) -> list[CalibrationBatch]:
-    """The batches of ``mf.calibration_inputs()`` (on the CPU, as given), checked against ``example``.
+    """The batches of ``mf.calibration_inputs()`` (on the CPU, as given), checked against ``example``. A batch
+    that is a mapping by ``forward``'s argument names is taken in ``forward``'s order
+    (:func:`tctune.modelfile.mapping_inputs`).
 
     Raises:
         ModelFileError: the function raised, did not return an iterable, or a batch is not like ``example``.
@@ -250,6 +253,10 @@ def from_model_file(mf, example: Sequence[torch.Tensor]) -> list[CalibrationBatc
                              "the full error), or remove it") from exc
     out = []
     for i, b in enumerate(batches):
+        if isinstance(b, Mapping):  # a batch by forward's argument names, as example_inputs may give it
+            from .modelfile import mapping_inputs
+
+            b = mapping_inputs(b, mf.forward_names(), f"{what} batch {i}")
         batch = CalibrationBatch(f"calibration_inputs() batch {i}", tuple(b) if isinstance(b, list) else b)
         check_batch(batch, example, lambda msg, i=i: ModelFileError(f"{what} batch {i} {msg}"))
         out.append(batch)

@@ -7,14 +7,18 @@ Contract:
 - ``build_model() -> torch.nn.Module`` (required)
 - ``example_inputs(batch_size: int) -> tuple[torch.Tensor, ...]`` (required; batch on dim 0 of every batched
   tensor; fresh random data is fine, never all zeros for parity checks). A list of tensors is taken as the
-  tuple of the same tensors, and one tensor as a 1-tuple: the model is called ``model(*inputs)`` either way
+  tuple of the same tensors, and one tensor as a 1-tuple: the model is called ``model(*inputs)`` either way.
+  A mapping of ``forward``'s argument names to tensors (a dict, a Hugging Face tokenizer's ``BatchEncoding``) is
+  taken as those inputs by name: its tensors in the order of ``forward``'s parameters, which must be the first
+  ones (:func:`mapping_inputs`)
 - ``example_targets(batch_size)`` and ``loss_fn(output, targets)`` (needed for ``--mode train``)
 - ``score(model) -> float`` (optional: the user's own accuracy metric, higher is better). When given it gates
   the search: it is called with the FP32 model and with each candidate's built module (tctune's graph or the
   model as written, on the measuring device, before the runtime wrapper), so it must move its own data to the
   device of the model's parameters and do its own batching (see ``tctune.search.evaluate.ScoreGate``).
 - ``calibration_inputs() -> Iterable[tuple[torch.Tensor, ...]]`` (optional: real input batches, each shaped
-  like ``example_inputs``' tuple with any batch size; used beside the random inputs for the FP32 comparison,
+  like ``example_inputs``' tuple with any batch size, or a mapping by ``forward``'s argument names as above;
+  used beside the random inputs for the FP32 comparison,
   fp16 overflow calibration and FP8 activation scales, see :mod:`tctune.calibration`)
 - ``DYNAMIC_SHAPES`` (optional module-level value) or ``dynamic_shapes()`` (optional function returning it):
   dimensions other than the batch that take any size in a range, in ``torch.export``'s own format: a tuple with
@@ -40,6 +44,7 @@ import importlib.util
 import inspect
 import sys
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -93,8 +98,9 @@ class ModelFile:
         The first call also checks the shapes (:meth:`batched_mask`).
 
         Raises:
-            ModelFileError: not a tuple of tensors (a list of tensors or one tensor is taken as the tuple), dim 0 of a batched tensor is not ``batch_size``, or a
-                dimension that is not declared dynamic changes between calls.
+            ModelFileError: not a tuple of tensors (a list of tensors or one tensor is taken as the tuple, a
+                mapping by ``forward``'s argument names as :func:`mapping_inputs` orders it), dim 0 of a batched
+                tensor is not ``batch_size``, or a dimension that is not declared dynamic changes between calls.
         """
         mask = self.batched_mask()
         raw = self._raw(batch_size)
@@ -236,6 +242,8 @@ class ModelFile:
             ) from exc
         if isinstance(raw, torch.Tensor):
             raw = (raw,)
+        if isinstance(raw, Mapping):  # inputs by forward's argument names
+            raw = mapping_inputs(raw, self.forward_names(), f"{self.path.name}: example_inputs({batch_size})")
         if not isinstance(raw, (tuple, list)) or not raw or not all(isinstance(t, torch.Tensor) for t in raw):
             got = type(raw).__name__ if not isinstance(raw, (tuple, list)) else (
                 "(" + ", ".join(type(t).__name__ for t in raw) + ")")
@@ -264,11 +272,7 @@ class ModelFile:
                 f"  expected: {SIGNATURES['build_model']}"
             )
         if self._forward_names is None:
-            try:
-                params = inspect.signature(model.forward).parameters.values()
-                self._forward_names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-            except (TypeError, ValueError):
-                self._forward_names = []
+            self._forward_names = forward_names(model)
         return model
 
     @classmethod
@@ -282,14 +286,17 @@ class ModelFile:
             example_inputs: a callable ``batch_size -> tuple of tensors``, or one tuple of tensors (a single
                 tensor is a 1-tuple). From a tuple, the inputs of another batch size repeat its rows cyclically
                 (or keep the first ``batch_size``) along dim 0 of every tensor whose dim 0 is the tuple's batch
-                (:func:`resize_batch`); other tensors are passed as they are.
+                (:func:`resize_batch`); other tensors are passed as they are. A mapping of ``forward``'s
+                argument names to tensors (``{"input_ids": ids, "attention_mask": mask}``, a tokenizer's
+                output), given or returned by the callable, is the tuple of its tensors in ``forward``'s order
+                (:func:`mapping_inputs`).
             score, calibration, dynamic_shapes: as in a model file; set as attributes of the same name
                 (``calibration`` as ``calibration_inputs``) only when given.
             name: the model's name in the report and the study (default: the module's class name).
 
         Raises:
             ModelFileError: ``model`` is not an ``nn.Module``, or ``example_inputs`` is neither a callable nor
-                a non-empty tuple of tensors.
+                a non-empty tuple of tensors nor a mapping :func:`mapping_inputs` accepts.
         """
         if not isinstance(model, torch.nn.Module):
             raise ModelFileError(f"optimize needs a torch.nn.Module or a model file path, got {type(model).__name__}")
@@ -298,6 +305,8 @@ class ModelFile:
             example_inputs = (example_inputs,)
         if isinstance(example_inputs, list):
             example_inputs = tuple(example_inputs)
+        if isinstance(example_inputs, Mapping):
+            example_inputs = mapping_inputs(example_inputs, forward_names(model), f"{label}: example_inputs")
         if isinstance(example_inputs, tuple):
             if not example_inputs or not all(isinstance(t, torch.Tensor) for t in example_inputs):
                 raise ModelFileError(
@@ -315,6 +324,70 @@ class ModelFile:
             calibration = lambda: batches  # noqa: E731
         return cls(path=Path(f"<{label}>"), name=label, build_model=lambda: model, example_inputs=make, score=score,
                    calibration_inputs=calibration, dynamic_shapes=dynamic_shapes)
+
+
+def forward_names(model: torch.nn.Module) -> list[str]:
+    """The names of ``model.forward``'s positional parameters, in order (empty when it takes only ``*args``, or
+    its signature cannot be read)."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def mapping_inputs(inputs: Mapping, names: Sequence[str], what: str) -> tuple:
+    """``inputs``, a mapping of ``forward`` argument names to tensors (a dict, a Hugging Face tokenizer's
+    ``BatchEncoding``), as the tuple tctune calls the model with (``model(*inputs)``): its tensors in the order
+    of ``forward``'s positional parameters ``names`` (:func:`forward_names`), whatever the mapping's own order.
+    As the inputs go by position, the keys must be the first of ``names``: every parameter before the last one
+    given is given too (``input_ids, attention_mask`` for ``forward(input_ids, attention_mask=None,
+    token_type_ids=None)``; not ``input_ids, attention_mask`` for ``forward(input_ids, past_key_values=None,
+    attention_mask=None)``).
+
+    Args:
+        inputs: the mapping; values are tensors of any shape and dtype.
+        names: ``forward``'s positional parameter names, in order.
+        what: the start of an error message (``"<Model>: example_inputs"``).
+
+    Returns:
+        The tuple ``(inputs[names[0]], ..., inputs[names[k]])``, ``k + 1 == len(inputs)``.
+
+    Raises:
+        ModelFileError: the mapping is empty; ``forward`` has no named positional parameters; a key is not one
+            of them (a keyword-only or ``**kwargs`` argument); a parameter before the last given one is missing;
+            or a value is not a tensor. The message names the keys and the fix.
+    """
+    keys = list(inputs)
+    kind = type(inputs).__name__
+    if not keys:
+        raise ModelFileError(f"{what} is an empty {kind}\n  fix: map forward's argument names to tensors, e.g. "
+                             f"{{'input_ids': ids}}, or pass a tuple of tensors")
+    if not names:
+        raise ModelFileError(f"{what} is a {kind} of named inputs ({', '.join(map(str, keys))}), but forward names "
+                             f"no positional argument (forward(*args, **kwargs)), so their order is unknown\n"
+                             f"  fix: pass a tuple of tensors in the order forward takes them")
+    unknown = [k for k in keys if k not in names]
+    if unknown:
+        raise ModelFileError(f"{what}: {', '.join(map(repr, unknown))} not among forward's positional arguments "
+                             f"({', '.join(names)}); tctune passes inputs by position\n  fix: key the tensors by "
+                             f"those names (leave out any other), or pass a tuple of tensors in forward's order")
+    last = max(names.index(k) for k in keys)
+    missing = [n for n in names[:last] if n not in inputs]
+    if missing:
+        given = [n for n in names[:last + 1] if n in inputs]
+        args = ", ".join(given)
+        raise ModelFileError(
+            f"{what} gives {args} but not {', '.join(missing)}, which forward takes before {names[last]!r}: tctune "
+            f"passes inputs by position, so every argument up to the last one given is needed\n  fix: give "
+            f"{', '.join(missing)} too, or wrap the model in a module whose forward takes only these inputs, e.g. "
+            f"def forward(self, {args}): return self.model({', '.join(f'{n}={n}' for n in given)})")
+    bad = [k for k in names[:last + 1] if not isinstance(inputs[k], torch.Tensor)]
+    if bad:
+        raise ModelFileError(f"{what}: {', '.join(f'{k!r} is a {type(inputs[k]).__name__}' for k in bad)}, not a "
+                             f"tensor\n  fix: tensors only (a Hugging Face tokenizer returns them with "
+                             f"return_tensors='pt')")
+    return tuple(inputs[n] for n in names[:last + 1])
 
 
 def example_batch(inputs: tuple) -> int | None:

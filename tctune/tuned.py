@@ -23,6 +23,7 @@ import json
 import logging
 import warnings
 import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -137,7 +138,10 @@ class TunedModule(torch.nn.Module):
     graph accepts), and also by the names of ``forward``'s arguments (``tuned(input_ids=ids,
     attention_mask=mask)``, as the original model is called) where those names are known (``input_names``);
     exactly the tuned inputs: an input missing or named twice, or a keyword that is not one of them (an optional
-    ``forward`` argument the search did not pass), is a ``TypeError`` naming the accepted inputs. It returns its output structure (dict, tuple, ``ModelOutput``-like object). Output dtypes:
+    ``forward`` argument the search did not pass), is a ``TypeError`` naming the accepted inputs. A mapping of
+    them (a tokenizer's ``BatchEncoding``) goes in as ``tuned(**inputs)``; a mapping passed as one positional
+    input is a ``TypeError`` saying so. It returns its output structure (dict, tuple, ``ModelOutput``-like
+    object). Output dtypes:
     with ``keep_low_precision_outputs`` (the ``"compute"`` output contract, what :func:`from_search` sets
     under ``TuneConfig.output_dtype="compute"``, the default) floating outputs come back in the dtype the
     winning graph computed them in (e.g. bf16, or FP32 where the cast policy kept the producing op FP32);
@@ -280,9 +284,19 @@ class TunedModule(torch.nn.Module):
             raise TypeError(f"the tuned module takes the inputs it was tuned with: {accepted}; {why}")
         return tuple(inputs) + tuple(kwargs[n] for n in names[len(inputs):])
 
+    def _refuse_mapping(self, inputs: tuple) -> None:
+        """A TypeError for a mapping passed as a positional input (``tuned(enc)`` for ``tuned(**enc)``)."""
+        i = next(i for i, a in enumerate(inputs) if isinstance(a, Mapping))
+        kind = type(inputs[i]).__name__
+        fix = (f"tuned(**inputs) passes a mapping's tensors by name ({', '.join(self.input_names)})"
+               if self.input_names else "pass its tensors by position, in the order of the model's forward")
+        raise TypeError(f"the tuned module takes tensors, got a {kind} as input {i}\n  fix: {fix}")
+
     def forward(self, *inputs, **kwargs):
         if kwargs:
             inputs = self._bind(inputs, kwargs)
+        elif any(isinstance(a, Mapping) for a in inputs):
+            self._refuse_mapping(inputs)
         with precision_mode(self.config.precision), torch.inference_mode():
             fn = self._runner(inputs)
             out = fn(*inputs)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -672,6 +673,30 @@ def test_a_number_option_of_another_type_is_one_error_naming_the_keyword(option,
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("option,meant", [({"max_error": 2}, "did you mean 0.02 (2 %)?"),
+                                          ({"max_error_fp8": 5.0}, "did you mean 0.05 (5 %)?"),
+                                          ({"max_error": 1}, "did you mean 0.01 (1 %)?"),
+                                          ({"max_error": 250}, "e.g. 0.01 for 1 %")])
+def test_an_error_limit_of_1_or_more_is_one_error_suggesting_the_fraction(option, meant, tmp_path, monkeypatch):
+    """max_error=2 (200 %: a percentage typed as the fraction) let any output through, silently."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(tctune.UsageError) as info:
+        tctune.optimize(torch.nn.Linear(4, 2), (torch.randn(2, 4),), **option)
+    (keyword, value), = option.items()
+    assert str(info.value) == (f"{keyword} must be below 1, got {value:g}: it is the largest relative L2 error "
+                               f"against the FP32 reference, as a fraction (0.01 = 1 %); {meant}")
+    assert info.value.field == keyword and list(tmp_path.iterdir()) == []
+
+
+def test_an_error_limit_below_1_is_taken_as_given():
+    from tctune.api import tune_config
+
+    cfg = tune_config({"max_error": 0.999, "max_error_fp8": 1e-6}, out_dir="unused")
+    assert (cfg.max_error, cfg.max_error_fp8) == (0.999, 1e-6)
+
+
 def test_numpy_numbers_are_numbers():
     import numpy as np
 
@@ -721,3 +746,96 @@ def test_a_score_that_is_not_a_function_is_refused_before_the_model_runs(tmp_pat
     with pytest.raises(ModelFileError, match=r"m.py: score is a str, not a function\n  expected: def score\(model"):
         optimize_model(mf, cfg)
     assert calls == [] and list(tmp_path.iterdir()) == []
+
+
+# --- inputs by forward's argument names: a dict, or a Mapping like a tokenizer's BatchEncoding ----------------
+
+class _TextEncoder(torch.nn.Module):
+    """forward(input_ids, attention_mask, token_type_ids=None), as a text encoder takes its tokenizer's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 16)
+        self.types = torch.nn.Embedding(2, 16)
+        self.proj = torch.nn.Linear(16, 8)
+
+    def forward(self, input_ids, attention_mask, token_type_ids=None):
+        h = self.emb(input_ids)
+        if token_type_ids is not None:
+            h = h + self.types(token_type_ids)
+        m = attention_mask.unsqueeze(-1).to(h.dtype)
+        return self.proj((h * m).sum(1) / m.sum(1).clamp_min(1))
+
+
+class _Encoding(Mapping):
+    """Read-only, not a dict, keys in the tokenizer's order (not forward's): what a ``BatchEncoding`` is."""
+
+    def __init__(self, data: dict):
+        self._data = data
+
+    def __getitem__(self, key):
+        return self._data[key]
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def __len__(self):
+        return len(self._data)
+
+
+def _encoded(b: int, seed: int, types: bool) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(b, 6, generator=g) > 0.3).long()
+    mask[:, 0] = 1  # every row has a token
+    out = {"input_ids": torch.randint(0, 32, (b, 6), generator=g)}
+    if types:
+        out["token_type_ids"] = torch.randint(0, 2, (b, 6), generator=g)  # before the mask, as tokenizers order it
+    out["attention_mask"] = mask
+    return out
+
+
+@pytest.mark.parametrize("make,types", [(dict, True), (_Encoding, False)])
+def test_a_mapping_of_inputs_is_taken_by_forwards_argument_names(make, types, tmp_path):
+    """tctune.optimize(model, tokenizer(...)) refused the mapping with no hint; its keys are forward's names, in
+    the tokenizer's order (token_type_ids before attention_mask) where forward takes attention_mask first."""
+    torch.manual_seed(0)
+    model = _TextEncoder().eval()
+    tuned = tctune.optimize(model, make(_encoded(3, 1, types)), trials=1, runtimes="eager", no_export=True,
+                            quiet=True, out=tmp_path / "o")
+    names = ["input_ids", "attention_mask", "token_type_ids"][:3 if types else 2]
+    assert tuned.input_names == names and tuned.report["config"]["batch_sizes"] == [3]  # the mapping's batch
+    for b, seed in ((3, 7), (5, 8)):  # fresh rows, the tuned batch and another
+        enc = make(_encoded(b, seed, types))
+        with torch.no_grad():
+            ref = model(**enc)
+        assert _rel(tuned(**enc), ref) <= 1e-2
+        assert torch.equal(tuned(**enc), tuned(*(enc[n] for n in names)))  # by name = in forward's order
+    with pytest.raises(TypeError, match=r"got a (dict|_Encoding) as input 0\n  fix: tuned\(\*\*inputs\)"):
+        tuned(enc)
+
+
+class _Decoder(torch.nn.Module):
+    def forward(self, input_ids, past_key_values=None, attention_mask=None):
+        return input_ids.float() * attention_mask
+
+
+@pytest.mark.parametrize("model,inputs,said", [
+    (_Decoder(), {"input_ids": torch.ones(2, 3), "attention_mask": torch.ones(2, 3)},
+     "_Decoder: example_inputs gives input_ids, attention_mask but not past_key_values, which forward takes before "
+     "'attention_mask'"),
+    (_TextEncoder(), {"input_ids": [[1, 2]], "attention_mask": [[1, 1]]},
+     "_TextEncoder: example_inputs: 'input_ids' is a list, 'attention_mask' is a list, not a tensor\n  fix: tensors "
+     "only (a Hugging Face tokenizer returns them with return_tensors='pt')"),
+    (_TextEncoder(), {"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2)},
+     "_TextEncoder: example_inputs: 'labels' not among forward's positional arguments (input_ids, attention_mask, "
+     "token_type_ids)"),
+])
+def test_a_mapping_that_cannot_be_put_in_forwards_order_is_one_error_before_anything_runs(model, inputs, said,
+                                                                                           tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(tctune.ModelFileError) as info:
+        tctune.optimize(model, inputs)
+    assert str(info.value).startswith(said) and "\n  fix: " in str(info.value)
+    assert list(tmp_path.iterdir()) == []

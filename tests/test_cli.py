@@ -155,6 +155,26 @@ def test_bad_options(tmp_path, args, match):
     assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("flag,value,meant", [("--max-error", "2", "did you mean 0.02 (2 %)?"),
+                                              ("--max-error-fp8", "5", "did you mean 0.05 (5 %)?")])
+def test_an_error_limit_of_1_or_more_is_one_usage_error_suggesting_the_fraction(tmp_path, flag, value, meant):
+    """``--max-error 2`` (200 % relative error: almost surely 2 % meant) was accepted and let any output through."""
+    r = run_cli("optimize", SEED_CNN, "--out", tmp_path / "out", "--quiet", flag, value)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and not (tmp_path / "out").exists()
+    errors = [line for line in r.stderr.splitlines() if line.startswith("tctune: error:")]
+    assert errors == [f"tctune: error: {flag} must be below 1, got {value}: it is the largest relative L2 error "
+                      f"against the FP32 reference, as a fraction (0.01 = 1 %); {meant}"]
+
+
+def test_an_error_limit_below_1_is_taken_as_given():
+    from tctune.cli import parser
+    from tctune.cli.optimize import config_from_args
+
+    args = parser().parse_args(["optimize", "m.py", "--max-error", "0.5", "--max-error-fp8", "0.99"])
+    cfg = config_from_args(args)
+    assert (cfg.max_error, cfg.max_error_fp8) == (0.5, 0.99)
+
+
 @pytest.mark.parametrize("args,said", [
     (["optimize", "m.py", "--trails", "4"], "tctune optimize: error: unrecognized arguments: --trails 4; --trails "
                                             "(did you mean --trials?)"),

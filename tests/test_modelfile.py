@@ -1,5 +1,6 @@
 """The model-file contract: good files load, each bad file gets one clear error."""
 import textwrap
+from collections.abc import Mapping
 
 import pytest
 import torch
@@ -75,7 +76,7 @@ def test_build_model_wrong_type(tmp_path):
 
 @pytest.mark.parametrize("body,match", [
     ("return [1, 2]", r"tuple of tensors, got \(int, int\)"),
-    ("return {'x': torch.randn(batch_size, 4)}", "tuple of tensors, got dict"),
+    ("return {'x': torch.randn(batch_size, 4)}", r"\(2\): 'x' not among forward's positional arguments \(input\)"),
     ("return (torch.randn(3, 4),)", "dim 0 must be the batch"),
     ("return ()", "tuple of tensors"),
 ])
@@ -118,3 +119,108 @@ def test_example_inputs_list_of_non_tensors_names_what_it_got(tmp_path):
     with pytest.raises(ModelFileError, match=r"must return a tuple of tensors, got \(Tensor, int\) \(a list of "
                                              r"tensors or one tensor is accepted too\)"):
         mf.inputs(5)
+
+
+# --- inputs by forward's argument names (a dict, a tokenizer's BatchEncoding) --------------------------------
+
+class _Encoding(Mapping):
+    """A read-only mapping like a tokenizer's ``BatchEncoding``: not a dict, keys in its own order."""
+
+    def __init__(self, **tensors):
+        self._data = tensors
+
+    def __getitem__(self, key):
+        return self._data[key]
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def __len__(self):
+        return len(self._data)
+
+
+class _Text(torch.nn.Module):
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, *, labels=None, **kwargs):
+        pass
+
+
+NAMES = ["input_ids", "attention_mask", "token_type_ids"]
+
+
+@pytest.mark.parametrize("make", [dict, _Encoding])
+def test_a_mapping_is_ordered_by_forwards_parameters_not_by_its_own_order(make):
+    from tctune.modelfile import forward_names, mapping_inputs
+
+    ids, mask, types = torch.randint(0, 9, (2, 5)), torch.randint(0, 2, (2, 5)), torch.randint(0, 2, (2, 5))
+    assert forward_names(_Text()) == NAMES  # positional parameters only: not labels, not **kwargs
+    got = mapping_inputs(make(token_type_ids=types, attention_mask=mask, input_ids=ids), NAMES, "M: example_inputs")
+    assert len(got) == 3 and all(a is b for a, b in zip(got, (ids, mask, types)))
+    got = mapping_inputs(make(attention_mask=mask, input_ids=ids), NAMES, "M: example_inputs")  # a prefix
+    assert len(got) == 2 and got[0] is ids and got[1] is mask
+
+
+@pytest.mark.parametrize("inputs,names,said", [
+    ({}, NAMES, "M: example_inputs is an empty dict\n  fix: map forward's argument names to tensors"),
+    ({"input_ids": torch.ones(2, 3)}, [], "M: example_inputs is a dict of named inputs (input_ids), but forward "
+                                          "names no positional argument (forward(*args, **kwargs))"),
+    ({"input_ids": torch.ones(2, 3), "labels": torch.ones(2)}, NAMES,
+     "M: example_inputs: 'labels' not among forward's positional arguments (input_ids, attention_mask, "
+     "token_type_ids); tctune passes inputs by position\n  fix: key the tensors by those names"),
+    ({"input_ids": torch.ones(2, 3), "token_type_ids": torch.ones(2, 3)}, NAMES,
+     "M: example_inputs gives input_ids, token_type_ids but not attention_mask, which forward takes before "
+     "'token_type_ids'"),
+    ({"input_ids": [[1, 2]], "attention_mask": torch.ones(1, 2)}, NAMES,
+     "M: example_inputs: 'input_ids' is a list, not a tensor\n  fix: tensors only"),
+])
+def test_a_mapping_that_cannot_be_put_in_forwards_order_is_one_error_naming_the_keys(inputs, names, said):
+    from tctune.modelfile import mapping_inputs
+
+    with pytest.raises(ModelFileError) as info:
+        mapping_inputs(inputs, names, "M: example_inputs")
+    assert str(info.value).startswith(said) and "\n  fix: " in str(info.value)
+
+
+def test_a_skipped_parameter_names_the_wrapper_that_fixes_it():
+    from tctune.modelfile import mapping_inputs
+
+    with pytest.raises(ModelFileError) as info:
+        mapping_inputs({"input_ids": torch.ones(1, 2), "attention_mask": torch.ones(1, 2)},
+                       ["input_ids", "past_key_values", "attention_mask"], "M: example_inputs")
+    assert str(info.value).endswith("fix: give past_key_values too, or wrap the model in a module whose forward takes "
+                                    "only these inputs, e.g. def forward(self, input_ids, attention_mask): return "
+                                    "self.model(input_ids=input_ids, attention_mask=attention_mask)")
+
+
+MAPPING_FILE = """
+import torch
+
+class Text(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 4)
+
+    def forward(self, input_ids, attention_mask, token_type_ids=None):
+        return (self.emb(input_ids) * attention_mask.unsqueeze(-1)).sum(1)
+
+def build_model():
+    return Text()
+
+def _batch(b):
+    return {"attention_mask": torch.randint(0, 2, (b, 6)), "input_ids": torch.randint(0, 16, (b, 6))}
+
+def example_inputs(batch_size):
+    return _batch(batch_size)
+
+def calibration_inputs():
+    return [_batch(3), _batch(5)]
+"""
+
+
+def test_a_model_file_may_give_its_inputs_and_calibration_batches_by_name(tmp_path):
+    from tctune.calibration import from_model_file
+
+    mf = load_model_file(write(tmp_path, MAPPING_FILE))
+    ids, mask = mf.inputs(3)
+    assert ids.shape == mask.shape == (3, 6) and ids.max() > 1 and mask.max() <= 1  # forward's order, not the dict's
+    batches = from_model_file(mf, mf.inputs(2))
+    assert [b.inputs[0].shape[0] for b in batches] == [3, 5] and all(b.inputs[1].max() <= 1 for b in batches)

@@ -59,7 +59,8 @@ def register(sub) -> str:
     o.add_argument("--trials", type=int, default=16, metavar="N", help="searched trials to add to the study in this run, besides the plain baselines (default %(default)s)")
     o.add_argument("--timeout", type=float, metavar="SECONDS", help="stop starting new searched trials after this long (the plain baselines always run; default: no time limit; --trials bounds the run)")
     o.add_argument("--max-error", type=float, default=1e-2, metavar="E",
-                   help="largest relative L2 error against FP32 eager a result may have (default %(default)g)")
+                   help="largest relative L2 error against FP32 eager a result may have, a fraction below 1 "
+                        "(0.02 = 2 %%; default %(default)g)")
     o.add_argument("--mode", choices=("infer", "train"), default="infer",
                    help="infer: forward passes; train: forward, loss_fn, backward, optimizer step (needs "
                         "example_targets and loss_fn in the model file); default %(default)s")
@@ -71,7 +72,7 @@ def register(sub) -> str:
     o.add_argument("--max-latency-ms", type=float, metavar="MS", help="constraint: p99 latency per batch at most this")
     o.add_argument("--max-memory-mib", type=float, metavar="MIB", help="constraint: peak CUDA memory at most this")
     o.add_argument("--max-error-fp8", type=float, default=5e-2, metavar="E",
-                   help="the same limit for FP8 candidates (Ada/Hopper and newer), default %(default)g")
+                   help="the same limit for FP8 candidates (Ada/Hopper and newer), a fraction below 1, default %(default)g")
     o.add_argument("--min-score-ratio", type=float, default=0.99, metavar="R",
                    help="with score(model) in the model file: a candidate's score must be at least R x the FP32 "
                         "score (default %(default)g, MLPerf's 99%% rule); the score then decides accuracy for every "

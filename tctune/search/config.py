@@ -35,8 +35,9 @@ class TuneConfig:
         batch_sizes: batch sizes to search (items per call).
         trials: trials to add to the study in this run (≥ 1).
         timeout_s: stop starting new trials after this many seconds (None: no limit).
-        max_error: largest relative L2 error against the FP32 reference a candidate may have.
-        max_error_fp8: the same for FP8 candidates (E4M3 keeps 3 mantissa bits; 5e-2 ≈ 26 dB SQNR).
+        max_error: largest relative L2 error against the FP32 reference a candidate may have, a fraction in
+            (0, 1) (0.01 = 1 %); 1 or more raises ``UsageError`` (most likely a percentage: 2 meaning 0.02).
+        max_error_fp8: the same for FP8 candidates (E4M3 keeps 3 mantissa bits; 5e-2 ≈ 26 dB SQNR), in (0, 1).
         target: ``--target`` name or ``sm_XX`` (plan for that GPU's alignment); None: the detected device.
         storage: Optuna storage URL; None: ``sqlite:///<out>/study.db``.
         seed: sampler seed, 0 to 2**32 - 1 (numpy's seed range).
@@ -170,10 +171,14 @@ class TuneConfig:
             raise bad("seed", f"must be an integer from 0 to {2 ** 32 - 1}, got {self.seed}")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise bad("timeout_s", f"must be a positive number of seconds, got {self.timeout_s}")
-        if not (self.max_error > 0):
-            raise bad("max_error", f"must be positive, got {self.max_error}")
-        if not (self.max_error_fp8 > 0):
-            raise bad("max_error_fp8", f"must be positive, got {self.max_error_fp8}")
+        for name in ("max_error", "max_error_fp8"):
+            v = getattr(self, name)
+            if not (v > 0):
+                raise bad(name, f"must be positive, got {v}")
+            if v >= 1:  # a percentage typed as the fraction (2 meaning 2 %): 200 % lets any output through
+                meant = f"did you mean {v / 100:g} ({v:g} %)?" if v < 100 else "e.g. 0.01 for 1 %"
+                raise bad(name, f"must be below 1, got {v:g}: it is the largest relative L2 error against the FP32 "
+                                f"reference, as a fraction (0.01 = 1 %); {meant}")
         if self.fp8_keep is not None and (isinstance(self.fp8_keep, str)
                                           or not all(isinstance(p, str) and p.strip() for p in self.fp8_keep)):
             raise bad("fp8_keep", f"must be None (planned), () or module-path patterns, got {self.fp8_keep!r}")
