@@ -37,9 +37,12 @@ reason (once per distinct reason), recorded in the :class:`SubgraphReport`, and 
 plain Inductor instead: tctune never breaks the user's compile. The fallback keeps the requested precision: at
 fp16 / bf16 Inductor compiles Dynamo's graph cast the way ``model.to(dt)`` would run it (floating inputs,
 parameters and buffers cast to ``dt`` on entry, floating outputs cast back to their dtype), never the FP32 graph,
-except a graph that writes tensors in place (:func:`_writes_in_place`): cast, its writes would land in copies, so
-it is compiled as written, with a note; and a cast graph that does not run on the first call's inputs
-(:func:`_check_runs`) is compiled in the model's own dtypes, with the reason in the notes. Dynamo's restart
+except a graph that writes a tensor from outside it in place (an input, a buffer: :func:`_writes_in_place`):
+cast, its writes would land in copies, so it is compiled as written, with a note. A cast graph that does not
+run on the first call's inputs (:func:`_check_runs`: Dynamo traced the FP32 model, so a dtype the model read
+off a tensor is baked in as float32 and meets a cast tensor) is tried under ``torch.autocast(dt)`` instead
+(:func:`_under_autocast`), and only when that does not run either is the model's own dtypes compiled, with
+the reasons in the notes. Fill values beyond ``dt``'s range saturate in both cast graphs. Dynamo's restart
 signals (:func:`_is_dynamo_restart`) are not failures: they go back to Dynamo, which traces the frame again, as
 it does for plain Inductor.
 
