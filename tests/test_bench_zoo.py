@@ -663,3 +663,41 @@ def test_inductor_with_the_cast_inside_gets_fp32_inputs_and_is_timed_with_both_s
     s = zoo.summarize({**row, "variants": {**v, "tctune": {"ok": True, "items_per_s": 50.0}}})
     assert s["speedup_vs_inductor_fp32in"] == pytest.approx(50.0 / v["inductor_fp32in"]["items_per_s"])
     assert zoo.summarize(_row("m", tct=300.0, ind=250.0))["speedup_vs_inductor_fp32in"] is None  # not run
+
+
+def test_freezing_variants_get_inductors_freezing_option_and_are_timed_with_both_sides(tmp_path, monkeypatch):
+    """The optional ``tctune_freezing`` / ``inductor_freezing`` variants on the CPU at --tiny: the tctune backend
+    with ``options["inductor"] = {"freezing": True}`` and ``torch.compile(model.to(dt), options={"freezing":
+    True})``, each on its own copy of the model, timed in the interleaved block with ``inductor`` and summarized
+    against both plain sides. ``torch.compile`` is replaced by the callable it is given (the plumbing is tested,
+    not Inductor's freezing)."""
+    pytest.importorskip("transformers")
+    calls = []
+
+    def fake_compile(fn, *a, **kw):
+        calls.append((kw.get("backend"), kw.get("options")))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    assert zoo.main(["--worker", "BertForMaskedLM", "--tiny", "--scale", "0.0625", "--device", "cpu",
+                     "--variants", "fp32_eager,eager,inductor,tctune_freezing,inductor_freezing", "--repeats", "2",
+                     "--repeat-s", "0.001", "--out", str(tmp_path)]) == 0
+    row = json.loads(zoo.row_path(tmp_path, "BertForMaskedLM").read_text())
+    assert row["status"] == "ok", row.get("reason")
+    v = row["variants"]
+    for name in ("tctune_freezing", "inductor_freezing"):
+        assert v[name]["ok"] is True, v[name].get("error")
+        assert len(v[name]["repeats_ms"]) == len(v["inductor"]["repeats_ms"]) == 2
+        assert name in row["compile_cache"]
+    assert v["inductor_freezing"]["rel_err"] == pytest.approx(v["inductor"]["rel_err"])
+    assert v["tctune"].get("skipped") == "not requested (--variants)"
+    frozen = [opts for backend, opts in calls if opts and (opts.get("freezing") or
+                                                            (opts.get("inductor") or {}).get("freezing"))]
+    assert len(frozen) == 2, calls  # one per side, each with Inductor's freezing on
+    assert row["tctune_freezing"]["options"]["inductor"] == {"freezing": True}
+    s = zoo.summarize(row)
+    assert s["speedup_freezing_vs_inductor"] == pytest.approx(
+        v["tctune_freezing"]["items_per_s"] / v["inductor"]["items_per_s"])
+    assert s["speedup_freezing_vs_inductor_freezing"] == pytest.approx(
+        v["tctune_freezing"]["items_per_s"] / v["inductor_freezing"]["items_per_s"])
+    assert zoo.summarize(_row("m", tct=300.0, ind=250.0))["speedup_freezing_vs_inductor"] is None  # not run
