@@ -27,6 +27,9 @@ Every model has random weights; nothing is downloaded:
   answering).
 - TIMM: ``timm.create_model(name, pretrained=False)``, input (batch, *pretrained_cfg["input_size"]) N(0, 1).
 - torchvision: ``torchvision.models.get_model(name, weights=None)``, input (batch, 3, 224, 224) N(0, 1).
+- TIMM and torchvision: weights the constructor leaves all zero (a zero-initialised head, timm's
+  ``zero_init_last`` BatchNorm scales) are re-drawn (:func:`redraw_zero_weights`, named in the row's ``note``),
+  so the accuracy check compares outputs that depend on the input.
 
 A model that cannot be built (class missing in this ``transformers``, package missing, weights larger than
 ``--max-memory-frac`` of the GPU for FP32 + dt copy + tctune's cast copy at 8 bytes per parameter, or any
@@ -608,8 +611,38 @@ def build_hf(name: str, tiny: bool = False, seq: int = 512, device: str = "cpu")
     return Built(model, make, desc, n_params, note, item_out_elems=out_seq * vocab)
 
 
+def redraw_zero_weights(model, seed: int = 0) -> list[str]:
+    """Re-draw the floating weights a constructor leaves all zero, in place; returns their names.
+
+    torchvision's ViT zero-initialises its classification head and timm's ResNets the last BatchNorm scale of
+    each block (``zero_init_last``): with random weights the logits are then all zero (or residual branches
+    contribute nothing), and every relative error against FP32 reads 0.0 — an accuracy check that cannot fail.
+    Parameters named ``*weight`` of at least two elements that are all zero get N(0, 0.02) (matrices,
+    convolutions) or ones (1-D scales); biases stay as built. Meta tensors are left alone."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if (not name.endswith("weight") or p.numel() < 2 or not p.is_floating_point()
+                    or p.device.type == "meta" or bool(p.count_nonzero())):
+                continue
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+            else:
+                p.fill_(1.0)
+            out.append(name)
+    return out
+
+
 def _vision(model, size: tuple[int, ...], note: str) -> Built:
     import torch
+
+    redrawn = redraw_zero_weights(model)
+    if redrawn:
+        note += f"; all-zero weights re-drawn: {', '.join(redrawn[:6])}" + (
+            f" and {len(redrawn) - 6} more" if len(redrawn) > 6 else "")
 
     def make(batch: int, dev, seed: int) -> tuple:
         g = torch.Generator().manual_seed(seed)

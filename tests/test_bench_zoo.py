@@ -701,3 +701,24 @@ def test_freezing_variants_get_inductors_freezing_option_and_are_timed_with_both
     assert s["speedup_freezing_vs_inductor_freezing"] == pytest.approx(
         v["tctune_freezing"]["items_per_s"] / v["inductor_freezing"]["items_per_s"])
     assert zoo.summarize(_row("m", tct=300.0, ind=250.0))["speedup_freezing_vs_inductor"] is None  # not run
+
+
+def test_zero_initialised_weights_are_redrawn_so_errors_can_be_measured():
+    """torchvision's ViT builds its head all zero: with random weights its logits were all zero and the zoo read
+    relative errors of 0.0 on both sides on the H200 (an accuracy check that cannot fail). Such weights are
+    re-drawn; biases and weights with a non-zero value stay as built."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 3))
+    nn.init.zeros_(model[2].weight)
+    nn.init.zeros_(model[2].bias)
+    nn.init.zeros_(model[1].weight)
+    kept = model[0].weight.clone()
+    built = zoo._vision(model, (6,), "test")
+    assert zoo.redraw_zero_weights(model) == []  # nothing left to re-draw
+    assert "all-zero weights re-drawn: 1.weight, 2.weight" in built.note
+    assert torch.equal(model[0].weight, kept) and not model[2].bias.count_nonzero()
+    assert torch.equal(model[1].weight, torch.ones(8)) and model[2].weight.std() > 0
+    x = built.make_inputs(4, "cpu", 1)[0]
+    assert model(x).abs().max() > 0
