@@ -38,8 +38,10 @@ plain Inductor instead: tctune never breaks the user's compile. The fallback kee
 fp16 / bf16 Inductor compiles Dynamo's graph cast the way ``model.to(dt)`` would run it (floating inputs,
 parameters and buffers cast to ``dt`` on entry, floating outputs cast back to their dtype), never the FP32 graph,
 except a graph that writes a tensor from outside it in place (an input, a buffer: :func:`_writes_in_place`):
-cast, its writes would land in copies, so it is compiled as written, with a note. A cast graph that does not
-run on the first call's inputs (:func:`_check_runs`: Dynamo traced the FP32 model, so a dtype the model read
+cast, its writes would land in copies, so it is compiled as written, with a note; and a graph that returns an
+input or a view of one (:func:`_returns_inputs`) skips the ``model.to(dt)`` cast (the caller would get a new
+tensor where eager returns a view it may write into) and goes under ``torch.autocast(dt)``. A cast graph that
+does not run on the first call's inputs (:func:`_check_runs`: Dynamo traced the FP32 model, so a dtype the model read
 off a tensor is baked in as float32 and meets a cast tensor) is tried under ``torch.autocast(dt)`` instead
 (:func:`_under_autocast`), and only when that does not run either is the model's own dtypes compiled, with
 the reasons in the notes. Fill values beyond ``dt``'s range saturate in both cast graphs. Dynamo's restart
@@ -119,6 +121,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import logging
 import operator
 import time
@@ -714,8 +717,12 @@ def _fallback(gm: fx.GraphModule, example_inputs: list, report: SubgraphReport,
         # for a graph that model.to(dt) cannot run: Dynamo traced it in FP32, so a dtype the model read off a
         # tensor (``attn.to(value.dtype)``, ``torch.tensor(x, dtype=q.dtype)``) is baked in as float32 and meets
         # a cast tensor in a matmul ("mat1 and mat2 must have the same dtype"); autocast casts both operands.
-        for label, make in (("cast like model.to(dt)", _cast_like_model_to),
-                            ("under torch.autocast(dt)", _under_autocast)):
+        ways = [("cast like model.to(dt)", _cast_like_model_to), ("under torch.autocast(dt)", _under_autocast)]
+        if _returns_inputs(gm):
+            # Inputs cast on entry, a returned input or view of one would be a new tensor: autocast keeps them.
+            report.notes.append("fallback not cast like model.to(dt): the graph returns an input or a view of one")
+            del ways[0]
+        for label, make in ways:
             try:
                 cast = make(gm, example_inputs, dtype, restore_outputs=restore)
                 with _autocast_state_kept():  # a graph that fails inside its autocast region never exits it
@@ -812,24 +819,30 @@ _INPLACE_OPERATORS = frozenset({"iadd", "iand", "iconcat", "ifloordiv", "ilshift
                                 "ipow", "irshift", "isub", "itruediv", "ixor"})
 
 
-#: Dynamo-graph calls (functions, methods, ``operator.getitem``) whose result is a view of their first argument:
-#: a write into it is a write into that argument (:func:`_writes_in_place` walks back through them).
+#: Dynamo-graph calls (functions, methods, ``operator.getitem``, ``getattr``: ``x.T``, ``x.mT``, ``x.data``) whose
+#: result may be a view of their first argument: a write into it is a write into that argument
+#: (:func:`_writes_in_place` walks back through them). Where Dynamo's example values are there, a result sharing
+#: the storage of an input is an alias whatever the call (:func:`_from_outside`: ``x.float()`` of an FP32 ``x``).
 _VIEW_CALLS = frozenset({
     "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "getitem", "narrow", "select", "squeeze",
     "unsqueeze", "expand", "expand_as", "flatten", "unflatten", "t", "contiguous", "as_strided", "diagonal",
     "chunk", "split", "split_with_sizes", "tensor_split", "unbind", "detach", "movedim", "swapaxes", "swapdims",
-    "unfold", "real", "imag", "view_as_real", "view_as_complex", "__getitem__", "alias",
+    "unfold", "real", "imag", "view_as_real", "view_as_complex", "__getitem__", "alias", "getattr",
+    "_get_data_attr", "moveaxis", "ravel", "adjoint", "hsplit", "vsplit", "dsplit", "atleast_1d", "atleast_2d",
+    "atleast_3d", "broadcast_to",
 })
 
 
 def _writes_in_place(gm: fx.GraphModule) -> bool:
     """Whether Dynamo's graph ``gm`` may write in place a tensor from outside the graph (an input, a parameter or
     buffer, or a view of one): an in-place method or function (``x.add_``, ``torch.relu_``, ``index_copy_``,
-    ``F.relu(x, inplace=True)``, ``x += y``), an item assignment (``x[i] = v``), an ``out=`` argument, or a batch
-    norm in training mode (its running statistics). A write into a tensor the graph made itself (an in-place
-    ReLU after a convolution) is invisible outside and does not count: the fallback compiled every torchvision
-    network with in-place activations in FP32. It only decides that the fallback compiles the graph uncast
-    (:func:`_fallback`); a write through a call it does not know for a view is taken for a fresh tensor's."""
+    ``F.relu(x, inplace=True)`` or ``F.relu(x, True)``, ``x += y``), an item assignment (``x[i] = v``), an ``out=``
+    argument, or a batch norm in training mode (its running statistics). A write into a tensor the graph made
+    itself (an in-place ReLU after a convolution) is invisible outside and does not count: the fallback compiled
+    every torchvision network with in-place activations in FP32. It only decides that the fallback compiles the
+    graph uncast (:func:`_fallback`); a write through a call it does not know for a view, on a graph without
+    example values, is taken for a fresh tensor's."""
+    outside = _outside_storages(gm)
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method"):
             continue
@@ -841,7 +854,7 @@ def _writes_in_place(gm: fx.GraphModule) -> bool:
             targets = [node.args[0]] if name in _INPLACE_OPERATORS else []
         elif name.endswith("_") and not name.endswith("__") and name not in METADATA_ONLY_WRITES:
             targets = [node.args[0]] if node.args else list(node.kwargs.values())[:1]
-        elif node.kwargs.get("inplace") is True:
+        elif _inplace_flag(node):
             targets = [node.args[0] if node.args else node.kwargs.get("input")]
         elif name == "batch_norm" and (node.kwargs.get("training")
                                        or (len(node.args) > 5 and node.args[5] is True)):
@@ -849,19 +862,60 @@ def _writes_in_place(gm: fx.GraphModule) -> bool:
                        for i, k in ((1, "running_mean"), (2, "running_var"))]
         if "out" in node.kwargs:
             targets.append(node.kwargs["out"])
-        if any(_from_outside(t) for t in targets):
+        if any(_from_outside(t, outside) for t in targets):
             return True
     return False
 
 
-def _from_outside(arg: Any) -> bool:
-    """Whether ``arg`` (a node of Dynamo's graph, or a tuple of them) is an input of the graph, or a view of one
-    (through :data:`_VIEW_CALLS`)."""
+def _inplace_flag(node: fx.Node) -> bool:
+    """Whether the call ``node`` passes ``inplace=True``, by keyword or by position (``F.relu(x, True)``,
+    ``F.leaky_relu(x, 0.2, True)``: bound to the function's signature)."""
+    if node.kwargs.get("inplace") is True:
+        return True
+    if node.op != "call_function" or not callable(node.target):
+        return False
+    try:
+        params = inspect.signature(node.target).parameters
+    except (TypeError, ValueError):  # a builtin without a signature (torch.relu): no inplace argument
+        return False
+    if "inplace" not in params:
+        return False
+    try:
+        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
+    except TypeError:
+        return False
+    return bound.arguments.get("inplace") is True
+
+
+def _storage(node: Any) -> Any:
+    """A weak reference to the storage of Dynamo's example value of ``node`` (a fake tensor: a view shares its
+    base's), or None."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    val = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return None
+    try:
+        return StorageWeakRef(val.untyped_storage())
+    except Exception:  # noqa: BLE001 - a tensor subclass without a storage: no aliasing known
+        return None
+
+
+def _outside_storages(gm: fx.GraphModule) -> set:
+    """The storages of the example values of ``gm``'s inputs and attributes (:func:`_storage`)."""
+    nodes = (n for n in gm.graph.nodes if n.op in ("placeholder", "get_attr"))
+    return {s for s in map(_storage, nodes) if s is not None}
+
+
+def _from_outside(arg: Any, outside: set = frozenset()) -> bool:
+    """Whether ``arg`` (a node of Dynamo's graph, or a tuple of them) is an input of the graph, or a view of one:
+    through :data:`_VIEW_CALLS`, or its example value sharing a storage of ``outside``
+    (:func:`_outside_storages`)."""
     if isinstance(arg, (list, tuple)):
-        return any(_from_outside(a) for a in arg)
+        return any(_from_outside(a, outside) for a in arg)
     seen = 0
     while isinstance(arg, fx.Node) and seen < 10_000:
-        if arg.op in ("placeholder", "get_attr"):
+        if arg.op in ("placeholder", "get_attr") or (outside and (s := _storage(arg)) is not None and s in outside):
             return True
         if arg.op not in ("call_function", "call_method"):
             return False
@@ -870,6 +924,15 @@ def _from_outside(arg: Any) -> bool:
             return False
         arg, seen = arg.args[0], seen + 1
     return False
+
+
+def _returns_inputs(gm: fx.GraphModule) -> bool:
+    """Whether an output of Dynamo's graph ``gm`` is an input, a parameter or a buffer, or a view of one
+    (:func:`_from_outside`): the caller holds an alias of its own tensor (code after a graph break writes into
+    ``x[:, :2]``); cast like ``model.to(dt)``, it got a new tensor."""
+    output = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
+    outside = _outside_storages(gm)
+    return output is not None and any(_from_outside(a, outside) for a in output.all_input_nodes)
 
 
 def _op_name(node: fx.Node) -> str:
