@@ -1201,3 +1201,31 @@ def test_fallback_of_a_graph_returning_a_view_of_an_input_returns_the_view(monke
     first = tb.reports[0]
     assert "fallback not cast like model.to(dt): the graph returns an input or a view of one" in first.notes
     assert first.notes[-1] == "fallback compiled at bf16, under torch.autocast(dt)", first.notes
+
+
+class ReturnsListViews(nn.Module):
+    """Returns elements of lists of views of the input and of a weight (``chunk``, ``unbind``) with a linear of
+    the input: ``x`` ``(2, 6, 8)`` -> ``x[:, :3]``, ``x[1]``, ``weight[:4]``, ``(2, 6, 8)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x.chunk(2, dim=1)[0], x.unbind(0)[1], self.fc.weight.chunk(2)[0], self.fc(x)
+
+
+def test_returned_elements_of_lists_of_views_are_exact_views(aot_only):
+    """At bf16 a returned ``x.chunk(2)[0]`` came back as a new tensor holding ``x`` rounded to bf16 (the walk
+    back to the input stopped at the ``getitem``); it is a view of ``x`` again, exact, like ``x[:, :3]``."""
+    torch.manual_seed(0)
+    model = ReturnsListViews().eval()
+    compiled = torch.compile(model, backend="tctune", options={"precision": "bf16"})
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(14))
+    with torch.no_grad():
+        a, b, w, c = compiled(x)
+    _no_fallback()
+    assert torch.equal(a, x[:, :3]) and torch.equal(b, x[1]) and torch.equal(w, model.fc.weight[:4])
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    _close(c, model.fc(x), "bf16")
+    assert _results("cast_precision")[0].count > 0
