@@ -1368,7 +1368,7 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
     # casts, the plain codegen): each step marks the module, the block's end recompiles it once.
     t0 = time.perf_counter()
     with deferred_recompile(), torch._guards.tracing(None):
-        exported, runtime_args, up = _export(gm, example_inputs, inputs, nodes)
+        exported, runtime_args, up = _export(gm, example_inputs, inputs, nodes, data_as_detach=not spec.training)
         written = _written_weights(exported, inputs)
         if written:
             # A buffer the graph writes (running statistics, a KV cache): frozen, the passes would fold, pad or
@@ -1378,7 +1378,7 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
             for i in written:
                 del inputs.weights[i]
             inputs.runtime = sorted(inputs.runtime + sorted(written))
-            exported, runtime_args, up = _export(gm, example_inputs, inputs, nodes)
+            exported, runtime_args, up = _export(gm, example_inputs, inputs, nodes, data_as_detach=not spec.training)
         marked = _mark_entry_casts(exported, up)
         if up:
             report.notes.append(
@@ -1421,14 +1421,17 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
     return run
 
 
-def _export(gm: fx.GraphModule, example_inputs: list, inputs: _Inputs, nodes: list[fx.Node]):
+def _export(gm: fx.GraphModule, example_inputs: list, inputs: _Inputs, nodes: list[fx.Node],
+            data_as_detach: bool = False):
     """Dynamo's graph re-exported with ``inputs``' weights frozen: ``(ep.module() without export's checks,
-    the runtime example arguments, the entry casts)`` (:func:`_entry_casts`)."""
+    the runtime example arguments, the entry casts)`` (:func:`_entry_casts`). ``data_as_detach``: ``x.data``
+    exported as ``x.detach()`` (:func:`_data_attr_as_detach`; inference only)."""
     up = _entry_casts(example_inputs, inputs.runtime)
     wrapper = _Frozen(gm, example_inputs, inputs, up)
     runtime_args = tuple(_concrete(example_inputs[i]) for i in inputs.runtime)
     dims = _dynamic_shapes(nodes, inputs.runtime)
-    with _no_stack_traces(), _checkpoint_context_fns(gm) as added:
+    data = _data_attr_as_detach(gm) if data_as_detach else contextlib.nullcontext()
+    with _no_stack_traces(), _checkpoint_context_fns(gm) as added, data:
         # forward(*runtime): export sees one varargs tuple, so the specs are nested one level.
         ep = torch.export.export(wrapper, runtime_args, dynamic_shapes=None if dims is None else (dims,),
                                  strict=False)
@@ -1438,6 +1441,29 @@ def _export(gm: fx.GraphModule, example_inputs: list, inputs: _Inputs, nodes: li
                 del module.meta[_CONTEXT_FN]
     _strip_export_checks(exported)
     return exported, runtime_args, up
+
+
+@contextlib.contextmanager
+def _data_attr_as_detach(gm: fx.GraphModule):
+    """Within the block, Dynamo's graph ``gm`` reads ``x.data`` (``torch._C._autograd._get_data_attr``) as
+    ``x.detach()``; restored on exit. ``torch.export`` cannot trace ``.data`` ("We found a fake tensor in the
+    exported program constant's list"): every graph with a ``.data`` in it, read or written, went to the
+    fallback. Both share ``x``'s storage; they differ only in autograd's version counter, which an inference
+    graph never reads (a write through it is a write into ``x``: ``passes._graph.written_nodes``)."""
+    getter = torch._C._autograd._get_data_attr
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is getter]
+    if not nodes:
+        yield
+        return
+    for n in nodes:
+        n.target = torch.Tensor.detach
+    gm.recompile()
+    try:
+        yield
+    finally:
+        for n in nodes:
+            n.target = getter
+        gm.recompile()
 
 
 #: ``GraphModule.meta`` key of a checkpointed body's ``context_fn`` (selective activation checkpointing).

@@ -1229,3 +1229,35 @@ def test_returned_elements_of_lists_of_views_are_exact_views(aot_only):
     assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
     _close(c, model.fc(x), "bf16")
     assert _results("cast_precision")[0].count > 0
+
+
+class DataAttr(nn.Module):
+    """``.data`` in forward: the weight read through it, the caller's ``x`` ``(3, 8)`` doubled through it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x.data.mul_(2.0)
+        return F.linear(x, self.fc.weight.data, self.fc.bias)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_data_attribute_in_forward_goes_through_tctunes_graph(precision, aot_only):
+    """``torch.export`` cannot trace Dynamo's ``_get_data_attr`` (``x.data``): every graph with one, read or
+    written, fell back. Inference graphs are exported with ``x.data`` read as ``x.detach()`` (same storage):
+    no fallback, the linear cast, the write into the caller's ``x`` exact."""
+    torch.manual_seed(0)
+    model = DataAttr().eval()
+    compiled = torch.compile(model, backend="tctune", options={"precision": precision})
+    g = torch.Generator().manual_seed(15)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(3, 8, generator=g)
+            x_ref = x.clone()
+            _close(compiled(x), model(x_ref), precision)
+            torch.testing.assert_close(x, x_ref, rtol=0, atol=0)
+    _no_fallback()
+    (cast,) = _results("cast_precision")
+    assert cast.count > 0 and any(s.reason == "written in place: mul_ keeps its dtype" for s in cast.skipped)
