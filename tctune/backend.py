@@ -843,6 +843,37 @@ def _writes_in_place(gm: fx.GraphModule) -> bool:
     graph uncast (:func:`_fallback`); a write through a call it does not know for a view, on a graph without
     example values, is taken for a fresh tensor's."""
     outside = _outside_storages(gm)
+    return any(_from_outside(t, outside) for t in _write_targets(gm))
+
+
+def _written_inputs(gm: fx.GraphModule) -> set[int]:
+    """The positions of Dynamo's graph ``gm``'s placeholders it writes in place, themselves or through a view
+    (:func:`_writes_in_place`'s reading of a write)."""
+    places = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    by_storage = {}
+    for i, n in enumerate(places):
+        if (st := _storage(n)) is not None:
+            by_storage.setdefault(st, set()).add(i)
+    out: set[int] = set()
+    for target in _write_targets(gm):
+        for arg in target if isinstance(target, (list, tuple)) else (target,):
+            seen = 0
+            while isinstance(arg, fx.Node) and seen < 10_000:
+                if (st := _storage(arg)) is not None:
+                    out |= by_storage.get(st, set())
+                if arg.op == "placeholder":
+                    out.add(places.index(arg))
+                    break
+                name = str(arg.target) if arg.op == "call_method" else getattr(arg.target, "__name__", "")
+                if arg.op not in ("call_function", "call_method") or name not in _VIEW_CALLS or not arg.args:
+                    break
+                arg, seen = arg.args[0], seen + 1
+    return out
+
+
+def _write_targets(gm: fx.GraphModule):
+    """The tensors (nodes, or tuples of them) that the calls of Dynamo's graph ``gm`` write in place
+    (:func:`_writes_in_place`), wherever they come from."""
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method"):
             continue
@@ -862,9 +893,7 @@ def _writes_in_place(gm: fx.GraphModule) -> bool:
                        for i, k in ((1, "running_mean"), (2, "running_var"))]
         if "out" in node.kwargs:
             targets.append(node.kwargs["out"])
-        if any(_from_outside(t, outside) for t in targets):
-            return True
-    return False
+        yield from targets
 
 
 def _inplace_flag(node: fx.Node) -> bool:
@@ -1166,7 +1195,9 @@ class _Frozen(torch.nn.Module):
     pad and cast it once (``passes.cast_precision``: tied weights stay one tensor).
 
     ``up`` (runtime position -> dtype): runtime tensors cast up to a wider floating dtype on entry
-    (:func:`_entry_casts`); the exported graph still takes them in the dtype they arrive in."""
+    (:func:`_entry_casts`); the exported graph still takes them in the dtype they arrive in. Those the graph
+    writes in place (:func:`_written_inputs`) get the copy's final values written back (``copy_``), and an
+    output that is the copy is returned as the caller's tensor: the writes reach the caller, as in eager."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: list, inputs: _Inputs,
                  up: dict[int, torch.dtype] | None = None) -> None:
@@ -1175,6 +1206,8 @@ class _Frozen(torch.nn.Module):
         self.n = len(example_inputs)
         self.inputs = inputs
         self.up = up or {}  # runtime position -> the wider dtype it is cast to on entry (:func:`_entry_casts`)
+        written = _written_inputs(gm) if self.up else set()
+        self.write_back = sorted(pos for pos in self.up if inputs.runtime[pos] in written)
         frozen: dict[int, torch.Tensor] = {}
         for i, name in inputs.weights.items():
             self.register_buffer(name, frozen.setdefault(id(example_inputs[i]), example_inputs[i].detach()))
@@ -1187,7 +1220,28 @@ class _Frozen(torch.nn.Module):
             args[i] = getattr(self, name)
         for i, (j, d) in self.inputs.sizes.items():
             args[i] = args[j].shape[d]
-        return self.gm(*args)
+        out = self.gm(*args)
+        if not self.write_back:
+            return out
+        # An input cast up on entry and written in place: the writes went to the FP32 copy; they go back to the
+        # caller's tensor (rounded once to its dtype), and an output that is the copy, or a view of it, is the
+        # caller's tensor or the same view of it (the copy has its strides: ``to`` preserves them).
+        copies: dict[int, torch.Tensor] = {}
+        for pos in self.write_back:
+            copy = args[self.inputs.runtime[pos]]
+            runtime[pos].copy_(copy)
+            if copy.stride() == runtime[pos].stride():
+                copies[id(copy)] = runtime[pos]
+
+        def caller(o: Any) -> Any:
+            if not isinstance(o, torch.Tensor):
+                return o
+            if id(o) in copies:
+                return copies[id(o)]
+            base = copies.get(id(o._base)) if o._base is not None else None
+            return o if base is None else base.as_strided(o.size(), o.stride(), o.storage_offset())
+
+        return type(out)(caller(o) for o in out) if isinstance(out, (list, tuple)) else caller(out)
 
 
 def _concrete(value: Any) -> Any:

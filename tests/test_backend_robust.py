@@ -1261,3 +1261,39 @@ def test_data_attribute_in_forward_goes_through_tctunes_graph(precision, aot_onl
     _no_fallback()
     (cast,) = _results("cast_precision")
     assert cast.count > 0 and any(s.reason == "written in place: mul_ keeps its dtype" for s in cast.skipped)
+
+
+class WritesAComputeOutputAfterABreak(nn.Module):
+    """Linear 8 -> 8, a graph break, then ``h[:, :4] += fc2(x)[:, :4]`` and ``h`` returned: under
+    ``output_dtype="compute"`` the second subgraph receives ``h`` in bf16 beside FP32 weights and writes it.
+    ``(3, 8)`` -> ``(3, 8)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        torch._dynamo.graph_break()
+        h[:, :4] += self.fc2(x)[:, :4]
+        return h, h[:, 2:]
+
+
+def test_an_input_cast_up_on_entry_and_written_keeps_the_write(aot_only):
+    """A bf16 input of an FP32 graph is cast up to FP32 on entry for the re-export (``_entry_casts``); a write
+    into it landed in that copy and the caller's ``h`` kept its old values (the second subgraph's addition
+    lost). The copy's final values are written back, and a returned view of it is the same view of ``h``."""
+    torch.manual_seed(0)
+    model = WritesAComputeOutputAfterABreak().eval()
+    compiled = torch.compile(model, backend="tctune", options={"precision": "bf16", "output_dtype": "compute"})
+    g = torch.Generator().manual_seed(16)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(3, 8, generator=g)
+            (h, tail), (h_ref, tail_ref) = compiled(x), model(x)
+            assert h.dtype == torch.bfloat16
+            for got, ref in ((h, h_ref), (tail, tail_ref)):
+                assert _rel(got.float(), ref) <= TOLERANCES["bf16"]["rel_l2"]
+            assert tail.untyped_storage().data_ptr() == h.untyped_storage().data_ptr()
+    _no_fallback()
+    assert any(n.startswith("inputs narrower than the graph's float32 cast up on entry") for n in tb.reports[1].notes)
