@@ -379,8 +379,9 @@ def written_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     ``index_put_``; the ``out=`` of an out variant); ``aten.batch_norm`` in training mode writes its running
     statistics without the mark. A written view (``buffer[:, pos] = v`` is ``slice`` then ``copy_``) writes its
     base, so the walk goes back through aliases (:func:`view_base`: view ops, elements of ``split`` / ``chunk``,
-    the result of an in-place op, composites returning their input) to the placeholder or ``get_attr``. A pass must not replace such a node by a copy (a cast, a
-    padded or folded weight): the write would land in the copy and be lost.
+    the result of an in-place op, composites returning their input) to the placeholder or ``get_attr``. A pass
+    must not replace such a node by a copy (a cast, a padded or folded weight): the write would land in the
+    copy and be lost.
 
     Only writes that reach a tensor from outside the graph count: the base is a placeholder (an input, a KV
     cache) or a ``get_attr`` (a buffer). A write into a tensor the graph made itself (``nn.ReLU(inplace=True)``
@@ -438,10 +439,10 @@ def view_base(node: fx.Node) -> fx.Node | None:
     argument; ``add_``: ``self``, the result of an in-place op being the tensor it wrote; ``add.out``: ``out``).
     An element of a returned list of views (``operator.getitem`` of ``split``, ``chunk``, ``unbind``) is an
     alias of that list, itself an alias of the op's input; an element of a returned tuple, of the argument its
-    return aliases (``max.dim_max``'s ``values``). An op whose schema says nothing
-    (``atleast_3d``, ``type_as``: composites that return their input itself where nothing changes) is an
-    alias of an input whose example value (``meta["val"]``) shares its storage. Writing through any of these
-    writes the base (:func:`written_nodes`)."""
+    return aliases (``max.dim_max``'s ``values``). An op whose schema says nothing (``atleast_3d``,
+    ``type_as``: composites that return their input itself where nothing changes) is an alias of an input whose
+    example value (``meta["val"]``) shares its storage. Writing through any of these writes the base
+    (:func:`written_nodes`)."""
     if node.op != "call_function" or not node.args:
         return None
     index = 0
