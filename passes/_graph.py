@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import operator
 from typing import Any
 
 import torch
@@ -377,9 +378,10 @@ def written_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     An op writes an argument when its schema marks it ``Tensor(a!)`` (``add_``, ``copy_``, ``index_copy_``,
     ``index_put_``; the ``out=`` of an out variant); ``aten.batch_norm`` in training mode writes its running
     statistics without the mark. A written view (``buffer[:, pos] = v`` is ``slice`` then ``copy_``) writes its
-    base, so the walk goes back through view ops (a schema whose output aliases its first argument without
-    writing it) to the placeholder or ``get_attr``. A pass must not replace such a node by a copy (a cast, a
-    padded or folded weight): the write would land in the copy and be lost.
+    base, so the walk goes back through aliases (:func:`view_base`: view ops, elements of ``split`` / ``chunk``,
+    the result of an in-place op, composites returning their input) to the placeholder or ``get_attr``. A pass
+    must not replace such a node by a copy (a cast, a padded or folded weight): the write would land in the
+    copy and be lost.
 
     Only writes that reach a tensor from outside the graph count: the base is a placeholder (an input, a KV
     cache) or a ``get_attr`` (a buffer). A write into a tensor the graph made itself (``nn.ReLU(inplace=True)``
@@ -431,18 +433,64 @@ def writes_in_place(node: fx.Node) -> list[fx.Node]:
 
 
 def view_base(node: fx.Node) -> fx.Node | None:
-    """The tensor ``node`` is a view of (its first argument), or None when ``node`` is not a view op."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or not node.args:
+    """The tensor ``node`` is an alias of (a view of it, or that tensor itself), or None when it is a new tensor.
+
+    By the op's schema: the argument whose alias set the result shares (``slice``, ``t``, ``view``: the first
+    argument; ``add_``: ``self``, the result of an in-place op being the tensor it wrote; ``add.out``: ``out``).
+    An element of a returned list of views (``operator.getitem`` of ``split``, ``chunk``, ``unbind``) is an
+    alias of that list, itself an alias of the op's input; an element of a returned tuple, of the argument its
+    return aliases (``max.dim_max``'s ``values``). An op whose schema says nothing (``atleast_3d``,
+    ``type_as``: composites that return their input itself where nothing changes) is an alias of an input whose
+    example value (``meta["val"]``) shares its storage. Writing through any of these writes the base
+    (:func:`written_nodes`)."""
+    if node.op != "call_function" or not node.args:
         return None
-    schema = node.target._schema
-    if not schema.returns or schema.is_mutable:
+    index = 0
+    op = node
+    if node.target is operator.getitem:
+        op, index = node.args[0], node.args[1]
+        if not isinstance(op, fx.Node) or not isinstance(index, int) or op.op != "call_function":
+            return None
+    if not isinstance(op.target, torch._ops.OpOverload):
         return None
-    ret = schema.returns[0].alias_info
-    first = schema.arguments[0].alias_info if schema.arguments else None
-    if ret is None or first is None or ret.is_write or not (set(ret.before_set) & set(first.before_set)):
+    schema = op.target._schema
+    ret = None
+    if len(schema.returns) == 1:
+        ret = schema.returns[0].alias_info  # a tensor, or a list of views (split: ``Tensor(a)[]``)
+    elif op is node or index < len(schema.returns):
+        ret = schema.returns[0 if op is node else index].alias_info
+    if ret is not None:
+        # A list of views (``Tensor(a)[]``) shows no alias set here (its elements' is not exposed): it aliases
+        # the argument that turns into the wildcard set (``split(Tensor(a -> *) self)``).
+        want = set(ret.before_set)
+        for i, formal in enumerate(schema.arguments):
+            info = formal.alias_info
+            if info is not None and (want & set(info.before_set) or (not want and "*" in info.after_set)):
+                base = op.args[i] if i < len(op.args) else op.kwargs.get(formal.name)
+                if not isinstance(base, fx.Node):
+                    return None
+                return op if op is not node and len(schema.returns) == 1 else base  # the list, then its input
         return None
-    base = node.args[0]
-    return base if isinstance(base, fx.Node) else None
+    if op is not node:
+        return None
+    storage = _storage(node)
+    if storage is None:
+        return None
+    return next((a for a in node.all_input_nodes if (s := _storage(a)) is not None and s == storage), None)
+
+
+def _storage(node: fx.Node) -> Any:
+    """A weak reference to the storage of ``node``'s example value (``meta["val"]``, a fake tensor sharing the
+    storage of what it is a view of), or None when it has no tensor value."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    try:
+        return StorageWeakRef(val.untyped_storage())
+    except Exception:  # noqa: BLE001 - a tensor subclass without a storage: no aliasing known
+        return None
 
 
 def checkpoint_body(gm: fx.GraphModule, node: fx.Node) -> fx.GraphModule | None:

@@ -38,8 +38,10 @@ plain Inductor instead: tctune never breaks the user's compile. The fallback kee
 fp16 / bf16 Inductor compiles Dynamo's graph cast the way ``model.to(dt)`` would run it (floating inputs,
 parameters and buffers cast to ``dt`` on entry, floating outputs cast back to their dtype), never the FP32 graph,
 except a graph that writes a tensor from outside it in place (an input, a buffer: :func:`_writes_in_place`):
-cast, its writes would land in copies, so it is compiled as written, with a note. A cast graph that does not
-run on the first call's inputs (:func:`_check_runs`: Dynamo traced the FP32 model, so a dtype the model read
+cast, its writes would land in copies, so it is compiled as written, with a note; and a graph that returns an
+input or a view of one (:func:`_returns_inputs`) skips the ``model.to(dt)`` cast (the caller would get a new
+tensor where eager returns a view it may write into) and goes under ``torch.autocast(dt)``. A cast graph that
+does not run on the first call's inputs (:func:`_check_runs`: Dynamo traced the FP32 model, so a dtype the model read
 off a tensor is baked in as float32 and meets a cast tensor) is tried under ``torch.autocast(dt)`` instead
 (:func:`_under_autocast`), and only when that does not run either is the model's own dtypes compiled, with
 the reasons in the notes. Fill values beyond ``dt``'s range saturate in both cast graphs. Dynamo's restart
@@ -119,6 +121,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import logging
 import operator
 import time
@@ -714,8 +717,12 @@ def _fallback(gm: fx.GraphModule, example_inputs: list, report: SubgraphReport,
         # for a graph that model.to(dt) cannot run: Dynamo traced it in FP32, so a dtype the model read off a
         # tensor (``attn.to(value.dtype)``, ``torch.tensor(x, dtype=q.dtype)``) is baked in as float32 and meets
         # a cast tensor in a matmul ("mat1 and mat2 must have the same dtype"); autocast casts both operands.
-        for label, make in (("cast like model.to(dt)", _cast_like_model_to),
-                            ("under torch.autocast(dt)", _under_autocast)):
+        ways = [("cast like model.to(dt)", _cast_like_model_to), ("under torch.autocast(dt)", _under_autocast)]
+        if _returns_inputs(gm):
+            # Inputs cast on entry, a returned input or view of one would be a new tensor: autocast keeps them.
+            report.notes.append("fallback not cast like model.to(dt): the graph returns an input or a view of one")
+            del ways[0]
+        for label, make in ways:
             try:
                 cast = make(gm, example_inputs, dtype, restore_outputs=restore)
                 with _autocast_state_kept():  # a graph that fails inside its autocast region never exits it
@@ -812,24 +819,61 @@ _INPLACE_OPERATORS = frozenset({"iadd", "iand", "iconcat", "ifloordiv", "ilshift
                                 "ipow", "irshift", "isub", "itruediv", "ixor"})
 
 
-#: Dynamo-graph calls (functions, methods, ``operator.getitem``) whose result is a view of their first argument:
-#: a write into it is a write into that argument (:func:`_writes_in_place` walks back through them).
+#: Dynamo-graph calls (functions, methods, ``operator.getitem``, ``getattr``: ``x.T``, ``x.mT``, ``x.data``) whose
+#: result may be a view of their first argument: a write into it is a write into that argument
+#: (:func:`_writes_in_place` walks back through them). Where Dynamo's example values are there, a result sharing
+#: the storage of an input is an alias whatever the call (:func:`_from_outside`: ``x.float()`` of an FP32 ``x``).
 _VIEW_CALLS = frozenset({
     "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "getitem", "narrow", "select", "squeeze",
     "unsqueeze", "expand", "expand_as", "flatten", "unflatten", "t", "contiguous", "as_strided", "diagonal",
     "chunk", "split", "split_with_sizes", "tensor_split", "unbind", "detach", "movedim", "swapaxes", "swapdims",
-    "unfold", "real", "imag", "view_as_real", "view_as_complex", "__getitem__", "alias",
+    "unfold", "real", "imag", "view_as_real", "view_as_complex", "__getitem__", "alias", "getattr",
+    "_get_data_attr", "moveaxis", "ravel", "adjoint", "hsplit", "vsplit", "dsplit", "atleast_1d", "atleast_2d",
+    "atleast_3d", "broadcast_to",
 })
 
 
 def _writes_in_place(gm: fx.GraphModule) -> bool:
     """Whether Dynamo's graph ``gm`` may write in place a tensor from outside the graph (an input, a parameter or
     buffer, or a view of one): an in-place method or function (``x.add_``, ``torch.relu_``, ``index_copy_``,
-    ``F.relu(x, inplace=True)``, ``x += y``), an item assignment (``x[i] = v``), an ``out=`` argument, or a batch
-    norm in training mode (its running statistics). A write into a tensor the graph made itself (an in-place
-    ReLU after a convolution) is invisible outside and does not count: the fallback compiled every torchvision
-    network with in-place activations in FP32. It only decides that the fallback compiles the graph uncast
-    (:func:`_fallback`); a write through a call it does not know for a view is taken for a fresh tensor's."""
+    ``F.relu(x, inplace=True)`` or ``F.relu(x, True)``, ``x += y``), an item assignment (``x[i] = v``), an ``out=``
+    argument, or a batch norm in training mode (its running statistics). A write into a tensor the graph made
+    itself (an in-place ReLU after a convolution) is invisible outside and does not count: the fallback compiled
+    every torchvision network with in-place activations in FP32. It only decides that the fallback compiles the
+    graph uncast (:func:`_fallback`); a write through a call it does not know for a view, on a graph without
+    example values, is taken for a fresh tensor's."""
+    outside = _outside_storages(gm)
+    return any(_from_outside(t, outside) for t in _write_targets(gm))
+
+
+def _written_inputs(gm: fx.GraphModule) -> set[int]:
+    """The positions of Dynamo's graph ``gm``'s placeholders it writes in place, themselves or through a view
+    (:func:`_writes_in_place`'s reading of a write)."""
+    places = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    by_storage = {}
+    for i, n in enumerate(places):
+        if (st := _storage(n)) is not None:
+            by_storage.setdefault(st, set()).add(i)
+    out: set[int] = set()
+    for target in _write_targets(gm):
+        for arg in target if isinstance(target, (list, tuple)) else (target,):
+            seen = 0
+            while isinstance(arg, fx.Node) and seen < 10_000:
+                if (st := _storage(arg)) is not None:
+                    out |= by_storage.get(st, set())
+                if arg.op == "placeholder":
+                    out.add(places.index(arg))
+                    break
+                name = str(arg.target) if arg.op == "call_method" else getattr(arg.target, "__name__", "")
+                if arg.op not in ("call_function", "call_method") or name not in _VIEW_CALLS or not arg.args:
+                    break
+                arg, seen = arg.args[0], seen + 1
+    return out
+
+
+def _write_targets(gm: fx.GraphModule):
+    """The tensors (nodes, or tuples of them) that the calls of Dynamo's graph ``gm`` write in place
+    (:func:`_writes_in_place`), wherever they come from."""
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method"):
             continue
@@ -841,7 +885,7 @@ def _writes_in_place(gm: fx.GraphModule) -> bool:
             targets = [node.args[0]] if name in _INPLACE_OPERATORS else []
         elif name.endswith("_") and not name.endswith("__") and name not in METADATA_ONLY_WRITES:
             targets = [node.args[0]] if node.args else list(node.kwargs.values())[:1]
-        elif node.kwargs.get("inplace") is True:
+        elif _inplace_flag(node):
             targets = [node.args[0] if node.args else node.kwargs.get("input")]
         elif name == "batch_norm" and (node.kwargs.get("training")
                                        or (len(node.args) > 5 and node.args[5] is True)):
@@ -849,19 +893,58 @@ def _writes_in_place(gm: fx.GraphModule) -> bool:
                        for i, k in ((1, "running_mean"), (2, "running_var"))]
         if "out" in node.kwargs:
             targets.append(node.kwargs["out"])
-        if any(_from_outside(t) for t in targets):
-            return True
-    return False
+        yield from targets
 
 
-def _from_outside(arg: Any) -> bool:
-    """Whether ``arg`` (a node of Dynamo's graph, or a tuple of them) is an input of the graph, or a view of one
-    (through :data:`_VIEW_CALLS`)."""
+def _inplace_flag(node: fx.Node) -> bool:
+    """Whether the call ``node`` passes ``inplace=True``, by keyword or by position (``F.relu(x, True)``,
+    ``F.leaky_relu(x, 0.2, True)``: bound to the function's signature)."""
+    if node.kwargs.get("inplace") is True:
+        return True
+    if node.op != "call_function" or not callable(node.target):
+        return False
+    try:
+        params = inspect.signature(node.target).parameters
+    except (TypeError, ValueError):  # a builtin without a signature (torch.relu): no inplace argument
+        return False
+    if "inplace" not in params:
+        return False
+    try:
+        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
+    except TypeError:
+        return False
+    return bound.arguments.get("inplace") is True
+
+
+def _storage(node: Any) -> Any:
+    """A weak reference to the storage of Dynamo's example value of ``node`` (a fake tensor: a view shares its
+    base's), or None."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    val = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return None
+    try:
+        return StorageWeakRef(val.untyped_storage())
+    except Exception:  # noqa: BLE001 - a tensor subclass without a storage: no aliasing known
+        return None
+
+
+def _outside_storages(gm: fx.GraphModule) -> set:
+    """The storages of the example values of ``gm``'s inputs and attributes (:func:`_storage`)."""
+    nodes = (n for n in gm.graph.nodes if n.op in ("placeholder", "get_attr"))
+    return {s for s in map(_storage, nodes) if s is not None}
+
+
+def _from_outside(arg: Any, outside: set = frozenset()) -> bool:
+    """Whether ``arg`` (a node of Dynamo's graph, or a tuple of them) is an input of the graph, or a view of one:
+    through :data:`_VIEW_CALLS`, or its example value sharing a storage of ``outside``
+    (:func:`_outside_storages`)."""
     if isinstance(arg, (list, tuple)):
-        return any(_from_outside(a) for a in arg)
+        return any(_from_outside(a, outside) for a in arg)
     seen = 0
     while isinstance(arg, fx.Node) and seen < 10_000:
-        if arg.op in ("placeholder", "get_attr"):
+        if arg.op in ("placeholder", "get_attr") or (outside and (s := _storage(arg)) is not None and s in outside):
             return True
         if arg.op not in ("call_function", "call_method"):
             return False
@@ -870,6 +953,15 @@ def _from_outside(arg: Any) -> bool:
             return False
         arg, seen = arg.args[0], seen + 1
     return False
+
+
+def _returns_inputs(gm: fx.GraphModule) -> bool:
+    """Whether an output of Dynamo's graph ``gm`` is an input, a parameter or a buffer, or a view of one
+    (:func:`_from_outside`): the caller holds an alias of its own tensor (code after a graph break writes into
+    ``x[:, :2]``); cast like ``model.to(dt)``, it got a new tensor."""
+    output = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
+    outside = _outside_storages(gm)
+    return output is not None and any(_from_outside(a, outside) for a in output.all_input_nodes)
 
 
 def _op_name(node: fx.Node) -> str:
@@ -1103,7 +1195,9 @@ class _Frozen(torch.nn.Module):
     pad and cast it once (``passes.cast_precision``: tied weights stay one tensor).
 
     ``up`` (runtime position -> dtype): runtime tensors cast up to a wider floating dtype on entry
-    (:func:`_entry_casts`); the exported graph still takes them in the dtype they arrive in."""
+    (:func:`_entry_casts`); the exported graph still takes them in the dtype they arrive in. Those the graph
+    writes in place (:func:`_written_inputs`) get the copy's final values written back (``copy_``), and an
+    output that is the copy is returned as the caller's tensor: the writes reach the caller, as in eager."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: list, inputs: _Inputs,
                  up: dict[int, torch.dtype] | None = None) -> None:
@@ -1112,6 +1206,8 @@ class _Frozen(torch.nn.Module):
         self.n = len(example_inputs)
         self.inputs = inputs
         self.up = up or {}  # runtime position -> the wider dtype it is cast to on entry (:func:`_entry_casts`)
+        written = _written_inputs(gm) if self.up else set()
+        self.write_back = sorted(pos for pos in self.up if inputs.runtime[pos] in written)
         frozen: dict[int, torch.Tensor] = {}
         for i, name in inputs.weights.items():
             self.register_buffer(name, frozen.setdefault(id(example_inputs[i]), example_inputs[i].detach()))
@@ -1124,7 +1220,28 @@ class _Frozen(torch.nn.Module):
             args[i] = getattr(self, name)
         for i, (j, d) in self.inputs.sizes.items():
             args[i] = args[j].shape[d]
-        return self.gm(*args)
+        out = self.gm(*args)
+        if not self.write_back:
+            return out
+        # An input cast up on entry and written in place: the writes went to the FP32 copy; they go back to the
+        # caller's tensor (rounded once to its dtype), and an output that is the copy, or a view of it, is the
+        # caller's tensor or the same view of it (the copy has its strides: ``to`` preserves them).
+        copies: dict[int, torch.Tensor] = {}
+        for pos in self.write_back:
+            copy = args[self.inputs.runtime[pos]]
+            runtime[pos].copy_(copy)
+            if copy.stride() == runtime[pos].stride():
+                copies[id(copy)] = runtime[pos]
+
+        def caller(o: Any) -> Any:
+            if not isinstance(o, torch.Tensor):
+                return o
+            if id(o) in copies:
+                return copies[id(o)]
+            base = copies.get(id(o._base)) if o._base is not None else None
+            return o if base is None else base.as_strided(o.size(), o.stride(), o.storage_offset())
+
+        return type(out)(caller(o) for o in out) if isinstance(out, (list, tuple)) else caller(out)
 
 
 def _concrete(value: Any) -> Any:
@@ -1305,7 +1422,7 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
     # casts, the plain codegen): each step marks the module, the block's end recompiles it once.
     t0 = time.perf_counter()
     with deferred_recompile(), torch._guards.tracing(None):
-        exported, runtime_args, up = _export(gm, example_inputs, inputs, nodes)
+        exported, runtime_args, up = _export(gm, example_inputs, inputs, nodes, data_as_detach=not spec.training)
         written = _written_weights(exported, inputs)
         if written:
             # A buffer the graph writes (running statistics, a KV cache): frozen, the passes would fold, pad or
@@ -1315,7 +1432,7 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
             for i in written:
                 del inputs.weights[i]
             inputs.runtime = sorted(inputs.runtime + sorted(written))
-            exported, runtime_args, up = _export(gm, example_inputs, inputs, nodes)
+            exported, runtime_args, up = _export(gm, example_inputs, inputs, nodes, data_as_detach=not spec.training)
         marked = _mark_entry_casts(exported, up)
         if up:
             report.notes.append(
@@ -1358,14 +1475,17 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
     return run
 
 
-def _export(gm: fx.GraphModule, example_inputs: list, inputs: _Inputs, nodes: list[fx.Node]):
+def _export(gm: fx.GraphModule, example_inputs: list, inputs: _Inputs, nodes: list[fx.Node],
+            data_as_detach: bool = False):
     """Dynamo's graph re-exported with ``inputs``' weights frozen: ``(ep.module() without export's checks,
-    the runtime example arguments, the entry casts)`` (:func:`_entry_casts`)."""
+    the runtime example arguments, the entry casts)`` (:func:`_entry_casts`). ``data_as_detach``: ``x.data``
+    exported as ``x.detach()`` (:func:`_data_attr_as_detach`; inference only)."""
     up = _entry_casts(example_inputs, inputs.runtime)
     wrapper = _Frozen(gm, example_inputs, inputs, up)
     runtime_args = tuple(_concrete(example_inputs[i]) for i in inputs.runtime)
     dims = _dynamic_shapes(nodes, inputs.runtime)
-    with _no_stack_traces(), _checkpoint_context_fns(gm) as added:
+    data = _data_attr_as_detach(gm) if data_as_detach else contextlib.nullcontext()
+    with _no_stack_traces(), _checkpoint_context_fns(gm) as added, data:
         # forward(*runtime): export sees one varargs tuple, so the specs are nested one level.
         ep = torch.export.export(wrapper, runtime_args, dynamic_shapes=None if dims is None else (dims,),
                                  strict=False)
@@ -1375,6 +1495,29 @@ def _export(gm: fx.GraphModule, example_inputs: list, inputs: _Inputs, nodes: li
                 del module.meta[_CONTEXT_FN]
     _strip_export_checks(exported)
     return exported, runtime_args, up
+
+
+@contextlib.contextmanager
+def _data_attr_as_detach(gm: fx.GraphModule):
+    """Within the block, Dynamo's graph ``gm`` reads ``x.data`` (``torch._C._autograd._get_data_attr``) as
+    ``x.detach()``; restored on exit. ``torch.export`` cannot trace ``.data`` ("We found a fake tensor in the
+    exported program constant's list"): every graph with a ``.data`` in it, read or written, went to the
+    fallback. Both share ``x``'s storage; they differ only in autograd's version counter, which an inference
+    graph never reads (a write through it is a write into ``x``: ``passes._graph.written_nodes``)."""
+    getter = torch._C._autograd._get_data_attr
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is getter]
+    if not nodes:
+        yield
+        return
+    for n in nodes:
+        n.target = torch.Tensor.detach
+    gm.recompile()
+    try:
+        yield
+    finally:
+        for n in nodes:
+            n.target = getter
+        gm.recompile()
 
 
 #: ``GraphModule.meta`` key of a checkpointed body's ``context_fn`` (selective activation checkpointing).

@@ -1004,3 +1004,296 @@ def test_a_second_instance_of_a_compiled_class_uses_its_own_weights(monkeypatch)
         for model in (first, second):
             compiled = torch.compile(model, backend="tctune", options={"precision": "fp32"}, dynamic=False)
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-6, atol=1e-6)
+
+
+class WritesThroughAliases(nn.Module):
+    """Writes into the caller's ``x`` ``(2, 6, 8)`` through aliases that export's ATen graph shows without a
+    plain view schema: an element of ``chunk`` / ``unbind`` (``operator.getitem`` of a list of views),
+    ``type_as`` / ``atleast_3d`` (composites that return their input itself), and the result of an in-place op
+    written again (``x.add_(1).mul_(h)``). ``h = Linear(y)``; returns ``h.sum(-1)`` ``(2, 6)``."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        h = self.fc(y)
+        if self.form == "chunk":
+            x.chunk(2, dim=1)[1].add_(h[:, 3:])
+        elif self.form == "unbind":
+            x.unbind(0)[1].add_(h[0])
+        elif self.form == "type_as":
+            x.type_as(h).mul_(h)
+        elif self.form == "atleast_3d":
+            torch.atleast_3d(x).add_(h)
+        else:
+            x.add_(1.0).mul_(h)
+        return h.sum(-1)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("form", ["chunk", "unbind", "type_as", "atleast_3d", "in-place result written again"])
+def test_writes_through_aliases_without_a_view_schema_reach_the_caller(form, precision, aot_only):
+    """``passes._graph.written_nodes`` walked back only through ops whose schema says "view of the first
+    argument": the write into ``x.chunk(2)[1]`` (a ``getitem``), ``x.type_as(h)``, ``torch.atleast_3d(x)`` or
+    ``x.add_(1)``'s result was taken for a write into the graph's own tensor, cast_precision cast ``x`` to
+    bf16 / fp16 on the way and the write landed in that copy: the caller's ``x`` was left unchanged (relative
+    error 0.3 to 2)."""
+    torch.manual_seed(0)
+    model = WritesThroughAliases(form).eval()
+    compiled = torch.compile(model, backend="tctune", options={"precision": precision})
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for _ in range(2):
+            x, y = torch.randn(2, 6, 8, generator=g), torch.randn(2, 6, 8, generator=g)
+            x0, x_ref = x.clone(), x.clone()
+            _close(compiled(x, y), model(x_ref, y), precision)
+            assert _rel(x_ref, x0) > 0.1  # eager's write changes x: a lost write cannot pass below
+            _close(x, x_ref, precision)
+    _no_fallback()
+    (cast,) = _results("cast_precision")
+    assert cast.count > 0  # the linear still runs low
+    assert any(s.reason.startswith("written in place: ") for s in cast.skipped), cast.skipped
+
+
+def test_written_nodes_walks_lists_of_views_and_in_place_results():
+    """``written_nodes`` on a hand-built ATen graph with no example values: ``getitem(chunk(x), 1).add_()`` and
+    ``x.mul_(2).add_(1)`` write ``x`` (the chain back to it is written); ``relu_`` of the graph's own tensor,
+    and a ``getitem`` of a non-view tuple (``max.dim``), are not writes from outside."""
+    import operator
+
+    from torch import fx
+
+    from passes._graph import view_base, written_nodes
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x, y = g.placeholder("x"), g.placeholder("y")
+    chunk = g.call_function(aten.chunk.default, (x, 2, 1))
+    part = g.call_function(operator.getitem, (chunk, 1))
+    add = g.call_function(aten.add_.Tensor, (part, y))
+    mul = g.call_function(aten.mul_.Tensor, (y, 2.0))
+    again = g.call_function(aten.add_.Tensor, (mul, 1.0))
+    own = g.call_function(aten.sigmoid.default, (x,))
+    relu = g.call_function(aten.relu_.default, (own,))
+    mx = g.call_function(aten.max.dim, (relu, 0))
+    values = g.call_function(operator.getitem, (mx, 0))
+    g.output((add, again, values))
+    gm = fx.GraphModule(nn.Module(), g)
+    assert view_base(part) is chunk and view_base(chunk) is x and view_base(again) is mul and view_base(mul) is y
+    assert view_base(values) is None and view_base(own) is None
+    assert written_nodes(gm) == {x, chunk, part, y, mul}
+
+
+def _dynamo_graph_of(fn, *args) -> "torch.fx.GraphModule":
+    graphs = []
+
+    def grab(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(fn, backend=grab, fullgraph=True)(*args)
+    (gm,) = graphs
+    return gm
+
+
+@pytest.mark.parametrize("case, writes", [
+    ("x.mT.add_", True),
+    ("x[0].T.add_", True),
+    ("x.data.mul_", True),
+    ("x.moveaxis(0, 2).add_", True),
+    ("x.float().mul_ (x is FP32: x itself)", True),
+    ("torch.hsplit(x, 2)[0].add_", True),
+    ("F.leaky_relu(x, 0.2, True)", True),
+    ("F.hardtanh(x, -0.5, 0.5, True)", True),
+    ("x.to(bfloat16).mul_ (a copy)", False),
+    ("F.relu(2 * x, True) (the graph's own tensor)", False),
+])
+def test_fallback_sees_writes_through_attribute_views_and_positional_inplace(case, writes):
+    """Dynamo records ``x.mT`` / ``x.T`` as ``getattr``, ``x.data`` as ``_get_data_attr``, and passes
+    ``inplace`` positionally where the model does: the fallback's check missed these, cast the graph like
+    ``model.to(bf16)`` and the writes landed in copies (the caller's ``x`` unchanged). Views are also read off
+    Dynamo's example values (a result sharing an input's storage), so ``x.float()`` of an FP32 ``x`` is ``x``
+    and ``x.to(torch.bfloat16)`` is not."""
+    fns = {
+        "x.mT.add_": lambda x: x.mT.add_(1.0),
+        "x[0].T.add_": lambda x: x[0].T.add_(1.0),
+        "x.data.mul_": lambda x: x.data.mul_(2.0),
+        "x.moveaxis(0, 2).add_": lambda x: x.moveaxis(0, 2).add_(1.0),
+        "x.float().mul_ (x is FP32: x itself)": lambda x: x.float().mul_(2.0),
+        "torch.hsplit(x, 2)[0].add_": lambda x: torch.hsplit(x, 2)[0].add_(1.0),
+        "F.leaky_relu(x, 0.2, True)": lambda x: F.leaky_relu(x, 0.2, True),
+        "F.hardtanh(x, -0.5, 0.5, True)": lambda x: F.hardtanh(x, -0.5, 0.5, True),
+        "x.to(bfloat16).mul_ (a copy)": lambda x: x.to(torch.bfloat16).mul_(2.0),
+        "F.relu(2 * x, True) (the graph's own tensor)": lambda x: F.relu(2 * x, True),
+    }
+    gm = _dynamo_graph_of(fns[case], torch.randn(2, 6, 8))
+    assert tb._writes_in_place(gm) is writes, gm.graph
+
+
+class WritesAfterViews(nn.Module):
+    """``x.mT.add_(h.mT)`` and ``F.leaky_relu(x[:, :2], 0.2, True)`` on the caller's ``x`` ``(2, 6, 8)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        h = self.fc(y)
+        x.mT.add_(h.mT)
+        F.leaky_relu(x[:, :2], 0.2, True)
+        return h.sum(-1)
+
+
+def test_fallback_of_writes_through_attribute_views_keeps_the_writes(monkeypatch, aot_only):
+    """End to end: tctune's passes fail, the fallback compiles the graph uncast (it writes ``x``), and the
+    caller's ``x`` holds eager's values."""
+    _inject_pass_failure(monkeypatch)
+    torch.manual_seed(0)
+    model = WritesAfterViews().eval()
+    compiled = torch.compile(model, backend="tctune", options={"precision": "bf16"})
+    g = torch.Generator().manual_seed(12)
+    x, y = torch.randn(2, 6, 8, generator=g), torch.randn(2, 6, 8, generator=g)
+    x_ref = x.clone()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, y), model(x_ref, y))
+    torch.testing.assert_close(x, x_ref)
+    (rep,) = tb.reports
+    assert rep.notes == ["fallback compiled in the model's own dtypes, not at bf16: the graph writes tensors in "
+                         "place"]
+
+
+class ReturnsAViewThenWrites(nn.Module):
+    """``x[:, :2]`` and ``Linear(x)`` returned by a graph that a graph break ends; the code after it writes
+    into the returned view (``(3, 8)`` -> the caller's ``x`` changed, ``(3, 8)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        head, h = x[:, :2], self.fc(x)
+        torch._dynamo.graph_break()
+        head.mul_(-1.0)
+        return h
+
+
+def test_fallback_of_a_graph_returning_a_view_of_an_input_returns_the_view(monkeypatch, aot_only):
+    """Cast like ``model.to(bf16)``, the fallback's graph returned ``x[:, :2]`` as a new tensor (the view of a
+    cast copy, cast back): the write after the graph break missed the caller's ``x``. Such a graph is compiled
+    under ``torch.autocast`` instead, which keeps the inputs: the returned tensor is a view of ``x`` again, and
+    the linear still runs at bf16."""
+    _inject_pass_failure(monkeypatch)
+    torch.manual_seed(0)
+    model = ReturnsAViewThenWrites().eval()
+    compiled = torch.compile(model, backend="tctune", options={"precision": "bf16"})
+    g = torch.Generator().manual_seed(13)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(3, 8, generator=g)
+            x_ref = x.clone()
+            got, ref = compiled(x), model(x_ref)
+            assert 0 < _rel(got, ref) <= TOLERANCES["bf16"]["rel_l2"]
+            torch.testing.assert_close(x, x_ref, rtol=0, atol=0)
+    first = tb.reports[0]
+    assert "fallback not cast like model.to(dt): the graph returns an input or a view of one" in first.notes
+    assert first.notes[-1] == "fallback compiled at bf16, under torch.autocast(dt)", first.notes
+
+
+class ReturnsListViews(nn.Module):
+    """Returns elements of lists of views of the input and of a weight (``chunk``, ``unbind``) with a linear of
+    the input: ``x`` ``(2, 6, 8)`` -> ``x[:, :3]``, ``x[1]``, ``weight[:4]``, ``(2, 6, 8)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x.chunk(2, dim=1)[0], x.unbind(0)[1], self.fc.weight.chunk(2)[0], self.fc(x)
+
+
+def test_returned_elements_of_lists_of_views_are_exact_views(aot_only):
+    """At bf16 a returned ``x.chunk(2)[0]`` came back as a new tensor holding ``x`` rounded to bf16 (the walk
+    back to the input stopped at the ``getitem``); it is a view of ``x`` again, exact, like ``x[:, :3]``."""
+    torch.manual_seed(0)
+    model = ReturnsListViews().eval()
+    compiled = torch.compile(model, backend="tctune", options={"precision": "bf16"})
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(14))
+    with torch.no_grad():
+        a, b, w, c = compiled(x)
+    _no_fallback()
+    assert torch.equal(a, x[:, :3]) and torch.equal(b, x[1]) and torch.equal(w, model.fc.weight[:4])
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    _close(c, model.fc(x), "bf16")
+    assert _results("cast_precision")[0].count > 0
+
+
+class DataAttr(nn.Module):
+    """``.data`` in forward: the weight read through it, the caller's ``x`` ``(3, 8)`` doubled through it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x.data.mul_(2.0)
+        return F.linear(x, self.fc.weight.data, self.fc.bias)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_data_attribute_in_forward_goes_through_tctunes_graph(precision, aot_only):
+    """``torch.export`` cannot trace Dynamo's ``_get_data_attr`` (``x.data``): every graph with one, read or
+    written, fell back. Inference graphs are exported with ``x.data`` read as ``x.detach()`` (same storage):
+    no fallback, the linear cast, the write into the caller's ``x`` exact."""
+    torch.manual_seed(0)
+    model = DataAttr().eval()
+    compiled = torch.compile(model, backend="tctune", options={"precision": precision})
+    g = torch.Generator().manual_seed(15)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(3, 8, generator=g)
+            x_ref = x.clone()
+            _close(compiled(x), model(x_ref), precision)
+            torch.testing.assert_close(x, x_ref, rtol=0, atol=0)
+    _no_fallback()
+    (cast,) = _results("cast_precision")
+    assert cast.count > 0 and any(s.reason == "written in place: mul_ keeps its dtype" for s in cast.skipped)
+
+
+class WritesAComputeOutputAfterABreak(nn.Module):
+    """Linear 8 -> 8, a graph break, then ``h[:, :4] += fc2(x)[:, :4]`` and ``h`` returned: under
+    ``output_dtype="compute"`` the second subgraph receives ``h`` in bf16 beside FP32 weights and writes it.
+    ``(3, 8)`` -> ``(3, 8)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        torch._dynamo.graph_break()
+        h[:, :4] += self.fc2(x)[:, :4]
+        return h, h[:, 2:]
+
+
+def test_an_input_cast_up_on_entry_and_written_keeps_the_write(aot_only):
+    """A bf16 input of an FP32 graph is cast up to FP32 on entry for the re-export (``_entry_casts``); a write
+    into it landed in that copy and the caller's ``h`` kept its old values (the second subgraph's addition
+    lost). The copy's final values are written back, and a returned view of it is the same view of ``h``."""
+    torch.manual_seed(0)
+    model = WritesAComputeOutputAfterABreak().eval()
+    compiled = torch.compile(model, backend="tctune", options={"precision": "bf16", "output_dtype": "compute"})
+    g = torch.Generator().manual_seed(16)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(3, 8, generator=g)
+            (h, tail), (h_ref, tail_ref) = compiled(x), model(x)
+            assert h.dtype == torch.bfloat16
+            for got, ref in ((h, h_ref), (tail, tail_ref)):
+                assert _rel(got.float(), ref) <= TOLERANCES["bf16"]["rel_l2"]
+            assert tail.untyped_storage().data_ptr() == h.untyped_storage().data_ptr()
+    _no_fallback()
+    assert any(n.startswith("inputs narrower than the graph's float32 cast up on entry") for n in tb.reports[1].notes)
