@@ -473,22 +473,23 @@ def view_base(node: fx.Node) -> fx.Node | None:
         return None
     if op is not node:
         return None
-    storage = _storage(node)
+    storage = storage_of(node)
     if storage is None:
         return None
-    return next((a for a in node.all_input_nodes if (s := _storage(a)) is not None and s == storage), None)
+    return next((a for a in node.all_input_nodes if (s := storage_of(a)) is not None and s == storage), None)
 
 
-def _storage(node: fx.Node) -> Any:
-    """A weak reference to the storage of ``node``'s example value (``meta["val"]``, a fake tensor sharing the
-    storage of what it is a view of), or None when it has no tensor value."""
+def storage_of(node: fx.Node, key: str = "val") -> Any:
+    """A weak reference to the storage of ``node``'s example value (``meta[key]``: export's ``"val"``, Dynamo's
+    ``"example_value"``; a fake tensor sharing the storage of what it is a view of), or None when it has no
+    tensor value. Two nodes whose values share a storage alias each other."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    val = node.meta.get("val")
+    val = node.meta.get(key)
     if not isinstance(val, torch.Tensor):
         return None
     try:
-        return StorageWeakRef(val.untyped_storage())
+        return StorageWeakRef(val.untypedstorage_of())
     except Exception:  # noqa: BLE001 - a tensor subclass without a storage: no aliasing known
         return None
 

@@ -132,7 +132,7 @@ import torch
 from torch import fx
 
 from passes import PIPELINE, PassResult, run_pipeline
-from passes._graph import METADATA_ONLY_WRITES, deferred_recompile, recompile
+from passes._graph import METADATA_ONLY_WRITES, deferred_recompile, recompile, storage_of
 from passes.calibrate import calibrate_ranges, overflow_nodes
 from passes.policy import pass_spec
 
@@ -918,16 +918,8 @@ def _inplace_flag(node: fx.Node) -> bool:
 
 def _storage(node: Any) -> Any:
     """A weak reference to the storage of Dynamo's example value of ``node`` (a fake tensor: a view shares its
-    base's), or None."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    val = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-    if not isinstance(val, torch.Tensor):
-        return None
-    try:
-        return StorageWeakRef(val.untyped_storage())
-    except Exception:  # noqa: BLE001 - a tensor subclass without a storage: no aliasing known
-        return None
+    base's), or None (``passes._graph.storage_of``)."""
+    return storage_of(node, "example_value") if isinstance(node, fx.Node) else None
 
 
 def _outside_storages(gm: fx.GraphModule) -> set:
