@@ -489,7 +489,7 @@ def storage_of(node: fx.Node, key: str = "val") -> Any:
     if not isinstance(val, torch.Tensor):
         return None
     try:
-        return StorageWeakRef(val.untypedstorage_of())
+        return StorageWeakRef(val.untyped_storage())
     except Exception:  # noqa: BLE001 - a tensor subclass without a storage: no aliasing known
         return None
 
