@@ -6,10 +6,12 @@ cuBLAS a wider N to fill the GPU's SMs with (the H200 has 132): at BERT-base siz
 three GEMMs is small enough that tile quantization and launch overhead are a visible share of its time.
 
 How: for each value ``x`` read by two or more ``aten.linear`` nodes whose weights are ``get_attr`` tensors of
-equal in-features K, one dtype and device, and either all with a ``get_attr`` bias or all without, the
-linears become ``y = aten.linear(x, cat(W_i), cat(b_i))`` followed by ``aten.split_with_sizes(y, [N_i], -1)``
-whose pieces feed the old users. Concatenating rows of W is exact: each output column is the same dot
-product as before.
+equal in-features K, one dtype and device, and ``get_attr`` biases or none, the linears become
+``y = aten.linear(x, cat(W_i), cat(b_i))`` followed by ``aten.split_with_sizes(y, [N_i], -1)`` whose pieces feed
+the old users. Concatenating rows of W is exact: each output column is the same dot product as before. At
+inference a linear without a bias joins siblings with one, its slice of the fused bias zero (adding 0 is
+exact: Whisper's and Funnel's bias-less key projection beside biased query and value projections); in training
+all or none must have a bias (``"bias mismatch with sibling linears"``).
 
 Weights: at inference the concatenated weight is computed once and stored as a *non-persistent buffer*
 ``<common module>.<leaf names>_fused_weight`` (and ``..._fused_bias``) beside the originals, which stay
@@ -95,7 +97,7 @@ def fuse_qkv(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         # Partition the siblings by what must match for one GEMM; refuse the odd ones out.
         parts: dict[tuple, list[fx.Node]] = {}
         for node in linears:
-            key, reason = _key(gm, node)
+            key, reason = _key(gm, node, spec.training)
             if reason:
                 result.skipped.append(Skip(node.name, reason))
                 continue
@@ -122,8 +124,10 @@ def fuse_qkv(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
     return result
 
 
-def _key(gm: fx.GraphModule, node: fx.Node) -> tuple[tuple, str | None]:
-    """``(compatibility key, None)`` for a fusable linear, or ``((), reason)``."""
+def _key(gm: fx.GraphModule, node: fx.Node, training: bool = False) -> tuple[tuple, str | None]:
+    """``(compatibility key, None)`` for a fusable linear, or ``((), reason)``. Having a bias is part of the key
+    only in training (the fused bias is concatenated in the graph there); in inference a linear without one
+    joins siblings with one, its slice of the fused bias zero."""
     w = node.args[1]
     b = node_arg(node, 2, "bias")
     if not isinstance(w, fx.Node) or w.op != "get_attr":
@@ -137,7 +141,7 @@ def _key(gm: fx.GraphModule, node: fx.Node) -> tuple[tuple, str | None]:
         bias = get_attr_value(gm, b.target)
         if not isinstance(bias, torch.Tensor) or bias.dim() != 1 or bias.dtype != weight.dtype:
             return (), "bias is not a 1-D tensor of the weight's dtype"
-    return (weight.shape[1], weight.dtype, weight.device, b is not None), None
+    return (weight.shape[1], weight.dtype, weight.device, b is not None if training else None), None
 
 
 def _why_alone(key: tuple, parts: dict[tuple, list[fx.Node]]) -> str:
@@ -162,7 +166,7 @@ def _fuse(gm: fx.GraphModule, x: fx.Node, part: list[fx.Node], training: bool) -
     b_nodes = [n.args[2] if len(n.args) > 2 else n.kwargs.get("bias") for n in part]
     weights = [get_attr_value(gm, w.target) for w in w_nodes]
     sizes = [int(w.shape[0]) for w in weights]
-    has_bias = b_nodes[0] is not None
+    has_bias = any(b is not None for b in b_nodes)  # mixed only in inference (_key): zero slices for the rest
 
     # Fake-run the new ops first: a user that cannot take a strided piece refuses the whole group. The fused
     # output's metadata is the concatenation of the linears' own outputs (``aten.cat`` has a symbolic-size-safe
@@ -176,7 +180,8 @@ def _fuse(gm: fx.GraphModule, x: fx.Node, part: list[fx.Node], training: bool) -
     out_vals = [n.meta.get("val") for n in part]
     have_outs = all(isinstance(v, torch.Tensor) and getattr(v, "fake_mode", None) is mode for v in out_vals)
     fused_weight = torch.cat(weights).detach()
-    fused_bias = torch.cat([get_attr_value(gm, b.target) for b in b_nodes]).detach() if has_bias else None
+    fused_bias = torch.cat([get_attr_value(gm, b.target) if b is not None
+                            else weights[i].new_zeros(sizes[i]) for i, b in enumerate(b_nodes)]).detach() if has_bias else None
     copy = isinstance(x_val, torch.Tensor) and not rows_foldable(x_val)
     try:
         with mode:
@@ -204,7 +209,8 @@ def _fuse(gm: fx.GraphModule, x: fx.Node, part: list[fx.Node], training: bool) -
             b_new = graph.call_function(_CAT, (list(b_nodes),)) if has_bias else None
         else:
             w_new = _fused_attr(gm, w_nodes, "weight", fused_weight)
-            b_new = _fused_attr(gm, b_nodes, "bias", fused_bias) if has_bias else None
+            b_new = (_fused_attr(gm, b_nodes if all(b is not None for b in b_nodes) else w_nodes, "bias", fused_bias)
+                     if has_bias else None)
         x_in = x
         if copy:  # not a row-major (tokens, K) view: one copy, as matmul's fold makes (module docstring)
             x_in = graph.call_function(_CLONE, (x,), {"memory_format": torch.contiguous_format})
@@ -213,7 +219,7 @@ def _fuse(gm: fx.GraphModule, x: fx.Node, part: list[fx.Node], training: bool) -
         split = graph.call_function(_SPLIT, (fused, sizes, -1))
     copy_meta(w_nodes[0], w_new, fused_w_val if training else None)
     if b_new is not None:
-        copy_meta(b_nodes[0], b_new, fused_b_val if training else None)
+        copy_meta(next(b for b in b_nodes if b is not None), b_new, fused_b_val if training else None)
     copy_meta(first, fused, y_val)
     copy_meta(first, split, piece_vals)
     for i, (node, val) in enumerate(zip(part, piece_vals)):
