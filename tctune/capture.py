@@ -41,6 +41,9 @@ class Captured:
 
     graph_module: torch.fx.GraphModule | None
     reason: str | None = None
+    #: Set when the graph's FP32 outputs differ from the model's run eagerly on the same inputs (one sentence:
+    #: which output, by how much; ``tctune.search.loop.capture_mismatch``); None when they agree or unchecked.
+    eager_mismatch: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -48,9 +51,13 @@ class Captured:
 
     def info(self) -> dict:
         """``report.json``'s ``capture`` entry: ``ok``, ``reason`` and ``dynamic`` (:func:`dynamic_dims`: which
-        input dimensions the graph accepts at any size in a range, the batch included; ``[]`` without a graph)."""
+        input dimensions the graph accepts at any size in a range, the batch included; ``[]`` without a graph),
+        plus ``eager_mismatch`` when the graph's FP32 outputs differ from the model's (see that attribute)."""
         dynamic = dynamic_dims(self.graph_module) if self.graph_module is not None else []
-        return {"ok": self.ok, "reason": self.reason, "dynamic": dynamic}
+        info = {"ok": self.ok, "reason": self.reason, "dynamic": dynamic}
+        if self.eager_mismatch:
+            info["eager_mismatch"] = self.eager_mismatch
+        return info
 
 
 def capture(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], dynamic_shapes: Any = None,

@@ -888,7 +888,7 @@ def write_report(report: dict, out_dir: str | Path) -> tuple[Path, Path]:
 def failure_summary(trials: list[dict], top: int = 2) -> str:
     """Why no trial qualified, in one line: the most common ``fail_reason`` texts (numbers stripped so trials
     that failed the same way count together), e.g. ``"12 of 12 trials did not qualify; most common: the
-    model raised at batch size N (8x)"``."""
+    model raised at batch size N (8 trials)"``."""
     bad = [t for t in trials if t.get("state") != "COMPLETE" or t.get("fail_reason")]
     if not trials:
         return "no trial ran"
@@ -899,5 +899,5 @@ def failure_summary(trials: list[dict], top: int = 2) -> str:
         key = re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "N", text)[:160]
         reasons[key] += 1
         example.setdefault(key, text[:200])
-    common = "; ".join(f"{example[k]} ({n}x)" for k, n in reasons.most_common(top))
+    common = "; ".join(f"{example[k]} ({n} trial{'s' if n != 1 else ''})" for k, n in reasons.most_common(top))
     return f"{len(bad)} of {len(trials)} trials did not qualify" + (f"; most common: {common}" if common else "")

@@ -221,3 +221,16 @@ def test_the_setup_column_holds_each_trials_build_and_compile_seconds_or_is_left
     assert "setup s (build + compile)" in trials and "| 0.42 |" in trials
     md = render_markdown(_report(_baseline_wins_study(setup=(0.0, 0.0))))
     assert "setup s" not in md[md.index("## Trials"):]  # never a column of zeros
+
+
+def test_failure_summary_counts_trials_not_a_ratio():
+    """"relative error 0.48 > max_error 0.01 (2x)" read as twice the limit: the count names what it counts."""
+    from tctune.report import failure_summary
+
+    trials = [{"state": "COMPLETE", "fail_reason": "relative error 0.48 > max_error 0.01"},
+              {"state": "COMPLETE", "fail_reason": "relative error 0.31 > max_error 0.01"},
+              {"state": "FAIL", "fail_reason": "eager run failed: RuntimeError: boom"},
+              {"state": "COMPLETE", "fail_reason": None}]
+    text = failure_summary(trials)
+    assert text == ("3 of 4 trials did not qualify; most common: relative error 0.48 > max_error 0.01 (2 trials); "
+                    "eager run failed: RuntimeError: boom (1 trial)")

@@ -381,8 +381,8 @@ def test_a_baseline_answer_because_every_candidate_failed_says_why(tmp_path):
     v = verdict(study)
     assert v["kind"] == "baseline" and v["trial"].number == fp32
     assert v["reason"].endswith("; none of the 3 tctune candidates measured qualified: score(model) raised on the "
-                                "bf16 candidate: KeyError: 'net1' (2x); score(model) raised on the fp32 candidate: "
-                                "KeyError: 'net3' (1x)")
+                                "bf16 candidate: KeyError: 'net1' (2 candidates); score(model) raised on the fp32 "
+                                "candidate: KeyError: 'net3' (1 candidate)")
     rep = _report(study)
     assert v["reason"] in render_markdown(rep) and v["reason"] in _summary(rep, tmp_path)
     # one candidate that qualified: no such clause

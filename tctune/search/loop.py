@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import signal
 import statistics
 import sys
@@ -127,6 +128,67 @@ def recorded_fp8(t) -> dict:
     return out
 
 
+#: Relative L2 error (FP32) above which the captured graph is said to differ from the model run eagerly: the same
+#: FP32 computation reordered differs by about 1e-6.
+CAPTURE_MISMATCH_LIMIT = 1e-3
+
+
+def capture_mismatch(model: torch.nn.Module, gm: torch.fx.GraphModule, inputs: tuple,
+                     limit: float = CAPTURE_MISMATCH_LIMIT) -> str | None:
+    """Whether ``torch.export``'s graph ``gm`` of ``model`` computes what ``model`` computes eagerly, both in FP32
+    on ``inputs`` (e.g. the model file's batch-2 example inputs), before any tctune pass.
+
+    A model whose ``forward`` takes another path in eager mode than under ``torch.export`` (a PyTorch fast path:
+    ``nn.TransformerEncoder``'s nested tensors zero the outputs at padded positions in eager mode only; a branch
+    on ``torch.compiler.is_compiling()``) gives a graph that differs from the model: then every tctune candidate
+    is rejected by the accuracy check, and the exported files of an FP32 winner (the captured graph) are not the
+    model as it ran.
+
+    Returns:
+        None when every floating output's relative L2 error (float64) is at most ``limit`` and every integer/bool
+        output is equal, or when either call raises (the search reports that itself); else one sentence naming
+        the output that differs most, its error, the consequences and the fix.
+    """
+    from torch.utils._pytree import keystr, tree_flatten_with_path
+
+    try:
+        with torch.no_grad(), precision_mode("fp32"):
+            ref = model(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])
+            out = gm(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])
+    except Exception as exc:  # noqa: BLE001 - a graph or model that cannot run is reported by the search
+        log.debug("capture check against eager skipped: %s: %s", type(exc).__name__, exc)
+        return None
+    ref_leaves, _ = tree_flatten_with_path(ref)
+    out_leaves = [leaf for _, leaf in tree_flatten_with_path(out)[0]]
+    worst: tuple[float, str] | None = None
+    for (path, r), o in zip(ref_leaves, out_leaves):
+        if not (isinstance(r, torch.Tensor) and isinstance(o, torch.Tensor)) or r.shape != o.shape:
+            continue
+        name = keystr(path) or "the output"
+        if r.is_floating_point():
+            r64, o64 = r.detach().double(), o.detach().double()
+            if not (torch.isfinite(r64).all() and torch.isfinite(o64).all()):
+                continue  # NaN/inf: the accuracy check of every candidate reports them
+            norm = float(r64.norm())
+            err = float((o64 - r64).norm()) / norm if norm > 0 else float((o64 - r64).norm())
+            text = f"output {name}: relative L2 error {err:.2g}"
+        else:
+            rate = float((o != r).double().mean()) if r.numel() else 0.0
+            text = f"output {name}: {rate:.1%} of its integer elements differ"
+            err = math.inf if rate > 0 else 0.0  # integer outputs must be equal
+        if err > limit and (worst is None or err > worst[0]):
+            worst = (err, text)
+    if worst is None:
+        return None
+    return (f"torch.export's graph of the model differs from the model run eagerly, both in FP32 before any tctune "
+            f"pass ({worst[1]} on example inputs at batch 2, limit {limit:g}): every tctune candidate runs this "
+            f"graph, so the accuracy check rejects them, and the exported files of an FP32 winner (ONNX, "
+            f"tctune.save) hold this graph, not the model as it ran. Likely cause: forward takes another path in eager "
+            f"mode than under torch.export (e.g. nn.TransformerEncoder's nested-tensor fast path, which zeroes "
+            f"padded positions in eager mode only); fix: make both take the same path (there: "
+            f"nn.TransformerEncoder(..., enable_nested_tensor=False))")
+
+
 class Tuner:
     """Runs the study for one model file on one hardware spec.
 
@@ -184,6 +246,11 @@ class Tuner:
             cap_inputs = mf.inputs(2, self.device)
             with precision_mode("fp32"):
                 self.captured = try_capture(self.model, cap_inputs, mf.dynamic_shapes, mf.batched_mask())
+            if self.captured.ok and not cfg.worker:  # the main process says it once; workers load the same graph
+                self.captured.eager_mismatch = capture_mismatch(self.model, self.captured.graph_module,
+                                                                mf.inputs(2, self.device))
+                if self.captured.eager_mismatch:
+                    log.warning("%s", self.captured.eager_mismatch)
         self.out_dir = Path(cfg.out_dir)
         on_gpu_infer = self.device.type == "cuda" and not training
         self.search_space = SearchSpace(

@@ -321,8 +321,9 @@ def verdict(study: optuna.Study) -> dict | None:
 def no_candidate_qualified(study: optuna.Study, top: int = 2) -> str | None:
     """Why no tctune candidate (a trial that is not a plain baseline) qualified, in one clause, when every such
     trial with a result failed or was rejected with a recorded ``fail_reason``, e.g. ``"none of the 4 tctune
-    candidates qualified: score(model) raised on the bf16 candidate: KeyError: 'x' (3x); ... (1x)"``
-    (reasons that differ only in numbers count together; the most common ``top``); None when one qualified
+    candidates qualified: score(model) raised on the bf16 candidate: KeyError: 'x' (3 candidates); ... (1 candidate)"``
+    (reasons that differ only in numbers count together; the most common ``top``; a count, not a ratio: "(2x)"
+    after "relative error 0.48 > max_error 0.01" read as twice the limit); None when one qualified
     or none failed with a reason (e.g. all stopped early by the pruner)."""
     import re
     from collections import Counter
@@ -344,7 +345,7 @@ def no_candidate_qualified(study: optuna.Study, top: int = 2) -> str | None:
         return None
     n = len(searched)
     return (f"none of the {n} tctune candidate{'s' if n != 1 else ''} measured qualified: "
-            + "; ".join(f"{example[k]} ({c}x)" for k, c in reasons.most_common(top)))
+            + "; ".join(f"{example[k]} ({c} candidate{'s' if c != 1 else ''})" for k, c in reasons.most_common(top)))
 
 
 def candidates_measured(study: optuna.Study) -> bool:
