@@ -856,19 +856,29 @@ def _written_inputs(gm: fx.GraphModule) -> set[int]:
             by_storage.setdefault(st, set()).add(i)
     out: set[int] = set()
     for target in _write_targets(gm):
-        for arg in target if isinstance(target, (list, tuple)) else (target,):
-            seen = 0
-            while isinstance(arg, fx.Node) and seen < 10_000:
+        for start in target if isinstance(target, (list, tuple)) else (target,):
+            for arg in _view_chain(start):
                 if (st := _storage(arg)) is not None:
                     out |= by_storage.get(st, set())
                 if arg.op == "placeholder":
                     out.add(places.index(arg))
-                    break
-                name = str(arg.target) if arg.op == "call_method" else getattr(arg.target, "__name__", "")
-                if arg.op not in ("call_function", "call_method") or name not in _VIEW_CALLS or not arg.args:
-                    break
-                arg, seen = arg.args[0], seen + 1
     return out
+
+
+def _call_name(node: fx.Node) -> str:
+    """The method name of a ``call_method`` node of Dynamo's graph, else its target's ``__name__`` (or ``""``)."""
+    return str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
+
+
+def _view_chain(arg: Any):
+    """``arg`` (a node of Dynamo's graph) and each tensor it is a view of, back through :data:`_VIEW_CALLS`'
+    first arguments, to the first node that is not such a call (an input, a fresh tensor)."""
+    seen = 0
+    while isinstance(arg, fx.Node) and seen < 10_000:
+        yield arg
+        if arg.op not in ("call_function", "call_method") or _call_name(arg) not in _VIEW_CALLS or not arg.args:
+            return
+        arg, seen = arg.args[0], seen + 1
 
 
 def _write_targets(gm: fx.GraphModule):
@@ -877,7 +887,7 @@ def _write_targets(gm: fx.GraphModule):
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method"):
             continue
-        name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
+        name = _call_name(node)
         targets: list = []
         if node.target is operator.setitem:
             targets = [node.args[0]]
@@ -904,13 +914,13 @@ def _inplace_flag(node: fx.Node) -> bool:
     if node.op != "call_function" or not callable(node.target):
         return False
     try:
-        params = inspect.signature(node.target).parameters
+        signature = inspect.signature(node.target)
     except (TypeError, ValueError):  # a builtin without a signature (torch.relu): no inplace argument
         return False
-    if "inplace" not in params:
+    if "inplace" not in signature.parameters:
         return False
     try:
-        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
+        bound = signature.bind(*node.args, **node.kwargs)
     except TypeError:
         return False
     return bound.arguments.get("inplace") is True
@@ -934,17 +944,8 @@ def _from_outside(arg: Any, outside: set = frozenset()) -> bool:
     (:func:`_outside_storages`)."""
     if isinstance(arg, (list, tuple)):
         return any(_from_outside(a, outside) for a in arg)
-    seen = 0
-    while isinstance(arg, fx.Node) and seen < 10_000:
-        if arg.op in ("placeholder", "get_attr") or (outside and (s := _storage(arg)) is not None and s in outside):
-            return True
-        if arg.op not in ("call_function", "call_method"):
-            return False
-        name = str(arg.target) if arg.op == "call_method" else getattr(arg.target, "__name__", "")
-        if name not in _VIEW_CALLS or not arg.args:
-            return False
-        arg, seen = arg.args[0], seen + 1
-    return False
+    return any(a.op in ("placeholder", "get_attr") or (outside and (s := _storage(a)) is not None and s in outside)
+               for a in _view_chain(arg))
 
 
 def _returns_inputs(gm: fx.GraphModule) -> bool:
