@@ -247,8 +247,7 @@ class Tuner:
             with precision_mode("fp32"):
                 self.captured = try_capture(self.model, cap_inputs, mf.dynamic_shapes, mf.batched_mask())
             if self.captured.ok and not cfg.worker:  # the main process says it once; workers load the same graph
-                self.captured.eager_mismatch = capture_mismatch(self.model, self.captured.graph_module,
-                                                                mf.inputs(2, self.device))
+                self.captured.eager_mismatch = capture_mismatch(self.model, self.captured.graph_module, cap_inputs)
                 if self.captured.eager_mismatch:
                     log.warning("%s", self.captured.eager_mismatch)
         self.out_dir = Path(cfg.out_dir)
