@@ -25,6 +25,7 @@ from passes.cast_fp8 import cast_fp8_linears
 from passes.cast_precision import cast_precision
 from passes.fold_bn import fold_conv_batchnorm
 from passes.fuse_attention import fuse_attention
+from passes.fuse_conv_relu import fuse_conv_relu
 from passes.fuse_epilogue import fuse_epilogue
 from passes.fuse_qkv import fuse_qkv
 from passes.pad_linear import pad_linear_dims
@@ -39,7 +40,8 @@ from passes.simplify_attention_mask import simplify_attention_mask
 #: pad_linear_dims' slice, so padded linears keep their padding and still get the epilogue); copy strided
 #: linear inputs after fuse_qkv and the padding (a fused group's input and a padded K are already row-major
 #: copies, so nothing is copied twice) and before the epilogue and FP8 rewrites (which reshape the input to
-#: 2-D); cast precision last (it sees the final set of ops and weights).
+#: 2-D); fuse convolution + ReLU after BN folding and channel padding (a padded convolution keeps its slice and
+#: is left alone); cast precision last (it sees the final set of ops and weights).
 PIPELINE: tuple[str, ...] = (
     "fold_conv_batchnorm",
     "fuse_attention",
@@ -51,6 +53,7 @@ PIPELINE: tuple[str, ...] = (
     "pad_conv_channels",
     "copy_linear_inputs",
     "fuse_epilogue",
+    "fuse_conv_relu",
     "cast_fp8_linears",  # precision fp8 only: bf16 cast + FP8 GEMMs (cast_precision then skips)
     "cast_precision",
 )
@@ -66,6 +69,7 @@ PASSES: dict[str, Callable[[torch.fx.GraphModule, PassSpec], PassResult]] = {
     "pad_conv_channels": pad_conv_channels,
     "copy_linear_inputs": copy_linear_inputs,
     "fuse_epilogue": fuse_epilogue,
+    "fuse_conv_relu": fuse_conv_relu,
     "cast_fp8_linears": cast_fp8_linears,
     "cast_precision": cast_precision,
 }
@@ -203,6 +207,7 @@ __all__ = [
     "dense_attention_inputs",
     "fold_conv_batchnorm",
     "fuse_attention",
+    "fuse_conv_relu",
     "fuse_epilogue",
     "fuse_qkv",
     "pad_conv_channels",

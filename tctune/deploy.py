@@ -16,9 +16,10 @@ from passes import PIPELINE
 
 from .trial import TrialParams, build_trial_graph
 
-#: The passes for engines (ONNX → TensorRT / onnxruntime, AOTInductor): the cuBLASLt epilogue op has no ONNX
-#: translation, and TensorRT fuses bias + activation itself. ``fuse_epilogue`` fires on CUDA graphs only.
-EXPORT_PIPELINE = tuple(n for n in PIPELINE if n != "fuse_epilogue")
+#: The passes for engines (ONNX → TensorRT / onnxruntime, AOTInductor): the cuBLASLt epilogue op and the fused
+#: cuDNN convolution ops have no ONNX translation, and TensorRT fuses bias + activation itself.
+#: ``fuse_epilogue`` and ``fuse_conv_relu`` fire for GPU targets only.
+EXPORT_PIPELINE = tuple(n for n in PIPELINE if n not in ("fuse_epilogue", "fuse_conv_relu"))
 
 
 @dataclass

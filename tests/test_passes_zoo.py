@@ -68,6 +68,7 @@ RELEVANT: dict[str, set[str]] = {
     "pad_conv_channels": {"simple_cnn", "stem_cnn", "conv_bn", "conv_bn_nobias", "conv_bn_grouped",
                           "conv_bn_depthwise", "conv_bn_branch"},
     "fuse_epilogue": _LINEAR_MODELS,
+    "fuse_conv_relu": _BN_MODELS | {"simple_cnn", "stem_cnn", "conv_residual"},
     "cast_fp8_linears": set(),  # rewrites at precision "fp8" only (not covered here): inert at the others
 }
 
@@ -78,6 +79,7 @@ CAN_FIRE_AT: dict[str, tuple[str, ...]] = {
     "pad_linear_dims": ("tf32", *LOW), "pad_matmul_dims": ("tf32", *LOW), "pad_conv_channels": LOW,
     "cast_precision": LOW,
     "cast_fp8_linears": ("fp8",),
+    "fuse_conv_relu": ("fp16", "bf16", "fp8"),  # the measured rule (passes/fuse_conv_relu.py)
 }
 
 #: ``(model, pass): min_count`` where a pass must fire, at every precision it runs at (padding and the cast
@@ -104,6 +106,8 @@ EXPECTED_FIRES: dict[tuple[str, str], int] = {
     ("stem_cnn", "pad_conv_channels"): 2,
     ("mlp_relu", "fuse_epilogue"): 1,
     ("dict_output", "fuse_epilogue"): 1,
+    ("simple_cnn", "fuse_conv_relu"): 1,
+    ("conv_residual", "fuse_conv_relu"): 2,  # relu_(conv) and relu_(conv += x), in-place as torchvision
     # overflow_mlp: with overflow analysis every op of it stays FP32 at fp16 (by design), so it is left out
     **{(m, "cast_precision"): 1 for m in zoo.ZOO if m != "overflow_mlp"},
 }
@@ -121,6 +125,9 @@ MUST_NOT_FIRE: set[tuple[str, str]] = {
     ("mlp_relu_nobias", "fuse_epilogue"),  # the epilogue needs a bias
     ("gpt2", "pad_matmul_dims"),  # every Conv1D dimension (64, 192, 256) is aligned
     ("conv_bn", "pad_conv_channels"),  # 8 / 16 channels: aligned
+    ("conv_bn_grouped", "fuse_conv_relu"),  # groups=4: the fused kernel is not measured there
+    ("conv1d_bn", "fuse_conv_relu"),  # not a 2-D convolution
+    ("conv3d_bn", "fuse_conv_relu"),
     ("simple_cnn", "pad_conv_channels"),  # Cin 3: the pad op costs more than Cin 4 saves (H200 table)
 }
 
@@ -131,6 +138,9 @@ PIPELINE_FIRES: dict[tuple[str, str], int] = {
     ("attn_zero_mask", "simplify_attention_mask"): 1,
     ("bert_sdpa", "simplify_attention_mask"): 2,
     ("conv_bn", "fold_conv_batchnorm"): 2,
+    ("conv_bn", "fuse_conv_relu"): 2,  # after the BN fold: relu(conv + b), twice
+    ("conv_bn_depthwise", "fuse_conv_relu"): 1,  # the dense conv; the depthwise one is left alone
+    ("conv_residual", "fuse_conv_relu"): 2,
     ("gpt2", "pad_linear_dims"): 1,
     ("gpt2", "simplify_attention_mask"): 2,  # the causal mask becomes is_causal=True
 }
@@ -247,6 +257,10 @@ def _assert_rewrite_visible(pass_name: str, before: Counter, after: Counter, gm,
         assert added(after) > added(before)
     elif pass_name == "fuse_epilogue":
         assert after["_addmm_activation"] - before["_addmm_activation"] == count
+    elif pass_name == "fuse_conv_relu":
+        fused = lambda c: c["conv2d_relu"] + c["conv2d_add_relu"]  # noqa: E731
+        assert fused(after) - fused(before) == count
+        assert before["conv2d"] + before["convolution"] - after["conv2d"] - after["convolution"] == count
     elif pass_name == "cast_precision":
         assert _low_casts(gm, spec.dtype) >= 1
 

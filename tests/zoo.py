@@ -154,6 +154,24 @@ class ConvBN(nn.Module):
         return F.relu(self.bn2(self.conv2(x)))
 
 
+class ConvResidual(nn.Module):
+    """A ResNet basic block without BN, written as torchvision writes it: ``ReLU(inplace=True)`` after a biased
+    conv, then ``out += identity`` and the in-place ReLU again; the block's output is also viewed flat."""
+
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.relu(self.conv1(x))
+        out = self.conv2(out)
+        out += x
+        out = self.relu(out)
+        return out, out.view(out.shape[0], -1)
+
+
 class ConvBNBranch(nn.Module):
     """A conv whose output feeds a BN *and* a residual add: the BN must not be folded."""
 
@@ -311,6 +329,7 @@ ZOO: dict[str, ZooEntry] = {
         ZooEntry("conv1d_bn", _seeded(lambda: ConvBN(dims=1)), _randn(8, 20)),
         ZooEntry("conv3d_bn", _seeded(lambda: ConvBN(dims=3)), _randn(8, 6, 6, 6)),
         ZooEntry("conv_bn_branch", _seeded(ConvBNBranch), _randn(8, 10, 10)),
+        ZooEntry("conv_residual", _seeded(ConvResidual), _randn(8, 10, 10)),
         ZooEntry("conv_transpose_bn", _seeded(ConvTransposeBN), _randn(8, 6, 6)),
         ZooEntry("encoder_block", _seeded(EncoderBlock), _randn(10, 60)),
         ZooEntry("bert", _seeded(small_bert), _ids(1000, 16)),

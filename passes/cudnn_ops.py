@@ -1,0 +1,95 @@
+"""cuDNN's fused convolution kernels as ``torch.library`` custom ops, so a graph pass can emit them.
+
+PyTorch has ``aten.cudnn_convolution_relu`` (``relu(conv(x, W) + b)``) and ``aten.cudnn_convolution_add_relu``
+(``relu(conv(x, W) + alpha * z + b)``): one cuDNN kernel whose epilogue adds the bias, the residual and applies
+the ReLU while the output tile is in registers. They exist on CUDA only and have no meta kernel, so neither
+``torch.export`` nor Inductor can trace them as they are. The two ops here wrap them with:
+
+* a fake (meta) implementation, so Inductor compiles a graph that calls them (as extern kernels);
+* the composite computation (``F.conv2d`` + add + ``relu``) on any other device, so a graph rewritten for a GPU
+  target still runs (and is tested) on the CPU, with the same values;
+* one fixed output layout: channels-last (NHWC) with its canonical strides on every device, so the fake
+  implementation and the real one agree on strides by construction. ``x`` and ``z`` are made channels-last on
+  entry (a no-op for a channels-last tensor: convolutions chained through these ops stay channels-last); the
+  weight too (``passes.fuse_conv_relu`` stores it channels-last once).
+
+Shapes: ``x (N, C_in, H, W)``, ``weight (C_out, C_in / groups, kH, kW)``, ``bias (C_out,)`` or None,
+``z (N, C_out, H_out, W_out)`` (the output's shape); one floating dtype throughout (fp16 / bf16 / fp32, as the
+convolution itself takes). No autograd formula: inference only (the pass refuses training graphs).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+_CL = torch.channels_last
+
+
+def _cl_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Canonical channels-last strides of a 4-D ``(N, C, H, W)`` shape."""
+    n, c, h, w = shape
+    return (h * w * c, 1, w * c, c)
+
+
+def _channels_last(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with canonical channels-last strides (the tensor itself when it has them already)."""
+    if tuple(t.stride()) == _cl_strides(t.shape):
+        return t
+    return torch.empty_strided(t.shape, _cl_strides(t.shape), dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _out_like(x: torch.Tensor, weight: torch.Tensor, bias, stride, padding, dilation, groups) -> torch.Tensor:
+    """The fake output: the convolution's shape and dtype, channels-last strides."""
+    y = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+    return torch.empty_strided(y.shape, _cl_strides(y.shape), dtype=y.dtype, device=y.device)
+
+
+def _use_cudnn(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.backends.cudnn.is_available() and torch.backends.cudnn.enabled
+
+
+@torch.library.custom_op("tctune::conv2d_relu", mutates_args=())
+def conv2d_relu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], stride: Sequence[int],
+                padding: Sequence[int], dilation: Sequence[int], groups: int) -> torch.Tensor:
+    """``relu(conv2d(x, weight, bias, stride, padding, dilation, groups))``, channels-last output (module
+    docstring); one cuDNN kernel on CUDA (``aten.cudnn_convolution_relu``)."""
+    x, weight = _channels_last(x), _channels_last(weight)
+    if _use_cudnn(x):
+        y = torch.ops.aten.cudnn_convolution_relu(x, weight, bias, list(stride), list(padding), list(dilation),
+                                                  groups)
+    else:
+        y = torch.relu(F.conv2d(x, weight, bias, stride, padding, dilation, groups))
+    return _channels_last(y)
+
+
+@conv2d_relu.register_fake
+def _conv2d_relu_fake(x, weight, bias, stride, padding, dilation, groups):
+    return _out_like(x, weight, bias, stride, padding, dilation, groups)
+
+
+@torch.library.custom_op("tctune::conv2d_add_relu", mutates_args=())
+def conv2d_add_relu(x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor, bias: Optional[torch.Tensor],
+                    stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
+                    groups: int) -> torch.Tensor:
+    """``relu(conv2d(x, weight, bias, ...) + z)``, channels-last output (module docstring); one cuDNN kernel on
+    CUDA (``aten.cudnn_convolution_add_relu`` with ``alpha = 1``). ``z``: the output's shape, not written."""
+    x, weight, z = _channels_last(x), _channels_last(weight), _channels_last(z)
+    if _use_cudnn(x):
+        y = torch.ops.aten.cudnn_convolution_add_relu(x, weight, z, 1.0, bias, list(stride), list(padding),
+                                                      list(dilation), groups)
+    else:
+        y = torch.relu(F.conv2d(x, weight, bias, stride, padding, dilation, groups) + z)
+    return _channels_last(y)
+
+
+@conv2d_add_relu.register_fake
+def _conv2d_add_relu_fake(x, weight, z, bias, stride, padding, dilation, groups):
+    return _out_like(x, weight, bias, stride, padding, dilation, groups)
+
+
+CONV2D_RELU = torch.ops.tctune.conv2d_relu.default
+CONV2D_ADD_RELU = torch.ops.tctune.conv2d_add_relu.default
+
+__all__ = ["CONV2D_ADD_RELU", "CONV2D_RELU", "conv2d_add_relu", "conv2d_relu"]

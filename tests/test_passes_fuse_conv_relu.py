@@ -1,0 +1,263 @@
+"""Tests for passes.fuse_conv_relu (convolution + bias [+ residual] + ReLU -> one cuDNN op) and the custom ops
+of passes.cudnn_ops it emits."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zoo
+from passes import PIPELINE, PassSpec, fold_conv_batchnorm, fuse_conv_relu, run_pipeline
+from passes.cudnn_ops import CONV2D_ADD_RELU, CONV2D_RELU
+from tctune.deploy import EXPORT_PIPELINE
+
+HOPPER16 = PassSpec(precision="fp16", arch="Hopper")
+
+
+class Bottleneck(nn.Module):
+    """torchvision's ResNet bottleneck, small: 1x1 / 3x3 (stride) / 1x1 convolutions with BatchNorm, in-place
+    ReLUs, ``out += identity`` and a downsample branch when the shape changes."""
+
+    def __init__(self, cin: int = 16, mid: int = 8, cout: int = 32, stride: int = 2) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid)
+        self.conv2, self.bn2 = nn.Conv2d(mid, mid, 3, stride, 1, bias=False), nn.BatchNorm2d(mid)
+        self.conv3, self.bn3 = nn.Conv2d(mid, cout, 1, bias=False), nn.BatchNorm2d(cout)
+        self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+        self.relu = nn.ReLU(inplace=True)
+        for m in self.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+                m.weight.data.uniform_(0.5, 1.5)
+                m.bias.data.uniform_(-0.5, 0.5)
+
+    def forward(self, x):
+        identity = self.down(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        out += identity
+        return self.relu(out)
+
+
+def _capture(model: nn.Module, *shape: int) -> tuple[nn.Module, torch.fx.GraphModule]:
+    torch.manual_seed(0)
+    model = model.eval()
+    return model, zoo.capture(model, (torch.randn(2, *shape),))
+
+
+def _fused(gm) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.target in (CONV2D_RELU, CONV2D_ADD_RELU)]
+
+
+def _check_parity(model, gm, *shape: int) -> None:
+    """FP32 parity with eager on fresh random inputs (a batch size the capture did not see), same strides."""
+    x = torch.randn(5, *shape)
+    with torch.no_grad():
+        ref, got = model(x.clone()), gm(x.clone())
+    ref_t, got_t = zoo.flat_outputs(ref), zoo.flat_outputs(got)
+    for r, g in zip(ref_t, got_t):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+        assert g.stride() == r.stride()
+
+
+# -------------------------------------------------------------------------------------------- the pass
+
+
+def test_fuses_a_folded_bottleneck_with_parity():
+    model, gm = _capture(Bottleneck(), 16, 12, 12)
+    assert fold_conv_batchnorm(gm, HOPPER16).count == 4
+
+    result = fuse_conv_relu(gm, HOPPER16)
+
+    assert result.count == 3
+    assert sorted(result.notes["kinds"].values()) == ["add_relu", "relu", "relu"]
+    assert zoo.count_calls(gm, torch.ops.aten.relu_.default) == 0
+    assert zoo.count_calls(gm, torch.ops.aten.add_.Tensor) == 0
+    # the downsample convolution (no ReLU after it) stays and feeds the fused add as its residual
+    (add_relu,) = [n for n in gm.graph.nodes if n.target == CONV2D_ADD_RELU]
+    assert add_relu.args[2].target == torch.ops.aten.conv2d.default
+    assert gm.get_parameter("conv1.weight").is_contiguous(memory_format=torch.channels_last)
+    assert result.notes["layout_restored"] == ["output"]  # the block's output keeps eager's NCHW strides
+    _check_parity(model, gm, 16, 12, 12)
+
+
+def test_pipeline_casts_the_fused_ops_to_the_low_dtype():
+    model, gm = _capture(Bottleneck(), 16, 12, 12)
+
+    results = {r.name: r for r in run_pipeline(gm, PassSpec(precision="bf16", arch="Hopper",
+                                                            alignment=zoo.ALIGNMENT))}
+
+    assert results["fuse_conv_relu"].count == 3
+    for node in _fused(gm):
+        assert node.meta["val"].dtype == torch.bfloat16
+        assert all(a.meta["val"].dtype == torch.bfloat16 for a in node.args if isinstance(a, torch.fx.Node))
+    x = torch.randn(4, 16, 12, 12)
+    with torch.no_grad():
+        assert zoo.rel_l2(gm(x), model(x)) < 3e-2
+
+
+@pytest.mark.parametrize("spec, reason", [
+    (PassSpec(precision="fp16", arch="Hopper", training=True), "training"),
+    (PassSpec(precision="fp32", arch="Hopper"), "precision fp32"),
+    (PassSpec(precision="fp16", arch="Ampere"), "arch Ampere"),
+    (PassSpec(precision="fp16", arch="cpu"), "arch cpu"),
+])
+def test_refuses_by_the_measured_rule(spec, reason):
+    _, gm = _capture(zoo.ConvResidual(), 8, 10, 10)
+    code = gm.code
+
+    result = fuse_conv_relu(gm, spec)
+
+    assert result.count == 0 and gm.code == code
+    assert len(result.skipped) == 2 and all(s.reason.startswith(reason) for s in result.skipped)
+
+
+class _Sites(nn.Module):
+    """One convolution followed by ReLU per refusal case."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.grouped = nn.Conv2d(8, 8, 3, padding=1, groups=2)
+        self.same = nn.Conv2d(8, 8, 3, padding="same")
+        self.bcast = nn.Conv2d(8, 8, 1)
+        self.into_res = nn.Conv2d(8, 8, 1)
+        self.twice = nn.Conv2d(8, 8, 1)
+        self.scale = nn.Parameter(torch.randn(8, 1, 1))
+
+    def forward(self, x):
+        a = F.relu(self.grouped(x))
+        b = F.relu(self.same(a))
+        c = F.relu(self.bcast(b) + self.scale)  # a broadcast add: not a residual of the output's shape
+        r = c * 2.0
+        r += self.into_res(c)  # the in-place add writes into r, not into the convolution's output
+        d = F.relu(r)
+        t = self.twice(d)
+        return F.relu(t) + t  # the convolution's output has a second reader
+
+
+def test_skips_each_site_it_cannot_fuse_with_its_reason():
+    model, gm = _capture(_Sites(), 8, 10, 10)
+
+    result = fuse_conv_relu(gm, HOPPER16)
+
+    assert result.count == 0
+    reasons = {s.reason.split(" (")[0].split(":")[0] for s in result.skipped}
+    assert reasons == {"grouped or depthwise convolution", "stride, padding or dilation is not two integers",
+                       "the residual's shape or dtype differs from the convolution's output",
+                       "the in-place add writes into the residual, not into the convolution's output"}
+    _check_parity(model, gm, 8, 10, 10)
+
+
+class _Strided(nn.Module):
+    """A fused site whose output is read through ``as_strided`` and ``view``: both need the NCHW layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 6, 3, padding=1)
+
+    def forward(self, x):
+        y = F.relu(self.conv(x))
+        n = y.shape[0]
+        return y.as_strided((n, 6, 2), (6 * 25, 25, 1)) * 1.0, y.view(n, -1) + 1.0, torch.tanh(y)
+
+
+def test_restores_the_layout_for_strided_readers_and_outputs():
+    model, gm = _capture(_Strided(), 4, 5, 5)
+
+    result = fuse_conv_relu(gm, HOPPER16)
+
+    assert result.count == 1
+    clones = [n for n in gm.graph.nodes if n.target == torch.ops.aten.clone.default]
+    assert len(clones) == 2  # one copy back to NCHW of the fused output, one of tanh's output (a graph output)
+    assert set(result.notes["layout_restored"]) == {"as_strided", "view", "output"}
+    _check_parity(model, gm, 4, 5, 5)
+
+
+def test_channels_last_model_needs_no_layout_copy():
+    torch.manual_seed(0)
+    model = Bottleneck().eval().to(memory_format=torch.channels_last)
+    x = torch.randn(2, 16, 12, 12).contiguous(memory_format=torch.channels_last)
+    gm = zoo.capture(model, (x,))
+    fold_conv_batchnorm(gm, HOPPER16)
+
+    result = fuse_conv_relu(gm, HOPPER16)
+
+    assert result.count == 3 and "layout_restored" not in result.notes
+    assert zoo.count_calls(gm, torch.ops.aten.clone.default) == 0
+    y = torch.randn(3, 16, 12, 12).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        ref, got = model(y.clone()), gm(y.clone())
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert got.stride() == ref.stride()
+
+
+def test_idempotent():
+    model, gm = _capture(zoo.ConvResidual(), 8, 10, 10)
+    fuse_conv_relu(gm, HOPPER16)
+    code = gm.code
+
+    again = fuse_conv_relu(gm, HOPPER16)
+
+    assert again.count == 0 and gm.code == code
+    _check_parity(model, gm, 8, 10, 10)
+
+
+def test_the_engines_do_not_run_it():
+    assert "fuse_conv_relu" in PIPELINE and "fuse_conv_relu" not in EXPORT_PIPELINE
+    assert PIPELINE.index("fold_conv_batchnorm") < PIPELINE.index("fuse_conv_relu") < PIPELINE.index(
+        "cast_precision")
+
+
+def test_inductor_compiles_the_fused_graph():
+    """Inductor takes the custom ops as extern kernels (their fake implementation gives shapes and strides)."""
+    model, gm = _capture(Bottleneck(), 16, 12, 12)
+    fold_conv_batchnorm(gm, HOPPER16)
+    assert fuse_conv_relu(gm, HOPPER16).count == 3
+    compiled = torch.compile(gm, backend="inductor")
+    x = torch.randn(3, 16, 12, 12)
+    with torch.no_grad():
+        got, ref = compiled(x), model(x)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert got.stride() == ref.stride()
+
+
+# -------------------------------------------------------------------------------------------- the ops
+
+
+@pytest.mark.parametrize("stride, padding, dilation", [([1, 1], [1, 1], [1, 1]), ([2, 2], [0, 0], [1, 1]),
+                                                       ([1, 1], [2, 2], [2, 2])])
+def test_ops_match_the_composite_and_their_fake_strides(stride, padding, dilation):
+    torch.manual_seed(0)
+    x, w, b = torch.randn(2, 4, 9, 9), torch.randn(6, 4, 3, 3), torch.randn(6)
+    y = F.conv2d(x, w, b, stride, padding, dilation)
+    z = torch.randn_like(y)
+
+    out = CONV2D_RELU(x, w, b, stride, padding, dilation, 1)
+    out_add = CONV2D_ADD_RELU(x, w, z, None, stride, padding, dilation, 1)
+
+    torch.testing.assert_close(out, torch.relu(y))
+    torch.testing.assert_close(out_add, torch.relu(F.conv2d(x, w, None, stride, padding, dilation) + z))
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    torch.library.opcheck(CONV2D_RELU, (x, w, b, stride, padding, dilation, 1))
+    torch.library.opcheck(CONV2D_ADD_RELU, (x, w, z, b, stride, padding, dilation, 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (cuDNN's fused kernels)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cudnn_ops_match_the_composite_on_cuda(dtype):
+    torch.manual_seed(0)
+    x = torch.randn(4, 32, 14, 14, device="cuda", dtype=dtype)
+    w = torch.randn(64, 32, 3, 3, device="cuda", dtype=dtype) / 17
+    b = torch.randn(64, device="cuda", dtype=dtype)
+    z = torch.randn(4, 64, 14, 14, device="cuda", dtype=dtype)
+    ref = torch.relu(F.conv2d(x.float(), w.float(), b.float(), 1, 1) + z.float())
+
+    got = CONV2D_ADD_RELU(x, w, z, b, [1, 1], [1, 1], [1, 1], 1)
+
+    assert got.dtype == dtype and got.is_contiguous(memory_format=torch.channels_last)
+    assert zoo.rel_l2(got.float(), ref) < (1e-2 if dtype == torch.float16 else 3e-2)
+    torch.library.opcheck(CONV2D_RELU, (x, w, b, [1, 1], [1, 1], [1, 1], 1))
