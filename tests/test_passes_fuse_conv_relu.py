@@ -151,6 +151,28 @@ def test_skips_each_site_it_cannot_fuse_with_its_reason():
     _check_parity(model, gm, 8, 10, 10)
 
 
+class _FewSites(nn.Module):
+    """One conv + ReLU site among three 2-D convolutions (the others end in no ReLU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 4, 1), nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        return torch.tanh(self.c(torch.sigmoid(self.b(F.relu(self.a(x))))))
+
+
+def test_refuses_a_graph_where_few_convolutions_are_sites():
+    model, gm = _capture(_FewSites(), 4, 6, 6)
+    code = gm.code
+
+    result = fuse_conv_relu(gm, HOPPER16)
+
+    assert result.count == 0 and gm.code == code
+    (skip,) = result.skipped
+    assert skip.reason.startswith("only 1 of the graph's 3 2-D convolutions can be fused")
+
+
 class _Strided(nn.Module):
     """A fused site whose output is read through ``as_strided`` and ``view``: both need the NCHW layout."""
 
