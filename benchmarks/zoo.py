@@ -311,6 +311,16 @@ TCTUNE_OUTPUT_DTYPE = "compute"
 DTYPES = ("bf16", "fp16")
 #: Relative slack of the accuracy rule: tctune's error <= ACC_FACTOR x eager dt error + ACC_ABS.
 ACC_FACTOR, ACC_ABS = 2.0, 1e-3
+#: A compared variant whose median timed repeat is more than this many times its fastest (within one CUDA-graph
+#: capture) was disturbed for most of its repeats, so its median is too: another model process's compile (Inductor
+#: autotunes kernels on the GPU outside the timing lock) or a clock change. Seen on the H200 with three processes
+#: per GPU: vit_b_16's tctune repeats read 7.0, 7.4, 10.3, 13.4, 13.7 ms, its median ratio 0.68x (results/zoo/
+#: 2026-12-02-h200-regress13/). One or two slow repeats of five leave the median alone and are not flagged.
+#: Such a row is flagged (``timing_noisy``, a dagger in the table); a merge still takes the newest row (an older
+#: clean row may predate a fix).
+NOISY_SPREAD = 1.1
+#: The variants whose timings make the speedup columns.
+COMPARED = ("tctune", "inductor", "tctune_cg", "inductor_cg")
 #: Bytes per parameter a model needs on the GPU here: FP32 model + dt copy + tctune's dt cast of the weights.
 BYTES_PER_PARAM = 8
 
@@ -1622,6 +1632,7 @@ def summarize(row: dict, opt: dict | None = None) -> dict:
         "items_per_s": {n: round(x["items_per_s"], 2) for n, x in v.items() if x.get("ok") and x.get("items_per_s")},
         "errors": {n: x["error"] for n, x in v.items() if x.get("error")},
         "optimize_speedup_vs_best_baseline": None,
+        "timing_noisy": timing_noisy(row),
         **fp32_parity_fields(row),
     }
     if opt:
@@ -1648,6 +1659,21 @@ def fp32_parity_fields(row: dict) -> dict:
     return {"fp32_parity_rel_err": err, "fp32_parity_ok": ok, "fp32_parity_limit": limit if v else None,
             "fp32_rounding_err": v.get("fp32_rounding_err"), "fp32_parity_fired": info.get("fired"),
             "fp32_parity_fallbacks": fallbacks, "fp32_parity_mismatch": v.get("fp32_parity_mismatch")}
+
+
+def timing_noisy(row: dict) -> list[str]:
+    """The compared variants of ``row`` (:data:`COMPARED`) whose median repeat is more than :data:`NOISY_SPREAD`
+    times their fastest (a CUDA-graph variant's repeats are taken per capture)."""
+    noisy = []
+    for name in COMPARED:
+        v = (row.get("variants") or {}).get(name) or {}
+        reps = [x for x in v.get("repeats_ms") or [] if isinstance(x, (int, float)) and x > 0]
+        n_cap = len(v.get("captures_ms") or []) or 1
+        size = len(reps) // n_cap if len(reps) % n_cap == 0 and len(reps) >= n_cap else len(reps)
+        chunks = [reps[i:i + size] for i in range(0, len(reps), size)] if size else []
+        if any(statistics.median(c) / min(c) > NOISY_SPREAD for c in chunks if c):
+            noisy.append(name)
+    return noisy
 
 
 def _row_rank(row: dict) -> tuple:
@@ -1712,6 +1738,13 @@ def overall(models: dict[str, dict]) -> dict:
         "median_compile_ratio": statistics.median(ratios) if ratios else None,
         "geomean_optimize_speedup_vs_best_baseline": geomean(m.get("optimize_speedup_vs_best_baseline")
                                                              for m in models.values()),
+        "timing_noisy": sorted(n for n, m in models.items() if m.get("timing_noisy")),
+        # the same two numbers over the rows whose compared timings were not disturbed (timing_noisy empty)
+        "geomean_speedup_vs_inductor_clean": geomean(m.get("speedup_vs_inductor") for m in ok
+                                                     if not m.get("timing_noisy")),
+        "n_speedup_clean": sum(m.get("speedup_vs_inductor") is not None and not m.get("timing_noisy") for m in ok),
+        "min_speedup_vs_inductor_clean": min((m["speedup_vs_inductor"] for m in ok if m.get("speedup_vs_inductor")
+                                              and not m.get("timing_noisy")), default=None),
         "fp32_parity_checked": sum(m.get("fp32_parity_ok") is not None for m in ok),
         "fp32_parity_over_tol": sorted(n for n, m in models.items() if m.get("fp32_parity_ok") is False),
         "fp32_parity_max_rel_err": max((m["fp32_parity_rel_err"] for m in ok if m.get("fp32_parity_rel_err")
@@ -1740,6 +1773,8 @@ def markdown(latest: dict) -> str:
         rel = f"{_f(m.get('rel_err'), '.1e')} ({_f(m.get('eager_rel_err'), '.1e')})"
         speed = _f(m.get("speedup_vs_inductor")) if m.get("speedup_vs_inductor") else (
             "error" if m.get("tctune_error") else "–")
+        if m.get("timing_noisy"):
+            speed += " †"
         lines.append(f"| {name} | {m.get('suite')} | {m.get('batch_size')} | {speed} "
                      f"| {_f(m.get('speedup_vs_inductor_cg'))} | {rel} | {acc} | {len(m.get('fallbacks') or [])} "
                      f"| {_f(m.get('compile_s'), '.1f')} / {_f(m.get('inductor_compile_s'), '.1f')} "
@@ -1757,6 +1792,12 @@ def markdown(latest: dict) -> str:
               f"{_f(s['median_compile_ratio'])}×.",
               f"- Not built: {len(s['not_built'])}" + (f" ({', '.join(s['not_built'])})" if s["not_built"] else "")
               + "."]
+    if s.get("timing_noisy"):
+        lines.append(f"- † timing disturbed (a compared variant's median repeat is more than {NOISY_SPREAD}× its "
+                     f"fastest, within one CUDA-graph capture): "
+                     f"{', '.join(s['timing_noisy'])}. Over the {s.get('n_speedup_clean')} rows without it: "
+                     f"geomean tctune / Inductor {_f(s.get('geomean_speedup_vs_inductor_clean'))}× (lowest "
+                     f"{_f(s.get('min_speedup_vs_inductor_clean'))}×).")
     if s.get("n_speedup_fp32in"):
         lines.append(f"- Same FP32 inputs on both sides (`inductor_fp32in`: Inductor casts them inside its compiled "
                      f"callable, as tctune does): geomean tctune / Inductor "

@@ -198,6 +198,35 @@ def test_summarize_computes_speedups_and_flags():
     assert failed["tctune_error"] == "RuntimeError: boom"
 
 
+def test_timing_noisy_flags_a_disturbed_median_not_one_slow_repeat():
+    row = _row("m", tct=300.0, ind=250.0, tct_cg=500.0, ind_cg=400.0)
+    v = row["variants"]
+    v["tctune"]["repeats_ms"] = [7.0, 7.4, 10.3, 13.4, 13.7]  # vit_b_16 on a shared GPU: the median moved
+    v["inductor"]["repeats_ms"] = [6.9, 7.0, 7.0, 13.3, 13.3]  # two slow repeats of five: the median holds
+    # a CUDA-graph variant is judged per capture: two steady captures at different speeds are not noise
+    v["tctune_cg"].update(repeats_ms=[5.0, 5.0, 5.1, 5.0, 5.0, 4.0, 4.0, 4.1, 4.0, 4.0], captures_ms=[5.0, 4.0])
+    v["inductor_cg"].update(repeats_ms=[5.0, 6.0, 6.0, 6.0, 5.0], captures_ms=[6.0])
+
+    assert zoo.timing_noisy(row) == ["tctune", "inductor_cg"]
+    assert zoo.summarize(row)["timing_noisy"] == ["tctune", "inductor_cg"]
+
+
+def test_overall_reports_the_clean_rows_apart_and_markdown_marks_noisy_ones():
+    clean = _row("a", tct=300.0, ind=250.0)
+    noisy = _row("b", tct=100.0, ind=200.0)
+    noisy["variants"]["tctune"]["repeats_ms"] = [5.0, 8.0, 9.0, 9.0, 9.0]
+    models = {"a": zoo.summarize(clean), "b": zoo.summarize(noisy)}
+
+    s = zoo.overall(models)
+
+    assert s["timing_noisy"] == ["b"] and s["n_speedup_clean"] == 1
+    assert s["geomean_speedup_vs_inductor_clean"] == pytest.approx(1.2)
+    assert s["min_speedup_vs_inductor"] == pytest.approx(0.5) and s["min_speedup_vs_inductor_clean"] == 1.2
+    md = zoo.markdown({"models": models, "summary": s, "dtype": "bf16"})
+    assert "| b | huggingface | 8 | 0.50 † |" in md and "| a | huggingface | 8 | 1.20 |" in md
+    assert "Over the 1 rows without it: geomean tctune / Inductor 1.20× (lowest 1.20×)" in md
+
+
 def test_summary_records_the_tctune_variants_output_contract():
     row = _row("m", tct=300.0, ind=250.0)
     row["tctune"]["options"] = {"precision": "bf16", "policy": "pure"}
