@@ -87,7 +87,7 @@ def fuse_conv_relu(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         if reason is not None:
             result.skipped.append(Skip(node.name, reason))
         else:
-            ready.append((node, add, z, act))
+            ready.append((node,))
     convs = sum(1 for n in gm.graph.nodes if _is_conv2d(n))
     if ready and len(ready) < MIN_SHARE * convs:
         reason = (f"only {len(ready)} of the graph's {convs} 2-D convolutions can be fused: the rule fuses when at "
@@ -97,7 +97,10 @@ def fuse_conv_relu(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         ready = []
     kinds: dict[str, str] = {}
     originals: dict[fx.Node, object] = {}  # fused node -> the replaced ReLU's fake value (eager's strides)
-    for node, add, z, act in ready:
+    for node, *_ in ready:
+        # the site again, from the graph as it is now: an earlier rewrite may have replaced its residual (a
+        # ResNet block's identity is the previous block's ReLU, now that block's fused op)
+        add, z, act = _site(node)
         originals_val = act.meta.get("val")
         fused = _rewrite(gm, node, add, z, act)
         originals[fused] = originals_val

@@ -24,7 +24,8 @@ class Bottleneck(nn.Module):
         self.conv1, self.bn1 = nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid)
         self.conv2, self.bn2 = nn.Conv2d(mid, mid, 3, stride, 1, bias=False), nn.BatchNorm2d(mid)
         self.conv3, self.bn3 = nn.Conv2d(mid, cout, 1, bias=False), nn.BatchNorm2d(cout)
-        self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+        self.down = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                     if stride != 1 or cin != cout else None)
         self.relu = nn.ReLU(inplace=True)
         for m in self.modules():
             if isinstance(m, nn.BatchNorm2d):
@@ -34,7 +35,7 @@ class Bottleneck(nn.Module):
                 m.bias.data.uniform_(-0.5, 0.5)
 
     def forward(self, x):
-        identity = self.down(x)
+        identity = self.down(x) if self.down is not None else x
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.relu(self.bn2(self.conv2(out)))
         out = self.bn3(self.conv3(out))
@@ -81,6 +82,21 @@ def test_fuses_a_folded_bottleneck_with_parity():
     assert add_relu.args[2].target == torch.ops.aten.conv2d.default
     assert gm.get_parameter("conv1.weight").is_contiguous(memory_format=torch.channels_last)
     assert result.notes["layout_restored"] == ["output"]  # the block's output keeps eager's NCHW strides
+    _check_parity(model, gm, 16, 12, 12)
+
+
+def test_chained_blocks_read_the_previous_fused_op_as_their_residual():
+    """The second block's identity is the first block's ReLU, which the pass replaces first (a bug once: the
+    second site kept the erased ReLU as its residual and the graph was out of order)."""
+    model, gm = _capture(nn.Sequential(Bottleneck(), Bottleneck(32, 8, 32, stride=1)), 16, 12, 12)
+    fold_conv_batchnorm(gm, HOPPER16)
+
+    result = fuse_conv_relu(gm, HOPPER16)
+
+    assert result.count == 6
+    gm.graph.lint()
+    add_relus = [n for n in gm.graph.nodes if n.target == CONV2D_ADD_RELU]
+    assert add_relus[1].args[2] is add_relus[0]  # identity = the first block's fused output
     _check_parity(model, gm, 16, 12, 12)
 
 
