@@ -76,7 +76,8 @@ TINY_MNK = 1 << 15
 GEMM_OPS = ("linear", "mm", "addmm", "bmm", "matmul", "baddbmm", "_addmm_activation", "_scaled_mm")
 #: Convolution ATen ops.
 CONV_OPS = ("conv1d", "conv2d", "conv3d", "convolution", "conv_transpose1d", "conv_transpose2d",
-            "conv_transpose3d", "_convolution")
+            "conv_transpose3d", "_convolution",
+            "conv2d_relu", "conv2d_add_relu")  # passes.fuse_conv_relu's cuDNN ops (tctune::), conv2d's operands
 ATTENTION_OPS = ("scaled_dot_product_attention",)
 _ALL_OPS = frozenset(GEMM_OPS + CONV_OPS + ATTENTION_OPS)
 
@@ -394,6 +395,8 @@ def _conv_dims(op: str, args, kwargs, out) -> dict | None:
                                                       and bool(_arg(args, kwargs, 6, "transposed", False)))
     if op in ("convolution", "_convolution"):
         groups = int(_arg(args, kwargs, 8, "groups", 1))
+    elif op == "conv2d_add_relu":  # (x, weight, z, bias, stride, padding, dilation, groups)
+        groups = int(_arg(args, kwargs, 7, "groups", 1))
     elif transposed:
         groups = int(_arg(args, kwargs, 6, "groups", 1))
     else:
@@ -515,7 +518,8 @@ def inspect_graph(gm, inputs: tuple, hw, precision: str, *, as_eager: bool) -> l
 
 
 def pair_nodes(before: list[OpInfo], after: list[OpInfo] | None) -> list[Pair]:
-    """Match nodes by (source module, op), in order of appearance within each key.
+    """Match nodes by (source module, op), in order of appearance within each key; a convolution the passes
+    fused with its ReLU (``conv2d_relu`` / ``conv2d_add_relu`` of the same module) is matched with it.
 
     Unmatched ``before`` nodes were removed (fused, folded) by the passes; unmatched ``after`` nodes were
     created by them. With ``after`` None (passes not run) every pair has ``after=None``.
@@ -528,6 +532,8 @@ def pair_nodes(before: list[OpInfo], after: list[OpInfo] | None) -> list[Pair]:
     pairs = []
     for b in before:
         cands = pool.get((b.module, b.op))
+        if not cands and b.kind == "conv":
+            cands = pool.get((b.module, "conv2d_relu")) or pool.get((b.module, "conv2d_add_relu"))
         pairs.append(Pair(b, cands.pop(0) if cands else None))
     matched = {id(p.after) for p in pairs if p.after is not None}
     pairs.extend(Pair(None, a) for a in after if id(a) not in matched)

@@ -181,3 +181,13 @@ def test_cli_precision_choices_are_the_pass_precisions():
     import tctune.inspect as ti
 
     assert ti._PRECISIONS == passes.PRECISIONS
+
+
+def test_a_convolution_fused_with_its_relu_is_paired_and_still_counted(seed_fp16):
+    """On a Hopper target the seed CNN's conv + ReLU becomes passes.fuse_conv_relu's cuDNN op: the inspection
+    still sees a convolution there (same FLOPs, the op's name), paired with the one it replaced."""
+    pair = _by_module(seed_fp16)["conv1"]
+    assert any(r.name == "fuse_conv_relu" and r.count == 1 for r in seed_fp16.passes)
+    assert pair.after is not None and pair.after.op == "conv2d_relu" and pair.after.kind == "conv"
+    assert pair.after.flops == pair.before.flops
+    assert "Cin=3 not a multiple of 8" in pair.after.reason
