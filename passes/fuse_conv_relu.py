@@ -19,7 +19,10 @@ Patterns (inference graphs from ``torch.export``, after ``fold_conv_batchnorm``)
 ``relu`` / ``add`` may be the in-place forms (``nn.ReLU(inplace=True)``): they write into the convolution's own
 output, which nothing else reads. The convolution is ``aten.conv2d`` (integer padding) or
 ``aten.convolution`` (not transposed), 4-D input, ``groups == 1``; its weight (and bias, when present) are
-``get_attr`` tensors; its output and the add's feed only the next op of the pattern. The weight is stored
+``get_attr`` tensors; its output and the add's feed only the next op of the pattern; no op between the
+convolution and the ReLU writes in place into the convolution's input or the residual (the fused op runs at
+the ReLU's place). When both operands of the add are such convolutions (``relu(conv_a(x) + conv_b(x))``), the
+first is fused and the other is its residual. The weight is stored
 channels-last (the layout cuDNN's NHWC kernels read; the ops' output is channels-last too).
 The pass fuses only when at least :data:`MIN_SHARE` of the graph's 2-D convolutions are such sites.
 
@@ -34,7 +37,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from passes._graph import copy_meta, fake_eval, fake_from_tensor, finish, get_attr_value, set_attr_tensor
+from passes._graph import (copy_meta, fake_eval, fake_from_tensor, finish, get_attr_value, set_attr_tensor, view_base,
+                           writes_in_place)
 from passes.base import PassResult, PassSpec, Skip
 from passes.cudnn_ops import CONV2D_ADD_RELU, CONV2D_RELU
 
@@ -78,15 +82,22 @@ def fuse_conv_relu(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
     result = PassResult(name=NAME, graph_module=gm)
     refusal = _spec_refusal(spec)
     ready = []
+    claimed: dict[fx.Node, fx.Node] = {}  # a ready site's ReLU -> its convolution
     for node in list(gm.graph.nodes):
         site = _site(node)
         if site is None:
             continue
         add, z, act = site
-        reason = refusal or _conv_reason(gm, node) or _add_reason(node, add, z)
+        reason = refusal or _conv_reason(gm, node) or _add_reason(node, add, z) \
+            or _write_reason(node, add, z, act)
+        if reason is None and act in claimed:
+            # relu(conv_a(x) + conv_b(x)) (RepVGG, a residual add of a downsample convolution written out of
+            # place): both convolutions end in the one add and ReLU; the first is fused, the other is its z
+            reason = f"the add's other operand {claimed[act].name} is fused with this ReLU (one convolution per add)"
         if reason is not None:
             result.skipped.append(Skip(node.name, reason))
         else:
+            claimed[act] = node
             ready.append((node,))
     convs = sum(1 for n in gm.graph.nodes if _is_conv2d(n))
     if ready and len(ready) < MIN_SHARE * convs:
@@ -136,42 +147,74 @@ def _repropagate(gm: fx.GraphModule, originals: dict[fx.Node, object]) -> list[s
 
     Every node downstream of a fused op whose input strides changed gets its ``meta["val"]`` recomputed. Where
     the new strides would change what the graph computes or returns, the value is copied back to its original
-    memory format (``aten.clone(memory_format=...)``) just before that reader: a graph output (the caller gets
+    memory format (``aten.clone(memory_format=...)``) for that reader: a graph output (the caller gets
     eager's strides), an op that reads explicit strides (``as_strided``), and an op that fails on the new strides
     (``view`` of a channels-last tensor that is not viewable). Returns the names of the nodes given such a copy.
 
+    A value whose eager layout is a view (``y[:, :2]``, ``y.permute(...)``, an element of ``split``), and any
+    value ``as_strided`` reads (it may reach outside the view, at the view's storage offset), is restored by
+    copying the tensor it is a view of and replaying the views on the copy. The copy is made right after the
+    value, shared by its readers, unless the graph writes the value (or a tensor it aliases) in place
+    (``y.add_(1)`` after ``y = relu(conv(x))``): then it is made just before its reader, so it sees the writes.
+
     Raises:
-        RuntimeError: an original layout is neither contiguous nor channels-last, so it cannot be restored
-            (``passes.build_graph`` then builds the graph without this pass).
+        RuntimeError: an original layout is neither contiguous nor channels-last, nor a view of such a tensor,
+            so it cannot be restored; or a view the new strides need a copy for aliases a tensor written in
+            place (a view of a copy would not see the writes). ``passes.build_graph`` then builds the graph
+            without this pass.
     """
     graph = gm.graph
     before = {n: v for n, v in originals.items()}  # node -> its value before the pass (eager's strides)
     changed = {n for n, v in originals.items() if _strides(v) != _strides(n.meta.get("val"))}
     restored: list[str] = []
     copies: dict[fx.Node, fx.Node] = {}
+    made: set[fx.Node] = set()
+    # tensors written in place somewhere (by their alias root): a copy of one of them, or of a view of one, must
+    # be made just before its reader, or it would miss the writes between the value and the reader
+    written = {_alias_root(t) for n in graph.nodes for t in writes_in_place(n)}
 
     def restore(reader: fx.Node, value: fx.Node) -> None:
-        orig = before[value]
+        # the copy is made of the tensor ``value`` is a view of (``chain``: the views between, replayed on the
+        # copy) when ``value``'s own layout is not dense (a slice, a permute of the NCHW output), and always for
+        # an op that reads the storage itself (as_strided may reach outside the view)
+        src, chain = value, []
+        while src in before and (reader.target in _LAYOUT_READERS or _memory_format(before[src]) is None):
+            base = view_base(src)
+            if base is None or base not in before:
+                break
+            chain.append(src)
+            src = base
+        orig = before[src]
         if not isinstance(orig, torch.Tensor):
             raise RuntimeError(f"cannot restore the layout of {value.name}: not a single tensor")
-        if orig.is_contiguous():
-            fmt = torch.contiguous_format
-        elif orig.dim() == 4 and orig.is_contiguous(memory_format=torch.channels_last):
-            fmt = torch.channels_last
-        else:
+        fmt = _memory_format(orig)
+        if fmt is None:
             raise RuntimeError(f"cannot restore the layout of {value.name}: strides {tuple(orig.stride())}")
-        copy_ = copies.get(value)
+        mutable = _alias_root(src) in written
+        if mutable and reader.op != "output" and view_base(reader) is not None:
+            # eager's view would alias the written tensor; a view of a copy would not see the writes
+            raise RuntimeError(f"cannot restore the layout of {value.name} for {reader.name}: a view of a tensor "
+                               f"written in place")
+        shared = not mutable and not chain
+        copy_ = copies.get(src) if shared else None
         if copy_ is None:
-            with graph.inserting_after(value):
-                copy_ = graph.call_function(_CLONE, (value,), {"memory_format": fmt})
-            copy_meta(value, copy_, fake_eval(_CLONE, copy_.args, copy_.kwargs))
-            copies[value] = copy_
+            with (graph.inserting_after(src) if shared else graph.inserting_before(reader)):
+                copy_ = graph.call_function(_CLONE, (src,), {"memory_format": fmt})
+                copy_meta(src, copy_, fake_eval(_CLONE, copy_.args, copy_.kwargs))
+                made.add(copy_)
+                for view in reversed(chain):
+                    copy_ = graph.node_copy(view, lambda a, s=src, c=copy_: c if a is s else a)
+                    copy_meta(view, copy_, fake_eval(copy_.target, copy_.args, copy_.kwargs))
+                    made.add(copy_)
+                    src = view
+            if shared:
+                copies[src] = copy_
         reader.replace_input_with(value, copy_)
         restored.append(reader.name)
 
     for node in list(graph.nodes):
         hit = [a for a in node.all_input_nodes if a in changed]
-        if not hit or node in copies.values():
+        if not hit or node in made:
             continue
         if node.op == "output" or node.target in _LAYOUT_READERS:
             for a in hit:
@@ -192,6 +235,18 @@ def _repropagate(gm: fx.GraphModule, originals: dict[fx.Node, object]) -> list[s
             changed.add(node)
         node.meta["val"] = new
     return restored
+
+
+def _memory_format(val) -> torch.memory_format | None:
+    """The memory format ``aten.clone`` gives a copy with ``val``'s strides: contiguous, or channels-last for
+    a 4-D tensor; None for other strides (a view, a permuted layout) or a value that is not a tensor."""
+    if not isinstance(val, torch.Tensor):
+        return None
+    if val.is_contiguous():
+        return torch.contiguous_format
+    if val.dim() == 4 and val.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return None
 
 
 def _spec_refusal(spec: PassSpec) -> str | None:
@@ -294,6 +349,34 @@ def _add_reason(conv: fx.Node, add: fx.Node | None, z) -> str | None:
         return "the add's other operand is not a tensor of the graph"
     if zv.dtype != yv.dtype or zv.dim() != 4 or list(zv.shape) != list(yv.shape):
         return "the residual's shape or dtype differs from the convolution's output (a broadcast add)"
+    return None
+
+
+def _alias_root(node):
+    """The tensor ``node`` is a view (or the in-place result) of, followed to its end (``node`` itself when it is
+    a new tensor); ``passes._graph.view_base`` decides each step."""
+    seen = set()
+    while isinstance(node, fx.Node) and node not in seen:
+        seen.add(node)
+        base = view_base(node)
+        if base is None:
+            return node
+        node = base
+    return node
+
+
+def _write_reason(conv: fx.Node, add: fx.Node | None, z, act: fx.Node) -> str | None:
+    """Why the fused op cannot run at the ReLU's place: an op between the convolution and the ReLU writes in
+    place into the convolution's input, weight or bias, or into the residual ``z`` (or a view of one of them),
+    so the fused op would read the written values where eager's convolution (and add) read the old ones."""
+    x, w, b = _conv_args(conv)[:3]
+    read = {_alias_root(t) for t in (x, w, b, z) if isinstance(t, fx.Node)}
+    node = conv.next
+    while node is not act and node.op != "root":
+        if node is not add and any(_alias_root(t) in read for t in writes_in_place(node)):
+            return (f"{node.name} writes in place into the convolution's input or the residual between the "
+                    f"convolution and its ReLU (the fused op, at the ReLU's place, would read the new values)")
+        node = node.next
     return None
 
 

@@ -262,6 +262,122 @@ def test_inductor_compiles_the_fused_graph():
     assert got.stride() == ref.stride()
 
 
+class _TwoConvAdd(nn.Module):
+    """RepVGG's block without identity, ``relu(conv_3x3(x) + conv_1x1(x))``: both convolutions end in one add."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(4, 6, 3, padding=1), nn.Conv2d(4, 6, 1)
+
+    def forward(self, x):
+        return F.relu(self.a(x) + self.b(x))
+
+
+def test_relu_of_two_convolutions_fuses_one_with_the_other_as_residual():
+    """A bug once: both convolutions were taken as sites of the one add; rewriting the first consumed the add and
+    the second raised a TypeError (``passes.build_graph`` then dropped the pass)."""
+    model, gm = _capture(_TwoConvAdd(), 4, 7, 7)
+
+    result = fuse_conv_relu(gm, HOPPER16)
+
+    assert result.count == 1 and result.notes["kinds"] == {result.changed[0]: "add_relu"}
+    (skip,) = result.skipped
+    assert "is fused with this ReLU" in skip.reason
+    (fused,) = _fused(gm)
+    assert fused.args[2].target == torch.ops.aten.conv2d.default  # the other convolution is the residual
+    _check_parity(model, gm, 4, 7, 7)
+
+
+class _WrittenBetween(nn.Module):
+    """An in-place op between the convolution and its ReLU writes the convolution's input (``"x"``) or the
+    residual (``"z"``): eager's convolution / add read the values before the write."""
+
+    def __init__(self, which: str) -> None:
+        super().__init__()
+        self.which = which
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        h = x * 1.0
+        if self.which == "x":
+            y = self.conv(h)
+            h[:, :2] = 0.0  # a write through a view of the input
+            return F.relu(y) + h
+        y = self.conv(x) + h
+        h.mul_(2.0)
+        return F.relu(y) + h
+
+
+@pytest.mark.parametrize("which", ["x", "z"])
+def test_refuses_a_site_whose_input_is_written_before_its_relu(which):
+    """A bug once: the fused op, placed at the ReLU, read the written values (wrong results, no error)."""
+    model, gm = _capture(_WrittenBetween(which), 4, 6, 6)
+
+    result = fuse_conv_relu(gm, HOPPER16)
+
+    assert result.count == 0
+    (skip,) = result.skipped
+    assert "writes in place into the convolution's input or the residual" in skip.reason
+    _check_parity(model, gm, 4, 6, 6)
+
+
+class _WrittenAfter(nn.Module):
+    """The fused output is written in place after the ReLU, then returned (and read by a later convolution)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(4, 6, 3, padding=1), nn.Conv2d(6, 6, 1)
+
+    def forward(self, x):
+        y = F.relu(self.a(x))
+        y.mul_(2.0)
+        z = F.relu(self.b(y))
+        y[:, :2] = 0.0  # the graph returns the mul_ node: this write comes after it
+        return y, z
+
+
+def test_layout_copy_sees_in_place_writes_after_the_fused_op():
+    """A bug once: the copy back to NCHW for the graph output was made right after the value it copies (the
+    ``mul_``), before the later write through ``y[:, :2]``, and the graph returned the values before it."""
+    model, gm = _capture(_WrittenAfter(), 4, 6, 6)
+
+    result = fuse_conv_relu(gm, HOPPER16)
+
+    assert result.count == 2
+    _check_parity(model, gm, 4, 6, 6)
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+    clone = out.args[0][0]
+    assert clone.target == torch.ops.aten.clone.default and clone.next is out  # after every write
+
+
+class _ViewOutputs(nn.Module):
+    """Graph outputs that are views of a fused output in eager's NCHW layout, and ``as_strided`` of a view at a
+    storage offset: none is dense (contiguous or channels-last) by itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x):
+        y = F.relu(self.conv(x))
+        a, b = torch.split(y, [3, 5], dim=1)
+        n = y.shape[0]
+        return (y.permute(0, 2, 3, 1), y[:, 2:6], a, b, y[:, None].expand(-1, 2, -1, -1, -1),
+                torch.as_strided(y[:, 1:], (n, 4), (200, 3)) * 1.0)
+
+
+def test_restores_views_of_the_fused_output():
+    """A bug once: every such output raised "cannot restore the layout" (``passes.build_graph`` then dropped the
+    pass); now the NCHW copy is made of the fused output and the views are replayed on it."""
+    model, gm = _capture(_ViewOutputs(), 3, 5, 5)
+
+    result = fuse_conv_relu(gm, HOPPER16)
+
+    assert result.count == 1
+    gm.graph.lint()
+    _check_parity(model, gm, 3, 5, 5)
+
+
 # -------------------------------------------------------------------------------------------- the ops
 
 
