@@ -7,7 +7,8 @@ the ReLU while the output tile is in registers. They exist on CUDA only and have
 
 * a fake implementation, so Inductor compiles a graph that calls them (as extern kernels);
 * the composite computation (``F.conv2d`` + add + ``relu``) on any other device, so a graph rewritten for a GPU
-  target still runs (and is tested) on the CPU, with the same values;
+  target still runs (and is tested) on the CPU, with the same values, and on CUDA for a configuration cuDNN
+  refuses (no engine for it: warned once, then the composite, :data:`REFUSED`);
 * one fixed output layout: channels-last (NHWC) with its canonical strides on every device, so the fake
   implementation and the real one agree on strides by construction. ``x`` and ``z`` are made channels-last on
   entry (a no-op for a channels-last tensor: convolutions chained through these ops stay channels-last); the
@@ -19,6 +20,7 @@ convolution itself takes). No autograd formula: inference only (the pass refuses
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -57,16 +59,49 @@ _LIB.define("conv2d_add_relu(Tensor x, Tensor weight, Tensor z, Tensor? bias, in
             "int[] dilation, int groups) -> Tensor")
 
 
+#: Configurations cuDNN refused (shapes, dtype, geometry): computed as the composite since, with one warning.
+REFUSED: set[tuple] = set()
+
+
+def _cudnn_or_composite(kind: str, x, weight, z, bias, stride, padding, dilation, groups) -> torch.Tensor:
+    """One fused cuDNN call on CUDA; the composite (``conv2d`` + add + ``relu``) elsewhere, or where cuDNN has no
+    engine for the configuration (``RuntimeError`` from the call: warned once per configuration, then the
+    composite without trying again)."""
+    if x.is_cuda and torch.backends.cudnn.enabled:
+        key = None
+        if REFUSED:
+            key = _config(kind, x, weight, stride, padding, dilation, groups)
+        if key is None or key not in REFUSED:
+            try:
+                return _cudnn_call(kind, x, weight, z, bias, stride, padding, dilation, groups)
+            except RuntimeError as exc:
+                key = _config(kind, x, weight, stride, padding, dilation, groups)
+                REFUSED.add(key)
+                warnings.warn(f"tctune::{kind}: cuDNN refused the fused convolution for {key} ({str(exc)[:200]}); "
+                              f"computing convolution, add and ReLU separately for it from now on", RuntimeWarning,
+                              stacklevel=2)
+    y = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+    return torch.relu(y if z is None else y + z)
+
+
+def _config(kind, x, weight, stride, padding, dilation, groups) -> tuple:
+    return (kind, tuple(x.shape), tuple(weight.shape), x.dtype, tuple(stride), tuple(padding), tuple(dilation),
+            groups)
+
+
+def _cudnn_call(kind, x, weight, z, bias, stride, padding, dilation, groups) -> torch.Tensor:
+    if kind == "conv2d_relu":
+        return torch.ops.aten.cudnn_convolution_relu(x, weight, bias, stride, padding, dilation, groups)
+    return torch.ops.aten.cudnn_convolution_add_relu(x, weight, z, 1.0, bias, stride, padding, dilation, groups)
+
+
 def conv2d_relu(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], stride: Sequence[int],
                 padding: Sequence[int], dilation: Sequence[int], groups: int) -> torch.Tensor:
     """``relu(conv2d(x, weight, bias, stride, padding, dilation, groups))``, channels-last output (module
     docstring); one cuDNN kernel on CUDA (``aten.cudnn_convolution_relu``)."""
     x, weight = x.contiguous(memory_format=_CL), weight.contiguous(memory_format=_CL)
-    if x.is_cuda and torch.backends.cudnn.enabled:
-        y = torch.ops.aten.cudnn_convolution_relu(x, weight, bias, stride, padding, dilation, groups)
-    else:
-        y = torch.relu(F.conv2d(x, weight, bias, stride, padding, dilation, groups))
-    return _channels_last(y)
+    return _channels_last(_cudnn_or_composite("conv2d_relu", x, weight, None, bias, stride, padding, dilation,
+                                              groups))
 
 
 def conv2d_add_relu(x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor, bias: Optional[torch.Tensor],
@@ -76,11 +111,8 @@ def conv2d_add_relu(x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor, bias
     CUDA (``aten.cudnn_convolution_add_relu`` with ``alpha = 1``). ``z``: the output's shape, not written."""
     x, weight = x.contiguous(memory_format=_CL), weight.contiguous(memory_format=_CL)
     z = z.contiguous(memory_format=_CL)
-    if x.is_cuda and torch.backends.cudnn.enabled:
-        y = torch.ops.aten.cudnn_convolution_add_relu(x, weight, z, 1.0, bias, stride, padding, dilation, groups)
-    else:
-        y = torch.relu(F.conv2d(x, weight, bias, stride, padding, dilation, groups) + z)
-    return _channels_last(y)
+    return _channels_last(_cudnn_or_composite("conv2d_add_relu", x, weight, z, bias, stride, padding, dilation,
+                                              groups))
 
 
 for _name, _fn in (("conv2d_relu", conv2d_relu), ("conv2d_add_relu", conv2d_add_relu)):
@@ -101,4 +133,4 @@ def _conv2d_add_relu_fake(x, weight, z, bias, stride, padding, dilation, groups)
 CONV2D_RELU = torch.ops.tctune.conv2d_relu.default
 CONV2D_ADD_RELU = torch.ops.tctune.conv2d_add_relu.default
 
-__all__ = ["CONV2D_ADD_RELU", "CONV2D_RELU", "conv2d_add_relu", "conv2d_relu"]
+__all__ = ["CONV2D_ADD_RELU", "CONV2D_RELU", "REFUSED", "conv2d_add_relu", "conv2d_relu"]

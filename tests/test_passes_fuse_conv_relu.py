@@ -415,3 +415,34 @@ def test_cudnn_ops_match_the_composite_on_cuda(dtype):
     assert got.dtype == dtype and got.is_contiguous(memory_format=torch.channels_last)
     assert zoo.rel_l2(got.float(), ref) < (1e-2 if dtype == torch.float16 else 3e-2)
     torch.library.opcheck(CONV2D_RELU, (x, w, b, [1, 1], [1, 1], [1, 1], 1))
+
+
+def test_a_configuration_cudnn_refuses_falls_back_to_the_composite_with_one_warning(monkeypatch):
+    """On CUDA a configuration without a cuDNN engine raises RuntimeError: the op warns once, computes the
+    composite, and does not try cuDNN again for that configuration (faked here on the CPU)."""
+    import passes.cudnn_ops as ops
+
+    calls = []
+
+    class _FakeCuda(torch.Tensor):
+        pass
+
+    def refuse(*args):
+        calls.append(args[0])
+        raise RuntimeError("CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR: no valid engine configs")
+
+    monkeypatch.setattr(ops, "_cudnn_call", refuse)
+    monkeypatch.setattr(ops, "REFUSED", set())
+    monkeypatch.setattr(_FakeCuda, "is_cuda", property(lambda self: True))
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 6, 6).as_subclass(_FakeCuda)
+    w, b = torch.randn(5, 4, 3, 3), torch.randn(5)
+
+    with pytest.warns(RuntimeWarning, match="cuDNN refused the fused convolution"):
+        first = ops._cudnn_or_composite("conv2d_relu", x, w, None, b, [1, 1], [1, 1], [1, 1], 1)
+    second = ops._cudnn_or_composite("conv2d_relu", x, w, None, b, [1, 1], [1, 1], [1, 1], 1)
+
+    assert calls == ["conv2d_relu"] and len(ops.REFUSED) == 1
+    ref = torch.relu(F.conv2d(x.as_subclass(torch.Tensor), w, b, 1, 1))
+    torch.testing.assert_close(first.as_subclass(torch.Tensor), ref)
+    torch.testing.assert_close(second.as_subclass(torch.Tensor), ref)
