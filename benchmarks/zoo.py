@@ -157,7 +157,9 @@ times, so launch-bound variants without CUDA graphs can time slower (the CUDA-gr
 seconds are wall time under the contention of ``procs_per_gpu`` concurrent processes (and the divided compile
 threads); tctune's and Inductor's compile seconds of a model are compared with each other within one row (both
 compiled with the same number of concurrent processes, though the momentary load of the others varies), not
-with rows of a call with another ``procs_per_gpu``. A ``tctune optimize``
+with rows of a call with another ``procs_per_gpu``. ``--lock-compiles`` puts each variant's compile and first call
+under the same lock (``lock_compiles`` in the row): builds still overlap, compiles and timings no longer do
+(:data:`NOISY_SPREAD` says why that matters). A ``tctune optimize``
 job holds its GPU's lock for its whole search (its trials compile and time inside it; ``gpu_lock_wait_s``).
 
 Memory guard. A model does not start on a GPU while the estimates of the models running there plus its own exceed
@@ -1270,7 +1272,8 @@ def measure_model(entry: Entry, args: argparse.Namespace) -> dict:
     lock_path = os.environ.get("ZOO_GPU_LOCK") or None
     procs = int(os.environ.get("ZOO_PROCS_PER_GPU", "1"))
     waits: list[float] = []
-    row.update(procs_per_gpu=procs, gpu_lock={"file": lock_path, "wait_s": 0.0, "sections": 0},
+    row.update(procs_per_gpu=procs, lock_compiles=bool(getattr(args, "lock_compiles", False)),
+               gpu_lock={"file": lock_path, "wait_s": 0.0, "sections": 0},
                compile_note=f"compile seconds measured with {procs} concurrent model process(es) on this GPU")
     if os.environ.get("ZOO_MEM_ESTIMATE"):
         row["memory_estimate_gib"] = round(int(os.environ["ZOO_MEM_ESTIMATE"]) / 2**30, 2)
@@ -1321,9 +1324,10 @@ def measure_model(entry: Entry, args: argparse.Namespace) -> dict:
         if needs is not None and needs not in fns:
             v.update(ok=False, skipped=f"needs the {needs} variant, which did not run")
             return False
-        t = time.perf_counter()
+        lock = gpu_timing_lock(lock_path, waits) if getattr(args, "lock_compiles", False) else contextlib.nullcontext()
         try:
-            with compile_cache(fresh_cache and not args.warm_cache) as cache_note:
+            with lock, compile_cache(fresh_cache and not args.warm_cache) as cache_note:
+                t = time.perf_counter()  # after the lock: the wait for it is not compile time
                 fn = make()
                 out = fn(*call_args)
                 _sync(cuda)
@@ -1849,7 +1853,8 @@ def _child_args(args: argparse.Namespace) -> list[str]:
            "--variants", ",".join(args.variants), "--max-memory-frac", repr(args.max_memory_frac),
            "--optimize-trials", str(args.optimize_trials), "--optimize-budget-s", repr(args.optimize_budget_s),
            "--cg-captures", str(args.cg_captures)]
-    return out + (["--tiny"] if args.tiny else []) + (["--warm-cache"] if args.warm_cache else [])
+    return (out + (["--tiny"] if args.tiny else []) + (["--warm-cache"] if args.warm_cache else [])
+            + (["--lock-compiles"] if getattr(args, "lock_compiles", False) else []))
 
 
 @dataclass
@@ -2056,6 +2061,11 @@ def _parser() -> argparse.ArgumentParser:
                           "models sharing a GPU start only while their memory estimates stay within it (0.8)")
     how.add_argument("--warm-cache", action="store_true",
                      help="keep the user's Inductor/Triton caches (default: a fresh cache folder per model)")
+    how.add_argument("--lock-compiles", action="store_true",
+                     help="each variant's compile (and first call) also holds its GPU's timing lock, so no "
+                          "process compiles - Inductor benchmarks kernels on the GPU while compiling - while "
+                          "another times, and compile seconds are not shared with other compiles on the GPU; "
+                          "slower wall time (see zoo.timing_noisy)")
     how.add_argument("--optimize-trials", type=int, default=12, help="trials of each `tctune optimize` (12)")
     how.add_argument("--optimize-budget-s", type=float, default=150.0,
                      help="TuneConfig.timeout_s of each `tctune optimize`, seconds (150)")

@@ -495,6 +495,15 @@ def test_order_smallest_first_and_max_params_skip():
     assert [(e.name, r) for e, r in skip] == [("big", "--max-params 2e+09: 7.00 B parameters")]
 
 
+def test_lock_compiles_puts_each_compile_under_the_gpu_lock(tmp_path):
+    assert zoo.main(["--models", "zoo_test_mlp", "--gpus", "0", "--device", "cpu", "--lock-compiles",
+                     "--variants", "fp32_eager,eager", "--repeats", "2", "--repeat-s", "0.001",
+                     "--out", str(tmp_path), "--model-timeout", "60"]) == 0
+    r = json.loads(zoo.row_path(tmp_path, "zoo_test_mlp").read_text())
+    assert r["status"] == "ok" and r["lock_compiles"] is True
+    assert r["gpu_lock"]["sections"] >= 3  # both timings and at least the compiles before the last timing
+
+
 def test_max_params_writes_skipped_rows(tmp_path):
     pytest.importorskip("transformers")
     assert zoo.main(["--models", "BertForMaskedLM", "--tiny", "--max-params", "1000", "--device", "cpu",
