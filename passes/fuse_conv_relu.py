@@ -37,8 +37,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from passes._graph import (copy_meta, fake_eval, fake_from_tensor, finish, get_attr_value, set_attr_tensor, view_base,
-                           writes_in_place)
+from passes._graph import (copy_meta, fake_eval, fake_from_tensor, finish, get_attr_value, node_arg, set_attr_tensor,
+                           view_base, writes_in_place)
 from passes.base import PassResult, PassSpec, Skip
 from passes.cudnn_ops import CONV2D_ADD_RELU, CONV2D_RELU
 
@@ -282,23 +282,21 @@ def _is_conv2d(node: fx.Node) -> bool:
     """A 2-D, not transposed convolution node (the denominator of :data:`MIN_SHARE`)."""
     if node.op != "call_function" or node.target not in (_CONV2D, _CONVOLUTION, _CONV2D_PADDING_STR):
         return False
-    xv = getattr(_conv_args(node)[0], "meta", {}).get("val")
-    return not _conv_args(node)[6] and isinstance(xv, torch.Tensor) and xv.dim() == 4
+    args = _conv_args(node)
+    xv = getattr(args[0], "meta", {}).get("val")
+    return not args[6] and isinstance(xv, torch.Tensor) and xv.dim() == 4
 
 
 def _conv_args(conv: fx.Node) -> tuple:
     """``(x, W, b, stride, padding, dilation, transposed, groups)`` of an ``aten.conv2d`` / ``aten.convolution``
     node, with defaults filled in."""
-    a, kw = conv.args, conv.kwargs
-
     def arg(i, name, default):
-        return a[i] if len(a) > i else kw.get(name, default)
+        return node_arg(conv, i, name, default)
+    common = (arg(0, "input", None), arg(1, "weight", None), arg(2, "bias", None), arg(3, "stride", [1, 1]),
+              arg(4, "padding", [0, 0]), arg(5, "dilation", [1, 1]))
     if conv.target == _CONVOLUTION:
-        return (arg(0, "input", None), arg(1, "weight", None), arg(2, "bias", None), arg(3, "stride", [1, 1]),
-                arg(4, "padding", [0, 0]), arg(5, "dilation", [1, 1]), arg(6, "transposed", False),
-                arg(8, "groups", 1))
-    return (arg(0, "input", None), arg(1, "weight", None), arg(2, "bias", None), arg(3, "stride", [1, 1]),
-            arg(4, "padding", [0, 0]), arg(5, "dilation", [1, 1]), False, arg(6, "groups", 1))
+        return (*common, arg(6, "transposed", False), arg(8, "groups", 1))
+    return (*common, False, arg(6, "groups", 1))
 
 
 def _pair(v) -> list[int] | None:
