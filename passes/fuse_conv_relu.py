@@ -98,20 +98,23 @@ def fuse_conv_relu(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
             result.skipped.append(Skip(node.name, reason))
         else:
             claimed[act] = node
-            ready.append((node,))
+            ready.append(node)
     convs = sum(1 for n in gm.graph.nodes if _is_conv2d(n))
     if ready and len(ready) < MIN_SHARE * convs:
         reason = (f"only {len(ready)} of the graph's {convs} 2-D convolutions can be fused: the rule fuses when at "
                   f"least {MIN_SHARE:.0%} can (a few channels-last fused ops among Inductor's own convolutions "
                   f"measured slower)")
-        result.skipped.extend(Skip(node.name, reason) for node, *_ in ready)
+        result.skipped.extend(Skip(node.name, reason) for node in ready)
         ready = []
     kinds: dict[str, str] = {}
     originals: dict[fx.Node, object] = {}  # fused node -> the replaced ReLU's fake value (eager's strides)
-    for node, *_ in ready:
+    for node in ready:
         # the site again, from the graph as it is now: an earlier rewrite may have replaced its residual (a
         # ResNet block's identity is the previous block's ReLU, now that block's fused op)
-        add, z, act = _site(node)
+        site = _site(node)
+        if site is None:
+            continue
+        add, z, act = site
         originals_val = act.meta.get("val")
         fused = _rewrite(gm, node, add, z, act)
         originals[fused] = originals_val
