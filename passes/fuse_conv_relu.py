@@ -37,8 +37,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from passes._graph import (copy_meta, fake_eval, fake_from_tensor, finish, get_attr_value, node_arg, set_attr_tensor,
-                           view_base, writes_in_place)
+from passes._graph import (copy_meta, fake_eval, fake_from_tensor, finish, get_attr_value, node_arg, op_name,
+                           set_attr_tensor, view_base, writes_in_place)
 from passes.base import PassResult, PassSpec, Skip
 from passes.cudnn_ops import CONV2D_ADD_RELU, CONV2D_RELU
 
@@ -86,6 +86,11 @@ def fuse_conv_relu(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
     for node in list(gm.graph.nodes):
         site = _site(node)
         if site is None:
+            between = _relu_behind(node)
+            if between is not None:
+                result.skipped.append(Skip(node.name, refusal or f"its output reaches the ReLU through "
+                                                                 f"{op_name(between)} (e.g. pad_conv_channels' "
+                                                                 f"channel slice): not fused"))
             continue
         add, z, act = site
         reason = refusal or _conv_reason(gm, node) or _add_reason(node, add, z) \
@@ -255,10 +260,10 @@ def _memory_format(val) -> torch.memory_format | None:
 def _spec_refusal(spec: PassSpec) -> str | None:
     if spec.training:
         return "training: the fused cuDNN convolution ops have no autograd formula"
-    if spec.precision not in PRECISIONS:
-        return f"precision {spec.precision}: the fused kernel is used at {', '.join(PRECISIONS)} only (measured at fp16)"
     if spec.arch not in ARCHS:
-        return f"arch {spec.arch}: the fused cuDNN kernel is measured on {', '.join(ARCHS)} only"
+        return f"arch {spec.arch}: the fused cuDNN kernel is used on {', '.join(ARCHS)} only (measured there)"
+    if spec.precision not in PRECISIONS:
+        return f"precision {spec.precision}: used at {', '.join(PRECISIONS)} only (measured at fp16 / bf16)"
     return None
 
 
@@ -279,6 +284,18 @@ def _site(conv: fx.Node) -> tuple[fx.Node | None, object, fx.Node] | None:
         return None
     lhs, rhs = user.args
     return user, (rhs if lhs is conv else lhs), act
+
+
+def _relu_behind(conv: fx.Node) -> fx.Node | None:
+    """For a 2-D convolution that is not a site: the one op between it and a ReLU (its only reader, whose only
+    reader is the ReLU), else None."""
+    if not _is_conv2d(conv) or len(conv.users) != 1:
+        return None
+    user = next(iter(conv.users))
+    if user.op != "call_function" or len(user.users) != 1:
+        return None
+    act = next(iter(user.users))
+    return user if act.op == "call_function" and act.target in _RELU else None
 
 
 def _is_conv2d(node: fx.Node) -> bool:
@@ -344,7 +361,8 @@ def _add_reason(conv: fx.Node, add: fx.Node | None, z) -> str | None:
     if set(add.kwargs) - {"alpha"} or add.kwargs.get("alpha", 1) != 1:
         return "the add has an alpha other than 1"
     if add.target == _ADD_ and add.args[0] is not conv:
-        return "the in-place add writes into the residual, not into the convolution's output"
+        return (f"the in-place add writes into {add.args[0].name}, not into this convolution's output: this one "
+                f"is the residual (one convolution per add is fused)")
     zv, yv = getattr(z, "meta", {}).get("val"), conv.meta["val"]
     if not isinstance(z, fx.Node) or z is conv or not isinstance(zv, torch.Tensor):
         return "the add's other operand is not a tensor of the graph"

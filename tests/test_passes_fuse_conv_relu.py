@@ -118,6 +118,7 @@ def test_pipeline_casts_the_fused_ops_to_the_low_dtype():
 @pytest.mark.parametrize("spec, reason", [
     (PassSpec(precision="fp16", arch="Hopper", training=True), "training"),
     (PassSpec(precision="fp32", arch="Hopper"), "precision fp32"),
+    (PassSpec(precision="fp32", arch="cpu"), "arch cpu"),  # the architecture is named first
     (PassSpec(precision="fp16", arch="Ampere"), "arch Ampere"),
     (PassSpec(precision="fp16", arch="cpu"), "arch cpu"),
 ])
@@ -163,7 +164,7 @@ def test_skips_each_site_it_cannot_fuse_with_its_reason():
     reasons = {s.reason.split(" (")[0].split(":")[0] for s in result.skipped}
     assert reasons == {"grouped or depthwise convolution", "stride, padding or dilation is not two integers",
                        "the residual's shape or dtype differs from the convolution's output",
-                       "the in-place add writes into the residual, not into the convolution's output"}
+                       "the in-place add writes into mul, not into this convolution's output"}
     _check_parity(model, gm, 8, 10, 10)
 
 
@@ -230,6 +231,43 @@ def test_channels_last_model_needs_no_layout_copy():
         ref, got = model(y.clone()), gm(y.clone())
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert got.stride() == ref.stride()
+
+
+class _PaddedVGG(nn.Module):
+    """conv 8 -> 60 channels + ReLU: pad_conv_channels pads 60 to 64 and slices back, so the ReLU is reached through
+    the slice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(8, 16, 3, padding=1), nn.Conv2d(16, 60, 3, padding=1)
+
+    def forward(self, x):
+        return F.relu(self.b(F.relu(self.a(x)))).flatten(1)
+
+
+def test_a_relu_reached_through_another_op_is_a_skip_with_its_reason():
+    from passes import pad_conv_channels
+
+    model, gm = _capture(_PaddedVGG(), 8, 6, 6)
+    spec = PassSpec(precision="fp16", arch="Hopper", alignment=zoo.ALIGNMENT)
+    assert pad_conv_channels(gm, spec).count >= 1
+
+    result = fuse_conv_relu(gm, spec)
+
+    assert result.count == 1
+    (skip,) = result.skipped
+    assert skip.reason.startswith("its output reaches the ReLU through slice")
+    _check_parity(model, gm, 8, 6, 6)
+
+
+def test_the_downsample_residual_says_which_convolution_is_fused():
+    _, gm = _capture(Bottleneck(), 16, 12, 12)
+    fold_conv_batchnorm(gm, HOPPER16)
+
+    result = fuse_conv_relu(gm, HOPPER16)
+
+    (skip,) = result.skipped
+    assert "this one is the residual (one convolution per add is fused)" in skip.reason
 
 
 def test_idempotent():
