@@ -68,14 +68,13 @@ def _cudnn_or_composite(kind: str, x, weight, z, bias, stride, padding, dilation
     engine for the configuration (``RuntimeError`` from the call: warned once per configuration, then the
     composite without trying again)."""
     if x.is_cuda and torch.backends.cudnn.enabled:
-        key = None
-        if REFUSED:
-            key = _config(kind, x, weight, stride, padding, dilation, groups)
-        if key is None or key not in REFUSED:
+        # the key is built only once some configuration was refused: nothing extra on the usual path
+        key = _config(kind, x, weight, stride, padding, dilation, groups) if REFUSED else None
+        if key not in REFUSED:
             try:
                 return _cudnn_call(kind, x, weight, z, bias, stride, padding, dilation, groups)
             except RuntimeError as exc:
-                key = _config(kind, x, weight, stride, padding, dilation, groups)
+                key = key or _config(kind, x, weight, stride, padding, dilation, groups)
                 REFUSED.add(key)
                 warnings.warn(f"tctune::{kind}: cuDNN refused the fused convolution for {key} ({str(exc)[:200]}); "
                               f"computing convolution, add and ReLU separately for it from now on", RuntimeWarning,

@@ -48,6 +48,7 @@ _aten = torch.ops.aten
 _CONV2D = _aten.conv2d.default
 _CONVOLUTION = _aten.convolution.default
 _CONV2D_PADDING_STR = _aten.conv2d.padding  # padding="same" / "valid": refused with its reason
+_CONV_TARGETS = (_CONV2D, _CONVOLUTION, _CONV2D_PADDING_STR)
 _RELU = (_aten.relu.default, _aten.relu_.default)
 _ADD = _aten.add.Tensor
 _ADD_ = _aten.add_.Tensor
@@ -172,7 +173,7 @@ def _repropagate(gm: fx.GraphModule, originals: dict[fx.Node, object]) -> list[s
             without this pass.
     """
     graph = gm.graph
-    before = {n: v for n, v in originals.items()}  # node -> its value before the pass (eager's strides)
+    before = dict(originals)  # node -> its value before the pass (eager's strides)
     changed = {n for n, v in originals.items() if _strides(v) != _strides(n.meta.get("val"))}
     restored: list[str] = []
     copies: dict[fx.Node, fx.Node] = {}
@@ -270,7 +271,7 @@ def _spec_refusal(spec: PassSpec) -> str | None:
 def _site(conv: fx.Node) -> tuple[fx.Node | None, object, fx.Node] | None:
     """``(add, z, relu)`` when ``conv`` is a convolution whose only reader is a ReLU (``add`` None) or an add
     whose only reader is a ReLU (``z`` the add's other operand); else None (not a candidate)."""
-    if conv.op != "call_function" or conv.target not in (_CONV2D, _CONVOLUTION, _CONV2D_PADDING_STR) \
+    if conv.op != "call_function" or conv.target not in _CONV_TARGETS \
             or len(conv.users) != 1:
         return None
     user = next(iter(conv.users))
@@ -300,7 +301,7 @@ def _relu_behind(conv: fx.Node) -> fx.Node | None:
 
 def _is_conv2d(node: fx.Node) -> bool:
     """A 2-D, not transposed convolution node (the denominator of :data:`MIN_SHARE`)."""
-    if node.op != "call_function" or node.target not in (_CONV2D, _CONVOLUTION, _CONV2D_PADDING_STR):
+    if node.op != "call_function" or node.target not in _CONV_TARGETS:
         return False
     args = _conv_args(node)
     xv = getattr(args[0], "meta", {}).get("val")
