@@ -26,12 +26,18 @@ same process (the one-off C++ toolchain checks are paid there, not by either sid
 
 Models: Hugging Face entries of ``benchmarks/zoo.py`` built at ``--tiny`` sizes, plus ``hf_resnet`` (a
 ``transformers`` ResNet at tiny sizes: 2 stages of 1 bottleneck, widths 16 / 32, 3x64x64 images; zoo.py's vision
-models need timm / torchvision).
+models need timm / torchvision). ``--full --device cuda``: any zoo entry at the zoo's full sizes and default batch
+size, on the GPU, with Inductor's compile worker pool started first (as zoo.py does) and Triton's compiles in it;
+one process at a time, so no other compile or timing shares the GPU or the cores (the zoo's compile seconds are
+measured with up to seven model processes per GPU). Each row also has ``inductor_counters``
+(``torch._dynamo.utils.counters["inductor"]``: pattern-matcher hits, autotuning and benchmarking counts).
 
   python benchmarks/compile_stages.py --models BertForMaskedLM,DistillGPT2,T5Small,hf_resnet --repeat 2
   python benchmarks/compile_stages.py --models BertForMaskedLM --paths tctune --profile 40
 
-CPU numbers say where the backend's own work goes; they are not the H200's compile times.
+CPU numbers say where the backend's own work goes; they are not the H200's compile times:
+
+  python benchmarks/compile_stages.py --full --device cuda --models convnext_tiny,vit_b_16 --phases --json cs.json
 """
 from __future__ import annotations
 
@@ -87,9 +93,12 @@ def _hf_resnet(batch: int):
     return First(hf).eval(), (torch.randn(batch, 3, 64, 64, generator=g),)
 
 
-def _build(name: str, batch: int):
+def _build(name: str, batch: int | None, full: bool = False, device: str = "cpu"):
+    """The model (eval, on ``device``) and its inputs: ``hf_resnet``, or a zoo entry at ``--tiny`` sizes, or with
+    ``full`` at the zoo's full sizes (any suite; ``batch`` None: the entry's default batch size)."""
     if name == "hf_resnet":
-        return _hf_resnet(batch)
+        model, inputs = _hf_resnet(batch or 2)
+        return model.to(device), tuple(x.to(device) for x in inputs)
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from benchload import load_benchmark
 
@@ -97,8 +106,12 @@ def _build(name: str, batch: int):
     import torch
 
     torch.manual_seed(0)
-    built = zoo.build_hf(name, tiny=True)
-    return built.model.eval(), built.make_inputs(batch, "cpu", 1)
+    if full:
+        entry = zoo.all_entries()[name]
+        built = zoo.build(entry, tiny=False, device=device)
+        return built.model.eval(), built.make_inputs(batch or entry.batch_size, device, 1)
+    built = zoo.build_hf(name, tiny=True, device=device)
+    return built.model.eval(), built.make_inputs(batch or 2, device, 1)
 
 
 def _instrument(tb, stages: dict, cpu: dict, prof, own_only: bool = False):
@@ -141,16 +154,21 @@ def child(a) -> None:
     import torch
     import torch._inductor.config as iconfig
 
-    iconfig.compile_threads = 1
+    cuda = a.device.startswith("cuda")
+    if not cuda:  # on CUDA Triton kernels compile in Inductor's worker pool, as for any user
+        iconfig.compile_threads = 1
     iconfig.fx_graph_cache = False
     iconfig.autotune_local_cache = False
     import torch._inductor.compile_fx as cfx
     import tctune.backend as tb
 
+    if cuda:  # the compile worker pool started and ready, as zoo.py does before its first compile
+        tb._warm_compile_pool()
     f = torch.compile(lambda x: (x * 2).sin() + 1)  # one-off toolchain checks, paid by neither side
-    f(torch.randn(8))
+    f(torch.randn(8, device=a.device))
     torch._dynamo.reset()
-    model, inputs = _build(a.model, a.batch)
+    torch._dynamo.utils.counters.clear()
+    model, inputs = _build(a.model, a.batch, a.full, a.device)
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.precision]
     stages: dict[str, float] = {}
     fx_s = [0.0, 0.0, 0.0]  # wall, CPU (with the C++ compiler children), CPU of this process alone
@@ -185,15 +203,20 @@ def child(a) -> None:
         inputs = tuple(x.to(dt) if x.is_floating_point() else x for x in inputs)
     else:
         _instrument(tb, stages, {}, prof)
-        c = torch.compile(model, backend="tctune", options={"precision": a.precision, "policy": a.policy})
+        backend = "tctune" if "tctune" in torch._dynamo.list_backends() else tb.tctune_backend  # not pip-installed
+        c = torch.compile(model, backend=backend, options={"precision": a.precision, "policy": a.policy})
     t0, c0, s0 = time.perf_counter(), _cpu(), _cpu(children=False)
     if prof is not None:
         prof.enable()
     with torch.no_grad():
         c(*inputs)
+    if cuda:
+        torch.cuda.synchronize()
     if prof is not None:
         prof.disable()
-    row = {"model": a.model, "path": a.path, "first_call_s": time.perf_counter() - t0, "cpu_s": _cpu() - c0,
+    row = {"device": a.device, "batch": int(inputs[0].shape[0]) if inputs and inputs[0].dim() else None,
+           "inductor_counters": {k: int(v) for k, v in torch._dynamo.utils.counters["inductor"].items()},
+           "model": a.model, "path": a.path, "first_call_s": time.perf_counter() - t0, "cpu_s": _cpu() - c0,
            "self_cpu_s": _cpu(children=False) - s0,
            "compile_fx_s": fx_s[0], "compile_fx_cpu_s": fx_s[1], "compile_fx_self_cpu_s": fx_s[2], "kernels": metrics.generated_kernel_count,
            "aot_ops": sum(sum(c.values()) for c in inner_graphs),
@@ -239,7 +262,7 @@ def own_steps(a) -> None:
     _instrument(tb, stages, cpu, None, own_only=True)
     rows = {}
     for name in a.models.split(","):
-        model, inputs = _build(name, a.batch)
+        model, inputs = _build(name, a.batch, a.full, a.device)
         runs = []
         for k in range(a.own_only + 1):
             torch._dynamo.reset()
@@ -277,7 +300,12 @@ def _median(xs):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default=DEFAULT_MODELS, help="comma-separated (default %(default)s)")
-    p.add_argument("--batch", type=int, default=2, help="batch size (default %(default)s)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="batch size (default 2; with --full the zoo entry's default batch size)")
+    p.add_argument("--full", action="store_true",
+                   help="build zoo entries (any suite) at zoo.py's full sizes instead of --tiny Hugging Face configs")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the models run and compile")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per side process (default %(default)s)")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--policy", default="pure", choices=["pure", "autocast"])
     p.add_argument("--paths", default="inductor,tctune")
@@ -302,13 +330,20 @@ def main() -> None:
             for path in a.paths.split(","):
                 d = tempfile.mkdtemp(prefix="compile_stages_")
                 env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=d, TRITON_CACHE_DIR=os.path.join(d, "triton"),
-                           TORCHINDUCTOR_FORCE_DISABLE_CACHES="1", TORCHINDUCTOR_COMPILE_THREADS="1")
+                           TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
+                if not a.device.startswith("cuda"):
+                    env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
                 argv = [sys.executable, os.path.abspath(__file__), "--model", model, "--path", path,
-                        "--batch", str(a.batch), "--precision", a.precision, "--policy", a.policy,
-                        "--profile", str(a.profile)] + (["--phases"] if a.phases else [])
+                        "--precision", a.precision, "--policy", a.policy, "--device", a.device,
+                        "--profile", str(a.profile)] + (["--phases"] if a.phases else []) \
+                    + (["--full"] if a.full else []) + (["--batch", str(a.batch)] if a.batch else [])
                 if a.profile_out:
                     argv += ["--profile-out", f"{a.profile_out}.{model}.{rep}"]
-                out = subprocess.run(argv, env=env, capture_output=True, text=True)
+                try:
+                    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=a.timeout)
+                except subprocess.TimeoutExpired:
+                    print(f"{model} {path}: over --timeout {a.timeout:g} s", flush=True)
+                    continue
                 line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
                 if not line:
                     print(f"{model} {path} failed:\n{out.stderr[-3000:]}", flush=True)
