@@ -6,6 +6,9 @@ Usage::
         --budget-s 560 --model-timeout 150                        # one ten-minute GPU call, one model at a time
     python benchmarks/zoo_profile.py --models DistilBertForMaskedLM --tiny --device cpu --out /tmp/p  # CPU dry run
     python benchmarks/zoo_profile.py --table DIR                 # rebuild DIR/profile.md from DIR/*/profile.json
+    python benchmarks/zoo_profile.py --recipe recipes/gpt2.py --batch 128 --dtype fp16 --inductor-mode \
+        reduce-overhead --tctune-options '{"precision": "fp8", "mode": "reduce-overhead"}' --out $OUT/prof
+        # a model file against a plain baseline of its own choosing (here tctune optimize's GPT-2 answer)
 
 Per model, in its own process (``--model-timeout`` seconds, killed with its process group after that; fresh
 Inductor / Triton cache folders), built by ``benchmarks/zoo.py`` (imported as module ``tctune_bench_zoo``: same
@@ -291,6 +294,35 @@ def _save(out: Path, row: dict) -> None:
     (d / "profile.md").write_text(model_markdown(row))
 
 
+def recipe_entry(path: str | Path):
+    """A zoo-like entry for a model file (``build_model()`` / ``example_inputs(batch)``, as ``tctune optimize``
+    reads it): named ``recipe-<file stem>``, suite ``recipe``, default batch 8 (``--batch`` sets it)."""
+    return zoo.Entry(f"recipe-{Path(path).stem}", "recipe", 8)
+
+
+def _recipe_built(entry, device: str):
+    """Build the model file ``--recipe`` named (``entry`` from :func:`recipe_entry`): FP32, eval, on ``device``;
+    its inputs from ``example_inputs(batch)`` moved to ``device`` (the seed argument of ``make_inputs`` re-seeds
+    torch before each call)."""
+    import torch
+
+    from tctune.modelfile import load_model_file
+
+    mf = load_model_file(_RECIPES[entry.name])
+    model = mf.build_model().eval().to(device)
+
+    def make(batch, dev, seed):
+        torch.manual_seed(seed)
+        return tuple(x.to(dev) for x in mf.inputs(batch))
+
+    return zoo.Built(model, make, f"{mf.path.name}: example_inputs(B)",
+                     params=sum(p.numel() for p in model.parameters()), note=str(mf.path))
+
+
+#: ``recipe-<stem>`` -> the model file's path, for the worker process (filled from ``--recipe``).
+_RECIPES: dict[str, str] = {}
+
+
 def profile_model(entry, args: argparse.Namespace) -> dict:
     """Build ``entry``, compile both sides, time and profile them (module docstring); rewrites the model's
     ``profile.json`` after each step, so a killed process keeps what it finished."""
@@ -300,7 +332,7 @@ def profile_model(entry, args: argparse.Namespace) -> dict:
 
     cuda = args.device.startswith("cuda")
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    batch = zoo.scaled_batch(entry.batch_size, args.scale)
+    batch = args.batch or zoo.scaled_batch(entry.batch_size, args.scale)
     lock = os.environ.get("ZOO_GPU_LOCK") or None
     waits: list[float] = []
     row: dict = {"name": entry.name, "suite": entry.suite, "batch_size": batch, "dtype": args.dtype,
@@ -314,7 +346,8 @@ def profile_model(entry, args: argparse.Namespace) -> dict:
         torch.backends.cudnn.allow_tf32 = False
     try:
         torch.manual_seed(0)
-        built = zoo.build(entry, args.tiny, args.seq, args.device)
+        built = _recipe_built(entry, args.device) if entry.suite == "recipe" else zoo.build(
+            entry, args.tiny, args.seq, args.device)
     except Exception as exc:  # noqa: BLE001 - recorded
         row.update(status="not_built", reason=zoo.one_line(exc))
         save()
@@ -323,8 +356,11 @@ def profile_model(entry, args: argparse.Namespace) -> dict:
     low_inputs = tuple(x.to(dt) if x.is_floating_point() else x for x in inputs)
     row.update(params=built.params, inputs=built.desc)
     backend = "tctune" if "tctune" in torch._dynamo.list_backends() else tb.tctune_backend
-    options = {"precision": args.dtype, "policy": "pure", "output_dtype": zoo.TCTUNE_OUTPUT_DTYPE}
+    options = {"precision": args.dtype, "policy": "pure", "output_dtype": zoo.TCTUNE_OUTPUT_DTYPE,
+               **json.loads(args.tctune_options or "{}")}
     row["output_dtype"] = zoo.TCTUNE_OUTPUT_DTYPE
+    row["tctune_options"] = options
+    row["inductor_mode"] = args.inductor_mode
     fns: dict = {}
     with torch.no_grad():
         # One-off costs of the process's first Inductor compile (compile worker pool, Triton / C++ toolchain
@@ -345,7 +381,7 @@ def profile_model(entry, args: argparse.Namespace) -> dict:
                 make, call_args = (lambda: torch.compile(built.model, backend=backend, options=options)), inputs
             else:
                 low = copy.deepcopy(built.model).to(dt).eval()
-                make, call_args = (lambda: torch.compile(low)), low_inputs
+                make, call_args = (lambda: torch.compile(low, mode=args.inductor_mode)), low_inputs
             t = time.perf_counter()
             try:
                 fn = make()
@@ -412,6 +448,14 @@ def _child_cmd(name: str, args: argparse.Namespace) -> list[str]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--out", str(args.out), "--dtype",
            args.dtype, "--scale", repr(args.scale), "--seq", str(args.seq), "--device", args.device, "--iters",
            str(args.iters), "--warmup", str(args.warmup)]
+    for path in args.recipe or ():
+        cmd += ["--recipe", path]
+    if args.batch:
+        cmd += ["--batch", str(args.batch)]
+    if args.tctune_options:
+        cmd += ["--tctune-options", args.tctune_options]
+    if args.inductor_mode:
+        cmd += ["--inductor-mode", args.inductor_mode]
     return cmd + (["--tiny"] if args.tiny else [])
 
 
@@ -484,6 +528,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model-timeout", type=float, default=150.0, help="seconds per model process (150)")
     p.add_argument("--budget-s", type=float, default=None, help="seconds for the whole call")
     p.add_argument("--min-model-s", type=float, default=40.0, help="no model starts with less left (40)")
+    p.add_argument("--recipe", action="append", metavar="FILE",
+                   help="also profile this model file (build_model / example_inputs, as tctune optimize reads it) "
+                        "as recipe-<stem>; repeatable")
+    p.add_argument("--batch", type=int, default=None, help="batch size for every model (default: the zoo's, scaled)")
+    p.add_argument("--tctune-options", metavar="JSON",
+                   help='backend options over the default {"precision": --dtype, "policy": "pure", "output_dtype": '
+                        '"compute"}, e.g. \'{"precision": "fp8", "fp8_keep": ["*.c_proj"], "fp8_fast_accum": true}\'')
+    p.add_argument("--inductor-mode", default=None,
+                   help="torch.compile mode of the Inductor side (default: none); the tctune side takes a mode "
+                        'in --tctune-options ({"mode": ...})')
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p
 
@@ -502,13 +556,23 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.tctune_options:
+        try:
+            if not isinstance(json.loads(args.tctune_options), dict):
+                raise ValueError("not a JSON object")
+        except ValueError as exc:
+            p.error(f"--tctune-options must be a JSON object of backend options ({exc})")
+    recipes = [recipe_entry(path) for path in args.recipe or ()]
+    _RECIPES.update({e.name: str(Path(path).resolve()) for e, path in zip(recipes, args.recipe or ())})
     if args.worker:
-        profile_model(zoo.all_entries(include_test=True)[args.worker], args)
+        by_name = {**zoo.all_entries(include_test=True), **{e.name: e for e in recipes}}
+        profile_model(by_name[args.worker], args)
         return 0
-    if not args.models:
-        p.error("--models is required: comma-separated zoo names, e.g. --models DistilBertForMaskedLM,swin_t")
+    if not args.models and not recipes:
+        p.error("--models or --recipe is required: comma-separated zoo names, e.g. --models "
+                "DistilBertForMaskedLM,swin_t, or --recipe recipes/gpt2.py")
     try:
-        entries = zoo.select(args.models)
+        entries = (zoo.select(args.models) if args.models else []) + recipes
     except ValueError as exc:
         p.error(str(exc))
     Path(args.out).mkdir(parents=True, exist_ok=True)

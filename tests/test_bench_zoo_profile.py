@@ -86,7 +86,7 @@ def test_markdown_of_a_failed_row_names_the_reason():
 def test_models_are_required_with_one_clear_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         prof.main(["--out", str(tmp_path), "--device", "cpu"])
-    assert "--models is required" in capsys.readouterr().err
+    assert "--models or --recipe is required" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -116,3 +116,30 @@ def test_tiny_distilbert_end_to_end_on_cpu(tmp_path):
     assert md.startswith("## DistilBertForMaskedLM") and "| category | Inductor µs | tctune µs | delta µs |" in md
     combined = (tmp_path / "profile.md").read_text()
     assert "| DistilBertForMaskedLM | ok |" in combined and "## DistilBertForMaskedLM" in combined
+
+
+def test_recipe_is_profiled_with_the_given_options(tmp_path):
+    """``--recipe FILE``: a model file is built through ``build_model`` / ``example_inputs`` and both sides are
+    compiled and profiled (CPU dry run), the backend options from ``--tctune-options`` recorded in the row."""
+    recipe = tmp_path / "tiny_mlp.py"
+    recipe.write_text("import torch\n"
+                      "def build_model():\n"
+                      "    torch.manual_seed(0)\n"
+                      "    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))\n"
+                      "def example_inputs(batch_size):\n"
+                      "    return (torch.randn(batch_size, 16),)\n")
+    out = tmp_path / "prof"
+    rc = prof.main(["--recipe", str(recipe), "--batch", "4", "--device", "cpu", "--iters", "1", "--warmup", "0",
+                  "--out", str(out), "--tctune-options", '{"pad": false}'])
+    assert rc == 0
+    row = json.loads((out / "recipe-tiny_mlp" / "profile.json").read_text())
+    assert row["status"] == "ok", row.get("reason")
+    assert row["batch_size"] == 4
+    assert row["tctune_options"]["pad"] is False and row["tctune_options"]["precision"] == "bf16"
+    assert row["sides"]["tctune"]["kernels"] and row["sides"]["inductor"]["kernels"]
+
+
+def test_tctune_options_must_be_a_json_object(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        prof.main(["--recipe", "x.py", "--out", str(tmp_path), "--tctune-options", "[1]"])
+    assert "--tctune-options must be a JSON object" in capsys.readouterr().err
