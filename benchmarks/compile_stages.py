@@ -351,6 +351,8 @@ def main() -> None:
                 row = json.loads(line[0][7:])
                 row["repeat"] = rep
                 rows.append(row)
+                if a.json:  # after every row: a call stopped by its time limit keeps what finished
+                    _write_rows(a, rows)
                 print(f"{model:24} {path:8} first call {row['first_call_s']:6.2f} s  cpu {row['cpu_s']:6.2f} s  "
                       f"compile_fx {row['compile_fx_s']:6.2f} s  cpu {row.get('compile_fx_cpu_s', 0.0):6.2f} s "
                       f"(in-process {row.get('compile_fx_self_cpu_s', 0.0):5.2f} s)",
@@ -404,9 +406,13 @@ def main() -> None:
         if r.get("profile"):
             print(f"\n== cProfile of the backend's first call, compile_fx excluded: {r['model']}\n{r['profile']}")
     if a.json:
-        with open(a.json, "w") as fh:
-            json.dump({"args": {k: v for k, v in vars(a).items() if k not in ("path", "model")}, "rows": rows},
-                      fh, indent=2)
+        _write_rows(a, rows)
+
+
+def _write_rows(a, rows: list[dict]) -> None:
+    with open(a.json, "w") as fh:
+        json.dump({"args": {k: v for k, v in vars(a).items() if k not in ("path", "model")}, "rows": rows},
+                  fh, indent=2)
 
 
 if __name__ == "__main__":

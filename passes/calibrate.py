@@ -24,6 +24,8 @@ it is ignored too. Both are recorded in ``node.meta["tctune_nonfinite"]`` (``"in
 """
 from __future__ import annotations
 
+import re
+
 import math
 from typing import Any, Iterable, Sequence
 
@@ -165,11 +167,30 @@ def ignored_reasons(ranges: dict[str, float]) -> dict[str, str]:
 
 
 def source_module(node: fx.Node) -> str | None:
-    """The dotted path of the innermost module ``node`` came from (``node.meta["nn_module_stack"]``)."""
+    """The dotted path of the innermost module ``node`` came from (``node.meta["nn_module_stack"]``), as
+    ``model.named_modules()`` names it: ``"encoder.layer.0.attention"``. Dynamo's spelling of the same path
+    (``"L['self'].encoder.layer[0]._modules['attention']"``, which a graph compiled through ``torch.compile``
+    carries) is rewritten to that form; None when the node has no module but the root."""
     stack = node.meta.get("nn_module_stack") or {}
     paths = [v[0] for v in stack.values() if isinstance(v, tuple) and v and v[0]]
-    return paths[-1] if paths else None
+    path = module_path(paths[-1]) if paths else ""
+    return path or None
+
+
+#: Dynamo's root of a module path (``L['self']``, ``L['model']``) and its item accesses (``._modules['x']``,
+#: ``[0]``, ``['key']``).
+_DYNAMO_ROOT = re.compile(r"^L\[['\"][^'\"]*['\"]\]\.?")
+_DYNAMO_ITEM = re.compile(r"(?:\.?_(?:modules|parameters|buffers))?\[['\"]?([^\]'\"]*)['\"]?\]")
+
+
+def module_path(path: str) -> str:
+    """``path`` (an ``nn_module_stack`` entry) in ``named_modules()`` form: Dynamo's root (``L['self']``)
+    dropped and its item accesses written as dotted names (``._modules['h'][0]`` -> ``.h.0``); other paths
+    unchanged."""
+    path = _DYNAMO_ROOT.sub("", path)
+    path = _DYNAMO_ITEM.sub(lambda m: "." + m.group(1), path)
+    return path.lstrip(".")
 
 
 __all__ = ["CalibrationRanges", "FINITE_MAX", "MAX_ABS_META", "NONFINITE_META", "calibrate_ranges",
-           "ignored_reasons", "overflow_nodes", "source_module"]
+           "ignored_reasons", "module_path", "overflow_nodes", "source_module"]

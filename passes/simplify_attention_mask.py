@@ -262,14 +262,21 @@ def _rep_uncached(gm: fx.GraphModule, node: fx.Node, memo: dict) -> Any:
     inputs = _inputs(node, memo)
     if isinstance(val, (torch.SymInt, int)) and not isinstance(val, bool) and inputs:
         return _SYM  # a size read from a graph input: only allowed as a shape argument below
-    if not inputs:
-        return _evaluate(gm, node, memo)
     name = op_name(node)
+    if not inputs:
+        too_large = isinstance(val, torch.Tensor) and isinstance(val.numel(), int) and val.numel() > _MAX_ELEMENTS
+        if not too_large and not any(_broadcast_rep(gm, a, memo) for a in node.all_input_nodes):
+            return _evaluate(gm, node, memo)
+        # Too large to evaluate (a (batch, 1, L, S) mask at a large static batch, as torch.compile's graphs have
+        # it), or an op reading such a value: represented by its un-broadcast value, with the rules below (the
+        # same as for a broadcast to a symbolic batch), never evaluated at full size.
+    source = sorted(inputs)[0] if inputs else None
     if not isinstance(val, torch.Tensor):
-        raise _Unprovable(f"mask depends on graph input {sorted(inputs)[0]} (through {name})")
+        raise _Unprovable(f"mask depends on graph input {source} (through {name})" if source else
+                          f"mask path reads a non-tensor {name} of a broadcast too large to evaluate")
     rank = val.dim()
     if name == "arange":
-        return _Idx(1, sorted(inputs)[0])  # arange(batch): values unknown, usable only as an index (_index)
+        return _Idx(1, source)  # arange(batch): values unknown, usable only as an index (_index)
     if name == "unsqueeze" and isinstance(src := _rep(gm, node.args[0], memo), _Idx):
         return _Idx(rank, src.source)
     if name == "index":
@@ -304,10 +311,41 @@ def _rep_uncached(gm: fx.GraphModule, node: fx.Node, memo: dict) -> Any:
             raise _Unprovable(f"mask is random ({name})")
         args = _map_args(gm, node.args, memo)
         kwargs = _map_args(gm, node.kwargs, memo)
-        return node.target(*args, **kwargs)
+        if source is None:  # the operands' equal slices as broadcasts, so the result stays small
+            args, kwargs = (fx.node.map_aggregate(a, _unbroadcast) for a in (args, kwargs))
+        out = node.target(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.numel() > _MAX_ELEMENTS:
+            raise _Unprovable(f"mask sub-graph {node.name} is too large to evaluate ({out.numel()} elements)")
+        return out
+    if source is None:
+        raise _Unprovable(f"mask sub-graph {node.name} is too large to evaluate ({name} of a broadcast, which is "
+                          f"not shape-only or element-wise)")
     raise _Unprovable(
-        f"mask depends on graph input {sorted(inputs)[0]} through {name}, which is not shape-only or element-wise"
+        f"mask depends on graph input {source} through {name}, which is not shape-only or element-wise"
     )
+
+
+def _unbroadcast(value: Any) -> Any:
+    """``value`` with every dimension along which all its slices are equal cut to size 1: the same values once
+    broadcast back, so an element-wise op on it gives a representative of the op's full result. Non-tensors
+    are returned as they are."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    for dim in range(value.dim()):
+        if value.shape[dim] > 1:
+            first = value.narrow(dim, 0, 1)
+            if bool((value == first).all()):
+                value = first
+    return value
+
+
+def _broadcast_rep(gm: fx.GraphModule, node: fx.Node, memo: dict) -> bool:
+    """Whether ``node``'s representative is smaller than its value (broadcast dimensions of size 1 that
+    the value expands): such a representative must not be handed to an op evaluated concretely."""
+    rep = _rep(gm, node, memo)
+    val = node.meta.get("val")
+    return (isinstance(rep, torch.Tensor) and isinstance(val, torch.Tensor)
+            and tuple(rep.shape) != tuple(val.shape))
 
 
 #: Ops that mix values only along one dimension (``dim`` argument at position 1): valid on a representative

@@ -129,6 +129,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch import fx
 
 from passes import PIPELINE, PassResult, run_pipeline
@@ -1213,7 +1214,12 @@ class _Frozen(torch.nn.Module):
             args[i] = getattr(self, name)
         for i, (j, d) in self.inputs.sizes.items():
             args[i] = args[j].shape[d]
-        out = self.gm(*args)
+        # Node by node, each Dynamo node's metadata current while its ops are traced: the exported nodes inherit
+        # its ``nn_module_stack`` (the model's module paths, which ``fp8_keep`` patterns and the calibration's
+        # reasons name) and its ``stack_trace`` (the model's source lines). Called as code, export would record
+        # only this wrapper as every node's module.
+        with fx_traceback.preserve_node_meta():
+            out = fx.Interpreter(self.gm).run(*args)
         if not self.write_back:
             return out
         # An input cast up on entry and written in place: the writes went to the FP32 copy; they go back to the

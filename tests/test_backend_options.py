@@ -168,3 +168,77 @@ def test_a_bad_option_says_what_the_readme_says_in_each_form():
                                                     r"\[.*\(did you mean 'precision'\?\)"):
         torch.compile(model, backend="tctune", options={"precison": "bf16"})(x)
     torch._dynamo.reset()
+
+
+class _Blocks(torch.nn.Module):
+    """Linears at three depths: a ModuleList of blocks, a Sequential inside each, a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 32)) for _ in range(2))
+        self.head = torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def test_graph_the_passes_see_names_the_models_modules(recorded, monkeypatch):
+    """The backend re-exports Dynamo's graph; its GEMMs must still carry the model's module paths
+    (``named_modules()`` form), which ``fp8_keep`` patterns and the calibration's reasons name. Before, every
+    node's module was the backend's wrapper, so ``fp8_keep=["blocks.1.*"]`` matched nothing."""
+    from passes.calibrate import source_module
+    from passes.fp8_numerics import fp8_keep_hit
+
+    seen: dict[str, str | None] = {}
+    kept: dict[str, bool] = {}
+    run = tb.run_pipeline
+
+    def spy(gm, spec, names, **kwargs):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target in (torch.ops.aten.linear.default,
+                                                               torch.ops.aten.addmm.default):
+                seen[node.name] = source_module(node)
+                kept[node.name] = fp8_keep_hit(node, ("blocks.1.*",)) is not None
+        return run(gm, spec, names, **kwargs)
+
+    monkeypatch.setattr(tb, "run_pipeline", spy)
+    model = _Blocks().eval()
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        out = torch.compile(model, backend="tctune", options={"precision": "bf16"})(x)
+        ref = model(x)
+    torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=0.05)
+    assert sorted(seen.values()) == ["blocks.0.0", "blocks.0.2", "blocks.1.0", "blocks.1.2", "head"], seen
+    assert sorted(seen[n] for n, hit in kept.items() if hit) == ["blocks.1.0", "blocks.1.2"]
+
+
+@pytest.mark.parametrize("path, want", [
+    ("L['self'].lm.transformer.h.0.attn.c_attn", "lm.transformer.h.0.attn.c_attn"),
+    ("L['self']._modules['lm']._modules['h'][0]", "lm.h.0"),
+    ("L['model'].blocks['a']", "blocks.a"),
+    ("L['self']", ""),
+    ("encoder.layer.0.attention", "encoder.layer.0.attention"),
+    ("my_modules.x", "my_modules.x"),
+])
+def test_module_path_reads_dynamos_spelling(path, want):
+    from passes.calibrate import module_path
+
+    assert module_path(path) == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="FP8 GEMMs need an NVIDIA GPU with sm_89+")
+def test_fp8_keep_keeps_the_named_modules_bf16_on_cuda(recorded):
+    model = _Blocks().cuda().eval()
+    x = torch.randn(64, 32, device="cuda")
+    with torch.no_grad():
+        out = torch.compile(model, backend="tctune", options={"precision": "fp8", "fp8_keep": ["blocks.1.*"]})(x)
+        ref = model(x)
+    report = tb.reports[-1]
+    assert report.precision == "fp8" and not report.fallback
+    assert report.count("cast_fp8_linears") == 3  # blocks.0.0, blocks.0.2, head; blocks.1.* stay bf16
+    torch.testing.assert_close(out.float(), ref, atol=0.25, rtol=0.1)

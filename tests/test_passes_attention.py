@@ -174,6 +174,59 @@ def test_simplify_attention_mask_causal_with_static_batch():
     zoo.assert_matches_eager(model, gm, zoo.ZOO["gpt2"].example_inputs(3), "fp32")
 
 
+class _StaticBatchCausal(nn.Module):
+    """Causal attention whose mask is built the way ``transformers`` builds it, per batch row from position
+    ids: ``positions[b, None, j] <= positions[b, i, None]``, ``(batch, 1, L, S)`` bool."""
+
+    def forward(self, q, k, v):
+        batch, seq = q.shape[0], q.shape[-2]
+        pos = torch.arange(seq).unsqueeze(0).expand(batch, -1)
+        rows = torch.arange(batch)[:, None, None, None]
+        idx = torch.arange(seq)
+        mask = pos[rows, idx[None, None, None, :]] <= pos[rows, idx[None, None, :, None]]  # keys <= queries
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.expand(batch, -1, seq, seq))
+
+
+def test_simplify_attention_mask_causal_at_a_static_batch_too_large_to_evaluate():
+    """torch.compile hands the backend a static batch, so the mask's sub-graph reads no input and was
+    evaluated whole: at batch 65 x 512 x 512 (over the pass's 2**24-element limit; GPT-2 at batch 128 x 512
+    through the backend) the causal mask stayed. Broadcast operands are now kept un-broadcast."""
+    batch, seq = 65, 512
+    assert batch * seq * seq > 1 << 24
+    model = _StaticBatchCausal().eval()
+    q, k, v = (torch.randn(batch, 1, seq, 8) for _ in range(3))
+    gm = torch.export.export(model, (q, k, v), strict=False).module()
+    assert _mask(_sdpa(gm)[0]) is not None
+
+    result = simplify_attention_mask(gm, SPEC)
+
+    assert result.count == 1 and not result.skipped, result.skipped
+    assert _mask(_sdpa(gm)[0]) is None and _is_causal(_sdpa(gm)[0])
+    zoo.assert_matches_eager(model, gm, tuple(torch.randn(batch, 1, seq, 8) for _ in range(3)), "fp32")
+
+
+def test_simplify_attention_mask_keeps_a_real_mask_at_a_static_batch_too_large_to_evaluate():
+    """The same large static-batch path must still refuse a mask that is not causal (the row below its
+    diagonal masked too)."""
+
+    class Banded(_StaticBatchCausal):
+        def forward(self, q, k, v):
+            batch, seq = q.shape[0], q.shape[-2]
+            pos = torch.arange(seq).unsqueeze(0).expand(batch, -1)
+            keys, queries = pos[:, None, None, :], pos[:, None, :, None]
+            mask = (keys <= queries) & (keys >= queries - 4)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.expand(batch, -1, seq, seq))
+
+    batch, seq = 65, 512
+    q, k, v = (torch.randn(batch, 1, seq, 8) for _ in range(3))
+    gm = torch.export.export(Banded().eval(), (q, k, v), strict=False).module()
+
+    result = simplify_attention_mask(gm, SPEC)
+
+    assert result.count == 0 and _mask(_sdpa(gm)[0]) is not None and not _is_causal(_sdpa(gm)[0])
+    assert result.skipped and "False entries" in result.skipped[0].reason
+
+
 def test_simplify_attention_mask_skips_mask_built_from_batch_size():
     # All True in fact, but arange(batch) reads the batch size: not provable by the pass, so kept.
     _, gm = _capture_const("from_batch")
