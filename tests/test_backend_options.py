@@ -236,7 +236,7 @@ def test_fp8_keep_keeps_the_named_modules_bf16_on_cuda(recorded):
     model = _Blocks().cuda().eval()
     x = torch.randn(64, 32, device="cuda")
     with torch.no_grad():
-        out = torch.compile(model, backend="tctune", options={"precision": "fp8", "fp8_keep": ["blocks.1.*"]})(x)
+        out = torch.compile(model, backend=tb.backend(precision="fp8", fp8_keep=["blocks.1.*"]))(x)
         ref = model(x)
     report = tb.reports[-1]
     assert report.precision == "fp8" and not report.fallback
