@@ -340,7 +340,7 @@ def _export_with(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], batch
         if is_batched:
             spec[0] = batch
         dynamic.append(dict(sorted(spec.items())) or None)
-    dynamic = tuple(dynamic)
+    dynamic = _group_varargs(model, tuple(dynamic))
     printed = io.StringIO()
     try:
         # torch.export prints graph dumps and logs shape warnings when it fails: keep the user's terminal clean.
@@ -351,6 +351,23 @@ def _export_with(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], batch
     except Exception as exc:
         exc._tctune_printed = printed.getvalue()  # type: ignore[attr-defined]
         raise
+
+
+def _group_varargs(model: torch.nn.Module, dynamic: tuple) -> tuple:
+    """``dynamic`` (one entry per positional input) shaped like ``model.forward``'s signature, as
+    ``torch.export`` reads it: the entries of the inputs a ``*args`` parameter takes become one tuple at that
+    parameter's place (``forward(self, *args)``: ``((spec0, spec1, ...),)``; export refuses a flat tuple
+    there, "inputs[0] is a tuple, but dynamic_shapes[0] is a dict")."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):  # no introspectable signature: leave export to judge
+        return dynamic
+    for k, param in enumerate(params):
+        if param.kind is inspect.Parameter.VAR_POSITIONAL:
+            return dynamic[:k] + (tuple(dynamic[k:]),) if k <= len(dynamic) else dynamic
+        if param.kind not in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            break
+    return dynamic
 
 
 def _capture_error(exc: BaseException) -> CaptureError:

@@ -95,3 +95,33 @@ def test_search_skips_graph_candidates_outside_the_range(tmp_path):
     reason = tuner.skip_reason(study, {"batch_size": 32, **base})
     assert reason and "batch 1..16" in reason
     assert tuner.skip_reason(study, {"batch_size": 32, **base, "graph_passes": False}) is None
+
+
+class _VarArgs(torch.nn.Module):
+    """``forward(self, *args)``, as wrappers that pass positional tensors on as keywords are written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(4, 16)
+
+    def forward(self, *args):
+        return self.a(args[0]) + self.b(args[1])
+
+
+class _FirstThenVarArgs(_VarArgs):
+    def forward(self, x, *rest):
+        return self.a(x) + self.b(rest[0])
+
+
+@pytest.mark.parametrize("cls", [_VarArgs, _FirstThenVarArgs])
+def test_forward_with_star_args_is_captured_with_a_dynamic_batch(cls):
+    """torch.export wants the specs of a ``*args`` parameter as one tuple at its place; a flat tuple made every
+    capture of such a model fail ("inputs[0] is a tuple, but dynamic_shapes[0] is a dict"), so no graph pass
+    ran on it (a Hugging Face wrapper taking ``*args``, found by the zoo's ``tctune optimize`` on BERT)."""
+    model = cls().eval()
+    gm = capture(model, (torch.randn(3, 8), torch.randn(3, 4)))
+    for batch in (1, 5):  # fresh inputs at other batch sizes
+        x = (torch.randn(batch, 8), torch.randn(batch, 4))
+        torch.testing.assert_close(gm(*x), model(*x))
+    assert batch_range(gm)[1] > 5
