@@ -1515,20 +1515,23 @@ def optimize_fields(report: dict) -> dict:
     Returns:
         ``speedup_vs_best_baseline`` (best trial / fastest feasible model-as-written trial at its batch size),
         ``best_plain`` (that trial's params and throughput), ``speedup_vs_fp32_eager`` and
-        ``optimize_speedup_source``, ``best_params``, ``best_throughput``, ``confirmed_throughput``; None values
-        where the report has no best trial.
+        ``optimize_speedup_source``, ``best_params``, ``best_throughput``, ``confirmed_throughput``,
+        ``compiled_baseline`` (whether a plain ``torch.compile`` runtime was among the model-as-written trials at
+        that batch size: a short budget can end the search before it reaches them, and then the speedup is
+        against eager baselines only); None values where the report has no best trial.
     """
     best = report.get("best") or {}
     out: dict = {"best_params": best.get("params"), "best_throughput": best.get("throughput"),
                  "confirmed_throughput": best.get("confirmed_throughput"), "best_rel_err": best.get("max_rel_error"),
                  "speedup_vs_best_baseline": None, "best_plain": None, "speedup_vs_fp32_eager": None,
-                 "optimize_speedup_source": None}
+                 "optimize_speedup_source": None, "compiled_baseline": None}
     if not best or not best.get("throughput"):
         return out
     bs = (best.get("params") or {}).get("batch_size")
     plain = [t for t in report.get("trials", []) if t.get("state") == "COMPLETE" and t.get("feasible")
              and not (t.get("params") or {}).get("graph_passes") and (t.get("params") or {}).get("batch_size") == bs
              and t.get("throughput")]
+    out["compiled_baseline"] = any("inductor" in str((t.get("params") or {}).get("runtime", "")) for t in plain)
     if plain:
         top = max(plain, key=lambda t: t["throughput"])
         out["best_plain"] = {"params": top["params"], "throughput": top["throughput"], "trial": top.get("number")}
@@ -1641,9 +1644,10 @@ def summarize(row: dict, opt: dict | None = None) -> dict:
     }
     if opt:
         s["optimize_speedup_vs_best_baseline"] = opt.get("speedup_vs_best_baseline")
-        s["optimize"] = {k: opt.get(k) for k in ("status", "error", "best_params", "best_throughput",
+        s["optimize"] = {k: opt.get(k) for k in ("status", "error", "reason", "best_params", "best_throughput",
                                                  "confirmed_throughput", "best_plain", "speedup_vs_fp32_eager",
-                                                 "optimize_speedup_source", "wall_s")}
+                                                 "optimize_speedup_source", "compiled_baseline", "budget_s",
+                                                 "wall_s")}
     return s
 
 
@@ -1782,7 +1786,7 @@ def markdown(latest: dict) -> str:
         lines.append(f"| {name} | {m.get('suite')} | {m.get('batch_size')} | {speed} "
                      f"| {_f(m.get('speedup_vs_inductor_cg'))} | {rel} | {acc} | {len(m.get('fallbacks') or [])} "
                      f"| {_f(m.get('compile_s'), '.1f')} / {_f(m.get('inductor_compile_s'), '.1f')} "
-                     f"| {_f(m.get('optimize_speedup_vs_best_baseline'))} | {_parity_cell(m)} |")
+                     f"| {_optimize_cell(m)} | {_parity_cell(m)} |")
     s = latest.get("summary") or overall(latest["models"])
     lines += ["", f"- Geomean tctune / Inductor: **{_f(s['geomean_speedup_vs_inductor'])}×** over {s['n_speedup']} "
               f"models (lowest {_f(s['min_speedup_vs_inductor'])}×); with CUDA graphs on both sides "
@@ -1817,7 +1821,19 @@ def markdown(latest: dict) -> str:
     if s.get("geomean_optimize_speedup_vs_best_baseline"):
         lines.append(f"- `tctune optimize` vs the best plain baseline of its own search: geomean "
                      f"{_f(s['geomean_optimize_speedup_vs_best_baseline'])}×.")
+    if any((m.get("optimize") or {}).get("compiled_baseline") is False for m in latest["models"].values()):
+        lines.append("- ‡ `tctune optimize`'s search ended (its `--optimize-budget-s`) before a plain `torch.compile` "
+                     "baseline ran: that speedup is against the eager baselines only.")
     return "\n".join(lines)
+
+
+def _optimize_cell(m: dict) -> str:
+    """The optimize column: the speedup, ‡ when no plain torch.compile baseline was measured, or the status of
+    a run that gave no number."""
+    opt = m.get("optimize") or {}
+    if m.get("optimize_speedup_vs_best_baseline") is None:
+        return opt.get("status") if opt.get("status") not in (None, "ok") else "–"
+    return _f(m["optimize_speedup_vs_best_baseline"]) + (" ‡" if opt.get("compiled_baseline") is False else "")
 
 
 def _parity_cell(m: dict) -> str:

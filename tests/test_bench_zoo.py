@@ -260,9 +260,29 @@ def test_optimize_fields_against_best_plain_trial_and_fp32_fallback():
     assert f["best_plain"]["trial"] == 1
     assert f["speedup_vs_fp32_eager"] == pytest.approx(5.0)
     assert f["optimize_speedup_source"].startswith("computed here")
+    assert f["compiled_baseline"] is True  # trial 1 is torch.compile of the model as written
     report["best"] = dict(best, speedup_vs_best_baseline=4.9)
     assert zoo.optimize_fields(report)["speedup_vs_fp32_eager"] == 4.9
     assert zoo.optimize_fields({"best": None, "trials": []})["speedup_vs_best_baseline"] is None
+
+
+def test_optimize_against_eager_baselines_only_is_marked():
+    """A short search budget can end before any plain torch.compile baseline ran: the row says so
+    (``compiled_baseline`` False) and the table marks the number with ‡ and a footnote."""
+    trials = [
+        {"number": 0, "state": "COMPLETE", "feasible": True, "throughput": 100.0,
+         "params": {"batch_size": 8, "precision": "fp16", "graph_passes": False, "runtime": "eager"}},
+        {"number": 1, "state": "COMPLETE", "feasible": True, "throughput": 150.0,
+         "params": {"batch_size": 8, "precision": "fp8", "graph_passes": True, "runtime": "inductor-cudagraphs"}},
+    ]
+    f = zoo.optimize_fields({"best": dict(trials[1]), "trials": trials})
+    assert f["compiled_baseline"] is False and f["speedup_vs_best_baseline"] == pytest.approx(1.5)
+    row = _row("m", tct=300.0, ind=250.0)
+    m = {"m": zoo.summarize(row, dict(f, status="ok"))}
+    md = zoo.markdown({"models": m, "summary": zoo.overall(m), "dtype": "bf16"})
+    assert "| 1.50 ‡ |" in md and "before a plain `torch.compile` baseline ran" in md
+    timed_out = {"m": zoo.summarize(row, {"status": "timeout", "speedup_vs_best_baseline": None})}
+    assert "| timeout |" in zoo.markdown({"models": timed_out, "summary": zoo.overall(timed_out), "dtype": "bf16"})
 
 
 def _write_rows(folder: Path, rows: list[dict]) -> None:
