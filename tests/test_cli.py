@@ -149,7 +149,9 @@ def test_unknown_target_lists_names(tmp_path):
 
 @pytest.mark.parametrize("args,match", [(["--trials", "0"], "--trials"), (["--batch-sizes", "8,x"], "--batch-sizes"),
                                         (["--runtimes", ""], "--runtimes is empty"),
-                                        (["--seed", "-1"], "--seed must be an integer from 0 to 4294967295, got -1")])
+                                        (["--seed", "-1"], "--seed must be an integer from 0 to 4294967295, got -1"),
+                                        (["--max-error", "0"], "  fix: give the error you accept as a fraction"),
+                                        (["--effective-batch", "3"], "  fix: add --mode train")])
 def test_bad_options(tmp_path, args, match):
     r = run_cli("optimize", SEED_CNN, "--out", tmp_path, "--quiet", *args)
     assert r.returncode == 2 and match in r.stderr and "Traceback" not in r.stderr

@@ -150,7 +150,10 @@ class TuneConfig:
         if self.mode not in ("infer", "train"):
             raise bad("mode", f"must be infer or train, got {self.mode!r}")
         if self.effective_batch is not None and (self.mode != "train" or self.effective_batch < 1):
-            raise bad("effective_batch", "needs mode 'train' and a positive number of samples")
+            raise bad("effective_batch", "needs mode 'train' and a positive number of samples per optimizer step, "
+                                         f"got {self.effective_batch!r} in mode {self.mode!r}\n  fix: "
+                                         + ("add --mode train (gradient accumulation is a training setting)"
+                                            if self.mode != "train" else "give a count of samples, e.g. 256"))
         if self.devices is not None and (not self.devices or len(set(self.devices)) != len(self.devices)
                                          or any(d < 0 for d in self.devices)):
             raise bad("devices", f"must be distinct GPU indices such as 0,1 — got {self.devices}")
@@ -174,7 +177,9 @@ class TuneConfig:
         for name in ("max_error", "max_error_fp8"):
             v = getattr(self, name)
             if not (v > 0):
-                raise bad(name, f"must be positive, got {v}")
+                raise bad(name, f"must be positive, got {v}: it is the largest relative L2 error against the FP32 "
+                                f"reference you accept, and any lower precision differs from FP32 a little\n"
+                                f"  fix: give the error you accept as a fraction, e.g. 0.01 (1 %)")
             if v >= 1:  # a percentage typed as the fraction (2 meaning 2 %): 200 % lets any output through
                 meant = f"did you mean {v / 100:g} ({v:g} %)?" if v < 100 else "e.g. 0.01 for 1 %"
                 raise bad(name, f"must be below 1, got {v:g}: it is the largest relative L2 error against the FP32 "
