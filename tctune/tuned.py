@@ -299,10 +299,50 @@ class TunedModule(torch.nn.Module):
             self._refuse_mapping(inputs)
         with precision_mode(self.config.precision), torch.inference_mode():
             fn = self._runner(inputs)
-            out = fn(*inputs)
+            try:
+                out = fn(*inputs)
+            except (AssertionError, RuntimeError, TypeError, ValueError) as exc:
+                problem = self._input_problem(inputs)
+                if problem is None:
+                    raise
+                raise ValueError(problem) from exc
             if isinstance(fn, CudaGraphed):  # its static output is overwritten by the next replay
                 out = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
         return self._restructure(out)
+
+    def _input_problem(self, inputs: tuple) -> str | None:
+        """Why ``inputs`` cannot be what the tuned graph takes (count, rank, a fixed dimension, dtype), with the
+        fix; None when they match (or the graph records no input shapes: a model as written). Read only after a
+        call failed: a graph's own guard (``AssertionError: Guard failed: x.size()[2] == 32``) or kernel
+        (``expected scalar type Half``) names the symptom, not the input."""
+        graph = self.graph
+        nodes = [n for n in graph.graph.nodes if n.op == "placeholder"] if isinstance(graph, torch.fx.GraphModule) \
+            else []
+        vals = [n.meta.get("val") for n in nodes]
+        if not vals or not all(isinstance(v, torch.Tensor) for v in vals):
+            return None
+        names = self.input_names or [n.name for n in nodes]
+
+        def shape(v) -> str:
+            return "(" + ", ".join(str(d) if isinstance(d, int) else ("batch" if k == 0 else "*")
+                                   for k, d in enumerate(v.shape)) + ")"
+
+        taken = ", ".join(f"{name} {shape(v)} {str(v.dtype).replace('torch.', '')}" for name, v in zip(names, vals))
+        fix = f"\n  fix: call it with the inputs it was tuned with: {taken} (* and batch: any size)"
+        if len(inputs) != len(vals):
+            return f"the tuned module takes {len(vals)} input(s), got {len(inputs)}" + fix
+        for i, (a, v, name) in enumerate(zip(inputs, vals, names)):
+            if not isinstance(a, torch.Tensor):
+                return f"input {i} ({name}) is a {type(a).__name__}, not a tensor" + fix
+            fixed = [d if isinstance(d, int) else None for d in v.shape]
+            if a.dim() != len(fixed) or any(w is not None and w != got for w, got in zip(fixed, a.shape)):
+                missing = " (a missing batch dimension?)" if a.dim() == len(fixed) - 1 else ""
+                return (f"input {i} ({name}) has shape {tuple(a.shape)}, the tuned module takes {shape(v)}{missing}"
+                        + fix)
+            if a.dtype != v.dtype and not self.cast:
+                return (f"input {i} ({name}) is {str(a.dtype).replace('torch.', '')}, the tuned module takes "
+                        f"{str(v.dtype).replace('torch.', '')} (it casts to its own precision inside)" + fix)
+        return None
 
     def _restructure(self, out):
         leaves, spec = pytree.tree_flatten(out)

@@ -839,3 +839,22 @@ def test_a_mapping_that_cannot_be_put_in_forwards_order_is_one_error_before_anyt
         tctune.optimize(model, inputs)
     assert str(info.value).startswith(said) and "\n  fix: " in str(info.value)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_wrong_inputs_to_a_tuned_or_loaded_module_name_the_input_and_the_fix(tuned_bf16, tmp_path):
+    """A missing batch dimension, a wrong fixed dimension or a half-precision input reached the graph's own
+    guard (``AssertionError: Guard failed: ...``) or kernel (``expected scalar type Half``) before; now one
+    ValueError names the input, what the module takes and the fix, before and after save / load."""
+    _, tuned = tuned_bf16
+    ids, feats = _inputs(5, 41)
+    loaded = tctune.load(tctune.save(tuned, tmp_path / "w.pt2"))
+    for m in (tuned, loaded):
+        with pytest.raises(ValueError, match=r"input 1 \(feats\) has shape \(6, 32\), the tuned module takes "
+                                             r"\(batch, 6, 32\) \(a missing batch dimension\?\)") as e:
+            m(ids, feats[0])
+        assert "fix: call it with the inputs it was tuned with: ids (batch, 6) int64, feats (batch, 6, 32)" \
+            in str(e.value)
+        with pytest.raises(ValueError, match=r"input 1 \(feats\) has shape \(5, 6, 16\)"):
+            m(ids, feats[..., :16])
+        got = m(ids, feats)  # the right inputs still run
+        assert got["logits"].shape[0] == 5
