@@ -563,6 +563,7 @@ def inspect_model_file(path: str, target: str | None = None, precision: str | No
     import torch
 
     from .capture import MAX_BATCH, batch_range, capture
+    from .errors import CaptureError
     from .hardware import resolve
     from .modelfile import load_model_file
     from .trial import apply_passes
@@ -574,9 +575,18 @@ def inspect_model_file(path: str, target: str | None = None, precision: str | No
     _check_precision(hw, precision)
     mf = load_model_file(path)
     model = mf.model().eval()
-    capture_inputs = mf.inputs(max(2, min(batch_size, 8)))  # batch ≥ 2 so export keeps it symbolic
-    with torch.no_grad():
-        gm = capture(model, capture_inputs, mf.dynamic_shapes, mf.batched_mask())
+    capture_batch = max(2, min(batch_size, 8))  # batch ≥ 2 so export keeps it symbolic
+    capture_inputs = mf.inputs(capture_batch)
+    try:
+        with torch.no_grad():
+            gm = capture(model, capture_inputs, mf.dynamic_shapes, mf.batched_mask())
+    except CaptureError:
+        # A model that does not run at all is the cause to name (its line and the fix), as `tctune optimize`
+        # names it, rather than torch.export's symptom ("could not capture ... with a dynamic batch").
+        from .search.loop import check_fp32_runs
+
+        check_fp32_runs(model, mf, capture_batch, torch.device("cpu"))
+        raise
     lo, hi = batch_range(gm)
     if not lo <= batch_size <= hi:
         raise UsageError(f"--batch-size {batch_size} is outside the batch range the model allows ({lo}..{hi}: "

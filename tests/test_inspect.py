@@ -191,3 +191,25 @@ def test_a_convolution_fused_with_its_relu_is_paired_and_still_counted(seed_fp16
     assert pair.after is not None and pair.after.op == "conv2d_relu" and pair.after.kind == "conv"
     assert pair.after.flops == pair.before.flops
     assert "Cin=3 not a multiple of 8" in pair.after.reason
+
+
+def test_a_model_that_does_not_run_is_named_with_its_line_and_fix(tmp_path):
+    """A shape bug in forward made the capture fail and `inspect` blamed "a dynamic batch"; it now names the
+    model's own error, line and fix, as `tctune optimize` does (exit 2: bad input)."""
+    bug = tmp_path / "shape_bug.py"
+    bug.write_text("import torch\n"
+                   "class M(torch.nn.Module):\n"
+                   "    def __init__(self):\n"
+                   "        super().__init__()\n"
+                   "        self.fc = torch.nn.Linear(16, 8)\n"
+                   "    def forward(self, x):\n"
+                   "        return self.fc(x.view(x.shape[0], 32))\n"
+                   "def build_model():\n"
+                   "    return M()\n"
+                   "def example_inputs(batch_size):\n"
+                   "    return (torch.randn(batch_size, 16),)\n")
+    r = subprocess.run([sys.executable, "-m", "tctune", "inspect", str(bug), "--target", "h100"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "the model raised in FP32" in r.stderr and "shape_bug.py:7 in forward" in r.stderr
+    assert "fix: make forward run" in r.stderr and "dynamic batch" not in r.stderr and "Traceback" not in r.stderr
