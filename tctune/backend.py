@@ -219,6 +219,15 @@ INDUCTOR_SKIPS: dict[str, str] = {
     "fuse_attention": "Inductor matches attention itself; measured slower on swin_t and visformer_small "
                       "(H200 bf16; name it in passes= to run it)",
 }
+def _has_sites(pass_name: str, gm: fx.GraphModule) -> bool:
+    """Whether a pass left out of the default pipeline (:data:`INDUCTOR_SKIPS`) had anything to do in ``gm``,
+    so its note is worth a report line: ``fuse_attention`` fuses hand-written attention, which needs a softmax
+    (a ResNet's report does not mention attention). Other passes: True."""
+    if pass_name != "fuse_attention":
+        return True
+    return any(n.op == "call_function" and "softmax" in str(n.target) for n in gm.graph.nodes)
+
+
 #: The backend's default pass order: :data:`passes.PIPELINE` without :data:`INDUCTOR_SKIPS`.
 BACKEND_PIPELINE: tuple[str, ...] = tuple(n for n in PIPELINE if n not in INDUCTOR_SKIPS)
 
@@ -1468,7 +1477,7 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
     report.seconds["inductor"] = round(time.perf_counter() - t2, 3)
     run = _runtime_caller(compiled, inputs.runtime + sizes)
     # Only once tctune's graph compiled: a fallback runs no pass, so it has none to explain.
-    report.notes.extend(f"{n} not run: {why}" for n, why in cfg.left_out().items())
+    report.notes.extend(f"{n} not run: {why}" for n, why in cfg.left_out().items() if _has_sites(n, exported))
     run._tctune_report = report  # type: ignore[attr-defined]
     run._tctune_frozen = [(i, example_inputs[i]) for i in inputs.weights]  # type: ignore[attr-defined]
     return run

@@ -114,3 +114,15 @@ def test_backend_fused_qkv_copies_a_transposed_input_once():
     result = _result(rep, "fuse_qkv")
     assert result.count == 1 and list(result.notes["copied_inputs"]) == result.changed
     assert "(24, 4, 32) with strides (32, 768, 1)" in next(iter(result.notes["copied_inputs"].values()))
+
+
+def test_a_graph_without_attention_gets_no_fuse_attention_note():
+    """The left-out pass's note ("fuse_attention not run: ...") was on every subgraph's report, a conv net's
+    too; it is kept where the graph has a softmax (hand-written attention it could have fused)."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                                torch.nn.Linear(8 * 6 * 6, 4)).eval()
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        torch.compile(model, backend="tctune", options={"precision": "bf16"})(x)
+    rep = tb.reports[-1]
+    assert not rep.fallback and not any("fuse_attention" in n for n in rep.notes), rep.notes
