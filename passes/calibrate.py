@@ -177,14 +177,15 @@ def source_module(node: fx.Node) -> str | None:
     return path or None
 
 
-#: Dynamo's root of a module path (``L['self']``, ``L['model']``) and its item accesses (``._modules['x']``,
+#: Dynamo's root of a module path (a local ``L['self']``, a global ``G['model']``) and its item accesses (``._modules['x']``,
 #: ``[0]``, ``['key']``).
-_DYNAMO_ROOT = re.compile(r"^L\[['\"][^'\"]*['\"]\]\.?")
+_DYNAMO_ROOT = re.compile(r"^[LG]\[['\"][^'\"]*['\"]\]\.?")
 _DYNAMO_ITEM = re.compile(r"(?:\.?_(?:modules|parameters|buffers))?\[['\"]?([^\]'\"]*)['\"]?\]")
 
 
 def module_path(path: str) -> str:
-    """``path`` (an ``nn_module_stack`` entry) in ``named_modules()`` form: Dynamo's root (``L['self']``)
+    """``path`` (an ``nn_module_stack`` entry) in ``named_modules()`` form: Dynamo's root (``L['self']``,
+    ``G['model']``)
     dropped and its item accesses written as dotted names (``._modules['h'][0]`` -> ``.h.0``); other paths
     unchanged."""
     path = _DYNAMO_ROOT.sub("", path)

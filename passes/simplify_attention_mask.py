@@ -48,7 +48,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from passes._graph import finish, get_attr_value, node_arg, op_name, set_node_arg
+from passes._graph import finish, get_attr_value, node_arg, op_name, set_node_arg, storage_of, writes_in_place
 from passes.base import PassResult, PassSpec, Skip
 
 NAME = "simplify_attention_mask"
@@ -110,6 +110,14 @@ def simplify_attention_mask(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
     del spec
     result = PassResult(name=NAME, graph_module=gm)
     memo: dict[fx.Node, Any] = {}
+    # Storages some op writes in place (``mask[1] = True`` on a clone): a mask built from one is not what its
+    # producers compute, so the proof below does not hold for it.
+    written: dict[Any, str] = {}
+    for n in gm.graph.nodes:
+        for arg in writes_in_place(n):
+            ref = storage_of(arg)
+            if ref is not None:
+                written.setdefault(ref, n.name)
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target != _SDPA:
             continue
@@ -123,6 +131,7 @@ def simplify_attention_mask(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
         causal = False
         try:
             _check_broadcast(node, mask)
+            _check_not_written(mask, written)
             rep = _rep(gm, mask, memo)
             try:
                 _check_trivial(rep)
@@ -195,6 +204,23 @@ def _check_broadcast(sdpa: fx.Node, mask: fx.Node) -> None:
     for ms, ss in zip(reversed(m.shape), reversed(scores)):
         if not (_same(ms, 1) or _same(ms, ss)):
             raise _Unprovable("mask shape does not provably broadcast to the attention scores")
+
+
+def _check_not_written(mask: fx.Node, written: dict) -> None:
+    """Refuse a mask any of whose producers (itself included) shares a storage an op writes in place."""
+    if not written:
+        return
+    seen: set[fx.Node] = set()
+    stack = [mask]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        ref = storage_of(node)
+        if ref is not None and ref in written:
+            raise _Unprovable(f"mask path {node.name} is written in place (by {written[ref]})")
+        stack.extend(node.all_input_nodes)
 
 
 def _check_trivial(rep: Any) -> None:

@@ -364,7 +364,8 @@ def _group_varargs(model: torch.nn.Module, dynamic: tuple) -> tuple:
         return dynamic
     for k, param in enumerate(params):
         if param.kind is inspect.Parameter.VAR_POSITIONAL:
-            return dynamic[:k] + (tuple(dynamic[k:]),) if k <= len(dynamic) else dynamic
+            # No input reaches *args (forward(x, *rest) called with x alone): export takes the flat tuple.
+            return dynamic[:k] + (tuple(dynamic[k:]),) if k < len(dynamic) else dynamic
         if param.kind not in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
             break
     return dynamic

@@ -219,6 +219,7 @@ def test_graph_the_passes_see_names_the_models_modules(recorded, monkeypatch):
     ("L['self'].lm.transformer.h.0.attn.c_attn", "lm.transformer.h.0.attn.c_attn"),
     ("L['self']._modules['lm']._modules['h'][0]", "lm.h.0"),
     ("L['model'].blocks['a']", "blocks.a"),
+    ("G['m'].layers[0]._modules['fc']", "layers.0.fc"),  # a model reached through a global
     ("L['self']", ""),
     ("encoder.layer.0.attention", "encoder.layer.0.attention"),
     ("my_modules.x", "my_modules.x"),

@@ -125,3 +125,17 @@ def test_forward_with_star_args_is_captured_with_a_dynamic_batch(cls):
         x = (torch.randn(batch, 8), torch.randn(batch, 4))
         torch.testing.assert_close(gm(*x), model(*x))
     assert batch_range(gm)[1] > 5
+
+
+class _NoneThroughVarArgs(_VarArgs):
+    def forward(self, x, *args, **kwargs):
+        return self.a(x)
+
+
+def test_forward_with_star_args_that_receive_nothing_is_captured():
+    """``forward(x, *args, **kwargs)`` called with ``x`` alone: no spec goes to ``*args`` (an empty tuple there
+    made export refuse the flat inputs)."""
+    model = _NoneThroughVarArgs().eval()
+    gm = capture(model, (torch.randn(3, 8),))
+    x = torch.randn(6, 8)
+    torch.testing.assert_close(gm(x), model(x))

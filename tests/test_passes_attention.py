@@ -227,6 +227,31 @@ def test_simplify_attention_mask_keeps_a_real_mask_at_a_static_batch_too_large_t
     assert result.skipped and "False entries" in result.skipped[0].reason
 
 
+@pytest.mark.parametrize("batch", [4, 65])
+def test_simplify_attention_mask_keeps_a_causal_mask_edited_in_place(batch):
+    """A causal triangle cloned and then written in place (``m[1] = True``: batch row 1 sees every key) is not
+    causal; the proof reads the producers, so a write through a view of the clone must make it refuse. It
+    dropped the mask before (wrong attention for that row)."""
+
+    class Edited(nn.Module):
+        def forward(self, q, k, v):
+            b, seq = q.shape[0], q.shape[-2]
+            m = torch.ones(seq, seq, dtype=torch.bool).tril().expand(b, 1, seq, seq).clone()
+            m[1] = True
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+    seq = 512 if batch > 8 else 16
+    q, k, v = (torch.randn(batch, 1, seq, 8) for _ in range(3))
+    model = Edited().eval()
+    gm = torch.export.export(model, (q, k, v), strict=False).module()
+
+    result = simplify_attention_mask(gm, SPEC)
+
+    assert result.count == 0 and _mask(_sdpa(gm)[0]) is not None and not _is_causal(_sdpa(gm)[0])
+    assert "written in place" in result.skipped[0].reason
+    zoo.assert_matches_eager(model, gm, tuple(torch.randn(batch, 1, seq, 8) for _ in range(3)), "fp32")
+
+
 def test_simplify_attention_mask_skips_mask_built_from_batch_size():
     # All True in fact, but arange(batch) reads the batch size: not provable by the pass, so kept.
     _, gm = _capture_const("from_batch")
