@@ -24,9 +24,8 @@ it is ignored too. Both are recorded in ``node.meta["tctune_nonfinite"]`` (``"in
 """
 from __future__ import annotations
 
-import re
-
 import math
+import re
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -177,17 +176,16 @@ def source_module(node: fx.Node) -> str | None:
     return path or None
 
 
-#: Dynamo's root of a module path (a local ``L['self']``, a global ``G['model']``) and its item accesses (``._modules['x']``,
-#: ``[0]``, ``['key']``).
+#: Dynamo's root of a module path (a local ``L['self']``, a global ``G['model']``) and its item accesses
+#: (``._modules['x']``, ``[0]``, ``['key']``).
 _DYNAMO_ROOT = re.compile(r"^[LG]\[['\"][^'\"]*['\"]\]\.?")
 _DYNAMO_ITEM = re.compile(r"(?:\.?_(?:modules|parameters|buffers))?\[['\"]?([^\]'\"]*)['\"]?\]")
 
 
 def module_path(path: str) -> str:
     """``path`` (an ``nn_module_stack`` entry) in ``named_modules()`` form: Dynamo's root (``L['self']``,
-    ``G['model']``)
-    dropped and its item accesses written as dotted names (``._modules['h'][0]`` -> ``.h.0``); other paths
-    unchanged."""
+    ``G['model']``) dropped and its item accesses written as dotted names (``._modules['h'][0]`` -> ``.h.0``);
+    other paths unchanged."""
     path = _DYNAMO_ROOT.sub("", path)
     path = _DYNAMO_ITEM.sub(lambda m: "." + m.group(1), path)
     return path.lstrip(".")

@@ -219,6 +219,8 @@ INDUCTOR_SKIPS: dict[str, str] = {
     "fuse_attention": "Inductor matches attention itself; measured slower on swin_t and visformer_small "
                       "(H200 bf16; name it in passes= to run it)",
 }
+
+
 def _has_sites(pass_name: str, gm: fx.GraphModule) -> bool:
     """Whether a pass left out of the default pipeline (:data:`INDUCTOR_SKIPS`) had anything to do in ``gm``,
     so its note is worth a report line: ``fuse_attention`` fuses hand-written attention, which needs a softmax

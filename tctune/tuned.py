@@ -327,7 +327,10 @@ class TunedModule(torch.nn.Module):
             return "(" + ", ".join(str(d) if isinstance(d, int) else ("batch" if k == 0 else "*")
                                    for k, d in enumerate(v.shape)) + ")"
 
-        taken = ", ".join(f"{name} {shape(v)} {str(v.dtype).replace('torch.', '')}" for name, v in zip(names, vals))
+        def dtype(t) -> str:
+            return str(t.dtype).removeprefix("torch.")
+
+        taken = ", ".join(f"{name} {shape(v)} {dtype(v)}" for name, v in zip(names, vals))
         fix = f"\n  fix: call it with the inputs it was tuned with: {taken} (* and batch: any size)"
         if len(inputs) != len(vals):
             return f"the tuned module takes {len(vals)} input(s), got {len(inputs)}" + fix
@@ -340,8 +343,8 @@ class TunedModule(torch.nn.Module):
                 return (f"input {i} ({name}) has shape {tuple(a.shape)}, the tuned module takes {shape(v)}{missing}"
                         + fix)
             if a.dtype != v.dtype and not self.cast:
-                return (f"input {i} ({name}) is {str(a.dtype).replace('torch.', '')}, the tuned module takes "
-                        f"{str(v.dtype).replace('torch.', '')} (it casts to its own precision inside)" + fix)
+                return (f"input {i} ({name}) is {dtype(a)}, the tuned module takes {dtype(v)} (it casts to its own "
+                        f"precision inside)" + fix)
         return None
 
     def _restructure(self, out):
