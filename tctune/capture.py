@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .errors import CaptureError
+from .errors import CaptureError, clip
 
 log = logging.getLogger("tctune")
 
@@ -376,7 +376,7 @@ def _capture_error(exc: BaseException) -> CaptureError:
     first = text.splitlines()[0] if text else type(exc).__name__
     return CaptureError(
         f"torch.export could not capture the model with a dynamic batch{_and_dims(text)}: {type(exc).__name__}: "
-        f"{first[:300]}"
+        f"{clip(first)}"
         + _hint(text, getattr(exc, "_tctune_printed", ""))
     )
 
@@ -450,6 +450,21 @@ def _hint(message: str, printed: str) -> str:
                    "dynamic_shapes; a bound: set the Dim's min/max)" if fixes else
                    "narrow the Dim's min/max to the sizes the model accepts, or leave the dimension out of "
                    "dynamic_shapes"))
+    unknown = re.search(r"Found <class '([\w.]+)'> in output, which is not a known type", message)
+    if unknown:
+        qualname = unknown.group(1)
+        name = qualname.rsplit(".", 1)[-1]
+        cache = qualname.startswith("transformers.") and "Cache" in name
+        return (f"\n  cause: the model's output holds a `{qualname}`, a type torch.export cannot return (not a "
+                "registered pytree type)"
+                + (" -- a Hugging Face KV cache, returned because the model's config has use_cache=True" if cache
+                   else "")
+                + "\n  fix: " + ("build the model with use_cache=False (`model.config.use_cache = False` in "
+                                 "build_model, or call `model(..., use_cache=False)` in a wrapper's forward that "
+                                 "returns the tensors you need, e.g. `.logits`)" if cache else
+                                 f"return tensors (or tuples / lists / dicts of them) from forward instead of a "
+                                 f"{name}, or register {name} with torch.utils._pytree.register_pytree_node")
+                + " (tctune runs the model eagerly meanwhile)")
     if "data-dependent" in message or "DataDependent" in message:
         return (f"\n  cause: Python control flow on tensor *values*{at}\n"
                 "  fix: use torch.where / torch.cond instead of `if` on a tensor (tctune runs the model eagerly meanwhile)")

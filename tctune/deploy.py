@@ -152,7 +152,7 @@ def cast_model_graph(model: torch.nn.Module, captured: torch.fx.GraphModule, pre
     import warnings
 
     from .capture import _quiet_torch_logs, export_dynamic_shapes
-    from .errors import ExportError
+    from .errors import ExportError, clip
     from .search.baselines import LOW_DTYPES, CastModel
 
     if precision not in LOW_DTYPES:
@@ -165,7 +165,7 @@ def cast_model_graph(model: torch.nn.Module, captured: torch.fx.GraphModule, pre
     except Exception as exc:  # noqa: BLE001 - one clear error for any export failure
         text = str(exc).strip()
         raise ExportError(f"torch.export of the model cast to {precision} failed: {type(exc).__name__}: "
-                          f"{text.splitlines()[0][:300] if text else ''}") from exc
+                          f"{clip(text.splitlines()[0]) if text else ''}") from exc
     g = ep.module()
     for key in ("tctune_batch_range", "tctune_batched", "tctune_dynamic"):
         if key in captured.meta:

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .errors import ExportError, UsageError, append_error_log
+from .errors import ExportError, UsageError, append_error_log, clip
 
 log = logging.getLogger("tctune")
 
@@ -380,7 +380,7 @@ def failed_format(out: Path, fmt: str, exc: BaseException, path: Path, since: fl
     included, was appended under the stage ``export <fmt>``; None when it cannot be written), ``path`` and
     ``files`` (``path`` when this build, started at wall-clock time ``since`` (Unix seconds), left it: a package
     kept unvalidated). ``tctune export`` and the export stage of ``tctune optimize`` both record a failure so."""
-    error = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+    error = f"{type(exc).__name__}: {clip((str(exc).strip().splitlines() or [''])[0])}"
     try:
         where = append_error_log(out, f"export {fmt}", exc)
     except OSError as err:

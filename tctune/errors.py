@@ -80,6 +80,19 @@ def append_error_log(folder: str | os.PathLike, stage: str, exc: BaseException) 
     return path
 
 
+def clip(line: str, limit: int = 300) -> str:
+    """``line`` cut to at most ``limit`` characters (plus " ...") at a sentence's or word's end: a message cut
+    mid-word reads as a bug in tctune. ``line`` unchanged when it fits."""
+    if len(line) <= limit:
+        return line
+    head = line[:limit]
+    end = max(head.rfind(". "), head.rfind(": "), head.rfind("; "))
+    if end >= limit // 3:
+        return head[:end + 1] + " ..."
+    space = head.rfind(" ")
+    return (head[:space] if space > 0 else head) + " ..."
+
+
 def did_you_mean(word: str, choices, prefix: str = "") -> str:
     """``" (did you mean 'x'?)"`` naming the choice closest to ``word`` (``difflib.get_close_matches``, cutoff
     0.6; each choice written with ``prefix``, e.g. ``"--"`` for a flag), or ``""`` when none is close."""

@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from .errors import ExportError, UsageError
+from .errors import ExportError, UsageError, clip
 from .measure import precision_mode
 from .runtime import CUDA_GRAPH_RUNTIMES, INDUCTOR_RUNTIMES, ChannelsLast, CudaGraphed, inductor_mode, without_cuda_graph
 
@@ -518,7 +518,7 @@ def export_program(tuned: TunedModule):
                                      strict=False)
     except Exception as exc:  # noqa: BLE001 - one clear error for any export failure
         raise ExportError(f"cannot save: torch.export of the tuned graph failed: {type(exc).__name__}: "
-                          f"{str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}") from exc
+                          f"{clip(str(exc).strip().splitlines()[0]) if str(exc).strip() else ''}") from exc
     _plain_outputs(ep)
     return ep
 

@@ -139,3 +139,52 @@ def test_forward_with_star_args_that_receive_nothing_is_captured():
     gm = capture(model, (torch.randn(3, 8),))
     x = torch.randn(6, 8)
     torch.testing.assert_close(gm(x), model(x))
+
+
+class _Box:
+    """Holds a tensor; not registered with torch.utils._pytree."""
+
+    def __init__(self, t):
+        self.t = t
+
+
+class _ReturnsBox(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x), _Box(x)
+
+
+def test_output_of_an_unknown_type_names_the_type_and_the_fix():
+    with pytest.raises(CaptureError) as info:
+        capture(_ReturnsBox().eval(), (torch.randn(4, 8),))
+    text = str(info.value)
+    assert "_Box" in text and "cause: the model's output holds" in text
+    assert "fix: return tensors" in text and "register_pytree_node" in text
+    first = text.splitlines()[0]
+    assert len(first) < 420 and (first.endswith(".") or first.endswith(" ...")), first  # never cut mid-word
+
+
+def test_hugging_face_kv_cache_output_says_use_cache_false():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(CaptureError, match=r"(?s)KV cache.*fix: build the model with use_cache=False"):
+        capture(model, (ids,))
+    model.config.use_cache = False  # the fix the message names
+    out = capture(model, (ids,))(ids)
+    torch.testing.assert_close(out["logits"], model(ids).logits)
+
+
+@pytest.mark.parametrize("line,expect", [
+    ("short message", "short message"),
+    ("a " * 75 + "end. " + "word " * 100, "a " * 75 + "end. ..."),
+    ("x" * 50 + " " + "longword" * 60, "x" * 50 + " ..."),
+])
+def test_clip_cuts_at_a_sentence_or_word_end(line, expect):
+    from tctune.errors import clip
+    assert clip(line) == expect

@@ -5,7 +5,7 @@ from __future__ import annotations
 import optuna
 import torch
 
-from ..errors import CandidateRejected
+from ..errors import CandidateRejected, clip
 from ..measure import ErrorStats, is_oom, release_memory
 from ..trial import FailureKind
 
@@ -94,7 +94,7 @@ def constraint_checks(metrics: dict, precision: str, cfg) -> list[tuple[str, flo
 
 
 def first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [""])[0][:300]
+    return clip((str(exc).strip().splitlines() or [""])[0])
 
 
 def objective_values(metrics: dict, objective: str) -> float | tuple[float, ...]:
