@@ -23,6 +23,9 @@ same process (the one-off C++ toolchain checks are paid there, not by either sid
 
 ``--profile N`` also runs cProfile over the backend's first call with the profiler off inside ``compile_fx``
 (so the list shows Dynamo and the backend's own work) and prints the N functions with the most cumulative time.
+``--profile-scope aot`` profiles both sides' first call with the profiler off only inside Inductor's code
+generation (``fx_codegen_and_compile``), so AOT autograd's tracing and joint-graph passes are in the list; with
+``--profile-out F`` each side's stats go to ``F.<model>.<repeat>.<side>`` for ``pstats`` (compare the two sides).
 
 Models: Hugging Face entries of ``benchmarks/zoo.py`` built at ``--tiny`` sizes, plus ``hf_resnet`` (a
 ``transformers`` ResNet at tiny sizes: 2 stages of 1 bottleneck, widths 16 / 32, 3x64x64 images; zoo.py's vision
@@ -114,7 +117,7 @@ def _build(name: str, batch: int | None, full: bool = False, device: str = "cpu"
     return built.model.eval(), built.make_inputs(batch or 2, device, 1)
 
 
-def _instrument(tb, stages: dict, cpu: dict, prof, own_only: bool = False):
+def _instrument(tb, stages: dict, cpu: dict, prof, own_only: bool = False, off_in_compile_fx: bool = True):
     """Wrap the backend's steps so their wall seconds add up in ``stages`` (process CPU seconds in ``cpu``);
     the profiler (if any) is off inside ``compile_fx``. ``own_only``: Inductor is not called (the rewritten
     graph module is returned as the compiled callable)."""
@@ -146,7 +149,7 @@ def _instrument(tb, stages: dict, cpu: dict, prof, own_only: bool = False):
     tb.run_pipeline = timed("passes", tb.run_pipeline)
     tb._compile_with_passes = timed("backend", tb._compile_with_passes)
     compile_fx = (lambda gm, example_inputs, config_patches: gm) if own_only else tb.inductor_compile
-    tb.inductor_compile = timed("compile_fx", compile_fx, off=True)
+    tb.inductor_compile = timed("compile_fx", compile_fx, off=off_in_compile_fx)
 
 
 def child(a) -> None:
@@ -193,16 +196,23 @@ def child(a) -> None:
 
     def codegen(gm, *args, **kwargs):
         inner_graphs.append(Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function"))
-        return orig_codegen(gm, *args, **kwargs)
+        if prof is not None and aot_scope:
+            prof.disable()
+        try:
+            return orig_codegen(gm, *args, **kwargs)
+        finally:
+            if prof is not None and aot_scope:
+                prof.enable()
 
     cfx.fx_codegen_and_compile = codegen
     metrics.reset()
-    prof = cProfile.Profile() if (a.profile and a.path == "tctune") else None
+    aot_scope = a.profile_scope == "aot"
+    prof = cProfile.Profile() if (a.profile and (a.path == "tctune" or aot_scope)) else None
     if a.path == "inductor":  # the model and its floating inputs in dt, as torch.compile(model.to(dt)) runs
         c = torch.compile(model.to(dt))
         inputs = tuple(x.to(dt) if x.is_floating_point() else x for x in inputs)
     else:
-        _instrument(tb, stages, {}, prof)
+        _instrument(tb, stages, {}, prof, off_in_compile_fx=not aot_scope)
         backend = "tctune" if "tctune" in torch._dynamo.list_backends() else tb.tctune_backend  # not pip-installed
         c = torch.compile(model, backend=backend, options={"precision": a.precision, "policy": a.policy})
     t0, c0, s0 = time.perf_counter(), _cpu(), _cpu(children=False)
@@ -247,6 +257,22 @@ def child(a) -> None:
         if a.profile_out:
             prof.dump_stats(a.profile_out)
     print("RESULT " + json.dumps(row))
+
+
+def profile_diff(inductor_stats: str, tctune_stats: str, top: int = 40) -> str:
+    """The ``top`` functions whose cumulative seconds grow most from the Inductor side's profile to tctune's
+    (two ``cProfile`` stats files of one model): ``+seconds, inductor seconds/calls, tctune seconds/calls``."""
+    def load(path):
+        return {f"{f.split('site-packages/')[-1]}:{line}:{name}": (ct, nc)
+                for (f, line, name), (_cc, nc, _tt, ct, _callers) in pstats.Stats(path).stats.items()}
+
+    a, b = load(inductor_stats), load(tctune_stats)
+    keys = sorted(set(a) | set(b), key=lambda k: -(b.get(k, (0.0, 0))[0] - a.get(k, (0.0, 0))[0]))
+    lines = [f"{'+s':>7} {'inductor s/calls':>17} {'tctune s/calls':>17}  function"]
+    for k in keys[:top]:
+        (sa, na), (sb, nb) = a.get(k, (0.0, 0)), b.get(k, (0.0, 0))
+        lines.append(f"{sb - sa:7.2f} {sa:9.2f}/{na:<7} {sb:9.2f}/{nb:<7}  {k[-120:]}")
+    return "\n".join(lines)
 
 
 def own_steps(a) -> None:
@@ -311,7 +337,11 @@ def main() -> None:
     p.add_argument("--paths", default="inductor,tctune")
     p.add_argument("--repeat", type=int, default=1, help="processes per side and model (default %(default)s)")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile the backend; top N functions")
-    p.add_argument("--profile-out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--profile-scope", default="backend", choices=["backend", "aot"],
+                   help="backend (default): the backend's first call, compile_fx excluded; aot: both sides' first "
+                        "call, only Inductor's code generation excluded")
+    p.add_argument("--profile-out", default=None, metavar="F",
+                   help="write each profiled side's cProfile stats to F.<model>.<repeat>.<side>")
     p.add_argument("--phases", action="store_true", help="record torch._dynamo.utils.compile_times per side")
     p.add_argument("--own-only", type=int, default=0, metavar="K",
                    help="time only the backend's own steps (no Inductor), K compiles per model in one process, "
@@ -335,10 +365,11 @@ def main() -> None:
                     env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
                 argv = [sys.executable, os.path.abspath(__file__), "--model", model, "--path", path,
                         "--precision", a.precision, "--policy", a.policy, "--device", a.device,
-                        "--profile", str(a.profile)] + (["--phases"] if a.phases else []) \
+                        "--profile", str(a.profile), "--profile-scope", a.profile_scope] \
+                    + (["--phases"] if a.phases else []) \
                     + (["--full"] if a.full else []) + (["--batch", str(a.batch)] if a.batch else [])
                 if a.profile_out:
-                    argv += ["--profile-out", f"{a.profile_out}.{model}.{rep}"]
+                    argv += ["--profile-out", f"{a.profile_out}.{model.replace('/', '_')}.{rep}.{path}"]
                 try:
                     out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=a.timeout)
                 except subprocess.TimeoutExpired:
@@ -404,7 +435,16 @@ def main() -> None:
                 f"{k} {_median([r['passes'].get(k, 0.0) for r in tct]):.3f}" for k in passes))
     for r in rows:
         if r.get("profile"):
-            print(f"\n== cProfile of the backend's first call, compile_fx excluded: {r['model']}\n{r['profile']}")
+            scope = ("first call, Inductor's code generation excluded" if a.profile_scope == "aot"
+                     else "backend's first call, compile_fx excluded")
+            print(f"\n== cProfile of the {scope}: {r['model']} ({r['path']})\n{r['profile']}")
+    if a.profile and a.profile_scope == "aot" and a.profile_out:
+        for model in a.models.split(","):
+            for rep in range(a.repeat):
+                stem = f"{a.profile_out}.{model.replace('/', '_')}.{rep}"
+                if os.path.exists(f"{stem}.inductor") and os.path.exists(f"{stem}.tctune"):
+                    print(f"\n== where tctune's first call spends more than Inductor's: {model}\n"
+                          f"{profile_diff(f'{stem}.inductor', f'{stem}.tctune', a.profile)}")
     if a.json:
         _write_rows(a, rows)
 
