@@ -266,6 +266,24 @@ def test_optimize_fields_against_best_plain_trial_and_fp32_fallback():
     assert zoo.optimize_fields({"best": None, "trials": []})["speedup_vs_best_baseline"] is None
 
 
+def test_optimize_speedup_is_the_reports_side_by_side_number():
+    """A report that names its best plain baseline gives the number report.md gives (the side-by-side timing
+    after the search), not the ratio of the two trials' first timings; the first-timing ratio is kept beside it."""
+    trials = [
+        {"number": 0, "state": "COMPLETE", "feasible": True, "throughput": 400.0,
+         "params": {"batch_size": 8, "precision": "bf16", "graph_passes": False, "runtime": "inductor"}},
+        {"number": 1, "state": "COMPLETE", "feasible": True, "throughput": 576.0,
+         "params": {"batch_size": 8, "precision": "bf16", "graph_passes": True, "runtime": "inductor"}},
+    ]
+    best = dict(trials[1], speedup_vs_best_baseline=1.56, speedup_vs_fp32_eager=6.0,
+                best_baseline={"trial": 0, "name": "inductor_bf16", "batch_size": 8, "throughput": 390.0})
+    f = zoo.optimize_fields({"best": best, "trials": trials})
+    assert f["speedup_vs_best_baseline"] == pytest.approx(1.56)
+    assert f["speedup_vs_best_baseline_first_timings"] == pytest.approx(1.44)
+    assert "side by side" in f["speedup_vs_best_baseline_source"]
+    assert f["best_plain"]["trial"] == 0 and f["best_plain"]["report_best_baseline"]["throughput"] == 390.0
+
+
 def test_optimize_against_eager_baselines_only_is_marked():
     """A short search budget can end before any plain torch.compile baseline ran: the row says so
     (``compiled_baseline`` False) and the table marks the number with ‡ and a footnote."""
