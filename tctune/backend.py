@@ -343,9 +343,6 @@ class SubgraphReport:
             optimizer step or a new parameter)"``, :func:`_rebuilt_after_steps`), and
             each pass the default pipeline left out with its reason (``"fuse_attention not run: Inductor
             matches attention itself; ..."``, :data:`INDUCTOR_SKIPS`).
-        handed_over: how Inductor compiled Dynamo's own graph instead of tctune's rewritten one because no pass
-            but the casts applied (:func:`_hand_over_reason`; ``results`` still say what the passes found), or
-            ``""``. Not a fallback: the requested precision, cast as ``model.to(dt)`` casts.
 
     ``summary()`` (also its ``repr``) gives all of that in one line.
     """
@@ -359,7 +356,6 @@ class SubgraphReport:
     pass_seconds: dict[str, float] = field(default_factory=dict)
     policy: str = "autocast"
     notes: list[str] = field(default_factory=list)
-    handed_over: str = ""
 
     def summary(self) -> str:
         """One line: precision, policy, what each pass rewrote, fallback reason and step seconds."""
@@ -367,8 +363,6 @@ class SubgraphReport:
         mode = "training" if self.training else "inference"
         head = f"{self.precision} ({self.policy} policy, {mode}): "
         body = f"plain Inductor ({self.fallback})" if self.fallback else fired
-        if self.handed_over:
-            body += f"; compiled as {self.handed_over}"
         secs = ", ".join(f"{k} {v:.2f} s" for k, v in self.seconds.items())
         notes = "".join(f"; {n}" for n in self.notes)
         return head + body + notes + (f"; {secs}" if secs else "")
@@ -1428,72 +1422,6 @@ def _no_stack_traces():
         config.do_not_emit_stack_traces = old
 
 
-#: Passes whose rewrites alone do not make tctune's graph differ from ``model.to(bf16)``'s under the pure policy.
-_CAST_ONLY = ("cast_precision",)
-
-
-def _hand_over_reason(report: SubgraphReport, cfg: BackendConfig, gm: fx.GraphModule) -> str:
-    """Why Dynamo's own graph, cast like ``model.to(bf16)``, goes to Inductor instead of tctune's rewritten graph,
-    or ``""`` to compile tctune's graph.
-
-    The measured rule: in inference at bf16 under the pure policy, when no pass but ``cast_precision`` rewrote
-    the subgraph, tctune's graph computes what ``model.to(bf16)`` computes and only adds the re-export. On the
-    H200 (zoo.py, bf16, torch 2.11; ``benchmarks/results/zoo/``) the 13 suite models in that case ran at 0.97-1.02x
-    plain Inductor (swin_t 0.97x in five calls, its kernels the same on both sides), none faster; so the
-    subgraph is handed to Inductor as plain ``torch.compile(model.to(bf16))`` would compile it. Not under the
-    autocast policy (its FP32 keep-list is an accuracy choice ``model.to`` does not make), nor fp16 (the
-    overflow calibration keeps ops FP32), fp8, or training."""
-    if report.training or cfg.policy != "pure" or report.precision != "bf16" or report.fallback:
-        return ""
-    if any(r.count and r.name not in _CAST_ONLY for r in report.results):
-        return ""
-    if _writes_in_place(gm) or _returns_inputs(gm):  # the cast route would give writes / returned inputs copies
-        return ""
-    return ("Dynamo's graph cast like model.to(bf16), plain Inductor: no pass but cast_precision applies (a measured "
-            "rule: such graphs ran at 0.97-1.02x plain Inductor with tctune's re-export)")
-
-
-def _compile_handed_over(gm: fx.GraphModule, example_inputs: list, inputs: "_Inputs", report: SubgraphReport,
-                         cfg: BackendConfig, why: str, compile_inputs: list | None = None) -> Callable | None:
-    """Dynamo's graph cast like ``model.to(bf16)`` (:func:`_cast_like_model_to`) with its weights cast once and
-    stored as buffers (what ``torch.compile(model.to(bf16))`` reads: bf16 weights, no per-call cast), compiled by
-    Inductor; the callable takes Dynamo's inputs and carries ``_tctune_frozen`` as tctune's graph does (compiled
-    again after an optimizer step). None when that graph does not run (tctune's graph is compiled instead)."""
-    dt = _LOW_DTYPES["bf16"]
-    low: dict[int, torch.Tensor] = {}
-    cast_inputs = list(example_inputs)
-    for i in inputs.weights:
-        w = example_inputs[i]
-        cast_inputs[i] = low.setdefault(id(w), w.detach().to(dt) if w.is_floating_point() else w.detach())
-    keep = [i for i in range(len(example_inputs)) if i not in inputs.weights]
-    try:
-        cast = _cast_like_model_to(gm, cast_inputs, dt, restore_outputs=cfg.output_dtype == "fp32")
-        holders = [n for n in cast.graph.nodes if n.op == "placeholder"]
-        for i, name in inputs.weights.items():
-            attr = f"_tctune_w_{name}"
-            cast.register_buffer(attr, cast_inputs[i])  # tied weights: one tensor under each name
-            with cast.graph.inserting_before(holders[i]):
-                holders[i].replace_all_uses_with(cast.graph.get_attr(attr))
-            cast.graph.erase_node(holders[i])
-        cast.recompile()
-        with _autocast_state_kept():
-            _check_runs(cast, [example_inputs[i] for i in keep])
-            given = example_inputs if compile_inputs is None else compile_inputs
-            compiled = inductor_compile(cast, [given[i] for i in keep], cfg.config_patches())
-    except Exception as exc:  # noqa: BLE001 - tctune's own graph still compiles
-        if _is_dynamo_restart(exc):
-            raise
-        logger.debug("tctune backend: hand-over to plain Inductor failed (%s: %s); compiling tctune's graph",
-                     type(exc).__name__, exc)
-        return None
-    report.handed_over = why
-    report.frozen = sorted(inputs.weights.values())
-    run = _runtime_caller(compiled, keep)
-    run._tctune_report = report  # type: ignore[attr-defined]
-    run._tctune_frozen = [(i, example_inputs[i]) for i in inputs.weights]  # type: ignore[attr-defined]
-    return run
-
-
 def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: SubgraphReport,
                          hw: Any = None, compile_inputs: list | None = None) -> Callable:
     inputs = _classify(gm, example_inputs, freeze=not spec.training)
@@ -1544,13 +1472,6 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
     report.pass_seconds = {n: round(v, 4) for n, v in pass_s.items()}
     for r in report.results:
         logger.debug("tctune pass %s: %d rewrites, %d skipped", r.name, r.count, len(r.skipped))
-    why = _hand_over_reason(report, cfg, gm)
-    if why:
-        t3 = time.perf_counter()
-        handed = _compile_handed_over(gm, example_inputs, inputs, report, cfg, why, compile_inputs)
-        if handed is not None:
-            report.seconds["inductor"] = round(time.perf_counter() - t3, 3)
-            return handed
     _stable_cache_key(exported)
     given = example_inputs if compile_inputs is None else compile_inputs
     compiled = inductor_compile(exported, [*(given[i] for i in inputs.runtime), *(given[i] for i in sizes)],
