@@ -86,7 +86,7 @@ def capture(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], dynamic_sh
     """
     inputs = tuple(inputs)
     batched = _batched_or_default(inputs, batched)
-    user = normalize_dynamic_shapes(dynamic_shapes, inputs, _forward_names(model))
+    user = normalize_dynamic_shapes(dynamic_shapes, inputs, _forward_names(model), forward_varargs(model))
     model = copy.deepcopy(model)
     named = torch.export.Dim("batch", min=1, max=MAX_BATCH)
     _export = functools.partial(_export_with, batched=batched, user=user)
@@ -214,15 +214,19 @@ def validation_sizes(dynamic: Sequence[dict]) -> dict[str, int]:
 
 
 def normalize_dynamic_shapes(spec: Any, inputs: Sequence[torch.Tensor],
-                             arg_names: Sequence[str] | None = None) -> list[dict[int, Any]]:
+                             arg_names: Sequence[str] | None = None,
+                             varargs: str | None = None) -> list[dict[int, Any]]:
     """A model file's ``dynamic_shapes`` (``torch.export`` format) as one ``{dim: Dim}`` dict per input.
 
     Args:
-        spec: None, a tuple/list with one entry per input, or a dict keyed by ``forward``'s argument names.
+        spec: None, a tuple/list with one entry per input, or a dict keyed by ``forward``'s argument names
+            (the inputs a ``*args`` parameter takes: its name mapped to a tuple/list, one entry per such input,
+            as ``torch.export`` reads it: ``{"args": ({}, {1: seq})}``).
             Each entry: None, ``{dim: Dim}`` (negative dims count from the end) or a list/tuple of Dim/None
             per dimension. ``Dim.AUTO`` / ``Dim.DYNAMIC`` are accepted; ``Dim.STATIC`` and None are dropped.
         inputs: the example inputs (for their ranks).
         arg_names: ``forward``'s positional argument names, needed for a dict ``spec``.
+        varargs: the name of ``forward``'s ``*args`` parameter, or None.
 
     Raises:
         ValueError: wrong number of entries, an unknown name, a dim out of range, or an entry that is not a
@@ -234,12 +238,29 @@ def normalize_dynamic_shapes(spec: Any, inputs: Sequence[torch.Tensor],
         return out
     if isinstance(spec, dict):
         names = list(arg_names or [])
-        unknown = [k for k in spec if k not in names[:n]]
+        through_varargs = max(0, n - len(names)) if varargs else 0  # inputs forward's *args takes
+        unknown = [k for k in spec if k not in names[:n] and not (through_varargs and k == varargs)]
         if unknown:
-            raise ValueError(f"dynamic_shapes names {unknown}, which are not among forward's first {n} argument(s) "
-                             f"{names[:n]}\n  fix: key dynamic_shapes by forward's argument names, or give a tuple "
-                             "with one entry per input")
+            takes = (f"forward's first {n} argument(s) {names[:n]}" if names[:n] else
+                     "forward's named arguments (it has none before *" + f"{varargs})" if varargs else
+                     "forward's named arguments (its signature names none)")
+            fix = ("key dynamic_shapes by forward's argument names, or give a tuple with one entry per input"
+                   if not through_varargs else
+                   f"the {through_varargs} input(s) forward's *{varargs} takes go under {varargs!r}, one entry each: "
+                   f"{{{varargs!r}: ({', '.join(['{}'] * through_varargs)})}} (or give a tuple with one entry per "
+                   "input)")
+            raise ValueError(f"dynamic_shapes names {unknown}, which are not among {takes}\n  fix: {fix}")
         entries = [spec.get(name) for name in names[:n]]
+        if through_varargs:
+            rest = spec.get(varargs)
+            if rest is None:
+                rest = [None] * through_varargs
+            if not isinstance(rest, (tuple, list)) or len(rest) != through_varargs:
+                raise ValueError(f"dynamic_shapes[{varargs!r}] must be a tuple/list with one entry for each of the "
+                                 f"{through_varargs} input(s) forward's *{varargs} takes, got {rest!r}\n  fix: "
+                                 f"{{{varargs!r}: ({', '.join(['{}'] * through_varargs)})}}, a dict {{dim: Dim}} "
+                                 "(or None) per input")
+            entries += list(rest)
     elif isinstance(spec, (tuple, list)):
         if len(spec) != n:
             raise ValueError(f"dynamic_shapes has {len(spec)} entries for {n} input(s)\n  fix: one entry per input "
@@ -285,6 +306,15 @@ def _forward_names(model: torch.nn.Module) -> list[str]:
     except (TypeError, ValueError):
         return []
     return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def forward_varargs(model: torch.nn.Module) -> str | None:
+    """The name of ``model.forward``'s ``*args`` parameter, or None (none, or no readable signature)."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    return next((p.name for p in params if p.kind is p.VAR_POSITIONAL), None)
 
 
 def _identifier(name: str) -> str:

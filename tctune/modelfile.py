@@ -91,6 +91,7 @@ class ModelFile:
     batched_inputs: Sequence[str | int] | None = None
     _batched: tuple[bool, ...] | None = field(default=None, init=False, repr=False, compare=False)
     _forward_names: list[str] | None = field(default=None, init=False, repr=False, compare=False)
+    _forward_varargs: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def inputs(self, batch_size: int, device: str | torch.device = "cpu") -> tuple[torch.Tensor, ...]:
         """Fresh example inputs for ``batch_size`` on ``device``, checked against the contract.
@@ -145,8 +146,9 @@ class ModelFile:
         if self.dynamic_shapes is None:
             return [{} for _ in sample]
         names = self.forward_names() if isinstance(self.dynamic_shapes, dict) else None
+        varargs = self._forward_varargs if isinstance(self.dynamic_shapes, dict) else None
         try:
-            return normalize_dynamic_shapes(self.dynamic_shapes, sample, names)
+            return normalize_dynamic_shapes(self.dynamic_shapes, sample, names, varargs)
         except ValueError as exc:
             raise ModelFileError(f"{self.path.name}: {exc}") from exc
 
@@ -272,7 +274,10 @@ class ModelFile:
                 f"  expected: {SIGNATURES['build_model']}"
             )
         if self._forward_names is None:
+            from .capture import forward_varargs
+
             self._forward_names = forward_names(model)
+            self._forward_varargs = forward_varargs(model)
         return model
 
     @classmethod

@@ -188,3 +188,30 @@ def test_hugging_face_kv_cache_output_says_use_cache_false():
 def test_clip_cuts_at_a_sentence_or_word_end(line, expect):
     from tctune.errors import clip
     assert clip(line) == expect
+
+
+class _VarArgs(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x, *rest):
+        return self.fc(x) + rest[0].sum(1, keepdim=True)
+
+
+def test_dynamic_shapes_keyed_by_the_varargs_name():
+    """{"rest": (spec, ...)} for the inputs forward's *rest takes, as torch.export reads it."""
+    from tctune.capture import normalize_dynamic_shapes
+
+    seq = torch.export.Dim("seq", min=2, max=64)
+    model = _VarArgs().eval()
+    inputs = (torch.randn(4, 8), torch.randn(4, 16))
+    gm = capture(model, inputs, {"x": None, "rest": ({1: seq},)})
+    y = torch.randn(3, 40)  # another batch and another length of the *rest input
+    torch.testing.assert_close(gm(inputs[0][:3], y), model(inputs[0][:3], y))
+    with pytest.raises(ValueError, match=r"one entry for each of the 1 input\(s\) forward's \*rest takes"):
+        normalize_dynamic_shapes({"rest": ({1: seq}, {})}, inputs, ["x"], "rest")
+    with pytest.raises(ValueError, match=r"go under 'rest', one entry each: \{'rest': \(\{\}\)\}"):
+        normalize_dynamic_shapes({"y": {1: seq}}, inputs, ["x"], "rest")
+    with pytest.raises(ValueError, match=r"it has none before \*args"):
+        normalize_dynamic_shapes({"x": {1: seq}}, inputs, [], "args")
