@@ -862,6 +862,10 @@ def console_summary(report: dict, out: str | Path) -> str:
                 lines.append(f"      unstable timing ({shaky}): not a reliable speedup; measure on an idle machine")
     else:
         lines.append(f"no configuration qualified: {failure_summary(report.get('trials', []))}")
+        written = (report.get("model") or {}).get("writes_buffers")
+        if written:
+            lines.append("      the model's forward writes its buffers (" + ", ".join(written[:5]) + "): runs of the "
+                         "same inputs differ; update them only in training (`if self.training:`)")
     a = report.get("artifacts", {})
     if a.get("onnx_failed"):
         lines.append(f"ONNX export failed: {export_failed_line(a)}")

@@ -421,6 +421,35 @@ def test_fp32_check_runs_the_smallest_batch_only(tmp_path):
         check_fp32_runs(mf.model(), mf, 16, torch.device("cpu"))
 
 
+def test_a_forward_that_writes_its_buffers_is_named_and_its_state_restored(tmp_path, caplog):
+    """A forward that updates a buffer in eval mode (a running mean) makes runs of the same inputs differ, so the
+    accuracy check fails every candidate: the check names the buffers and the fix, and leaves them as they were."""
+    import torch
+
+    from tctune.modelfile import load_model_file
+    from tctune.search.loop import check_fp32_runs
+
+    f = tmp_path / "stateful.py"
+    f.write_text("import torch\nclass M(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                 "        self.register_buffer('running', torch.zeros(4))\n"
+                 "        self.register_buffer('scale', torch.ones(4))\n"
+                 "    def forward(self, x):\n        self.running.mul_(0.9).add_(0.1 * x.mean(0))\n"
+                 "        return x - self.running\n"
+                 "def build_model():\n    return M()\ndef example_inputs(b):\n    return (torch.randn(b, 4),)\n")
+    mf = load_model_file(f)
+    model = mf.model()
+    with caplog.at_level("WARNING", logger="tctune"):
+        written = check_fp32_runs(model, mf, 4, torch.device("cpu"))
+    assert written == ["running"]
+    assert torch.equal(model.running, torch.zeros(4))  # restored
+    assert "writes its buffer(s) running at every call" in caplog.text and "if self.training:" in caplog.text
+    plain = tmp_path / "plain.py"
+    plain.write_text("import torch\ndef build_model():\n    return torch.nn.BatchNorm1d(4).eval()\n"
+                     "def example_inputs(b):\n    return (torch.randn(b, 4),)\n")
+    mf = load_model_file(plain)
+    assert check_fp32_runs(mf.model(), mf, 4, torch.device("cpu")) == []  # eval BatchNorm reads its stats only
+
+
 def test_a_forward_that_raises_names_the_users_file_and_line(tmp_path):
     """The error of the model's own forward gives its frame (file:line, function, source line) and a fix naming
     forward and example_inputs (build_model ran fine: it is not the cause)."""

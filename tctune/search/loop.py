@@ -68,16 +68,22 @@ CONFIRM_BAND = 0.05
 
 
 
-def check_fp32_runs(model: torch.nn.Module, mf: ModelFile, batch_size: int, device: torch.device) -> None:
+def check_fp32_runs(model: torch.nn.Module, mf: ModelFile, batch_size: int, device: torch.device) -> list[str]:
     """Run the FP32 ``model`` (eval mode) once on the seeded inputs of ``batch_size`` (the smallest batch size
     searched), before the capture and the trials: a model that cannot run at all is bad input, not a search
     where no configuration qualifies. A model that raises only at larger batch sizes is the search's to find
     (those trials fail, the others run); running out of memory here is too (a lower precision may fit).
 
+    Returns the names of the buffers that call wrote (a running mean or a call counter updated in forward, in
+    eval mode): each run then starts from another state, so no two runs compare equal and every candidate, FP32
+    eager included, can fail the accuracy check; a warning names them and the fix. The buffers are restored
+    to their values before the call.
+
     Raises:
         ModelFileError: the model raised (the message names the batch size, the error and the fix).
     """
     inputs = reference_inputs(mf, batch_size, device)
+    before = {name: b.detach().clone() for name, b in model.named_buffers()}
     try:
         with precision_mode("fp32"), torch.no_grad():
             model(*inputs)
@@ -92,6 +98,27 @@ def check_fp32_runs(model: torch.nn.Module, mf: ModelFile, batch_size: int, devi
             + f"\n  fix: make forward run on example_inputs({batch_size}) in FP32: the error is in forward (or code it "
             "calls), or in example_inputs when it builds inputs forward cannot take"
         ) from exc
+    written = []
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            old = before.get(name)
+            if old is None or (b.shape == old.shape and b.dtype == old.dtype and torch.equal(b, old)):
+                continue
+            written.append(name)
+            if b.shape == old.shape and b.dtype == old.dtype:
+                b.copy_(old)
+    if written:
+        log.warning("%s", state_writes_warning(written))
+    return written
+
+
+def state_writes_warning(written: list[str]) -> str:
+    """The warning for a model whose forward writes its buffers ``written`` in eval mode."""
+    names = ", ".join(written[:5]) + (f" and {len(written) - 5} more" if len(written) > 5 else "")
+    return (f"the model's forward writes its buffer(s) {names} at every call (in eval mode): each run starts from "
+            "another state, so runs of the same inputs differ and candidates, FP32 eager included, may fail the "
+            "accuracy check\n  fix: update such state only in training (`if self.training:`), or keep it out of "
+            "forward; tctune compares every candidate with FP32 eager on the same inputs")
 
 
 def user_frame(exc: BaseException, prefer: Path | None = None) -> str | None:
@@ -237,9 +264,10 @@ class Tuner:
         if finalist:  # said once, before the trials; report.md's "Max-autotune finalist" repeats it
             log.warning("%s", finalist)
         self.model = mf.model().to(self.device)
+        self.written_buffers: list[str] = []  # buffers forward writes in eval mode (:func:`check_fp32_runs`)
         self.model.train(training)
         if not training and not cfg.worker:  # the main process checks; its --devices workers load the same file
-            check_fp32_runs(self.model, mf, min(cfg.batch_sizes), self.device)
+            self.written_buffers = check_fp32_runs(self.model, mf, min(cfg.batch_sizes), self.device)
         if training:
             self.captured = Captured(None, TRAIN_NO_PASSES)
         else:
