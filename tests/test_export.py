@@ -473,3 +473,20 @@ def test_trial_params_round_trip_and_reject_bad_values():
     with pytest.raises(UsageError, match="policy must be one of") as err:
         TrialParams(batch_size=8, precision="fp16", policy="half")
     assert err.value.field == "policy"
+
+
+def test_onnx_error_line_puts_the_root_cause_before_torch_onnx_advice():
+    """torch.onnx wraps the cause in a long message of advice: the one-line error keeps the cause whole."""
+    from tctune.export.onnx import _one_line
+
+    try:
+        try:
+            raise ValueError("Cannot view a tensor with shape torch.Size([s11, 12, 4, 16]) as (s11, 12, 64)!")
+        except ValueError as cause:
+            raise RuntimeError("Failed to decompose the FX graph for ONNX compatibility. This is step 2/3 of "
+                               "exporting the model to ONNX. Next steps: " + "advice " * 80) from cause
+    except RuntimeError as exc:
+        line = _one_line(exc, limit=200)
+    assert line.startswith("ValueError: Cannot view a tensor with shape torch.Size([s11, 12, 4, 16]) as (s11, 12, 64)!")
+    assert "(in RuntimeError: Failed to decompose the FX graph for ONNX compatibility)" in line
+    assert "advice" not in line and len(line) <= 204

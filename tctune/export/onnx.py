@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from tctune.errors import ExportError
+from tctune.errors import ExportError, clip
 
 #: Weights above this size go to an external ``<file>.data`` next to the model: protobuf caps one file at
 #: 2 GiB, and the graph itself needs room too.
@@ -1047,10 +1047,16 @@ def _one_line(message: Any, limit: int = 400) -> str:
         while root.__cause__ is not None and root.__cause__ is not root:
             root = root.__cause__
         text = str(message).strip()
-        if root is not message:  # torch.onnx wraps the cause in pages of advice: keep its first line only
-            text = (text.splitlines() or [""])[0] + f" <- {type(root).__name__}: {root}"
-        text = f"{type(message).__name__}: {text}"
+        if root is not message:
+            # torch.onnx wraps the cause in pages of advice: the cause first (the part that says what failed),
+            # then the wrapper's first sentence, so a cut drops the advice, not the cause.
+            first = (text.splitlines() or [""])[0]
+            first = first.split(". ")[0].rstrip(".")
+            cause = (str(root).strip().splitlines() or [""])[0]
+            text = f"{type(root).__name__}: {cause} (in {type(message).__name__}: {first})"
+        else:
+            text = f"{type(message).__name__}: {text}"
     else:
         text = str(message)
     text = " ".join(_ANSI.sub("", text).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return clip(text, limit)
