@@ -312,10 +312,11 @@ class TunedModule(torch.nn.Module):
 
     def _input_problem(self, inputs: tuple) -> str | None:
         """Why ``inputs`` cannot be what the tuned graph takes (count, rank, a fixed dimension, dtype), with the
-        fix; None when they match (or the graph records no input shapes: a model as written). Read only after a
-        call failed: a graph's own guard (``AssertionError: Guard failed: x.size()[2] == 32``) or kernel
-        (``expected scalar type Half``) names the symptom, not the input."""
-        graph = self.graph
+        fix; None when they match (or no graph records the input shapes: a model cast as a whole). A model as
+        written is judged by its FP32 capture (what ``save`` exports). Read only after a call failed: a graph's
+        own guard (``AssertionError: Guard failed: x.size()[2] == 32``) or kernel (``expected scalar type Half``),
+        or the model's own code (``mat1 and mat2 shapes cannot be multiplied``) names the symptom, not the input."""
+        graph = self.graph if isinstance(self.graph, torch.fx.GraphModule) else self.__dict__.get("_save_graph")
         nodes = [n for n in graph.graph.nodes if n.op == "placeholder"] if isinstance(graph, torch.fx.GraphModule) \
             else []
         vals = [n.meta.get("val") for n in nodes]

@@ -532,6 +532,11 @@ def test_model_as_written_autocast_winner_and_a_namedtuple_output_survive_save_a
     assert type(back) is tuple and list(back[1]) == ["norm"] and back[0].dtype == torch.bfloat16
     assert loaded.manifest["output_dtype"] == "compute" and back[1]["norm"].dtype == out.extra["norm"].dtype
     assert _rel(back[0], out.y) <= 1e-2 and _rel(back[1]["norm"], out.extra["norm"]) <= 1e-2
+    # a wrong input to the live module as written: judged by its FP32 capture, as the loaded module is
+    for m in (tuned, loaded):
+        with pytest.raises(ValueError, match=r"input 0 \(x\) has shape \(4, 15\), the tuned module takes "
+                                             r"\(batch, 16\)"):
+            m(torch.randn(4, 15))
 
 
 
