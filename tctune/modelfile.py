@@ -249,6 +249,15 @@ class ModelFile:
         if not isinstance(raw, (tuple, list)) or not raw or not all(isinstance(t, torch.Tensor) for t in raw):
             got = type(raw).__name__ if not isinstance(raw, (tuple, list)) else (
                 "(" + ", ".join(type(t).__name__ for t in raw) + ")")
+            nested = [i for i, t in enumerate(raw) if isinstance(t, (tuple, list, Mapping))] \
+                if isinstance(raw, (tuple, list)) else []
+            if nested:  # forward(self, pair) taking a tuple: one input that is itself a container
+                i = nested[0]
+                raise ModelFileError(
+                    f"{self.path.name}: example_inputs({batch_size})'s input {i} is a {type(raw[i]).__name__} of "
+                    f"tensors, not a tensor: tctune takes flat tensor inputs (model(*inputs))\n  fix: return the "
+                    f"tensors flat and wrap the model in a module whose forward takes them one by one, e.g. "
+                    f"def forward(self, a, b): return self.model((a, b))")
             raise ModelFileError(
                 f"{self.path.name}: example_inputs({batch_size}) must return a tuple of tensors, got {got} (a list "
                 f"of tensors or one tensor is accepted too)\n"
@@ -376,7 +385,11 @@ def mapping_inputs(inputs: Mapping, names: Sequence[str], what: str) -> tuple:
     if unknown:
         raise ModelFileError(f"{what}: {', '.join(map(repr, unknown))} not among forward's positional arguments "
                              f"({', '.join(names)}); tctune passes inputs by position\n  fix: key the tensors by "
-                             f"those names (leave out any other), or pass a tuple of tensors in forward's order")
+                             f"those names (leave out any other), or, for a keyword-only or **kwargs argument the "
+                             f"model needs, wrap it in a module whose forward takes every input by position, e.g. "
+                             f"def forward(self, {', '.join(keys)}): return self.model("
+                             + ", ".join([*(k for k in keys if k in names), *(f"{k}={k}" for k in unknown)])
+                             + ")")
     last = max(names.index(k) for k in keys)
     missing = [n for n in names[:last] if n not in inputs]
     if missing:

@@ -224,3 +224,25 @@ def test_a_model_file_may_give_its_inputs_and_calibration_batches_by_name(tmp_pa
     assert ids.shape == mask.shape == (3, 6) and ids.max() > 1 and mask.max() <= 1  # forward's order, not the dict's
     batches = from_model_file(mf, mf.inputs(2))
     assert [b.inputs[0].shape[0] for b in batches] == [3, 5] and all(b.inputs[1].max() <= 1 for b in batches)
+
+
+def test_a_nested_tuple_input_and_a_keyword_only_argument_name_the_wrapper_fix(tmp_path):
+    """forward(self, pair) fed a tuple, and forward(x, *, scale) fed {"x", "scale"}: each one error whose fix is a
+    wrapper module taking the tensors by position (was "got (tuple)" / "key the tensors by those names")."""
+    from tctune.errors import ModelFileError
+    from tctune.modelfile import load_model_file
+
+    pair = tmp_path / "pair.py"
+    pair.write_text("import torch\nclass M(torch.nn.Module):\n    def forward(self, p):\n        return p[0] + p[1]\n"
+                    "def build_model():\n    return M()\n"
+                    "def example_inputs(b):\n    return ((torch.randn(b, 4), torch.randn(b, 4)),)\n")
+    with pytest.raises(ModelFileError, match=r"input 0 is a tuple of tensors, not a tensor(.|\n)*"
+                                             r"def forward\(self, a, b\): return self.model\(\(a, b\)\)"):
+        load_model_file(pair).inputs(2)
+    kw = tmp_path / "kw.py"
+    kw.write_text("import torch\nclass M(torch.nn.Module):\n    def forward(self, x, *, scale):\n"
+                  "        return x * scale\ndef build_model():\n    return M()\n"
+                  "def example_inputs(b):\n    return {'x': torch.randn(b, 4), 'scale': torch.randn(b, 4)}\n")
+    with pytest.raises(ModelFileError, match=r"'scale' not among(.|\n)*keyword-only(.|\n)*"
+                                             r"def forward\(self, x, scale\): return self.model\(x, scale=scale\)"):
+        load_model_file(kw).inputs(2)
