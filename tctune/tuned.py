@@ -332,7 +332,8 @@ class TunedModule(torch.nn.Module):
             return str(t.dtype).removeprefix("torch.")
 
         taken = ", ".join(f"{name} {shape(v)} {dtype(v)}" for name, v in zip(names, vals))
-        fix = f"\n  fix: call it with the inputs it was tuned with: {taken} (* and batch: any size)"
+        sizes = "* and batch: any size" if "*" in taken else "batch: any size"
+        fix = f"\n  fix: call it with the inputs it was tuned with: {taken} ({sizes})"
         if len(inputs) != len(vals):
             return f"the tuned module takes {len(vals)} input(s), got {len(inputs)}" + fix
         for i, (a, v, name) in enumerate(zip(inputs, vals, names)):
