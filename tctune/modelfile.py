@@ -239,7 +239,8 @@ class ModelFile:
             raw = self.example_inputs(batch_size)
         except Exception as exc:  # the user's code
             raise ModelFileError(
-                f"{self.path.name}: example_inputs({batch_size}) raised {type(exc).__name__}: {exc}\n"
+                f"{self.path.name}: example_inputs({batch_size}) raised {type(exc).__name__}: {exc}"
+                f"{_in_file(exc, self.path)}\n"
                 f"  fix the function; expected: {SIGNATURES['example_inputs']}"
             ) from exc
         if isinstance(raw, torch.Tensor):
@@ -275,7 +276,7 @@ class ModelFile:
             model = self.build_model()
         except Exception as exc:
             raise ModelFileError(
-                f"{self.path.name}: build_model() raised {type(exc).__name__}: {exc}"
+                f"{self.path.name}: build_model() raised {type(exc).__name__}: {exc}{_in_file(exc, self.path)}"
             ) from exc
         if not isinstance(model, torch.nn.Module):
             raise ModelFileError(
@@ -338,6 +339,18 @@ class ModelFile:
             calibration = lambda: batches  # noqa: E731
         return cls(path=Path(f"<{label}>"), name=label, build_model=lambda: model, example_inputs=make, score=score,
                    calibration_inputs=calibration, dynamic_shapes=dynamic_shapes)
+
+
+def _in_file(exc: BaseException, path: Path) -> str:
+    """``"\\n  at FILE:LINE: SOURCE"`` of the innermost frame of ``exc``'s traceback in the model file ``path``
+    (where the user's code raised), or ``""`` when none is there."""
+    target = str(Path(path).resolve())
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith("<") and str(Path(f.filename).resolve()) == target]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f"\n  at {f.filename}:{f.lineno}" + (f": {f.line.strip()}" if f.line else "")
 
 
 def forward_names(model: torch.nn.Module) -> list[str]:
@@ -509,7 +522,8 @@ def load_model_file(path: str | Path) -> ModelFile:
         try:
             dynamic = fn()
         except Exception as exc:
-            raise ModelFileError(f"{p.name}: dynamic_shapes() raised {type(exc).__name__}: {exc}") from exc
+            raise ModelFileError(f"{p.name}: dynamic_shapes() raised {type(exc).__name__}: {exc}{_in_file(exc, p)}") \
+                from exc
     if dynamic is not None and not isinstance(dynamic, (tuple, list, dict)):
         raise ModelFileError(f"{p.name}: DYNAMIC_SHAPES must be a tuple (one entry per input) or a dict by forward "
                              f"argument name, in torch.export's format; got {type(dynamic).__name__}")

@@ -246,3 +246,17 @@ def test_a_nested_tuple_input_and_a_keyword_only_argument_name_the_wrapper_fix(t
     with pytest.raises(ModelFileError, match=r"'scale' not among(.|\n)*keyword-only(.|\n)*"
                                              r"def forward\(self, x, scale\): return self.model\(x, scale=scale\)"):
         load_model_file(kw).inputs(2)
+
+
+def test_an_error_in_build_model_names_the_model_files_line(tmp_path):
+    from tctune.errors import ModelFileError
+    from tctune.modelfile import load_model_file
+
+    f = tmp_path / "typo.py"
+    f.write_text("import torch\ndef build_model():\n    return torch.nn.Sequentail(torch.nn.Linear(8, 8))\n"
+                 "def example_inputs(b):\n    return (torch.randn(b, 8),)\n")
+    with pytest.raises(ModelFileError) as info:
+        load_model_file(f).model()
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith("typo.py: build_model() raised AttributeError")
+    assert lines[1] == f"  at {f.resolve()}:3: return torch.nn.Sequentail(torch.nn.Linear(8, 8))"
