@@ -90,7 +90,7 @@ def check_fp32_runs(model: torch.nn.Module, mf: ModelFile, batch_size: int, devi
     except Exception as exc:  # noqa: BLE001 - any error of the model's own code is reported as its cause
         release_memory(device)
         if is_oom(exc):
-            return
+            return []
         where = user_frame(exc, mf.path)
         raise ModelFileError(
             f"{mf.path.name}: the model raised in FP32 at batch {batch_size}: {type(exc).__name__}: "
@@ -102,8 +102,11 @@ def check_fp32_runs(model: torch.nn.Module, mf: ModelFile, batch_size: int, devi
     with torch.no_grad():
         for name, b in model.named_buffers():
             old = before.get(name)
-            if old is None or (b.shape == old.shape and b.dtype == old.dtype and torch.equal(b, old)):
-                continue
+            if old is None or (b.shape == old.shape and b.dtype == old.dtype
+                               and (torch.equal(b, old) or (b.is_floating_point()
+                                                            and torch.equal(b.isnan(), old.isnan())
+                                                            and torch.equal(b.nan_to_num(), old.nan_to_num())))):
+                continue  # unchanged (NaN where it was NaN counts as unchanged)
             written.append(name)
             if b.shape == old.shape and b.dtype == old.dtype:
                 b.copy_(old)
