@@ -240,7 +240,7 @@ class ModelFile:
         except Exception as exc:  # the user's code
             raise ModelFileError(
                 f"{self.path.name}: example_inputs({batch_size}) raised {type(exc).__name__}: {exc}"
-                f"{_in_file(exc, self.path)}\n"
+                f"{_at(exc, self.path)}\n"
                 f"  fix the function; expected: {SIGNATURES['example_inputs']}"
             ) from exc
         if isinstance(raw, torch.Tensor):
@@ -276,7 +276,7 @@ class ModelFile:
             model = self.build_model()
         except Exception as exc:
             raise ModelFileError(
-                f"{self.path.name}: build_model() raised {type(exc).__name__}: {exc}{_in_file(exc, self.path)}"
+                f"{self.path.name}: build_model() raised {type(exc).__name__}: {exc}{_at(exc, self.path)}"
             ) from exc
         if not isinstance(model, torch.nn.Module):
             raise ModelFileError(
@@ -341,16 +341,34 @@ class ModelFile:
                    calibration_inputs=calibration, dynamic_shapes=dynamic_shapes)
 
 
-def _in_file(exc: BaseException, path: Path) -> str:
-    """``"\\n  at FILE:LINE: SOURCE"`` of the innermost frame of ``exc``'s traceback in the model file ``path``
-    (where the user's code raised), or ``""`` when none is there."""
-    target = str(Path(path).resolve())
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not f.filename.startswith("<") and str(Path(f.filename).resolve()) == target]
-    if not frames:
-        return ""
-    f = frames[-1]
-    return f"\n  at {f.filename}:{f.lineno}" + (f": {f.line.strip()}" if f.line else "")
+def user_frame(exc: BaseException, prefer: Path | None = None) -> str | None:
+    """Where the user's code raised ``exc``: ``"FILE:LINE in FUNCTION: SOURCE LINE"`` of the innermost frame of
+    its traceback in ``prefer`` (the model file), else of the innermost frame outside torch, tctune, ``passes``
+    and Python's standard library (a live module's own file); None when there is none (the error came from
+    torch itself, e.g. a C++ kernel, with no user frame on the way)."""
+    import sysconfig
+    import traceback
+
+    import passes
+
+    skip = [str(Path(m.__file__).resolve().parent) for m in (torch, passes)]
+    skip.append(str(Path(__file__).resolve().parent))  # tctune/
+    skip.append(str(Path(sysconfig.get_paths()["stdlib"]).resolve()))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<")]
+    where = {id(f): str(Path(f.filename).resolve()) for f in frames}
+    target = str(Path(prefer).resolve()) if prefer is not None and Path(prefer).suffix == ".py" else None
+    mine = ([f for f in frames if where[id(f)] == target]
+            or [f for f in frames if not any(where[id(f)].startswith(d) for d in skip)])
+    if not mine:
+        return None
+    f = mine[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}" + (f": {f.line.strip()}" if f.line else "")
+
+
+def _at(exc: BaseException, path: Path) -> str:
+    """``"\\n  at WHERE"`` (:func:`user_frame`, preferring the model file ``path``) for a message, or ``""``."""
+    where = user_frame(exc, path)
+    return f"\n  at {where}" if where else ""
 
 
 def forward_names(model: torch.nn.Module) -> list[str]:
@@ -522,7 +540,7 @@ def load_model_file(path: str | Path) -> ModelFile:
         try:
             dynamic = fn()
         except Exception as exc:
-            raise ModelFileError(f"{p.name}: dynamic_shapes() raised {type(exc).__name__}: {exc}{_in_file(exc, p)}") \
+            raise ModelFileError(f"{p.name}: dynamic_shapes() raised {type(exc).__name__}: {exc}{_at(exc, p)}") \
                 from exc
     if dynamic is not None and not isinstance(dynamic, (tuple, list, dict)):
         raise ModelFileError(f"{p.name}: DYNAMIC_SHAPES must be a tuple (one entry per input) or a dict by forward "

@@ -36,7 +36,7 @@ from ..console import above_progress_bar
 from ..errors import CandidateRejected, ModelFileError, PassError, UsageError
 from ..hardware import HardwareSpec
 from ..measure import is_oom, precision_mode, release_memory, time_interleaved
-from ..modelfile import ModelFile
+from ..modelfile import ModelFile, user_frame
 from ..runtime import CUDA_GRAPH_RUNTIMES, RUNTIMES_CPU, RUNTIMES_GPU
 from ..trial import FailureKind, TrialParams, measuring_device, reference_inputs
 from .config import OBJECTIVES, TuneConfig
@@ -122,30 +122,6 @@ def state_writes_warning(written: list[str]) -> str:
             "another state, so runs of the same inputs differ and candidates, FP32 eager included, may fail the "
             "accuracy check\n  fix: update such state only in training (`if self.training:`), or keep it out of "
             "forward; tctune compares every candidate with FP32 eager on the same inputs")
-
-
-def user_frame(exc: BaseException, prefer: Path | None = None) -> str | None:
-    """Where the user's code raised ``exc``: ``"FILE:LINE in FUNCTION: SOURCE LINE"`` of the innermost frame of
-    its traceback in ``prefer`` (the model file), else of the innermost frame outside torch, tctune, ``passes``
-    and Python's standard library (a live module's own file); None when there is none (the error came from
-    torch itself, e.g. a C++ kernel, with no user frame on the way)."""
-    import sysconfig
-    import traceback
-
-    import passes
-
-    skip = [str(Path(m.__file__).resolve().parent) for m in (torch, passes)]
-    skip.append(str(Path(__file__).resolve().parents[1]))  # tctune/
-    skip.append(str(Path(sysconfig.get_paths()["stdlib"]).resolve()))
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<")]
-    where = {id(f): str(Path(f.filename).resolve()) for f in frames}
-    target = str(Path(prefer).resolve()) if prefer is not None and Path(prefer).suffix == ".py" else None
-    mine = ([f for f in frames if where[id(f)] == target]
-            or [f for f in frames if not any(where[id(f)].startswith(d) for d in skip)])
-    if not mine:
-        return None
-    f = mine[-1]
-    return f"{f.filename}:{f.lineno} in {f.name}" + (f": {f.line.strip()}" if f.line else "")
 
 
 def recorded_fp8(t) -> dict:
