@@ -250,8 +250,12 @@ class ModelFile:
         if not isinstance(raw, (tuple, list)) or not raw or not all(isinstance(t, torch.Tensor) for t in raw):
             got = type(raw).__name__ if not isinstance(raw, (tuple, list)) else (
                 "(" + ", ".join(type(t).__name__ for t in raw) + ")")
-            nested = [i for i, t in enumerate(raw) if isinstance(t, (tuple, list, Mapping))] \
-                if isinstance(raw, (tuple, list)) else []
+            def of_tensors(t) -> bool:  # a tuple / list / mapping holding tensors only
+                vals = list(t.values()) if isinstance(t, Mapping) else t
+                return isinstance(t, (tuple, list, Mapping)) and bool(vals) and all(
+                    isinstance(v, torch.Tensor) for v in vals)
+
+            nested = [i for i, t in enumerate(raw) if of_tensors(t)] if isinstance(raw, (tuple, list)) else []
             if nested:  # forward(self, pair) taking a tuple: one input that is itself a container
                 i = nested[0]
                 raise ModelFileError(
