@@ -62,10 +62,15 @@ def check_out_dir(out_dir: str | Path) -> Path:
     return p
 
 
-def warn_other_model(out: Path, mf: ModelFile) -> str | None:
+#: Files of an output folder that an export writes (``tctune optimize`` without ``--no-export``, ``tctune export``).
+EXPORTED_PATTERNS = ("*.onnx", "*.onnx.data", "*.engine", "*.pt2", "*.manifest.json", "runner.py")
+
+
+def warn_other_model(out: Path, mf: ModelFile, export: bool = True) -> str | None:
     """Warn (and return the warning) when ``out`` holds the report of another model (``report.json``'s model name
-    or path differs from ``mf``'s): this run replaces that report, ``best_config.json`` and the exported files;
-    the other model's study stays in ``study.db``. None when the folder is new or holds this model's report."""
+    or path differs from ``mf``'s): this run replaces that report, ``best_config.json`` and (``export``) the
+    exported files; without ``export`` the other model's exported files stay and the warning names them. The
+    other model's study stays in ``study.db``. None when the folder is new or holds this model's report."""
     try:
         old = json.loads((out / "report.json").read_text()).get("model") or {}
     except (OSError, ValueError, AttributeError):
@@ -73,9 +78,13 @@ def warn_other_model(out: Path, mf: ModelFile) -> str | None:
     name, path = old.get("name"), old.get("path")
     if not name or (name == mf.name and path == str(mf.path)):
         return None
+    stale = sorted({p.name for pattern in EXPORTED_PATTERNS for p in out.glob(pattern)}) if not export else []
     msg = (f"{out} holds the report of another model, {name} ({path}): this run of {mf.name} replaces its "
-           "report.md, report.json, best_config.json and exported files (its study stays in study.db); use "
-           "another output folder to keep both")
+           + ("report.md, report.json, best_config.json and exported files" if export else
+              "report.md, report.json and best_config.json")
+           + " (its study stays in study.db)"
+           + (f"; its exported files stay, as this run exports nothing: {', '.join(stale)}" if stale else "")
+           + "; use another output folder to keep both")
     log.warning(msg)
     return msg
 
@@ -623,7 +632,7 @@ def optimize_model(mf: ModelFile, cfg: TuneConfig) -> Optimized:
     if lock is not None:
         lock.acquire()  # before the study is opened; the --devices workers run under this lock
     if not cfg.worker:
-        warn_other_model(out, mf)
+        warn_other_model(out, mf, export=cfg.export)
     try:
         return _optimize(tuner, mf, hw, cfg, devices, out)
     finally:

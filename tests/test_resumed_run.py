@@ -107,5 +107,10 @@ def test_a_run_into_a_folder_holding_another_models_report_warns_once(tmp_path, 
                    "int_outputs replaces its report.md, report.json, best_config.json and exported files (its "
                    "study stays in study.db); use another output folder to keep both")
     assert caplog.text.count("holds the report of another model") == 1
+    (tmp_path / "model.onnx").write_text("x")
+    (tmp_path / "runner.py").write_text("x")
+    assert warn_other_model(tmp_path, mine, export=False).endswith(
+        "replaces its report.md, report.json and best_config.json (its study stays in study.db); its exported files "
+        "stay, as this run exports nothing: model.onnx, runner.py; use another output folder to keep both")
     (tmp_path / "report.json").write_text("{not json")
     assert warn_other_model(tmp_path, mine) is None  # an unreadable report: nothing to say
