@@ -299,6 +299,9 @@ def test_the_search_says_why_it_ended_before_the_bars_total_as_the_command_does(
     err = capsys.readouterr().err
     if case == "every candidate tried":  # eager on the CPU: a few candidates, all measured long before 40 trials
         assert re.search(r"tctune: every one of the \d+ candidates of this search space was tried: \d+ measured", err), err
+        # the bar's total is what can run (the space's candidates), not --trials plus the baselines: it ends full
+        ends = re.findall(r"trials: *\d+%\|[^|]*\| *(\d+)/(\d+)", err)
+        assert ends and ends[-1][0] == ends[-1][1] and int(ends[-1][1]) < 40, ends[-3:]
     else:  # the deadline passed while the plain baselines (never cut short) ran: no searched trial started
         said = re.findall(r"tctune: timeout 1e-09 s reached: 0 of (\d+) searched trial\(s\) ran \(.+\); a longer "
                           r"timeout, or another run with the same out, adds the rest\n", err)

@@ -630,6 +630,10 @@ class Tuner:
                     log.info("this search space has %d candidates, %d not tried yet (%s so far): at most %d "
                              "searched trials run", self.space_size(), left, outcome_words(outcome_counts(study)),
                              left)
+                runnable = max(0, min(left, total))
+                if bar is not None and runnable < self.cfg.trials:  # the bar's total: the trials that can run
+                    bar.total -= self.cfg.trials - runnable
+                    bar.refresh()
             before = len(finished)
             optimize(total)
             ran = len(finished) - before
