@@ -241,13 +241,13 @@ def normalize_dynamic_shapes(spec: Any, inputs: Sequence[torch.Tensor],
         through_varargs = max(0, n - len(names)) if varargs else 0  # inputs forward's *args takes
         unknown = [k for k in spec if k not in names[:n] and not (through_varargs and k == varargs)]
         if unknown:
-            takes = (f"forward's first {n} argument(s) {names[:n]}" if names[:n] else
+            takes = (f"forward's first {len(names[:n])} argument(s) {names[:n]}" if names[:n] else
                      "forward's named arguments (it has none before *" + f"{varargs})" if varargs else
                      "forward's named arguments (its signature names none)")
             fix = ("key dynamic_shapes by forward's argument names, or give a tuple with one entry per input"
                    if not through_varargs else
                    f"the {through_varargs} input(s) forward's *{varargs} takes go under {varargs!r}, one entry each: "
-                   f"{{{varargs!r}: ({', '.join(['{}'] * through_varargs)})}} (or give a tuple with one entry per "
+                   f"{{{varargs!r}: {_empty_specs(through_varargs)}}} (or give a tuple with one entry per "
                    "input)")
             raise ValueError(f"dynamic_shapes names {unknown}, which are not among {takes}\n  fix: {fix}")
         entries = [spec.get(name) for name in names[:n]]
@@ -258,7 +258,7 @@ def normalize_dynamic_shapes(spec: Any, inputs: Sequence[torch.Tensor],
             if not isinstance(rest, (tuple, list)) or len(rest) != through_varargs:
                 raise ValueError(f"dynamic_shapes[{varargs!r}] must be a tuple/list with one entry for each of the "
                                  f"{through_varargs} input(s) forward's *{varargs} takes, got {rest!r}\n  fix: "
-                                 f"{{{varargs!r}: ({', '.join(['{}'] * through_varargs)})}}, a dict {{dim: Dim}} "
+                                 f"{{{varargs!r}: {_empty_specs(through_varargs)}}}, a dict {{dim: Dim}} "
                                  "(or None) per input")
             entries += list(rest)
     elif isinstance(spec, (tuple, list)):
@@ -306,6 +306,11 @@ def _forward_names(model: torch.nn.Module) -> list[str]:
     except (TypeError, ValueError):
         return []
     return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _empty_specs(n: int) -> str:
+    """A tuple literal of ``n`` empty specs, as Python reads it: ``({},)`` for one, ``({}, {})`` for two."""
+    return "(" + ", ".join(["{}"] * n) + ("," if n == 1 else "") + ")"
 
 
 def forward_varargs(model: torch.nn.Module) -> str | None:

@@ -535,6 +535,12 @@ def render_markdown(r: dict) -> str:
         lines += [f"> No graph passes in `--mode train`: {r['capture']['reason']}", ""]
     elif not r["capture"]["ok"]:
         lines += [f"> **Graph capture failed**, so no graph passes ran: {r['capture']['reason']}", ""]
+    written = (r.get("model") or {}).get("writes_buffers")
+    if written:
+        lines += [f"> **The model's forward writes its buffers** ({', '.join(written)}) at every call in eval mode: "
+                  "each run starts from another state, so runs of the same inputs differ and the accuracy verdicts "
+                  "below compare runs from different states. Update such state only in training "
+                  "(`if self.training:`).", ""]
     lines += ["## Result", ""]
     b, base = r["best"], r["baseline"]
     if r.get("interrupted"):  # said once, first: every line below is the answer so far, not the search's answer
@@ -862,10 +868,11 @@ def console_summary(report: dict, out: str | Path) -> str:
                 lines.append(f"      unstable timing ({shaky}): not a reliable speedup; measure on an idle machine")
     else:
         lines.append(f"no configuration qualified: {failure_summary(report.get('trials', []))}")
-        written = (report.get("model") or {}).get("writes_buffers")
-        if written:
-            lines.append("      the model's forward writes its buffers (" + ", ".join(written[:5]) + "): runs of the "
-                         "same inputs differ; update them only in training (`if self.training:`)")
+    written = (report.get("model") or {}).get("writes_buffers")
+    if written:  # the accuracy verdicts above compared runs that started from different states
+        lines.append("      the model's forward writes its buffers (" + ", ".join(written[:5]) + "): runs of the same "
+                     "inputs differ, so the accuracy verdicts are unreliable; update them only in training "
+                     "(`if self.training:`)")
     a = report.get("artifacts", {})
     if a.get("onnx_failed"):
         lines.append(f"ONNX export failed: {export_failed_line(a)}")

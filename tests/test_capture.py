@@ -211,7 +211,7 @@ def test_dynamic_shapes_keyed_by_the_varargs_name():
     torch.testing.assert_close(gm(inputs[0][:3], y), model(inputs[0][:3], y))
     with pytest.raises(ValueError, match=r"one entry for each of the 1 input\(s\) forward's \*rest takes"):
         normalize_dynamic_shapes({"rest": ({1: seq}, {})}, inputs, ["x"], "rest")
-    with pytest.raises(ValueError, match=r"go under 'rest', one entry each: \{'rest': \(\{\}\)\}"):
+    with pytest.raises(ValueError, match=r"go under 'rest', one entry each: \{'rest': \(\{\},\)\}"):
         normalize_dynamic_shapes({"y": {1: seq}}, inputs, ["x"], "rest")
     with pytest.raises(ValueError, match=r"it has none before \*args"):
         normalize_dynamic_shapes({"x": {1: seq}}, inputs, [], "args")

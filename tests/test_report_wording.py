@@ -234,3 +234,21 @@ def test_failure_summary_counts_trials_not_a_ratio():
     text = failure_summary(trials)
     assert text == ("3 of 4 trials did not qualify; most common: relative error 0.48 > max_error 0.01 (2 trials); "
                     "eager run failed: RuntimeError: boom (1 trial)")
+
+
+def test_a_model_that_writes_its_buffers_is_said_in_the_verdict_and_report_md(tmp_path):
+    """A winner exists, yet its accuracy verdict compared runs from different states: the console's verdict and
+    report.md say so (before: only report.json's model.writes_buffers, and the console only when nothing
+    qualified)."""
+    from tctune.report import console_summary
+
+    r = build_report(_study(states=("COMPLETE",) * 3), hardware={"name": "cpu"}, measured_on="cpu",
+                     config={"max_error": 0.01, "max_error_fp8": 0.05, "mode": "infer", "max_mismatch_rate": 0.0,
+                             "min_score_ratio": 0.99},
+                     model={"name": "m", "path": "m.py", "writes_buffers": ["running"]}, passes=[], artifacts={},
+                     capture={"ok": True})
+    assert r["best"] is not None
+    assert "forward writes its buffers (running): runs of the same inputs differ" in console_summary(r, tmp_path)
+    assert "**The model's forward writes its buffers** (running)" in render_markdown(r)
+    plain = _report(_study(states=("COMPLETE",) * 3))
+    assert "writes its buffers" not in console_summary(plain, tmp_path) + render_markdown(plain)
