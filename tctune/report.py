@@ -16,6 +16,7 @@ from typing import Any
 
 import optuna
 
+from .errors import clip
 from .search import best_trial, is_feasible, pareto_front
 from .search.autotune import autotune_lines
 from .search.baselines import run_params
@@ -882,6 +883,9 @@ def console_summary(report: dict, out: str | Path) -> str:
         reason = a["tensorrt_skipped_reason"]
         # one reason for every format (--no-export, --mode train): about the whole export, not TensorRT's
         whole = reason == a.get("onnx_error") and not (a.get("onnx") or a.get("onnx_fp32"))
+        if not whole and not a.get("onnx_failed") and a.get("onnx_error") and not (a.get("onnx") or a.get("onnx_fp32")):
+            # ONNX not written for a reason of its own (the model could not be captured): say it before TensorRT's
+            lines.append(f"ONNX: {clip(' '.join(str(a['onnx_error']).split()))}")
         lines.append(reason if whole else f"TensorRT: {reason}")
     lines.append(f"report: {out / 'report.md'}  (the study: {study_counts(report['study'], report.get('trials'))})")
     return "\n".join(lines)

@@ -163,6 +163,9 @@ def test_console_and_report_md_give_fp32_eager_the_same_throughput(tmp_path):
      "TensorRT: tensorrt is not installed"),
     ({"onnx_error": "not exported: the model could not be captured (x)", "tensorrt_skipped_reason":
       "no ONNX to build from"}, "TensorRT: no ONNX to build from"),
+    # why there is no ONNX file, said before TensorRT's consequence of it
+    ({"onnx_error": "not exported: the model could not be captured (x)", "tensorrt_skipped_reason":
+      "no ONNX to build from"}, "ONNX: not exported: the model could not be captured (x)"),
 ])
 def test_the_console_labels_a_skip_reason_tensorrt_only_when_it_is_tensorrts_own(tmp_path, artifacts, line):
     from tctune.report import console_summary
