@@ -511,7 +511,9 @@ def load_model_file(path: str | Path) -> ModelFile:
         if isinstance(exc, KeyboardInterrupt):
             raise
         tb = traceback.extract_tb(exc.__traceback__)
-        where = next((f" at line {f.lineno}" for f in reversed(tb) if f.filename == str(p)), "")
+        here = str(p.resolve())  # the traceback holds the path as imported; compare resolved paths
+        where = next((f" at line {f.lineno}" for f in reversed(tb)
+                      if not f.filename.startswith("<") and str(Path(f.filename).resolve()) == here), "")
         raise ModelFileError(
             f"{p.name} raised {type(exc).__name__}{where} while being imported: {exc}\n"
             f"  fix: the file must import cleanly with `python {p.name}`"

@@ -52,6 +52,14 @@ def test_raising_on_import(tmp_path):
         load_model_file(write(tmp_path, "import torch\nx = 1 / 0\n"))
 
 
+def test_raising_on_import_names_the_line_for_a_relative_path(tmp_path, monkeypatch):
+    """`tctune optimize model.py` from the file's folder: the line is named there too."""
+    f = write(tmp_path, "import torch\nSIZE = int('16x')\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelFileError, match="raised ValueError at line 2 while being imported"):
+        load_model_file(f.name)
+
+
 def test_missing_build_model_shows_signature(tmp_path):
     with pytest.raises(ModelFileError, match=r"(?s)does not define build_model\(\).*def build_model\(\) -> torch.nn.Module"):
         load_model_file(write(tmp_path, "def example_inputs(b):\n    return ()\n"))
