@@ -242,7 +242,7 @@ def normalize_dynamic_shapes(spec: Any, inputs: Sequence[torch.Tensor],
         unknown = [k for k in spec if k not in names[:n] and not (through_varargs and k == varargs)]
         if unknown:
             takes = (f"forward's first {len(names[:n])} argument(s) {names[:n]}" if names[:n] else
-                     "forward's named arguments (it has none before *" + f"{varargs})" if varargs else
+                     f"forward's named arguments (it has none before *{varargs})" if varargs else
                      "forward's named arguments (its signature names none)")
             fix = ("key dynamic_shapes by forward's argument names, or give a tuple with one entry per input"
                    if not through_varargs else
