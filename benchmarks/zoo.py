@@ -62,6 +62,14 @@ Variants (``--variants``), on the same seeded inputs, each in ``torch.no_grad``:
 ``inductor_freezing`` optional (``--variants +inductor_freezing``): ``torch.compile(model.to(dt),
                    options={"freezing": True})``, the same lever on the plain side; summarized as
                    ``speedup_freezing_vs_inductor_freezing`` (tctune_freezing over it)
+``inductor_again`` optional (``--variants +inductor_again``): ``inductor`` compiled a second time, on its own copy
+                   of the dt model in a fresh cache: the same graph, so its ratio to ``inductor`` is the
+                   compile-to-compile spread of this method (Triton's run-time autotuning of each compile,
+                   allocation). Summarized as ``inductor_again_vs_inductor``
+``tctune_lowtrace`` optional (``--variants +tctune_lowtrace``): the backend on ``model.to(dt)`` handed dt inputs,
+                   so Dynamo traces the dt model as it does for ``inductor``, with tctune's options: against
+                   ``tctune`` it isolates what tracing the FP32 model and casting it costs. Summarized as
+                   ``speedup_lowtrace_vs_inductor``
 ``tctune_fp32``    optional (``--variants +tctune_fp32``; one more compile per model, so not in the default):
                    ``torch.compile(fp32 model, backend="tctune", options=parity_options(dt))``: every structural
                    pass of the backend's default pipeline as it plans at dt (padding to dt's alignment), the
@@ -291,7 +299,8 @@ OPTIMIZE_DEFAULT = ("BertForMaskedLM", "GPT2ForSequenceClassification", "T5Small
 
 VARIANTS = ("fp32_eager", "eager", "eager_cg", "inductor", "inductor_cg", "tctune", "tctune_cg")
 #: Variants measured only when named in ``--variants`` (one more compile per model; see the module docstring).
-OPTIONAL_VARIANTS = ("tctune_fp32", "inductor_fp32in", "tctune_freezing", "inductor_freezing")
+OPTIONAL_VARIANTS = ("tctune_fp32", "inductor_fp32in", "tctune_freezing", "inductor_freezing", "inductor_again",
+                     "tctune_lowtrace")
 ALL_VARIANTS = VARIANTS + OPTIONAL_VARIANTS
 #: FP32 parity limit of ``tctune_fp32``: max |tctune - FP32 eager| / max |FP32 eager| per floating output, or,
 #: for a model whose FP32 eager output is itself far from a float64 run, :data:`FP32_ROUNDING_FACTOR` x that
@@ -1384,7 +1393,7 @@ def measure_model(entry: Entry, args: argparse.Namespace) -> dict:
             return row
         timed("fp32_eager")
         low = None
-        if any(v in wanted for v in ("eager", "eager_cg", "inductor", "inductor_cg")):
+        if any(v in wanted for v in ("eager", "eager_cg", "inductor", "inductor_cg", "inductor_again", "tctune_lowtrace")):
             low = copy.deepcopy(model).to(dt).eval()
         record("eager", lambda: low, low_inputs)
         timed("eager")
@@ -1439,8 +1448,25 @@ def measure_model(entry: Entry, args: argparse.Namespace) -> dict:
             record("tctune_freezing", lambda: model, inputs)  # records it as not requested
         record("inductor_freezing", lambda: torch.compile(copy.deepcopy(low), options={"freezing": True}),
                low_inputs, fresh_cache=True)
-        timed("inductor", "tctune", "inductor_fp32in", "tctune_freezing", "inductor_freezing")
-        fns.pop("inductor_fp32in", None), fns.pop("tctune_freezing", None), fns.pop("inductor_freezing", None)
+        record("inductor_again", lambda: torch.compile(copy.deepcopy(low)), low_inputs, fresh_cache=True)
+        if "tctune_lowtrace" in wanted:
+            import tctune.backend as tb
+
+            tb.reset()
+            backend = "tctune" if "tctune" in torch._dynamo.list_backends() else tb.tctune_backend
+            lopts = {"precision": args.dtype, "policy": "pure", "output_dtype": TCTUNE_OUTPUT_DTYPE}
+            lmodel = copy.deepcopy(low)
+            record("tctune_lowtrace", lambda: torch.compile(lmodel, backend=backend, options=lopts), low_inputs,
+                   fresh_cache=True)
+            row["tctune_lowtrace"] = {"options": lopts, "summaries": [r.summary()[:400] for r in tb.reports[:8]],
+                                      "fallbacks": [(r.fallback.strip().splitlines() or [""])[0][:300]
+                                                    for r in tb.reports if r.fallback]}
+        else:
+            record("tctune_lowtrace", lambda: model, inputs)  # records it as not requested
+        timed("inductor", "tctune", "inductor_fp32in", "tctune_freezing", "inductor_freezing", "inductor_again",
+              "tctune_lowtrace")
+        for name in ("inductor_fp32in", "tctune_freezing", "inductor_freezing", "inductor_again", "tctune_lowtrace"):
+            fns.pop(name, None)
         cg_args = {"tctune_cg": ("tctune", inputs), "inductor_cg": ("inductor", low_inputs)}
         per_capture: dict[str, list[dict]] = {n: [] for n in cg_args}
         for k in range(max(1, args.cg_captures)):  # K captures of both sides (module docstring, CUDA graphs)
@@ -1644,6 +1670,10 @@ def summarize(row: dict, opt: dict | None = None) -> dict:
         "speedup_freezing_vs_inductor_freezing": _ratio(get("tctune_freezing", "items_per_s"),
                                                         get("inductor_freezing", "items_per_s")),
         "compile_s_freezing": get("tctune_freezing", "compile_s"),
+        # a second compile of the inductor variant (the method's compile-to-compile spread), and the backend on
+        # the dt model (Dynamo tracing the dt model, as for inductor)
+        "inductor_again_vs_inductor": _ratio(get("inductor_again", "items_per_s"), get("inductor", "items_per_s")),
+        "speedup_lowtrace_vs_inductor": _ratio(get("tctune_lowtrace", "items_per_s"), get("inductor", "items_per_s")),
         "accuracy_consistent": accuracy_consistent(rel, eager_rel),
         "rel_err": rel, "eager_rel_err": eager_rel, "inductor_rel_err": get("inductor", "rel_err"),
         "compile_s": get("tctune", "compile_s"), "inductor_compile_s": get("inductor", "compile_s"),

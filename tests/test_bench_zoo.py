@@ -779,6 +779,43 @@ def test_freezing_variants_get_inductors_freezing_option_and_are_timed_with_both
     assert zoo.summarize(_row("m", tct=300.0, ind=250.0))["speedup_freezing_vs_inductor"] is None  # not run
 
 
+def test_spread_and_lowtrace_variants_compile_the_dt_model_and_are_timed_with_both_sides(tmp_path, monkeypatch):
+    """``inductor_again`` (a second plain compile of the dt model: the compile-to-compile spread) and
+    ``tctune_lowtrace`` (the backend on ``model.to(dt)`` with dt inputs) on the CPU at --tiny: each compiles its own
+    copy of the dt model, is timed in the interleaved block with ``inductor`` and summarized against it."""
+    pytest.importorskip("transformers")
+    calls = []
+
+    def fake_compile(fn, *a, **kw):
+        calls.append((fn, kw.get("backend"), kw.get("options")))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    assert zoo.main(["--worker", "BertForMaskedLM", "--tiny", "--scale", "0.0625", "--device", "cpu",
+                     "--variants", "fp32_eager,eager,inductor,inductor_again,tctune_lowtrace", "--repeats", "2",
+                     "--repeat-s", "0.001", "--out", str(tmp_path)]) == 0
+    row = json.loads(zoo.row_path(tmp_path, "BertForMaskedLM").read_text())
+    assert row["status"] == "ok", row.get("reason")
+    v = row["variants"]
+    for name in ("inductor_again", "tctune_lowtrace"):
+        assert v[name]["ok"] is True, v[name].get("error")
+        assert len(v[name]["repeats_ms"]) == len(v["inductor"]["repeats_ms"]) == 2
+        assert name in row["compile_cache"]
+        assert v[name]["rel_err"] == pytest.approx(v["inductor"]["rel_err"])  # the dt model, as inductor's
+    compiled = [(fn, backend, opts) for fn, backend, opts in calls if isinstance(fn, torch.nn.Module)]
+    models = [fn for fn, _, _ in compiled]
+    assert len({id(m) for m in models}) == 3  # inductor, inductor_again, tctune_lowtrace: three copies
+    assert all(next(m.parameters()).dtype == torch.bfloat16 for m in models)
+    lowtrace = [opts for _, backend, opts in compiled if backend is not None]
+    assert lowtrace == [{"precision": "bf16", "policy": "pure", "output_dtype": zoo.TCTUNE_OUTPUT_DTYPE}]
+    s = zoo.summarize(row)
+    assert s["inductor_again_vs_inductor"] == pytest.approx(v["inductor_again"]["items_per_s"] /
+                                                            v["inductor"]["items_per_s"])
+    assert s["speedup_lowtrace_vs_inductor"] == pytest.approx(v["tctune_lowtrace"]["items_per_s"] /
+                                                              v["inductor"]["items_per_s"])
+    assert zoo.summarize(_row("m", tct=300.0, ind=250.0))["inductor_again_vs_inductor"] is None  # not run
+
+
 def test_zero_initialised_weights_are_redrawn_so_errors_can_be_measured():
     """torchvision's ViT builds its head all zero: with random weights its logits were all zero and the zoo read
     relative errors of 0.0 on both sides on the H200 (an accuracy check that cannot fail). Such weights are
