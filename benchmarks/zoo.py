@@ -63,9 +63,11 @@ Variants (``--variants``), on the same seeded inputs, each in ``torch.no_grad``:
                    options={"freezing": True})``, the same lever on the plain side; summarized as
                    ``speedup_freezing_vs_inductor_freezing`` (tctune_freezing over it)
 ``inductor_again`` optional (``--variants +inductor_again``): ``inductor`` compiled a second time, on its own copy
-                   of the dt model in a fresh cache: the same graph, so its ratio to ``inductor`` is the
-                   compile-to-compile spread of this method (Triton's run-time autotuning of each compile,
-                   allocation). Summarized as ``inductor_again_vs_inductor``
+                   of the dt model in a fresh cache, through a backend function that calls Inductor's
+                   ``compile_fx`` as ``torch.compile``'s own Inductor backend does (:func:`inductor_anew`; with
+                   ``backend="inductor"`` again Dynamo would reuse the first compile's cache entry): the same
+                   graph, so its ratio to ``inductor`` is the compile-to-compile spread of this method (Triton's
+                   run-time autotuning of each compile, allocation). Summarized as ``inductor_again_vs_inductor``
 ``tctune_lowtrace`` optional (``--variants +tctune_lowtrace``): the backend on ``model.to(dt)`` handed dt inputs,
                    so Dynamo traces the dt model as it does for ``inductor``, with tctune's options: against
                    ``tctune`` it isolates what tracing the FP32 model and casting it costs. Summarized as
@@ -1205,6 +1207,15 @@ def warm_compile_pool(timeout_s: float = 120.0) -> dict:
     return {"ready": True, "s": round(time.perf_counter() - t, 3)}
 
 
+def inductor_anew(gm, example_inputs):
+    """A Dynamo backend compiling with Inductor's ``compile_fx``, as ``backend="inductor"`` does with no options; a
+    function of its own, so Dynamo compiles a model again instead of reusing an earlier ``inductor`` cache entry
+    of the same code (``inductor_again``)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs)
+
+
 def cuda_graph(fn: Callable, args: tuple) -> Callable:
     """``fn`` captured as one CUDA graph: three warm-up calls on a side stream, then capture of one call.
 
@@ -1448,7 +1459,8 @@ def measure_model(entry: Entry, args: argparse.Namespace) -> dict:
             record("tctune_freezing", lambda: model, inputs)  # records it as not requested
         record("inductor_freezing", lambda: torch.compile(copy.deepcopy(low), options={"freezing": True}),
                low_inputs, fresh_cache=True)
-        record("inductor_again", lambda: torch.compile(copy.deepcopy(low)), low_inputs, fresh_cache=True)
+        record("inductor_again", lambda: torch.compile(copy.deepcopy(low), backend=inductor_anew), low_inputs,
+               fresh_cache=True)
         if "tctune_lowtrace" in wanted:
             import tctune.backend as tb
 

@@ -806,7 +806,8 @@ def test_spread_and_lowtrace_variants_compile_the_dt_model_and_are_timed_with_bo
     models = [fn for fn, _, _ in compiled]
     assert len({id(m) for m in models}) == 3  # inductor, inductor_again, tctune_lowtrace: three copies
     assert all(next(m.parameters()).dtype == torch.bfloat16 for m in models)
-    lowtrace = [opts for _, backend, opts in compiled if backend is not None]
+    assert [backend for _, backend, _ in compiled][:2] == [None, zoo.inductor_anew]  # not inductor's cache entry
+    lowtrace = [opts for _, backend, opts in compiled if backend not in (None, zoo.inductor_anew)]
     assert lowtrace == [{"precision": "bf16", "policy": "pure", "output_dtype": zoo.TCTUNE_OUTPUT_DTYPE}]
     s = zoo.summarize(row)
     assert s["inductor_again_vs_inductor"] == pytest.approx(v["inductor_again"]["items_per_s"] /
@@ -814,6 +815,29 @@ def test_spread_and_lowtrace_variants_compile_the_dt_model_and_are_timed_with_bo
     assert s["speedup_lowtrace_vs_inductor"] == pytest.approx(v["tctune_lowtrace"]["items_per_s"] /
                                                               v["inductor"]["items_per_s"])
     assert zoo.summarize(_row("m", tct=300.0, ind=250.0))["inductor_again_vs_inductor"] is None  # not run
+
+
+def test_inductor_again_compiles_anew_where_backend_inductor_reuses_the_first_compile(monkeypatch):
+    """On the H200, ``torch.compile(copy.deepcopy(low))`` after ``torch.compile(low)`` took 0.05 s: Dynamo reused
+    the first compile's cache entry (same code, equal Inductor backend), so ``inductor_again`` timed one compiled
+    callable twice. :func:`zoo.inductor_anew` is a backend of its own: Dynamo compiles again."""
+    import copy
+
+    import torch._inductor.compile_fx as cfx
+
+    calls = []
+    monkeypatch.setattr(cfx, "compile_fx", lambda gm, inputs, **kw: calls.append(gm) or gm.forward)
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        torch.compile(model)(x)
+        torch.compile(copy.deepcopy(model))(x)
+        assert len(calls) == 1  # the second backend="inductor" compile reused the first
+        out = torch.compile(copy.deepcopy(model), backend=zoo.inductor_anew)(x)
+    assert len(calls) == 2
+    torch.testing.assert_close(out, model(x))
+    torch._dynamo.reset()
 
 
 def test_zero_initialised_weights_are_redrawn_so_errors_can_be_measured():
