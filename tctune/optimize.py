@@ -70,15 +70,23 @@ def warn_other_model(out: Path, mf: ModelFile, export: bool = True) -> str | Non
     """Warn (and return the warning) when ``out`` holds the report of another model (``report.json``'s model name
     or path differs from ``mf``'s): this run replaces that report, ``best_config.json`` and (``export``) the
     exported files; without ``export`` the other model's exported files stay and the warning names them. The
-    other model's study stays in ``study.db``. None when the folder is new or holds this model's report."""
+    other model's study stays in ``study.db``. Without ``export``, a folder holding this model's report and
+    exported files (:data:`EXPORTED_PATTERNS`) gets a warning too: they are an earlier run's, and may not match
+    the new ``best_config.json``. None otherwise (a new folder, this model's report and nothing stale)."""
     try:
         old = json.loads((out / "report.json").read_text()).get("model") or {}
     except (OSError, ValueError, AttributeError):
         return None
     name, path = old.get("name"), old.get("path")
+    stale = sorted({p.name for pattern in EXPORTED_PATTERNS for p in out.glob(pattern)}) if not export else []
+    if name and name == mf.name and path == str(mf.path) and stale:
+        msg = (f"{out} holds exported files of an earlier run of {mf.name} ({', '.join(stale)}): this run exports "
+               "nothing, so they may not match the best_config.json it writes; rebuild them with `tctune export "
+               f"{mf.path} --config {out / 'best_config.json'}`, or run with the export on")
+        log.warning(msg)
+        return msg
     if not name or (name == mf.name and path == str(mf.path)):
         return None
-    stale = sorted({p.name for pattern in EXPORTED_PATTERNS for p in out.glob(pattern)}) if not export else []
     msg = (f"{out} holds the report of another model, {name} ({path}): this run of {mf.name} replaces its "
            + ("report.md, report.json, best_config.json and exported files" if export else
               "report.md, report.json and best_config.json")

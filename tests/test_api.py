@@ -310,6 +310,20 @@ def test_the_search_says_why_it_ended_before_the_bars_total_as_the_command_does(
     assert "--" not in err
 
 
+def test_a_rerun_into_an_exhausted_search_space_draws_no_empty_progress_bar(tmp_path, capsys, plain_logging):
+    """Run twice into one folder on a small enumerated space: the second run has no baseline and no candidate
+    left. It said so, then drew a bar reading ``trials: 0trial [00:00, ?trial/s]``; now the line alone."""
+    plain_logging()
+    model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.GELU(), torch.nn.Linear(24, 3))
+    args = dict(runtimes="eager", no_export=True, out=tmp_path / "o", trials=40)
+    tctune.optimize(model, (torch.randn(3, 12),), **args)
+    capsys.readouterr()
+    tctune.optimize(model, (torch.randn(3, 12),), **args)
+    err = capsys.readouterr().err
+    assert "candidates of this search space were already tried" in err, err
+    assert "0trial" not in err and "trials:" not in err, err
+
+
 @pytest.mark.parametrize("handler", ["api", "command"])
 def test_log_lines_print_above_the_progress_bar_not_on_its_line(tmp_path, capsys, plain_logging, monkeypatch,
                                                                   handler):

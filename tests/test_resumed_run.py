@@ -112,5 +112,12 @@ def test_a_run_into_a_folder_holding_another_models_report_warns_once(tmp_path, 
     assert warn_other_model(tmp_path, mine, export=False).endswith(
         "replaces its report.md, report.json and best_config.json (its study stays in study.db); its exported files "
         "stay, as this run exports nothing: model.onnx, runner.py; use another output folder to keep both")
+    (tmp_path / "report.json").write_text(json.dumps({"model": {"name": "int_outputs", "path": str(mine.path)}}))
+    assert warn_other_model(tmp_path, mine) is None  # this model's own folder, exporting again: nothing stale
+    with caplog.at_level("WARNING", logger="tctune"):
+        msg = warn_other_model(tmp_path, mine, export=False)  # this model's earlier export stays beside a new config
+    assert msg == (f"{tmp_path} holds exported files of an earlier run of int_outputs (model.onnx, runner.py): "
+                   "this run exports nothing, so they may not match the best_config.json it writes; rebuild them "
+                   f"with `tctune export {mine.path} --config {tmp_path / 'best_config.json'}`, or run with the export on")
     (tmp_path / "report.json").write_text("{not json")
     assert warn_other_model(tmp_path, mine) is None  # an unreadable report: nothing to say

@@ -562,7 +562,9 @@ class Tuner:
         study = self.create_study()
         pending = self.pending_baselines(study)
         bar = None
-        if not self.cfg.quiet:
+        exhausted = (not pending and self.space_size() <= BRUTE_FORCE_MAX
+                     and len(self.measured(study)) >= self.space_size())  # a re-run with nothing left to run
+        if not self.cfg.quiet and not exhausted:
             from tqdm.auto import tqdm
             bar = tqdm(total=self.cfg.trials + pending, desc="trials", unit="trial", file=sys.stderr,
                        dynamic_ncols=True)
