@@ -640,7 +640,7 @@ def optimize_model(mf: ModelFile, cfg: TuneConfig) -> Optimized:
     if lock is not None:
         lock.acquire()  # before the study is opened; the --devices workers run under this lock
     if not cfg.worker:
-        warn_other_model(out, mf, export=cfg.export)
+        tuner.folder_warning = warn_other_model(out, mf, export=cfg.export)  # said in report.md too
     try:
         return _optimize(tuner, mf, hw, cfg, devices, out)
     finally:
@@ -681,7 +681,8 @@ def _optimize(tuner: Tuner, mf, hw: HardwareSpec, cfg: TuneConfig, devices: list
             measured_on=measured_on(tuner.device),
             config=cfg.to_dict(),
             model={"name": mf.name, "path": str(mf.path), "tctune_version": __version__,
-                   "writes_buffers": tuner.written_buffers},
+                   "writes_buffers": tuner.written_buffers,
+                   "output_folder_warning": tuner.folder_warning},
             passes=passes,
             artifacts=arts,
             capture=tuner.captured.info(),

@@ -542,6 +542,9 @@ def render_markdown(r: dict) -> str:
                   "each run starts from another state, so runs of the same inputs differ and the accuracy verdicts "
                   "below compare runs from different states. Update such state only in training "
                   "(`if self.training:`).", ""]
+    folder = (r.get("model") or {}).get("output_folder_warning")
+    if folder:
+        lines += [f"> **Output folder**: {folder}.", ""]
     lines += ["## Result", ""]
     b, base = r["best"], r["baseline"]
     if r.get("interrupted"):  # said once, first: every line below is the answer so far, not the search's answer

@@ -121,3 +121,22 @@ def test_a_run_into_a_folder_holding_another_models_report_warns_once(tmp_path, 
                    f"with `tctune export {mine.path} --config {tmp_path / 'best_config.json'}`, or run with the export on")
     (tmp_path / "report.json").write_text("{not json")
     assert warn_other_model(tmp_path, mine) is None  # an unreadable report: nothing to say
+
+
+def test_the_output_folder_warning_is_in_report_md_and_json_too(tiny, tmp_path):
+    """The warning that the folder holds another model's report was console-only: report.md, the file a reader
+    keeps, did not say that the folder had held another model's results."""
+    import json
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.json").write_text(json.dumps({"model": {"name": "other_model", "path": "/m/other_model.py"}}))
+    (out / "model.onnx").write_text("x")
+    report = optimize(tiny, _cfg(out, trials=1))
+    said = report["model"]["output_folder_warning"]
+    assert said.startswith(f"{out} holds the report of another model, other_model (/m/other_model.py)")
+    assert "its exported files stay, as this run exports nothing: model.onnx" in said
+    assert f"> **Output folder**: {said}." in (out / "report.md").read_text()
+    again = optimize(tiny, _cfg(out, trials=1, export=True))  # this model's folder now, exporting: nothing to say
+    assert again["model"]["output_folder_warning"] is None
+    assert "**Output folder**" not in (out / "report.md").read_text()

@@ -244,6 +244,7 @@ class Tuner:
             log.warning("%s", finalist)
         self.model = mf.model().to(self.device)
         self.written_buffers: list[str] = []  # buffers forward writes in eval mode (:func:`check_fp32_runs`)
+        self.folder_warning: str | None = None  # what tctune.optimize.warn_other_model said of the output folder
         self.model.train(training)
         if not training and not cfg.worker:  # the main process checks; its --devices workers load the same file
             self.written_buffers = check_fp32_runs(self.model, mf, min(cfg.batch_sizes), self.device)
