@@ -80,9 +80,12 @@ def warn_other_model(out: Path, mf: ModelFile, export: bool = True) -> str | Non
     name, path = old.get("name"), old.get("path")
     stale = sorted({p.name for pattern in EXPORTED_PATTERNS for p in out.glob(pattern)}) if not export else []
     if name and name == mf.name and path == str(mf.path) and stale:
+        live = str(mf.path).startswith("<")  # a live module (tctune.optimize(model, ...)): no file to name
+        fix = ("run with the export on" if live else
+               f"rebuild them with `tctune export {mf.path} --config {out / 'best_config.json'}`, or run with the "
+               "export on")
         msg = (f"{out} holds exported files of an earlier run of {mf.name} ({', '.join(stale)}): this run exports "
-               "nothing, so they may not match the best_config.json it writes; rebuild them with `tctune export "
-               f"{mf.path} --config {out / 'best_config.json'}`, or run with the export on")
+               f"nothing, so they may not match the best_config.json it writes; {fix}")
         log.warning(msg)
         return msg
     if not name or (name == mf.name and path == str(mf.path)):

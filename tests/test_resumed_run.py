@@ -119,6 +119,10 @@ def test_a_run_into_a_folder_holding_another_models_report_warns_once(tmp_path, 
     assert msg == (f"{tmp_path} holds exported files of an earlier run of int_outputs (model.onnx, runner.py): "
                    "this run exports nothing, so they may not match the best_config.json it writes; rebuild them "
                    f"with `tctune export {mine.path} --config {tmp_path / 'best_config.json'}`, or run with the export on")
+    live = SimpleNamespace(name="Sequential", path="<Sequential>")  # tctune.optimize(module, ...): no file
+    (tmp_path / "report.json").write_text(json.dumps({"model": {"name": "Sequential", "path": "<Sequential>"}}))
+    assert warn_other_model(tmp_path, live, export=False).endswith(
+        "may not match the best_config.json it writes; run with the export on")
     (tmp_path / "report.json").write_text("{not json")
     assert warn_other_model(tmp_path, mine) is None  # an unreadable report: nothing to say
 
