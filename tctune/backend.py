@@ -1473,6 +1473,7 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
     for r in report.results:
         logger.debug("tctune pass %s: %d rewrites, %d skipped", r.name, r.count, len(r.skipped))
     _stable_cache_key(exported)
+    _weights_static(exported, gm)
     given = example_inputs if compile_inputs is None else compile_inputs
     compiled = inductor_compile(exported, [*(given[i] for i in inputs.runtime), *(given[i] for i in sizes)],
                                 cfg.config_patches())
@@ -1483,6 +1484,18 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
     run._tctune_report = report  # type: ignore[attr-defined]
     run._tctune_frozen = [(i, example_inputs[i]) for i in inputs.weights]  # type: ignore[attr-defined]
     return run
+
+
+def _weights_static(exported: fx.GraphModule, gm: fx.GraphModule) -> None:
+    """Let Inductor treat the frozen weights of ``exported`` as static inputs, as it treats the parameters of
+    Dynamo's own graph. AOT autograd lifts ``exported``'s parameters and buffers to graph inputs and marks them
+    static only for a module it knows came from Dynamo (``meta["dynamo_compile_id"]``; without Dynamo's
+    ``_param_name_to_source`` it takes the lifted parameters and buffers); ``ep.module()`` drops that meta, so
+    every weight reached Inductor as an ordinary input: checked for alignment at every call and, under
+    ``mode="reduce-overhead"``, copied into the CUDA graph's own input buffers at every replay (a second copy of
+    the weights in its memory pool). Runtime inputs (written buffers included) stay non-static."""
+    if "dynamo_compile_id" in gm.meta:
+        exported.meta["dynamo_compile_id"] = gm.meta["dynamo_compile_id"]
 
 
 def _export(gm: fx.GraphModule, example_inputs: list, inputs: _Inputs, nodes: list[fx.Node],

@@ -264,3 +264,42 @@ def test_the_rewritten_graph_is_generated_once_and_records_no_stack_traces(monke
         assert torch.fx.config.do_not_emit_stack_traces is False  # restored after the re-export
     for g, r in zip(flat_outputs(got), flat_outputs(ref)):
         torch.testing.assert_close(g, r, rtol=1.3e-6, atol=1e-5)
+
+
+def test_inductor_is_told_the_frozen_weights_are_static_inputs_as_dynamos_parameters_are(monkeypatch):
+    """Inductor takes the static input indices from AOT autograd, which marks lifted parameters and buffers
+    static only for a module from Dynamo (``meta["dynamo_compile_id"]``). ``ep.module()`` dropped that meta, so
+    tctune's frozen weights reached Inductor as ordinary inputs (0 static where plain ``torch.compile`` has one per
+    weight; seen on the H200 for swin_t, 0 against 185): under ``mode="reduce-overhead"`` each replay copied every
+    weight into the CUDA graph's input buffers. Now as many as Dynamo's graph, on a real Inductor compile (CPU)."""
+    import torch._inductor.compile_fx as cfx
+
+    import tctune.backend as tb
+
+    told: list[int] = []
+    real = cfx.get_static_input_idxs
+
+    def spy(num_fixed):
+        idxs = real(num_fixed)
+        told.append(len(idxs))
+        return idxs
+
+    monkeypatch.setattr(cfx, "get_static_input_idxs", spy)
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "force_disable_caches", True)  # a cache hit skips the compile spied on
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)).eval()
+    x = torch.randn(4, 16)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        ref = model(x)
+        plain = torch.compile(model)(x)
+        torch._dynamo.reset()
+        tb.reset()
+        out = torch.compile(model, backend=tb.backend(precision="fp32"))(x)
+    torch._dynamo.reset()
+    assert len(told) == 2 and told[0] == 4, told  # plain Inductor: the four weights static
+    assert told[1] == 4, told  # tctune's frozen weights: static too (0 before)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(plain, ref, rtol=1e-5, atol=1e-5)
