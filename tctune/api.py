@@ -191,7 +191,8 @@ def optimize(model, example_inputs=None, /, **options):
         model: an ``nn.Module`` (left in eval mode on the measuring device: ``cuda:0`` when torch sees a GPU,
             else the CPU; a winning "model as written" configuration runs this very object), or the path of a
             model file.
-        example_inputs: for a module: a tuple of example tensors (a tensor alone is a 1-tuple), or a callable
+        example_inputs: for a module (positionally, or as ``example_inputs=``): a tuple of example tensors (a
+            tensor alone is a 1-tuple), or a callable
             ``batch_size -> tuple of tensors`` (fresh random data, never all zeros). A mapping of ``forward``'s
             argument names to tensors, given or returned by the callable (``{"input_ids": ids,
             "attention_mask": mask}``, a Hugging Face tokenizer's ``BatchEncoding`` with ``return_tensors="pt"``),
@@ -258,6 +259,10 @@ def _optimize(model, example_inputs, options: dict):
     from .optimize import optimize as optimize_file, optimize_model
     from .search import TuneConfig
 
+    if "example_inputs" in options:  # the documented name, given as a keyword: the same argument
+        if example_inputs is not None:
+            raise TypeError("tctune.optimize() got example_inputs twice (positionally and as a keyword)")
+        example_inputs = options.pop("example_inputs")
     check_option_names(options, API_OPTIONS)  # before anything runs: a misspelt keyword is one error, at once
     keep_low = options.pop("keep_low_precision_outputs", None)
     if keep_low is not None:

@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -68,9 +69,10 @@ EXPORTED_PATTERNS = ("*.onnx", "*.onnx.data", "*.engine", "*.pt2", "*.manifest.j
 
 def warn_other_model(out: Path, mf: ModelFile, export: bool = True) -> str | None:
     """Warn (and return the warning) when ``out`` holds the report of another model (``report.json``'s model name
-    or path differs from ``mf``'s): this run replaces that report, ``best_config.json`` and (``export``) the
-    exported files; without ``export`` the other model's exported files stay and the warning names them. The
-    other model's study stays in ``study.db``. Without ``export``, a folder holding this model's report and
+    or path differs from ``mf``'s): this run replaces that report and ``best_config.json``; exported files already
+    in the folder (:data:`EXPORTED_PATTERNS`) are named: they stay, except those this run's export (``export``)
+    writes under the same names (a runner beside them would time the other model). The other model's study stays
+    in ``study.db``. Without ``export``, a folder holding this model's report and
     exported files (:data:`EXPORTED_PATTERNS`) gets a warning too: they are an earlier run's, and may not match
     the new ``best_config.json``. None otherwise (a new folder, this model's report and nothing stale)."""
     try:
@@ -82,7 +84,8 @@ def warn_other_model(out: Path, mf: ModelFile, export: bool = True) -> str | Non
     if name and name == mf.name and path == str(mf.path) and stale:
         live = str(mf.path).startswith("<")  # a live module (tctune.optimize(model, ...)): no file to name
         fix = ("run with the export on" if live else
-               f"rebuild them with `tctune export {mf.path} --config {out / 'best_config.json'}`, or run with the "
+               f"rebuild them with `tctune export {shlex.quote(str(mf.path))} --config "
+               f"{shlex.quote(str(out / 'best_config.json'))}`, or run with the "
                "export on")
         msg = (f"{out} holds exported files of an earlier run of {mf.name} ({', '.join(stale)}): this run exports "
                f"nothing, so they may not match the best_config.json it writes; {fix}")
@@ -90,11 +93,12 @@ def warn_other_model(out: Path, mf: ModelFile, export: bool = True) -> str | Non
         return msg
     if not name or (name == mf.name and path == str(mf.path)):
         return None
+    files = sorted({p.name for pattern in EXPORTED_PATTERNS for p in out.glob(pattern)})
     msg = (f"{out} holds the report of another model, {name} ({path}): this run of {mf.name} replaces its "
-           + ("report.md, report.json, best_config.json and exported files" if export else
-              "report.md, report.json and best_config.json")
-           + " (its study stays in study.db)"
-           + (f"; its exported files stay, as this run exports nothing: {', '.join(stale)}" if stale else "")
+           "report.md, report.json and best_config.json (its study stays in study.db)"
+           + (f"; the exported files there stay, as this run exports nothing: {', '.join(files)}" if files and not export
+              else f"; the exported files there stay unless this run's export writes the same names: {', '.join(files)}"
+              if files else "")
            + "; use another output folder to keep both")
     log.warning(msg)
     return msg

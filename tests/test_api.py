@@ -197,6 +197,20 @@ def test_a_misspelt_option_names_the_closest_one_before_anything_runs(monkeypatc
         tctune.optimize("model.py", no_exprot=True)
 
 
+def test_example_inputs_given_by_keyword_is_the_same_argument(tmp_path):
+    """The README writes ``tctune.optimize(model, example_inputs, **options)``: ``example_inputs=`` as a keyword
+    was an "unknown option" TypeError listing every valid option but it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.GELU(), torch.nn.Linear(24, 3))
+    x = torch.randn(3, 12)
+    tuned = tctune.optimize(model, example_inputs=(x,), runtimes="eager", trials=1, no_export=True, quiet=True,
+                            out=tmp_path / "o")
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(x).float(), model(x), rtol=5e-2, atol=5e-2)
+    with pytest.raises(TypeError, match="example_inputs twice"):
+        tctune.optimize(model, (x,), example_inputs=(x,))
+
+
 def test_bad_option_value_names_the_field():
     with pytest.raises(tctune.UsageError) as info:
         tctune.optimize(torch.nn.Linear(2, 2), (torch.randn(2, 2),), trials=0)

@@ -152,6 +152,20 @@ def test_unreachable_storage_is_one_clear_error(tmp_path):
     assert "cannot open the study storage" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_a_corrupt_default_study_file_names_that_file_not_a_storage_url(tmp_path):
+    """Without --storage the study is OUT/study.db: a file there that is not a study got the fix for a storage
+    URL ("give an Optuna storage URL ... check that the server is reachable"), which the user never gave."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "study.db").write_text("garbage")
+    r = subprocess.run([sys.executable, "-m", "tctune", "optimize", str(Path(__file__).parents[1] / "recipes" / "seed_cnn.py"),
+                        "--out", str(out), "--quiet"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "cannot open the study storage" in r.stderr
+    assert f"fix: move or delete {out / 'study.db'} (it is not a study this tctune can open), or give another output folder" in r.stderr, r.stderr
+    assert "server is reachable" not in r.stderr
+
+
 def test_unwritable_output_folder(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")

@@ -104,14 +104,18 @@ def test_a_run_into_a_folder_holding_another_models_report_warns_once(tmp_path, 
     with caplog.at_level("WARNING", logger="tctune"):
         msg = warn_other_model(tmp_path, mine)
     assert msg == (f"{tmp_path} holds the report of another model, two_dtypes (/m/two_dtypes.py): this run of "
-                   "int_outputs replaces its report.md, report.json, best_config.json and exported files (its "
-                   "study stays in study.db); use another output folder to keep both")
+                   "int_outputs replaces its report.md, report.json and best_config.json (its study stays in "
+                   "study.db); use another output folder to keep both")
     assert caplog.text.count("holds the report of another model") == 1
     (tmp_path / "model.onnx").write_text("x")
     (tmp_path / "runner.py").write_text("x")
     assert warn_other_model(tmp_path, mine, export=False).endswith(
-        "replaces its report.md, report.json and best_config.json (its study stays in study.db); its exported files "
-        "stay, as this run exports nothing: model.onnx, runner.py; use another output folder to keep both")
+        "replaces its report.md, report.json and best_config.json (its study stays in study.db); the exported files "
+        "there stay, as this run exports nothing: model.onnx, runner.py; use another output folder to keep both")
+    # exporting, the files of names this run does not write stay too (a model.pt2 of the other model): named
+    assert warn_other_model(tmp_path, mine).endswith(
+        "(its study stays in study.db); the exported files there stay unless this run's export writes the same "
+        "names: model.onnx, runner.py; use another output folder to keep both")
     (tmp_path / "report.json").write_text(json.dumps({"model": {"name": "int_outputs", "path": str(mine.path)}}))
     assert warn_other_model(tmp_path, mine) is None  # this model's own folder, exporting again: nothing stale
     with caplog.at_level("WARNING", logger="tctune"):
@@ -119,6 +123,9 @@ def test_a_run_into_a_folder_holding_another_models_report_warns_once(tmp_path, 
     assert msg == (f"{tmp_path} holds exported files of an earlier run of int_outputs (model.onnx, runner.py): "
                    "this run exports nothing, so they may not match the best_config.json it writes; rebuild them "
                    f"with `tctune export {mine.path} --config {tmp_path / 'best_config.json'}`, or run with the export on")
+    spaced = SimpleNamespace(name="int_outputs", path=tmp_path / "my dir" / "int_outputs.py")  # pasted as printed
+    (tmp_path / "report.json").write_text(json.dumps({"model": {"name": "int_outputs", "path": str(spaced.path)}}))
+    assert f"`tctune export '{spaced.path}' --config " in warn_other_model(tmp_path, spaced, export=False)
     live = SimpleNamespace(name="Sequential", path="<Sequential>")  # tctune.optimize(module, ...): no file
     (tmp_path / "report.json").write_text(json.dumps({"model": {"name": "Sequential", "path": "<Sequential>"}}))
     assert warn_other_model(tmp_path, live, export=False).endswith(
@@ -139,7 +146,7 @@ def test_the_output_folder_warning_is_in_report_md_and_json_too(tiny, tmp_path):
     report = optimize(tiny, _cfg(out, trials=1))
     said = report["model"]["output_folder_warning"]
     assert said.startswith(f"{out} holds the report of another model, other_model (/m/other_model.py)")
-    assert "its exported files stay, as this run exports nothing: model.onnx" in said
+    assert "the exported files there stay, as this run exports nothing: model.onnx" in said
     assert f"> **Output folder**: {said}." in (out / "report.md").read_text()
     again = optimize(tiny, _cfg(out, trials=1, export=True))  # this model's folder now, exporting: nothing to say
     assert again["model"]["output_folder_warning"] is None

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from pathlib import Path
 
 from ..engines import FORMATS, bench_artifact, export_artifacts
@@ -135,7 +136,7 @@ def export_summary(result: dict, formats) -> str:
             lines.append(f"{pad}note: {r['onnx_note']}")
     runners = {r.get("runner") for r in result["formats"].values() if r.get("runner")}
     for runner in sorted(runners):
-        lines.append(f"  runner:   python {runner} [ARTIFACT] --batch N --iters N")
+        lines.append(f"  runner:   python {shlex.quote(str(runner))} [ARTIFACT] --batch N --iters N")
     written = list(dict.fromkeys(f for r in result["formats"].values() for f in r.get("files") or []))
     if written:
         lines.append(f"  written:  {', '.join(Path(f).name for f in written)} (in {result['out']})")

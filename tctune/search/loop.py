@@ -367,10 +367,13 @@ class Tuner:
             study, storage = open_study(url, self.study_name(), list(OBJECTIVES[self.cfg.objective]), sampler,
                                          prune=self.cfg.prune)
         except Exception as exc:
+            fix = (f"move or delete {self.out_dir / 'study.db'} (it is not a study this tctune can open), or give "
+                   "another output folder" if self.cfg.storage is None else
+                   "give an Optuna storage URL such as sqlite:///study.db or postgresql://user@host/db, and check "
+                   "that the server is reachable")
             raise UsageError(
                 f"cannot open the study storage {url}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}\n"
-                f"  fix: give an Optuna storage URL such as sqlite:///study.db or postgresql://user@host/db, "
-                f"and check that the server is reachable") from exc
+                f"  fix: {fix}") from exc
         if self.cfg.storage is None and not self._opened:
             # The default SQLite study has one tctune process (it starts any workers itself, after this):
             # a trial still RUNNING was cut off by a killed process.
