@@ -144,6 +144,21 @@ def test_uncapturable_model_runs_eagerly_with_the_reason(tmp_path):
     assert "Graph capture failed" in (tmp_path / "out" / "report.md").read_text()
 
 
+def test_an_uncapturable_models_first_run_says_its_baselines_covered_the_space_and_why(tmp_path):
+    """Capture failed, so the space is the model as written, which the plain baselines of this first run
+    measured: the console said "all N candidates ... were already tried ... (widen --batch-sizes or --runtimes)"
+    and then "every one of the N candidates ... was tried" (fresh-user finding)."""
+    f = tmp_path / "dyn.py"
+    f.write_text(UNCAPTURABLE)
+    r = subprocess.run([sys.executable, "-m", "tctune", "optimize", str(f), "--out", str(tmp_path / "out"),
+                        "--batch-sizes", "8", "--trials", "3"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "were tried by this run's plain baselines" in r.stderr, r.stderr
+    assert "graph candidates are off, as the model could not be captured (above)" in r.stderr
+    assert "already tried" not in r.stderr and "widen --batch-sizes" not in r.stderr
+    assert "every one of the" not in r.stderr  # said once, not twice
+
+
 def test_unreachable_storage_is_one_clear_error(tmp_path):
     r = subprocess.run([sys.executable, "-m", "tctune", "optimize", str(Path(__file__).parents[1] / "recipes" / "seed_cnn.py"),
                         "--out", str(tmp_path / "out"), "--storage", "postgresql://nobody@127.0.0.1:1/none", "--quiet"],

@@ -583,6 +583,7 @@ class Tuner:
             log.warning("Ctrl-C: stopping after the current trial (press Ctrl-C again to abandon it)")
 
         finished: list[int] = []  # the trials this call ran, baselines included
+        said_all = False  # "all N candidates ... were tried" said before the searched trials: not again after them
 
         def callback(st: optuna.Study, tr: optuna.trial.FrozenTrial) -> None:
             finished.append(tr.number)
@@ -627,15 +628,20 @@ class Tuner:
             total = self.cfg.trials
             if self.space_size() <= BRUTE_FORCE_MAX:  # an enumerated space ends when every candidate is measured
                 left = self.space_size() - len(self.measured(study))
+                widen = ("graph candidates are off, as the model could not be captured (above), so only the model "
+                         "as written is searched" if not self.captured.ok else
+                         "widen --batch-sizes or --runtimes to search more")
                 if left <= 0:
-                    log.info("all %d candidates of this search space were already tried (%s); nothing to add "
-                             "(widen --batch-sizes or --runtimes to search more)", self.space_size(),
-                             outcome_words(outcome_counts(study)))
+                    how = ("were tried by this run's plain baselines" if not study.user_attrs.get("resumed")
+                           else "were already tried")
+                    log.info("all %d candidates of this search space %s (%s); nothing to add (%s)",
+                             self.space_size(), how, outcome_words(outcome_counts(study)), widen)
+                    said_all = True
                     total = 0
                 elif left < total:
                     log.info("this search space has %d candidates, %d not tried yet (%s so far): at most %d "
-                             "searched trials run", self.space_size(), left, outcome_words(outcome_counts(study)),
-                             left)
+                             "searched trial%s run", self.space_size(), left, outcome_words(outcome_counts(study)),
+                             left, "" if left == 1 else "s")
                 runnable = max(0, min(left, total))
                 if bar is not None and runnable < self.cfg.trials:  # the bar's total: the trials that can run
                     bar.total -= self.cfg.trials - runnable
@@ -656,7 +662,8 @@ class Tuner:
             if bar is not None:
                 bar.close()
             above_bar.close()
-        if self.space_size() <= BRUTE_FORCE_MAX and len(self.measured(study)) >= self.space_size():
+        if (self.space_size() <= BRUTE_FORCE_MAX and len(self.measured(study)) >= self.space_size()
+                and not said_all):
             log.info("every one of the %d candidates of this search space was tried: %s", self.space_size(),
                      outcome_words(outcome_counts(study)))
         if not self.interrupted and not self.cfg.worker:
