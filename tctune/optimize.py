@@ -501,8 +501,17 @@ def ranked_feasible(study: optuna.Study, objective: str) -> list[optuna.trial.Fr
     return sorted(ok, key=lambda t: -conf.get(t.number, t.user_attrs["throughput"]))
 
 
+def side_by_side_throughput(study: optuna.Study, number: int, run_id: str) -> float | None:
+    """Items/s of trial ``number`` in run ``run_id``'s side-by-side timing (the median the report and the console
+    quote), or None when that run did not time it side by side."""
+    sbs = study.user_attrs.get("side_by_side") or {}
+    if sbs.get("run_id") != run_id:
+        return None
+    return next((e.get("throughput") for e in sbs.get("entries") or [] if e.get("trial") == number), None)
+
+
 def write_best_config(path: Path, tuner: Tuner, trial_attrs, passes: list[dict], study_name: str,
-                      params: dict | None = None) -> None:
+                      params: dict | None = None, side_by_side_throughput: float | None = None) -> None:
     """``best_config.json`` of a finished trial (what ``tctune export`` reads); ``params``: the parameters the
     export built (default: the trial's own). ``recommended`` says what the trial is: ``{"kind": "baseline" |
     "tctune", "name": the plain baseline's name or None, "trial": its number}`` (the same as ``report.json``'s
@@ -520,7 +529,8 @@ def write_best_config(path: Path, tuner: Tuner, trial_attrs, passes: list[dict],
     real ones read again from ``calibration_folder`` or ``calibration_inputs()``; ``false`` casts those nodes
     too; no effect at other precisions or on the model as written; a search always writes ``true``),
     ``output_dtype``, ``batch_sizes`` (the searched ones, sorted), ``throughput`` (items/s, the trial's first
-    timing), ``max_rel_error``, ``passes`` (names), ``study``, ``tctune_version``, ``calibration_folder``
+    timing), ``side_by_side_throughput`` (items/s, its median in this run's side-by-side timing, the number the
+    report and the console quote; None when it was not timed side by side), ``max_rel_error``, ``passes`` (names), ``study``, ``tctune_version``, ``calibration_folder``
     (``--calibration``'s folder as an absolute path, or None)."""
     from .search.baselines import baseline_label
 
@@ -535,6 +545,7 @@ def write_best_config(path: Path, tuner: Tuner, trial_attrs, passes: list[dict],
            "recommended": recommended, **trial.to_config(params), **cast,
            "output_dtype": tuner.cfg.output_dtype, "batch_sizes": sorted(tuner.cfg.batch_sizes),
            "throughput": trial_attrs.user_attrs.get("throughput"),
+           "side_by_side_throughput": side_by_side_throughput,
            "max_rel_error": trial_attrs.user_attrs.get("max_rel_error"),
            "passes": [p["name"] for p in passes], "study": study_name, "tctune_version": __version__,
            "calibration_folder": (str(Path(tuner.cfg.calibration).expanduser().resolve())
@@ -759,9 +770,10 @@ def _optimize(tuner: Tuner, mf, hw: HardwareSpec, cfg: TuneConfig, devices: list
         params = run_params(bt.params, bt.user_attrs)  # its runtime as run (the max-autotune finalist's)
         # The search's answer is on disk before anything that can exhaust memory runs: best_config.json (with the
         # passes the trial measured; rewritten with the exported graph's after the export) and the report.
+        sbs = side_by_side_throughput(study, bt.number, tuner.run_id)
         if stages.run("best_config.json", write_best_config, out / "best_config.json", tuner, bt,
                       list(bt.user_attrs.get("passes") or []), study.study_name, default=False,
-                      params=params) is not False:
+                      params=params, side_by_side_throughput=sbs) is not False:
             artifacts.best_config = str(out / "best_config.json")
         export_state = "in progress"
         provisional(study, "export")
@@ -786,7 +798,7 @@ def _optimize(tuner: Tuner, mf, hw: HardwareSpec, cfg: TuneConfig, devices: list
             artifacts.export_fallback = export_fallback(tuner, study, bt, why, out, stages)
         export_state = "finished"
         if stages.run("best_config.json", write_best_config, out / "best_config.json", tuner, bt, passes,
-                      study.study_name, default=False, params=params) is not False:
+                      study.study_name, default=False, params=params, side_by_side_throughput=sbs) is not False:
             artifacts.best_config = str(out / "best_config.json")
     from .plots import write_plots
     provisional(study, "plots")
