@@ -166,3 +166,19 @@ def test_best_config_carries_the_side_by_side_number_the_report_quotes(tiny, tmp
     assert report["best"]["trial"] in entries  # the answer was timed side by side in this run
     assert cfg["side_by_side_throughput"] == entries[report["best"]["trial"]]
     assert cfg["throughput"] == report["best"]["throughput"]  # the first timing, as documented
+
+
+
+def test_the_side_by_side_line_names_batch_sizes_when_its_entries_differ():
+    """The console's side-by-side line listed trials without their batch size: "trial 3 (fp32_eager): 2007/s;
+    ... trial 6 (fp32_eager): 8033/s" could not be told apart (fresh-user finding)."""
+    from tctune.search.loop import side_by_side_words
+
+    two = [{"trial": 3, "baseline": "fp32_eager", "batch_size": 8, "throughput": 2007.0},
+           {"trial": 6, "baseline": "fp32_eager", "batch_size": 32, "throughput": 8033.0},
+           {"trial": 9, "baseline": None, "batch_size": 32, "throughput": 9100.0}]
+    assert side_by_side_words(two) == ("trial 3 (fp32_eager) at batch 8: 2007/s; trial 6 (fp32_eager) at batch 32: "
+                                       "8033/s; trial 9 at batch 32: 9100/s")
+    one = [dict(e, batch_size=32) for e in two]
+    assert side_by_side_words(one) == "trial 3 (fp32_eager): 2007/s; trial 6 (fp32_eager): 8033/s; trial 9: 9100/s"
+    assert side_by_side_words([dict(two[0], throughput=None)]) == "none timed"

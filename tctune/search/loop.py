@@ -68,6 +68,18 @@ CONFIRM_BAND = 0.05
 
 
 
+def side_by_side_words(entries: list[dict]) -> str:
+    """The console's words for side-by-side ``entries`` (``{"trial", "baseline", "batch_size", "throughput"}``):
+    ``trial N (baseline): X/s`` each, with ``at batch B`` when the entries are of several batch sizes."""
+    several = len({e["batch_size"] for e in entries}) > 1
+
+    def label(e: dict) -> str:
+        return (f"trial {e['trial']}" + (f" ({e['baseline']})" if e.get("baseline") else "")
+                + (f" at batch {e['batch_size']}" if several else ""))
+
+    return "; ".join(f"{label(e)}: {e['throughput']:.4g}/s" for e in entries if e.get("throughput")) or "none timed"
+
+
 def check_fp32_runs(model: torch.nn.Module, mf: ModelFile, batch_size: int, device: torch.device) -> list[str]:
     """Run the FP32 ``model`` (eval mode) once on the seeded inputs of ``batch_size`` (the smallest batch size
     searched), before the capture and the trials: a model that cannot run at all is bad input, not a search
@@ -777,9 +789,7 @@ class Tuner:
                   "rounds": rounds, "block_s": block_s, "device": str(self.device), "clocks": clocks.summary(),
                   "entries": list(rows.values())}
         study.set_user_attr("side_by_side", result)
-        log.info("side by side: %s", "; ".join(
-            f"trial {r['trial']}{' (' + r['baseline'] + ')' if r['baseline'] else ''}: {r['throughput']:.4g}/s"
-            for r in rows.values() if r["throughput"]) or "none timed")
+        log.info("side by side: %s", side_by_side_words(list(rows.values())))
         return result
 
     def confirm(self, study: optuna.Study) -> dict | None:
