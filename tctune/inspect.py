@@ -645,6 +645,10 @@ def format_text(ins: Inspection) -> str:
         return (module, op, _shape_text(info), info.dtype, _gflop(info.flops),
                 "yes" if info.tensor_core else "no", info.reason)
 
+    rewrote: dict[str, list[str]] = {}  # node -> the passes that changed it (same shapes: a folded weight)
+    for r in ins.passes:
+        for name in r.changed:
+            rewrote.setdefault(name, []).append(r.name)
     for p in ins.pairs:
         if p.before is not None:
             rows.append(row(p.before.module, p.before.op, p.before))
@@ -653,7 +657,9 @@ def format_text(ins: Inspection) -> str:
             if p.after is None:
                 rows.append(("", "  after", "removed by the passes (fused or folded)", "", "", "", ""))
             elif p.after.to_dict() == p.before.to_dict():
-                rows.append(("", "  after", "unchanged", "", "", "yes" if p.after.tensor_core else "no", ""))
+                by = rewrote.get(p.before.node)
+                rows.append(("", "  after", f"same shapes, rewritten by {', '.join(by)}" if by else "unchanged", "",
+                             "", "yes" if p.after.tensor_core else "no", ""))
             else:
                 rows.append(row("", "  after", p.after))
         else:

@@ -213,3 +213,31 @@ def test_a_model_that_does_not_run_is_named_with_its_line_and_fix(tmp_path):
     assert r.returncode == 2, r.stderr
     assert "the model raised in FP32" in r.stderr and "shape_bug.py:7 in forward" in r.stderr
     assert "fix: make forward run" in r.stderr and "dynamic batch" not in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_conv_whose_batchnorm_was_folded_is_not_called_unchanged(tmp_path):
+    """Folding a BatchNorm into its convolution keeps the conv's shapes, so its "after" row read "unchanged" while
+    the pass list below said ``fold_conv_batchnorm: 1 change(s): conv2d`` (fresh-user finding)."""
+    from tctune.inspect import format_text
+
+    f = tmp_path / "cnn.py"
+    f.write_text('''import torch, torch.nn as nn
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 12, 3, padding=1); self.bn = nn.BatchNorm2d(12)
+        self.c2 = nn.Conv2d(12, 20, 3, stride=2, padding=1)
+    def forward(self, x):
+        x = torch.relu(self.bn(self.c1(x)))
+        return torch.relu(self.c2(x)).mean((2, 3))
+def build_model():
+    return Net()
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 3, 16, 16),)
+''')
+    text = format_text(inspect_model_file(f, batch_size=4))
+    lines = text.splitlines()
+    c1 = next(i for i, x in enumerate(lines) if x.startswith("c1 "))
+    c2 = next(i for i, x in enumerate(lines) if x.startswith("c2 "))
+    assert "same shapes, rewritten by fold_conv_batchnorm" in lines[c1 + 1], lines[c1 + 1]
+    assert "unchanged" in lines[c2 + 1]  # no pass touched it
