@@ -741,30 +741,41 @@ def test_inductor_with_the_cast_inside_gets_fp32_inputs_and_is_timed_with_both_s
     assert zoo.summarize(_row("m", tct=300.0, ind=250.0))["speedup_vs_inductor_fp32in"] is None  # not run
 
 
+def _optional_variants_row(tmp_path, monkeypatch, names: tuple[str, ...]) -> tuple[dict, list]:
+    """The worker row of tiny BERT on the CPU with ``fp32_eager,eager,inductor`` and the optional variants
+    ``names``, ``torch.compile`` replaced by the callable it is given (the plumbing is tested, not Inductor); each
+    optional variant ran, was timed in the interleaved block with ``inductor`` (2 repeats) in a fresh cache.
+    Returns the row and the ``(fn, backend, options)`` of every ``torch.compile`` call."""
+    pytest.importorskip("transformers")
+    calls = []
+
+    def fake_compile(fn, *a, **kw):
+        calls.append((fn, kw.get("backend"), kw.get("options")))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    assert zoo.main(["--worker", "BertForMaskedLM", "--tiny", "--scale", "0.0625", "--device", "cpu",
+                     "--variants", ",".join(("fp32_eager", "eager", "inductor") + names), "--repeats", "2",
+                     "--repeat-s", "0.001", "--out", str(tmp_path)]) == 0
+    row = json.loads(zoo.row_path(tmp_path, "BertForMaskedLM").read_text())
+    assert row["status"] == "ok", row.get("reason")
+    v = row["variants"]
+    for name in names:
+        assert v[name]["ok"] is True, v[name].get("error")
+        assert len(v[name]["repeats_ms"]) == len(v["inductor"]["repeats_ms"]) == 2
+        assert name in row["compile_cache"]
+    return row, calls
+
+
 def test_freezing_variants_get_inductors_freezing_option_and_are_timed_with_both_sides(tmp_path, monkeypatch):
     """The optional ``tctune_freezing`` / ``inductor_freezing`` variants on the CPU at --tiny: the tctune backend
     with ``options["inductor"] = {"freezing": True}`` and ``torch.compile(model.to(dt), options={"freezing":
     True})``, each on its own copy of the model, timed in the interleaved block with ``inductor`` and summarized
     against both plain sides. ``torch.compile`` is replaced by the callable it is given (the plumbing is tested,
     not Inductor's freezing)."""
-    pytest.importorskip("transformers")
-    calls = []
-
-    def fake_compile(fn, *a, **kw):
-        calls.append((kw.get("backend"), kw.get("options")))
-        return fn
-
-    monkeypatch.setattr(torch, "compile", fake_compile)
-    assert zoo.main(["--worker", "BertForMaskedLM", "--tiny", "--scale", "0.0625", "--device", "cpu",
-                     "--variants", "fp32_eager,eager,inductor,tctune_freezing,inductor_freezing", "--repeats", "2",
-                     "--repeat-s", "0.001", "--out", str(tmp_path)]) == 0
-    row = json.loads(zoo.row_path(tmp_path, "BertForMaskedLM").read_text())
-    assert row["status"] == "ok", row.get("reason")
+    row, compiles = _optional_variants_row(tmp_path, monkeypatch, ("tctune_freezing", "inductor_freezing"))
+    calls = [(backend, opts) for _, backend, opts in compiles]
     v = row["variants"]
-    for name in ("tctune_freezing", "inductor_freezing"):
-        assert v[name]["ok"] is True, v[name].get("error")
-        assert len(v[name]["repeats_ms"]) == len(v["inductor"]["repeats_ms"]) == 2
-        assert name in row["compile_cache"]
     assert v["inductor_freezing"]["rel_err"] == pytest.approx(v["inductor"]["rel_err"])
     assert v["tctune"].get("skipped") == "not requested (--variants)"
     frozen = [opts for backend, opts in calls if opts and (opts.get("freezing") or
@@ -783,24 +794,9 @@ def test_spread_and_lowtrace_variants_compile_the_dt_model_and_are_timed_with_bo
     """``inductor_again`` (a second plain compile of the dt model: the compile-to-compile spread) and
     ``tctune_lowtrace`` (the backend on ``model.to(dt)`` with dt inputs) on the CPU at --tiny: each compiles its own
     copy of the dt model, is timed in the interleaved block with ``inductor`` and summarized against it."""
-    pytest.importorskip("transformers")
-    calls = []
-
-    def fake_compile(fn, *a, **kw):
-        calls.append((fn, kw.get("backend"), kw.get("options")))
-        return fn
-
-    monkeypatch.setattr(torch, "compile", fake_compile)
-    assert zoo.main(["--worker", "BertForMaskedLM", "--tiny", "--scale", "0.0625", "--device", "cpu",
-                     "--variants", "fp32_eager,eager,inductor,inductor_again,tctune_lowtrace", "--repeats", "2",
-                     "--repeat-s", "0.001", "--out", str(tmp_path)]) == 0
-    row = json.loads(zoo.row_path(tmp_path, "BertForMaskedLM").read_text())
-    assert row["status"] == "ok", row.get("reason")
+    row, calls = _optional_variants_row(tmp_path, monkeypatch, ("inductor_again", "tctune_lowtrace"))
     v = row["variants"]
     for name in ("inductor_again", "tctune_lowtrace"):
-        assert v[name]["ok"] is True, v[name].get("error")
-        assert len(v[name]["repeats_ms"]) == len(v["inductor"]["repeats_ms"]) == 2
-        assert name in row["compile_cache"]
         assert v[name]["rel_err"] == pytest.approx(v["inductor"]["rel_err"])  # the dt model, as inductor's
     compiled = [(fn, backend, opts) for fn, backend, opts in calls if isinstance(fn, torch.nn.Module)]
     models = [fn for fn, _, _ in compiled]
