@@ -311,6 +311,13 @@ class Tuner:
     def space_size(self) -> int:
         return self.search_space.size()
 
+    def untried(self, study: optuna.Study) -> int | None:
+        """How many candidates of an enumerated space (at most :data:`BRUTE_FORCE_MAX`) ``study`` has not measured
+        yet; None for a larger space, which is sampled and never runs out."""
+        if self.space_size() > BRUTE_FORCE_MAX:
+            return None
+        return self.space_size() - len(self.measured(study))
+
     def candidate(self, **params) -> dict:
         return self.search_space.candidate(**params)
 
@@ -578,8 +585,8 @@ class Tuner:
         study = self.create_study()
         pending = self.pending_baselines(study)
         bar = None
-        exhausted = (not pending and self.space_size() <= BRUTE_FORCE_MAX
-                     and len(self.measured(study)) >= self.space_size())  # a re-run with nothing left to run
+        untried = self.untried(study)
+        exhausted = not pending and untried is not None and untried <= 0  # a re-run with nothing left to run
         if not self.cfg.quiet and not exhausted:
             from tqdm.auto import tqdm
             bar = tqdm(total=self.cfg.trials + pending, desc="trials", unit="trial", file=sys.stderr,
@@ -638,8 +645,8 @@ class Tuner:
                     bar.total += extra
                 optimize(self.pending_baselines(study), bounded=False)
             total = self.cfg.trials
-            if self.space_size() <= BRUTE_FORCE_MAX:  # an enumerated space ends when every candidate is measured
-                left = self.space_size() - len(self.measured(study))
+            left = self.untried(study)
+            if left is not None:  # an enumerated space ends when every candidate is measured
                 widen = ("graph candidates are off, as the model could not be captured (above), so only the model "
                          "as written is searched" if not self.captured.ok else
                          "widen --batch-sizes or --runtimes to search more")
@@ -674,8 +681,8 @@ class Tuner:
             if bar is not None:
                 bar.close()
             above_bar.close()
-        if (self.space_size() <= BRUTE_FORCE_MAX and len(self.measured(study)) >= self.space_size()
-                and not said_all):
+        left = self.untried(study)
+        if left is not None and left <= 0 and not said_all:
             log.info("every one of the %d candidates of this search space was tried: %s", self.space_size(),
                      outcome_words(outcome_counts(study)))
         if not self.interrupted and not self.cfg.worker:
