@@ -4,7 +4,7 @@ On such models (swin_t, deit_tiny) the only rewrite is the cast, and ``tctune_lo
 model, nothing left to cast) was as far behind ``torch.compile(model.to(dt))`` as the backend on the FP32 model.
 What both tctune paths share, and plain Inductor does not: the graph handed to Inductor reads the weights as
 ``get_attr`` constants of a ``GraphModule`` (frozen), where Dynamo hands them as graph inputs. This probe compiles
-the dt model's Dynamo graph four ways, each in its own fresh Inductor cache, and times them interleaved
+the dt model's Dynamo graph six ways, each in its own fresh Inductor cache, and times them interleaved
 (``zoo.time_interleaved``: CUDA events, median of repeats, order alternating), without CUDA graphs and with
 (``zoo.cuda_graph``):
 
@@ -20,7 +20,11 @@ the dt model's Dynamo graph four ways, each in its own fresh Inductor cache, and
 ``tctune_static``  that, with the graph tctune hands Inductor marked as Dynamo's (its weights static inputs)
 =============  ==========================================================================================
 
-Output: ``--out``/``frozen_weights.json`` (per model: ms per variant, ratios to ``inductor``) and a table.
+Since the backend marks its frozen weights static itself (``tctune.backend._weights_static``, after the run in
+``results/2026-12-03-h200-frozen-weights/``), ``tctune`` and ``tctune_static`` compile the same graph.
+
+Output: ``--out``/``frozen_weights.json`` (per model: ms per variant, ratios to ``inductor``, the static inputs
+Inductor was told of per variant, compile seconds) and one line per model on stdout.
 """
 from __future__ import annotations
 
