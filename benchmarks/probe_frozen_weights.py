@@ -20,8 +20,8 @@ the dt model's Dynamo graph six ways, each in its own fresh Inductor cache, and 
 ``tctune_static``  that, with the graph tctune hands Inductor marked as Dynamo's (its weights static inputs)
 =============  ==========================================================================================
 
-Since the backend marks its frozen weights static itself (``tctune.backend._weights_static``, after the run in
-``results/2026-12-03-h200-frozen-weights/``), ``tctune`` and ``tctune_static`` compile the same graph.
+The backend now marks its frozen weights static itself (``tctune.backend._weights_static``), so ``tctune`` and
+``tctune_static`` compile the same graph (``NOTES.md`` has the run that measured them apart).
 
 Output: ``--out``/``frozen_weights.json`` (per model: ms per variant, ratios to ``inductor``, the static inputs
 Inductor was told of per variant, compile seconds) and one line per model on stdout.
