@@ -15,7 +15,8 @@ into ``aten.t`` + ``aten.addmm`` there. So each Dynamo subgraph is **re-exported
 2. Inference (grad disabled, or no input requires grad): weights are **frozen** into the exported module as
    buffers (detached, sharing storage with the model), so they become ``get_attr`` nodes. The passes then
    fold BN, pad and cast them *once*, at compile time; each call passes the stored tensors to the compiled
-   code. Training: weights stay graph inputs (gradients reach the user's parameters), BN folding is skipped
+   code, which Inductor is told are static inputs, as Dynamo's own parameters are (:func:`_weights_static`).
+   Training: weights stay graph inputs (gradients reach the user's parameters), BN folding is skipped
    (``PassSpec.training``) and the precision pass casts them per call, FP32 master weights kept.
 3. The rewritten ``GraphModule`` goes to Inductor's ``compile_fx``, which runs AOT autograd (backward
    included in training) and code generation. Its AOTAutograd cache key must be picklable and the same in
