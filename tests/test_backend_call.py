@@ -287,12 +287,12 @@ def test_inductor_is_told_the_frozen_weights_are_static_inputs_as_dynamos_parame
     monkeypatch.setattr(cfx, "get_static_input_idxs", spy)
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config, "force_disable_caches", True)  # a cache hit skips the compile spied on
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)).eval()
     x = torch.randn(4, 16)
     torch._dynamo.reset()
-    with torch.no_grad():
+    # a cache hit skips the compile spied on; config.patch restores the option (monkeypatch deleted it)
+    with torch.no_grad(), inductor_config.patch(force_disable_caches=True):
         ref = model(x)
         plain = torch.compile(model)(x)
         torch._dynamo.reset()
