@@ -80,7 +80,8 @@ def warn_other_model(out: Path, mf: ModelFile, export: bool = True) -> str | Non
     except (OSError, ValueError, AttributeError):
         return None
     name, path = old.get("name"), old.get("path")
-    stale = sorted({p.name for pattern in EXPORTED_PATTERNS for p in out.glob(pattern)}) if not export else []
+    files = sorted({p.name for pattern in EXPORTED_PATTERNS for p in out.glob(pattern)})
+    stale = files if not export else []
     if name and name == mf.name and path == str(mf.path) and stale:
         live = str(mf.path).startswith("<")  # a live module (tctune.optimize(model, ...)): no file to name
         fix = ("run with the export on" if live else
@@ -93,7 +94,6 @@ def warn_other_model(out: Path, mf: ModelFile, export: bool = True) -> str | Non
         return msg
     if not name or (name == mf.name and path == str(mf.path)):
         return None
-    files = sorted({p.name for pattern in EXPORTED_PATTERNS for p in out.glob(pattern)})
     msg = (f"{out} holds the report of another model, {name} ({path}): this run of {mf.name} replaces its "
            "report.md, report.json and best_config.json (its study stays in study.db)"
            + (f"; the exported files there stay, as this run exports nothing: {', '.join(files)}" if files and not export
