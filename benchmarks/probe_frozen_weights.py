@@ -166,7 +166,8 @@ def measure(name: str, dtype: str, repeats: int, scale: float, device: str = "cu
     ratio = {k: round(ms["inductor"] / v, 4) for k, v in ms.items() if not k.endswith("_cg")}
     ratio.update({k: round(ms["inductor_cg"] / v, 4) for k, v in ms.items() if k.endswith("_cg")})
     return {"name": name, "batch_size": batch, "dtype": dtype, "ms": ms, "speedup_vs_inductor": ratio,
-            "repeats_ms": {k: r["repeats_ms"] for k, r in {**plain, **cg}.items()}, "compile_s": compile_s, "static_inputs": static,
+            "repeats_ms": {k: r["repeats_ms"] for k, r in {**plain, **cg}.items()}, "compile_s": compile_s,
+            "static_inputs": static,
             "rel_err_vs_dt_eager": out, "device": device, "tctune": [r.summary()[:300] for r in tb.reports[:4]]}
 
 

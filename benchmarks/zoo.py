@@ -1404,7 +1404,8 @@ def measure_model(entry: Entry, args: argparse.Namespace) -> dict:
             return row
         timed("fp32_eager")
         low = None
-        if any(v in wanted for v in ("eager", "eager_cg", "inductor", "inductor_cg", "inductor_again", "tctune_lowtrace")):
+        if any(v in wanted for v in ("eager", "eager_cg", "inductor", "inductor_cg", "inductor_again",
+                                     "tctune_lowtrace")):
             low = copy.deepcopy(model).to(dt).eval()
         record("eager", lambda: low, low_inputs)
         timed("eager")

@@ -82,7 +82,8 @@ def warn_other_model(out: Path, mf: ModelFile, export: bool = True) -> str | Non
     name, path = old.get("name"), old.get("path")
     files = sorted({p.name for pattern in EXPORTED_PATTERNS for p in out.glob(pattern)})
     stale = files if not export else []
-    if name and name == mf.name and path == str(mf.path) and stale:
+    same = name == mf.name and path == str(mf.path)  # this model's own folder (a resumed run)
+    if name and same and stale:
         live = str(mf.path).startswith("<")  # a live module (tctune.optimize(model, ...)): no file to name
         fix = ("run with the export on" if live else
                f"rebuild them with `tctune export {shlex.quote(str(mf.path))} --config "
@@ -92,14 +93,14 @@ def warn_other_model(out: Path, mf: ModelFile, export: bool = True) -> str | Non
                f"nothing, so they may not match the best_config.json it writes; {fix}")
         log.warning(msg)
         return msg
-    if not name or (name == mf.name and path == str(mf.path)):
+    if not name or same:
         return None
     msg = (f"{out} holds the report of another model, {name} ({path}): this run of {mf.name} replaces its "
-           "report.md, report.json and best_config.json (its study stays in study.db)"
-           + (f"; the exported files there stay, as this run exports nothing: {', '.join(files)}" if files and not export
-              else f"; the exported files there stay unless this run's export writes the same names: {', '.join(files)}"
-              if files else "")
-           + "; use another output folder to keep both")
+           "report.md, report.json and best_config.json (its study stays in study.db)")
+    if files:
+        stay = ", as this run exports nothing" if not export else " unless this run's export writes the same names"
+        msg += f"; the exported files there stay{stay}: {', '.join(files)}"
+    msg += "; use another output folder to keep both"
     log.warning(msg)
     return msg
 
@@ -530,7 +531,8 @@ def write_best_config(path: Path, tuner: Tuner, trial_attrs, passes: list[dict],
     too; no effect at other precisions or on the model as written; a search always writes ``true``),
     ``output_dtype``, ``batch_sizes`` (the searched ones, sorted), ``throughput`` (items/s, the trial's first
     timing), ``side_by_side_throughput`` (items/s, its median in this run's side-by-side timing, the number the
-    report and the console quote; None when it was not timed side by side), ``max_rel_error``, ``passes`` (names), ``study``, ``tctune_version``, ``calibration_folder``
+    report and the console quote; None when it was not timed side by side), ``max_rel_error``, ``passes``
+    (names), ``study``, ``tctune_version``, ``calibration_folder``
     (``--calibration``'s folder as an absolute path, or None)."""
     from .search.baselines import baseline_label
 
