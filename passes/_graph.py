@@ -383,11 +383,15 @@ def written_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     must not replace such a node by a copy (a cast, a padded or folded weight): the write would land in the
     copy and be lost.
 
-    Only writes that reach a tensor from outside the graph count: the base is a placeholder (an input, a KV
-    cache) or a ``get_attr`` (a buffer). A write into a tensor the graph made itself (``nn.ReLU(inplace=True)``
-    on a convolution's output, ``masked_fill_`` on scores) is invisible outside the graph, and casting it is
-    as safe as casting its out-of-place form: taking those for writes kept every torchvision / timm network
-    with in-place activations in FP32 (ResNet-50 at 0.15x Inductor on the H200).
+    Writes that reach a tensor from outside the graph count: the base is a placeholder (an input, a KV cache)
+    or a ``get_attr`` (a buffer). So do writes *through a view* into a tensor the graph made itself
+    (``out = zeros_like(k); out[:, t] = v`` in a loop, as Hugging Face's RWKV does on the CPU): the graph reads
+    ``out`` itself afterwards, not the write's result, so a copy of ``out`` (or of the view) would take the write
+    and every later read would see zeros (RWKV's bf16 logits were off by 1.3 of their scale). A write straight
+    into a tensor the graph made (``nn.ReLU(inplace=True)`` on a convolution's output, ``masked_fill_`` on
+    scores) is not counted: later reads go through the in-place op's result, and casting it is as safe as
+    casting its out-of-place form (taking those for writes kept every torchvision / timm network with in-place
+    activations in FP32: ResNet-50 at 0.15x Inductor on the H200).
 
     Returns:
         The written nodes and the views between them and their base, the base included.
@@ -400,7 +404,10 @@ def written_nodes(gm: fx.GraphModule) -> set[fx.Node]:
                 chain.append(arg)
                 arg = view_base(arg)
             base = arg if isinstance(arg, fx.Node) and arg in out else (chain[-1] if chain else None)
-            if base is not None and (base in out or base.op in ("placeholder", "get_attr")):
+            # a view on the way (not only results of in-place ops, which are the tensor they wrote)
+            views = chain[:-1] if chain and base is chain[-1] else chain
+            through_view = any(not writes_in_place(n) for n in views)
+            if base is not None and (base in out or base.op in ("placeholder", "get_attr") or through_view):
                 out.update(chain)
     return out
 

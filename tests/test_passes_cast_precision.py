@@ -249,3 +249,49 @@ def test_cast_precision_keeps_written_tensors_and_their_views(precision):
     torch.testing.assert_close(mine, ref, rtol=2e-2, atol=2e-2)
     assert not torch.equal(mine, cache)  # the write reached the caller's tensor
     torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)
+
+
+class _FillsOwnBuffer(torch.nn.Module):
+    """A recurrence writing each step into a tensor the graph made, through a view, then reading that tensor
+    (Hugging Face's RWKV on the CPU: ``output = zeros_like(key); output[:, t] = ...``); an in-place ReLU on a
+    linear's output beside it (a straight write into the graph's own tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.key = torch.nn.Linear(8, 8)
+        self.out = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        k = self.key(x)
+        state = torch.zeros_like(k[:, 0], dtype=torch.float32)
+        output = torch.zeros_like(k)
+        for t in range(k.shape[1]):
+            state = 0.5 * state + k[:, t].float()
+            output[:, t] = state.to(output.dtype)
+        return self.out(torch.relu_(self.out(output)))
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_cast_precision_keeps_writes_through_views_into_the_graphs_own_tensors(precision):
+    """Before: the pass cast ``output`` to the low dtype at each ``output[:, t] = ...``, the write landed in that
+    copy, and the final read saw the zeros (relative error 1.0). Now the write lands in ``output`` and the
+    linears still run low; the in-place ReLU on a linear's output is cast like ``relu`` (not kept FP32)."""
+    from passes._graph import written_nodes
+
+    torch.manual_seed(0)
+    model = _FillsOwnBuffer().eval()
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 5, 8, generator=g)
+    gm = torch.export.export(model, (x,), strict=False).module()
+    written = written_nodes(gm)
+    assert any(n.name.startswith("zeros_like") for n in written), written
+    assert not any("relu" in n.name for n in written)  # a straight write into the graph's own tensor
+    result = cast_precision(gm, PassSpec(precision=precision))
+    assert result.count > 0
+    lows = [n for n in gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target)]
+    assert lows and all(n.meta["val"].dtype != torch.float32 for n in lows)
+    x2 = torch.randn(3, 5, 8, generator=g)  # fresh inputs
+    with torch.no_grad():
+        got, want = gm(x2), model(x2)
+    err = ((got.float() - want).norm() / want.norm()).item()
+    assert err < 3e-2, err
