@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+import tctune  # noqa: F401 - registers the "tctune" backend
 from benchload import load_benchmark
 
 zoo = load_benchmark("zoo")
