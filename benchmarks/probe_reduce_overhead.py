@@ -9,8 +9,8 @@ order alternating):
 
 ======================  ==========================================================================================
 ``inductor``            ``torch.compile(model.to(dt), mode="reduce-overhead")``
-``tctune``              ``torch.compile(model, backend="tctune", options={"mode": "reduce-overhead", "precision": dt,
-                        "policy": "pure", "output_dtype": "compute"})`` (weights static, the backend's default)
+``tctune``              ``torch.compile(model, backend=tctune.backend.backend(mode="reduce-overhead", precision=dt,
+                        policy="pure", output_dtype="compute"))`` (weights static, the backend's default)
 ``tctune_nonstatic``    the same with ``_weights_static`` switched off (the backend before the change)
 ======================  ==========================================================================================
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-import tctune  # noqa: F401 - registers the "tctune" backend
+import tctune.backend as tb
 from benchload import load_benchmark
 
 zoo = load_benchmark("zoo")
@@ -68,8 +68,8 @@ def measure(name: str, dtype: str, repeats: int, scale: float, device: str = "cu
     opts = {"precision": dtype, "policy": "pure", "output_dtype": "compute", **({"mode": mode} if mode else {})}
     makers = {
         "inductor": (lambda: torch.compile(low, mode=mode), args, contextlib.nullcontext),
-        "tctune": (lambda: torch.compile(model, backend="tctune", options=opts), args32, contextlib.nullcontext),
-        "tctune_nonstatic": (lambda: torch.compile(copy.deepcopy(model), backend="tctune", options=opts), args32,
+        "tctune": (lambda: torch.compile(model, backend=tb.backend(**opts)), args32, contextlib.nullcontext),
+        "tctune_nonstatic": (lambda: torch.compile(copy.deepcopy(model), backend=tb.backend(**opts)), args32,
                              weights_not_static),
     }
     seen: list[int] = []
