@@ -82,6 +82,11 @@ of placeholders and ``get_attr`` nodes (``meta`` is not updated by FX, so the pa
   calibration sees the region as one node): ``"checkpointed region: not cast at fp16 (...)"``.
 * A graph output that is a graph input or weight, or a view of one (view ops only), keeps its dtype: returned
   exact, as eager returns it, not rounded through the low dtype (such a weight is not stored low).
+* Ops that rank values (:data:`_ORDER_OPS`: ``argsort``, ``sort``, ``topk``, ``argmax``, ...) read an FP32 input
+  as it is, not a low copy: rounding would merge near-ties and reorder them, so the indices (an integer output,
+  compared exactly) would differ from eager's. ViTMAE's random masking ranks an FP32 ``noise`` input with
+  ``argsort``: cast, its ``ids_restore`` output differed from FP32 eager and ``model.to(dt)``. An input already
+  computed low stays low. The reason is ``"order op: argsort ranks FP32 values as they are"``.
 * Integer and bool tensors are never cast; symbolic-size queries, guards, asserts and ``item`` are left alone.
 * Graph outputs are cast back to their original dtypes, so the caller sees eager's dtypes and shapes. With
   ``spec.restore_output_dtypes`` False, an output the original graph returned in FP32 is returned in the dtype
@@ -134,6 +139,10 @@ _FOLLOW_OPS = frozenset(
 )
 #: Meta-only outputs: shape/type of the input matters, not its values.
 _LIKE_OPS = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like"})
+#: Ops whose result depends on the order of their input's values (indices, ranks, bins): an FP32 input is read
+#: as it is (module docstring).
+_ORDER_OPS = frozenset({"argsort", "sort", "msort", "topk", "argmax", "argmin", "kthvalue", "searchsorted",
+                        "bucketize", "max", "min", "mode", "median", "nanmedian"})
 #: Explicit conversions: their FP32 output is an explicit FP32 value (an up-cast the model wrote).
 _CONVERSIONS = frozenset({"_to_copy", "to", "_to_dtype", "type_as"})
 #: Ops whose Python-scalar arguments become element values (fill values, additive / multiplicative masks):
@@ -358,6 +367,11 @@ def _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors
         if _has_fp32(orig[node]):
             anchors.add(node)
         result.skipped.append(Skip(node.name, f"no low-precision kernel: {name} stays FP32 ({no_kernel[node.name]})"))
+        return
+    if name in _ORDER_OPS and _ranks_fp32(node, name, new):
+        # Ranks an FP32 value: read it as it is, as model.to(dt) reads an FP32 input (module docstring).
+        new[node] = orig[node]
+        result.skipped.append(Skip(node.name, f"order op: {name} ranks FP32 values as they are"))
         return
     if name in keep:
         # Keep-list op: floating inputs back to the dtype the original graph had (FP32).
@@ -845,6 +859,16 @@ def _has_float(dtypes: Any) -> bool:
     if isinstance(dtypes, list):
         return any(_has_float(d) for d in dtypes)
     return False
+
+
+def _ranks_fp32(node: fx.Node, name: str, new: dict) -> bool:
+    """Whether the order op ``node`` (:data:`_ORDER_OPS`) ranks an FP32 value: its floating inputs are all FP32
+    in the rewritten graph so far, and it returns indices (``max`` / ``min`` only in their ``dim`` form: the
+    reductions without indices are ordinary ops)."""
+    if name in ("max", "min") and not isinstance(node.meta.get("val"), (tuple, list)):
+        return False
+    inputs = _float_inputs(node, new)
+    return bool(inputs) and all(new.get(a) == torch.float32 for a in inputs)
 
 
 def _has_fp32(dtypes: Any) -> bool:

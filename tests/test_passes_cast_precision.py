@@ -295,3 +295,44 @@ def test_cast_precision_keeps_writes_through_views_into_the_graphs_own_tensors(p
         got, want = gm(x2), model(x2)
     err = ((got.float() - want).norm() / want.norm()).item()
     assert err < 3e-2, err
+
+
+class _RandomMasking(torch.nn.Module):
+    """ViTMAE's random masking, tiny: patches projected by a linear, ranked by an FP32 ``noise`` input with
+    ``argsort``, the first half kept; returns the kept features and the restoring indices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 16)
+
+    def forward(self, x, noise):
+        h = self.proj(x)
+        ids_shuffle = torch.argsort(noise, dim=1)
+        ids_restore = torch.argsort(ids_shuffle, dim=1)
+        keep = ids_shuffle[:, : x.shape[1] // 2]
+        kept = torch.gather(h, 1, keep.unsqueeze(-1).expand(-1, -1, h.shape[-1]))
+        top = torch.topk(noise, 4, dim=1).indices
+        return kept, ids_restore, top
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_cast_precision_ranks_fp32_inputs_as_they_are(precision):
+    """Before: ``argsort`` / ``topk`` ranked a low copy of the FP32 noise, near-ties merged, and the indices
+    differed from eager's. Now they match exactly and the linear still runs low."""
+    torch.manual_seed(0)
+    model = _RandomMasking().eval()
+    g = torch.Generator().manual_seed(5)
+    x, noise = torch.randn(2, 512, 8, generator=g), torch.rand(2, 512, generator=g)
+    gm = torch.export.export(model, (x, noise), strict=False).module()
+    result = cast_precision(gm, PassSpec(precision=precision))
+    assert result.count > 0
+    assert any(s.reason == "order op: argsort ranks FP32 values as they are" for s in result.skipped), result.skipped
+    lows = [n for n in gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target)]
+    assert lows and all(n.meta["val"].dtype != torch.float32 for n in lows)
+    x2, noise2 = torch.randn(2, 512, 8, generator=g), torch.rand(2, 512, generator=g)  # fresh inputs
+    low = getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[precision])
+    assert not torch.equal(torch.argsort(noise2.to(low), dim=1), torch.argsort(noise2, dim=1))  # ties at low
+    with torch.no_grad():
+        (kept, restore, top), (kept_ref, restore_ref, top_ref) = gm(x2, noise2), model(x2, noise2)
+    assert torch.equal(restore, restore_ref) and torch.equal(top, top_ref)
+    torch.testing.assert_close(kept.float(), kept_ref, rtol=3e-2, atol=3e-2)
