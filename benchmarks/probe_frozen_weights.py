@@ -110,15 +110,40 @@ def inputs_backend(gm: fx.GraphModule, example_inputs: list):
     return compile_fx(gm, example_inputs)
 
 
+def static_input_spy():
+    """Count, per Inductor compile, the inputs Inductor is told are static (``compile_fx.get_static_input_idxs``):
+    ``(list the counts are appended to, function restoring Inductor's own)``."""
+    import torch._inductor.compile_fx as cfx
+
+    seen: list[int] = []
+    original = cfx.get_static_input_idxs
+
+    def spy(num_fixed: int) -> list[int]:
+        idxs = original(num_fixed)
+        seen.append(len(idxs))
+        return idxs
+
+    def restore() -> None:
+        cfx.get_static_input_idxs = original
+
+    cfx.get_static_input_idxs = spy
+    return seen, restore
+
+
+def build_entry(name: str, dtype: str, scale: float, device: str, tiny: bool):
+    """The zoo entry ``name`` built seeded on ``device``: ``(zoo.Built, dt as a torch dtype, batch size scaled by
+    ``scale``, whether the device is CUDA)``."""
+    entry = zoo.all_entries()[name]
+    torch.manual_seed(0)
+    built = zoo.build(entry, tiny, 512, device)
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    return built, dt, zoo.scaled_batch(entry.batch_size, scale), device.startswith("cuda")
+
+
 def measure(name: str, dtype: str, repeats: int, scale: float, device: str = "cuda", tiny: bool = False) -> dict:
     import tctune.backend as tb
 
-    entry = zoo.all_entries()[name]
-    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    batch = zoo.scaled_batch(entry.batch_size, scale)
-    torch.manual_seed(0)
-    built = zoo.build(entry, tiny, 512, device)
-    cuda = device.startswith("cuda")
+    built, dt, batch, cuda = build_entry(name, dtype, scale, device, tiny)
     low = built.model.to(dt).eval()
     args = tuple(x.to(dt) if x.is_floating_point() else x for x in built.make_inputs(batch, device, 1234))
     makers = {
@@ -132,17 +157,7 @@ def measure(name: str, dtype: str, repeats: int, scale: float, device: str = "cu
             precision=dtype, policy="pure", output_dtype="compute"))),
     }
     fns, compile_s, out, static = {}, {}, {}, {}
-    import torch._inductor.compile_fx as cfx
-
-    seen: list[int] = []
-    original = cfx.get_static_input_idxs
-
-    def spy(num_fixed: int) -> list[int]:  # how many inputs Inductor is told are static (weights)
-        idxs = original(num_fixed)
-        seen.append(len(idxs))
-        return idxs
-
-    cfx.get_static_input_idxs = spy
+    seen, restore = static_input_spy()
     with torch.no_grad():
         ref = low(*args)
         for key, make in makers.items():
@@ -157,7 +172,7 @@ def measure(name: str, dtype: str, repeats: int, scale: float, device: str = "cu
             out[key] = zoo.rel_err(o, ref).get("rel_err")
             fns[key] = (fn, args)
         plain = zoo.time_interleaved(fns, cuda, repeats)
-        cfx.get_static_input_idxs = original
+        restore()
         cg = {}
         if cuda:
             graphs = {f"{k}_cg": (zoo.cuda_graph(fn, a), a) for k, (fn, a) in fns.items()}
@@ -171,13 +186,17 @@ def measure(name: str, dtype: str, repeats: int, scale: float, device: str = "cu
             "rel_err_vs_dt_eager": out, "device": device, "tctune": [r.summary()[:300] for r in tb.reports[:4]]}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default="swin_t,deit_tiny_patch16_224.fb_in1k")
+def probe_main(argv: list[str] | None, doc: str, default_models: str, measure, out_name: str,
+               shown: tuple[str, ...], cpu_help: str, reset: bool = True) -> int:
+    """The command line of a probe script: ``measure(name, dtype, repeats, scale, device, tiny)`` per model of
+    ``--models`` (after a Dynamo reset when ``reset``), every row so far written to ``--out``/``out_name`` after
+    each model, and one line per model on stdout with the row's ``shown`` fields."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--models", default=default_models)
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--scale", type=float, default=1.0)
-    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (a dry run, no CUDA graphs)")
+    p.add_argument("--device", default="cuda", help=cpu_help)
     p.add_argument("--tiny", action="store_true", help="tiny Hugging Face configs (zoo.py --tiny)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
@@ -185,14 +204,19 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cudnn.allow_tf32 = False
     rows = []
     for name in a.models.split(","):
-        torch._dynamo.reset()
+        if reset:
+            torch._dynamo.reset()
         rows.append(measure(name, a.dtype, a.repeats, a.scale, a.device, a.tiny))
         Path(a.out).mkdir(parents=True, exist_ok=True)
-        (Path(a.out) / "frozen_weights.json").write_text(json.dumps(rows, indent=1))
-        r = rows[-1]
-        print(name, json.dumps(r["speedup_vs_inductor"]), json.dumps(r["compile_s"]), json.dumps(r["static_inputs"]),
-              flush=True)
+        (Path(a.out) / out_name).write_text(json.dumps(rows, indent=1))
+        print(name, *(json.dumps(rows[-1][k]) for k in shown), flush=True)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return probe_main(argv, __doc__, "swin_t,deit_tiny_patch16_224.fb_in1k", measure, "frozen_weights.json",
+                      ("speedup_vs_inductor", "compile_s", "static_inputs"),
+                      "cuda (default) or cpu (a dry run, no CUDA graphs)")
 
 
 if __name__ == "__main__":

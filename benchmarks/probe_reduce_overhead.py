@@ -23,12 +23,9 @@ Output: ``--out``/``reduce_overhead.json`` and one line per model on stdout.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
-import json
 import time
-from pathlib import Path
 
 import torch
 
@@ -36,6 +33,7 @@ import tctune.backend as tb
 from benchload import load_benchmark
 
 zoo = load_benchmark("zoo")
+frozen = load_benchmark("probe_frozen_weights")
 
 
 @contextlib.contextmanager
@@ -52,14 +50,7 @@ def weights_not_static():
 
 
 def measure(name: str, dtype: str, repeats: int, scale: float, device: str = "cuda", tiny: bool = False) -> dict:
-    import torch._inductor.compile_fx as cfx
-
-    entry = zoo.all_entries()[name]
-    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    batch = zoo.scaled_batch(entry.batch_size, scale)
-    torch.manual_seed(0)
-    built = zoo.build(entry, tiny, 512, device)
-    cuda = device.startswith("cuda")
+    built, dt, batch, cuda = frozen.build_entry(name, dtype, scale, device, tiny)
     model = built.model.eval()
     args32 = tuple(built.make_inputs(batch, device, 1234))
     args = tuple(x.to(dt) if x.is_floating_point() else x for x in args32)
@@ -72,15 +63,7 @@ def measure(name: str, dtype: str, repeats: int, scale: float, device: str = "cu
         "tctune_nonstatic": (lambda: torch.compile(copy.deepcopy(model), backend=tb.backend(**opts)), args32,
                              weights_not_static),
     }
-    seen: list[int] = []
-    original = cfx.get_static_input_idxs
-
-    def spy(num_fixed: int) -> list[int]:
-        idxs = original(num_fixed)
-        seen.append(len(idxs))
-        return idxs
-
-    cfx.get_static_input_idxs = spy
+    seen, restore = frozen.static_input_spy()
     fns, compile_s, kept_mib, static, err = {}, {}, {}, {}, {}
     try:
         with torch.no_grad():
@@ -102,7 +85,7 @@ def measure(name: str, dtype: str, repeats: int, scale: float, device: str = "cu
                 fns[key] = (fn, a)
             timed = zoo.time_interleaved(fns, cuda, repeats)
     finally:
-        cfx.get_static_input_idxs = original
+        restore()
     ms = {k: r["ms"] for k, r in timed.items()}
     return {"name": name, "batch_size": batch, "dtype": dtype, "mode": mode, "ms": ms,
             "speedup_vs_inductor": {k: round(ms["inductor"] / v, 4) for k, v in ms.items()},
@@ -111,26 +94,9 @@ def measure(name: str, dtype: str, repeats: int, scale: float, device: str = "cu
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default="BertForMaskedLM,resnet50")
-    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
-    p.add_argument("--repeats", type=int, default=9)
-    p.add_argument("--scale", type=float, default=1.0)
-    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (a dry run: default mode, no CUDA graphs)")
-    p.add_argument("--tiny", action="store_true", help="tiny Hugging Face configs (zoo.py --tiny)")
-    p.add_argument("--out", required=True)
-    a = p.parse_args(argv)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    rows = []
-    for name in a.models.split(","):
-        rows.append(measure(name, a.dtype, a.repeats, a.scale, a.device, a.tiny))
-        Path(a.out).mkdir(parents=True, exist_ok=True)
-        (Path(a.out) / "reduce_overhead.json").write_text(json.dumps(rows, indent=1))
-        r = rows[-1]
-        print(name, json.dumps(r["ms"]), json.dumps(r["speedup_vs_inductor"]), json.dumps(r["kept_mib"]),
-              json.dumps(r["static_inputs"]), flush=True)
-    return 0
+    return frozen.probe_main(argv, __doc__, "BertForMaskedLM,resnet50", measure, "reduce_overhead.json",
+                             ("ms", "speedup_vs_inductor", "kept_mib", "static_inputs"),
+                             "cuda (default) or cpu (a dry run: default mode, no CUDA graphs)", reset=False)
 
 
 if __name__ == "__main__":

@@ -7,23 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zoo import load_benchmark
+from zoo import inductor_runs_the_graph, load_benchmark
 
 
 def test_the_nonstatic_variant_hands_inductor_the_graph_without_the_static_mark(monkeypatch):
     pytest.importorskip("transformers")
-    import torch._inductor.compile_fx as cfx
-
     import tctune.backend as tb
 
     probe = load_benchmark("probe_reduce_overhead")
-    handed = []
-
-    def fake_compile_fx(gm, inputs, **kw):
-        handed.append(gm)
-        return gm.forward
-
-    monkeypatch.setattr(cfx, "compile_fx", fake_compile_fx)
+    handed = inductor_runs_the_graph(monkeypatch)
     torch._dynamo.reset()
     row = probe.measure("BertForMaskedLM", "bf16", repeats=1, scale=0.0625, device="cpu", tiny=True)
     torch._dynamo.reset()

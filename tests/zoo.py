@@ -650,3 +650,18 @@ def two_heads_inputs(b: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]
     """Seeded inputs of :class:`TwoHeads`: token ids (b, 6) int64 in [0, 50) and features (b, 6, 32) float32."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 50, (b, 6), generator=g), torch.randn(b, 6, 32, generator=g)
+
+
+def inductor_runs_the_graph(monkeypatch) -> list:
+    """Replace Inductor's ``compile_fx`` by running the graph it is handed (no C++ compile on the CPU); returns the
+    list every handed ``GraphModule`` is appended to."""
+    import torch._inductor.compile_fx as cfx
+
+    handed: list = []
+
+    def fake_compile_fx(gm, inputs, **kw):
+        handed.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(cfx, "compile_fx", fake_compile_fx)
+    return handed
