@@ -39,8 +39,6 @@ frozen = load_benchmark("probe_frozen_weights")
 @contextlib.contextmanager
 def weights_not_static():
     """``tctune.backend._weights_static`` replaced by a no-op while the block runs (the backend before it)."""
-    import tctune.backend as tb
-
     original = tb._weights_static
     tb._weights_static = lambda exported, gm: None
     try:
