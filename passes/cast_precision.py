@@ -863,8 +863,8 @@ def _has_float(dtypes: Any) -> bool:
 
 def _ranks_fp32(node: fx.Node, name: str, new: dict) -> bool:
     """Whether the order op ``node`` (:data:`_ORDER_OPS`) ranks an FP32 value: its floating inputs are all FP32
-    in the rewritten graph so far, and it returns indices (``max`` / ``min`` only in their ``dim`` form: the
-    reductions without indices are ordinary ops)."""
+    in the rewritten graph so far. ``max`` / ``min`` count only in their ``dim`` form, which returns indices; the
+    plain reductions are ordinary ops."""
     if name in ("max", "min") and not isinstance(node.meta.get("val"), (tuple, list)):
         return False
     inputs = _float_inputs(node, new)
