@@ -52,7 +52,8 @@ of placeholders and ``get_attr`` nodes (``meta`` is not updated by FX, so the pa
 * Explicit up-casts in the model stay: a value the model converts to FP32 itself (``x.float()``,
   ``x.to(torch.float32)``, ``positions.float()``: RMSNorm statistics, rotary angles, GPT-Neo's attention
   scores) is an *explicit FP32* value, and an op whose floating inputs are all explicit FP32 values (or FP32
-  anchors; 0-dim constants do not count) runs in FP32, GEMMs included, as ``model.to(dt)`` computes it. Where
+  anchors; 0-dim constants do not count, unless every input is 0-dim: ``1 - 0.99 ** step.float()``) runs in
+  FP32, GEMMs included, as ``model.to(dt)`` computes it. Where
   such a value meets a low one (``weight * x.to(input_dtype)``) the op runs low, as the model's cast back to its
   own dtype does under ``model.to(dt)``. Casting these ops down instead put a tiny Llama's bf16 error (rotary
   positions rounded to bf16, RMSNorm statistics in bf16) at 4x that of ``model.to(torch.bfloat16)``.
@@ -74,9 +75,26 @@ of placeholders and ``get_attr`` nodes (``meta`` is not updated by FX, so the pa
   views the write goes through and the writing op are never replaced by a cast (a copy, where the write would be
   lost: an input updated in place, a KV cache, an ``out=`` tensor), the other inputs of the writing op are cast
   to their original dtype, and no cast made before a write is reused after it. A written weight stays FP32.
-  The reason is ``"written in place: index_copy_ keeps its dtype"``. Only writes into tensors from outside the
-  graph (inputs, buffers, views of them) count; an in-place op on a tensor the graph made (``relu_`` after a
-  convolution) is cast like its out-of-place form.
+  The reason is ``"written in place: index_copy_ keeps its dtype"``. Writes into tensors from outside the
+  graph (inputs, buffers, views of them) count, and writes through a view into a tensor the graph made; an
+  in-place op straight on a tensor the graph made (``relu_`` after a convolution) is cast like its out-of-place
+  form. A tensor the graph makes from a low value and fills through views (``buf = scores.new_zeros(...)``;
+  ``buf[:, :, :w] = scores``: Longformer's chunked attention; ``out = zeros_like(k)``: RWKV's recurrence) is
+  made low, as ``model.to(dt)`` makes it, with its views and the writes into it (the values written are cast to
+  its dtype, as the write itself casts them): keeping it FP32 put 90 ops of a tiny Longformer graph in FP32.
+* Factories that take their source's dtype (``zeros_like(x)``, ``new_zeros(x, size)``, no ``dtype=``) take the
+  source's dtype in the rewritten graph, as they do at run time.
+* float64: an op whose result the model computes in float64 (``pos.to(torch.float64)``, float64 rotary angles
+  as in diffusers' ``freqs_dtype=torch.float64``) runs as written, inputs in their original dtypes, as under
+  ``model.to(dt)``: cast down, float64 angles of positions up to 8192 were off by 1.7 of their scale at bf16.
+  The reason is ``"float64: mul computes in float64 as the model wrote it"``.
+* Regions traced with their own dtypes (higher-order ops other than an activation checkpoint or flex
+  attention: ``torch.autocast(enabled=False)`` as ``wrap_with_autocast``, ``cond``, ``while_loop``) run as
+  written: their inputs keep the original graph's dtypes (a weight read only by such a region stays FP32) and
+  their FP32 outputs are explicit FP32 values. Before, a rotary embedding under ``torch.autocast(enabled=False)``
+  (Hugging Face Llama's before it moved to a helper) read a bf16 copy of its FP32 buffer, its FP32-traced body
+  failed its dtype check, and the subgraph fell back to plain Inductor. The reason is ``"region:
+  wrap_with_autocast runs as written (...)"``.
 * An activation-checkpointed region (``torch.utils.checkpoint``: the ``tag_activation_checkpoint`` higher-order
   op) is cast inside its body at bf16, its boundary dtypes unchanged; at fp16 it stays as written (the overflow
   calibration sees the region as one node): ``"checkpointed region: not cast at fp16 (...)"``.
@@ -139,6 +157,8 @@ _FOLLOW_OPS = frozenset(
 )
 #: Meta-only outputs: shape/type of the input matters, not its values.
 _LIKE_OPS = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like"})
+#: Factories whose result takes its source's dtype when no ``dtype=`` is given (``new_zeros(src, size)``).
+_NEW_OPS = frozenset({"new_zeros", "new_ones", "new_full", "new_empty", "new_empty_strided"})
 #: Ops whose result depends on the order of their input's values (indices, ranks, bins): an FP32 input is read
 #: as it is (module docstring).
 _ORDER_OPS = frozenset({"argsort", "sort", "msort", "topk", "argmax", "argmin", "kthvalue", "searchsorted",
@@ -333,6 +353,16 @@ def _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors
         if node.args[0] in anchors and new[node] == torch.float32:
             anchors.add(node)
         return
+    if _runs_as_written(node):
+        # A region traced with its own dtypes (torch.autocast(enabled=False), cond, ...): inputs as the original
+        # graph had them, outputs as they were; its FP32 outputs are values the model made FP32 itself.
+        rewriter.map_inputs(node, lambda arg: orig.get(arg))
+        new[node] = orig[node]
+        if _has_fp32(orig[node]):
+            explicit32.add(node)
+        result.skipped.append(Skip(node.name, f"region: {op_name(node)} runs as written (its body was traced in "
+                                              "these dtypes)"))
+        return
     if not isinstance(node.target, torch._ops.OpOverload):
         # Python-level ops (symbolic int arithmetic): no tensors to cast.
         new[node] = orig[node]
@@ -351,6 +381,12 @@ def _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors
                 node.kwargs = {**node.kwargs, "dtype": src}
         new[node] = orig[node]
         return
+    if _follows_source(node):
+        # zeros_like(x) / new_zeros(x, size) without a dtype: the source's dtype in the rewritten graph, as at run
+        # time (model.to(dt) makes them low where their source is low).
+        new[node] = _follow(orig[node], new.get(node.args[0]))
+        _retype_meta(node, orig[node], new[node])
+        return
     if _explicit_dtype(node) or name in _LIKE_OPS:
         # A conversion / factory the model asked for: keep its inputs and its output dtype.
         new[node] = orig[node]
@@ -359,6 +395,12 @@ def _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors
                 explicit32.add(node)  # an up-cast the model wrote (x.float(), positions.float())
             if _big_scalars(node, low):
                 big.add(node)  # e.g. full(..., finfo(float32).min, dtype=float32): saturated when cast down
+        return
+    if _has_dtype(orig[node], torch.float64):
+        # The model computes this in float64 itself (float64 angles, positions): as written, as model.to(dt) does.
+        rewriter.map_inputs(node, lambda arg: orig.get(arg))
+        new[node] = orig[node]
+        result.skipped.append(Skip(node.name, f"float64: {name} computes in float64 as the model wrote it"))
         return
     if node.name in no_kernel:
         # No fp16 / bf16 kernel (FFT, solvers): floating inputs back to their original dtype, output as it was.
@@ -490,12 +532,48 @@ def _keep_written(node: fx.Node, orig: dict, new: dict, rewriter: "_Caster", res
     if node.op in ("placeholder", "get_attr"):
         new.setdefault(node, orig[node])
         return
+    if _follows_source(node):
+        # A tensor the graph makes from a low value and then writes into (new_zeros(scores) filled through
+        # views: Longformer's chunked attention; zeros_like(k) in RWKV's recurrence): made low as model.to(dt)
+        # makes it, so the writes land in it and its readers get it without a cast.
+        new[node] = _follow(orig[node], new.get(node.args[0]))
+        _retype_meta(node, orig[node], new[node])
+        return
+    targets = writes_in_place(node)
+    into = targets[0] if targets else view_base(node)
+    have = new.get(into) if isinstance(into, fx.Node) else None
+    if isinstance(have, torch.dtype) and have in _LOW and orig.get(into) == torch.float32:
+        # A view of, or a write into, a tensor of that kind: the whole group in its dtype (the values written
+        # are cast to it, as the write itself casts them at run time).
+        rewriter.map_inputs(node, lambda arg: have)
+        new[node] = _lower(orig[node], have)
+        _retype_meta(node, orig[node], new[node])
+        if targets:
+            rewriter.cache.clear()
+        return
     rewriter.map_inputs(node, lambda arg: orig.get(arg))
     new[node] = orig[node]
     if writes_in_place(node):
         rewriter.cache.clear()
         if _has_float(orig[node]) or _has_float_input(node, orig):
             result.skipped.append(Skip(node.name, f"written in place: {op_name(node)} keeps its dtype"))
+
+
+def _follows_source(node: fx.Node) -> bool:
+    """Whether ``node`` makes a new floating tensor whose dtype is its source's (``zeros_like(x)``,
+    ``new_zeros(x, size)`` with no ``dtype=``)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    if op_name(node) not in _LIKE_OPS | _NEW_OPS or _explicit_dtype(node) or not node.args:
+        return False
+    src = node.args[0]
+    return isinstance(src, fx.Node) and _has_float(_dtypes(src.meta.get("val"))) and _has_float(
+        _dtypes(node.meta.get("val")))
+
+
+def _follow(before: Any, source: Any) -> Any:
+    """The dtype of a :func:`_follows_source` node whose source now has dtype ``source``."""
+    return source if isinstance(source, torch.dtype) and source.is_floating_point else before
 
 
 def _no_kernel_reasons(nodes: list[fx.Node]) -> dict[str, str]:
@@ -514,8 +592,10 @@ def _is_tensor_val(node: fx.Node) -> bool:
 
 
 def _in_explicit_fp32(node: fx.Node, explicit32: set, anchors: set, new: dict) -> bool:
-    """Whether ``node`` reads an explicit FP32 value and every other non-0-dim floating input is FP32 too."""
-    inputs = [a for a in _float_inputs(node, new) if not _is_scalar_tensor(a)]
+    """Whether ``node`` reads an explicit FP32 value and every other non-0-dim floating input is FP32 too (when
+    every floating input is 0-dim, as in ``1 - 0.99 ** step.float()``, they all count)."""
+    floats = _float_inputs(node, new)
+    inputs = [a for a in floats if not _is_scalar_tensor(a)] or floats
     if not any(a in explicit32 for a in inputs):
         return False
     return all(new[a] == torch.float32 and (a in explicit32 or a in anchors) for a in inputs)
@@ -799,8 +879,10 @@ def _has_out_of_range(t: torch.Tensor, low: torch.dtype) -> bool:
 
 
 def _reads_fp32(user: fx.Node, keep: frozenset) -> bool:
-    """Whether ``user`` needs its inputs in FP32 (keep-list op, graph output, or an explicit conversion)."""
+    """Whether ``user`` needs its inputs in FP32 (keep-list op, graph output, or a region that runs as written)."""
     if user.op == "output":
+        return True
+    if _runs_as_written(user):
         return True
     if user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload):
         return False
@@ -872,11 +954,28 @@ def _ranks_fp32(node: fx.Node, name: str, new: dict) -> bool:
 
 
 def _has_fp32(dtypes: Any) -> bool:
+    return _has_dtype(dtypes, torch.float32)
+
+
+def _has_dtype(dtypes: Any, dtype: torch.dtype) -> bool:
     if isinstance(dtypes, torch.dtype):
-        return dtypes == torch.float32
+        return dtypes == dtype
     if isinstance(dtypes, list):
-        return any(_has_fp32(d) for d in dtypes)
+        return any(_has_dtype(d, dtype) for d in dtypes)
     return False
+
+
+#: Higher-order ops whose bodies take any dtype (the score function of flex attention): cast like other ops.
+_DTYPE_GENERIC_REGIONS = frozenset({"flex_attention", "flex_attention_backward"})
+
+
+def _runs_as_written(node: fx.Node) -> bool:
+    """Whether ``node`` is a higher-order op with a traced body (``wrap_with_autocast``, ``cond``,
+    ``while_loop``, ...; not an activation-checkpointed region, cast by :func:`_cast_checkpoint_body`): its body
+    holds the dtypes it was traced with (``torch.autocast(enabled=False)`` computes in FP32 by design), so the
+    region's inputs keep the original graph's dtypes."""
+    return (node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator)
+            and op_name(node) not in _DTYPE_GENERIC_REGIONS | {"tag_activation_checkpoint"})
 
 
 def _float_inputs(node: fx.Node, new: dict) -> list[fx.Node]:

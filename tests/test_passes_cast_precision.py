@@ -1,6 +1,8 @@
 """Tests for passes.cast_precision: low-precision compute with an FP32 keep-list, typed in the graph."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -290,6 +292,9 @@ def test_cast_precision_keeps_writes_through_views_into_the_graphs_own_tensors(p
     assert result.count > 0
     lows = [n for n in gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target)]
     assert lows and all(n.meta["val"].dtype != torch.float32 for n in lows)
+    # output = zeros_like(k) of a low k is made low, as model.to(dt) makes it: the writes land in it
+    (buf,) = [n for n in gm.graph.nodes if n.name.startswith("zeros_like") and n.meta["val"].dim() == 3]
+    assert buf.meta["val"].dtype != torch.float32
     x2 = torch.randn(3, 5, 8, generator=g)  # fresh inputs
     with torch.no_grad():
         got, want = gm(x2), model(x2)
@@ -336,3 +341,167 @@ def test_cast_precision_ranks_fp32_inputs_as_they_are(precision):
         (kept, restore, top), (kept_ref, restore_ref, top_ref) = gm(x2, noise2), model(x2, noise2)
     assert torch.equal(restore, restore_ref) and torch.equal(top, top_ref)
     torch.testing.assert_close(kept.float(), kept_ref, rtol=3e-2, atol=3e-2)
+
+
+class _RotaryNoAutocast(torch.nn.Module):
+    """A rotary embedding computed inside ``torch.autocast(enabled=False)`` (Hugging Face Llama's, before it moved
+    to a helper): the region's body is traced in FP32 and reads an FP32 ``inv_freq`` buffer."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(d, d)
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), persistent=False)
+
+    def forward(self, x, pos):
+        with torch.autocast("cpu", enabled=False):
+            f = (self.inv_freq[None, :, None].float() @ pos[:, None, :].float()).transpose(1, 2)
+            emb = torch.cat([f, f], -1)
+            cos, sin = emb.cos(), emb.sin()
+        h = self.q(x)
+        return h * cos + h.roll(1, -1) * sin
+
+
+@pytest.mark.parametrize("policy", ["pure", "autocast"])
+def test_backend_runs_an_autocast_disabled_region_as_written(monkeypatch, policy):
+    """Before: the region's buffer was stored bf16, the body (traced FP32) failed its dtype check on the first
+    run, and the subgraph fell back to plain Inductor. Now the region reads its inputs as written, no fallback,
+    and the linear still runs low."""
+    import tctune.backend as tb
+
+    handed = zoo.inductor_runs_the_graph(monkeypatch)
+    torch._dynamo.reset()
+    tb.reset()
+    torch.manual_seed(0)
+    model = _RotaryNoAutocast().eval()
+    g = torch.Generator().manual_seed(3)
+    x, pos = torch.randn(2, 64, 16, generator=g), torch.randint(0, 4096, (2, 64), generator=g)
+    compiled = torch.compile(model, backend="tctune", options={"precision": "bf16", "policy": policy})
+    with torch.no_grad():
+        got, ref = compiled(x, pos), model(x, pos)
+    assert handed and tb.reports and not any(r.fallback for r in tb.reports), [r.fallback for r in tb.reports]
+    skips = [s.reason for r in tb.reports for res in r.results for s in res.skipped]
+    assert any(s.startswith("region: wrap_with_autocast runs as written") for s in skips), skips
+    assert any(res.name == "cast_precision" and res.count > 0 for r in tb.reports for res in r.results)
+    err = ((got.float() - ref).norm() / ref.norm()).item()
+    assert err < 2e-2, err  # the angles stay FP32 (positions up to 4096: bf16 angles would be off by ~1 rad)
+
+
+class _Float64Angles(torch.nn.Module):
+    """Rotary angles the model computes in float64 itself (diffusers' ``freqs_dtype=torch.float64``), then
+    ``.float()``."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(d, d)
+        self.d = d
+
+    def forward(self, x, pos):
+        freqs = 1.0 / (10000 ** (torch.arange(0, self.d, 2, dtype=torch.float64) / self.d))
+        ang = pos.to(torch.float64)[..., None] * freqs
+        cos, sin = ang.cos().float(), ang.sin().float()
+        q = self.q(x).unflatten(-1, (-1, 2))
+        return torch.stack([q[..., 0] * cos - q[..., 1] * sin, q[..., 0] * sin + q[..., 1] * cos], -1).flatten(-2)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_cast_precision_keeps_float64_values_float64(precision):
+    """Before: the float64 angles were cast to the low dtype (positions up to 8192: relative error 1.7 at bf16).
+    Now every op computing float64 runs as written, as ``model.to(dt)`` runs it."""
+    torch.manual_seed(0)
+    model = _Float64Angles().eval()
+    g = torch.Generator().manual_seed(4)
+    x, pos = torch.randn(2, 128, 16, generator=g), torch.randint(0, 8192, (2, 128), generator=g)
+    gm = torch.export.export(model, (x, pos), strict=False).module()
+    result = cast_precision(gm, PassSpec(precision=precision))
+    assert result.count > 0
+    assert any(s.reason.startswith("float64: ") for s in result.skipped), result.skipped
+    def dtype(n):
+        return getattr(n.meta.get("val"), "dtype", None)
+
+    f64 = [n for n in gm.graph.nodes if n.op == "call_function" and dtype(n) == torch.float64]
+    assert f64 and all(dtype(a) not in (torch.float16, torch.bfloat16) for n in f64 for a in n.all_input_nodes)
+    x2, pos2 = torch.randn(2, 128, 16, generator=g), torch.randint(0, 8192, (2, 128), generator=g)
+    with torch.no_grad():
+        got, ref = gm(x2, pos2), model(x2, pos2)
+        low = getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[precision])
+        eager = copy.deepcopy(model).to(low)(x2.to(low), pos2)
+    err = ((got.float() - ref).norm() / ref.norm()).item()
+    eager_err = ((eager.float() - ref).norm() / ref.norm()).item()
+    assert err <= 2 * eager_err + 1e-3, (err, eager_err)
+
+
+class _Debias(torch.nn.Module):
+    """Bias correction of a 0-dim step count (Adam / EMA debiasing): ``h / (1 - 0.99 ** step.float())``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x, step):
+        return self.lin(x) / (1 - 0.99 ** step.float())
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_cast_precision_keeps_explicit_fp32_scalars_fp32(precision):
+    """Before: an op whose inputs were all 0-dim ignored them when looking for explicit FP32 values, so
+    ``1 - 0.99 ** step.float()`` read a low copy of the FP32 power (0.98828 at bf16), 17 % off. Now the
+    scalar arithmetic stays FP32 and the result is as accurate as ``model.to(dt)``."""
+    torch.manual_seed(0)
+    model = _Debias().eval()
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(8, 16, generator=g)
+    gm = torch.export.export(model, (x, torch.tensor(1)), strict=False).module()
+    result = cast_precision(gm, PassSpec(precision=precision))
+    assert result.count > 0
+    assert any(s.reason.startswith("explicit FP32: rsub") for s in result.skipped), result.skipped
+    x2 = torch.randn(8, 16, generator=g)
+    with torch.no_grad():
+        got, ref = gm(x2, torch.tensor(1)), model(x2, torch.tensor(1))
+    err = ((got.float() - ref).norm() / ref.norm()).item()
+    assert err < 1e-2, err  # 0.17 before: 1 - bf16(0.99) = 0.0117, not 0.01
+
+
+class _ChunkedScores(torch.nn.Module):
+    """Longformer's sliding-chunk attention scores, tiny: ``new_zeros`` of the scores, filled through slices
+    (``copy_`` into views), then read by a linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(8, 8)
+        self.out = torch.nn.Linear(12, 4)
+
+    def forward(self, x):
+        s = self.q(x) @ self.q(x).transpose(1, 2)  # (B, 6, 6)
+        buf = s.new_zeros((s.shape[0], 6, 12))
+        buf[:, :, :6] = s
+        buf[:, :, 6:] = s.flip(-1)
+        buf[:, 1:, :3] += s[:, :-1, :3]
+        return self.out(buf)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_cast_precision_makes_written_tensors_low_with_their_source(precision):
+    """Before: a tensor the graph made with ``new_zeros`` of a low value and wrote through views was kept FP32
+    with every view and write ("written in place: copy_ keeps its dtype"; Longformer's chunked attention: 90 ops
+    of its tiny graph in FP32, 0.97x Inductor on the H200). Now it is made low as ``model.to(dt)`` makes it, the
+    writes land in it and the result matches eager."""
+    torch.manual_seed(0)
+    model = _ChunkedScores().eval()
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(2, 6, 8, generator=g)
+    gm = torch.export.export(model, (x,), strict=False).module()
+    result = cast_precision(gm, PassSpec(precision=precision))
+    assert result.count > 0
+    assert not any(s.reason.startswith("written in place") for s in result.skipped), result.skipped
+    (buf,) = [n for n in gm.graph.nodes if n.op == "call_function" and "new_zeros" in str(n.target)]
+    low = getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[precision])
+    assert buf.meta["val"].dtype == low
+    writes = [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target).startswith("aten.copy_")]
+    assert writes and all(w.meta["val"].dtype == low for w in writes)
+    x2 = torch.randn(2, 6, 8, generator=g)
+    with torch.no_grad():
+        got, want = gm(x2), model(x2)
+        eager = copy.deepcopy(model).to(low)(x2.to(low))
+    err = ((got.float() - want).norm() / want.norm()).item()
+    eager_err = ((eager.float() - want).norm() / want.norm()).item()
+    assert err <= 2 * eager_err + 1e-3, (err, eager_err)
