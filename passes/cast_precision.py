@@ -297,7 +297,7 @@ def cast_precision(gm: fx.GraphModule, spec: PassSpec) -> PassResult:
 
     for node in nodes:
         if node in written or node in returned or writes_outside(node, written):
-            _keep_written(node, orig, new, rewriter, result)
+            _keep_written(node, orig, new, rewriter, result, low)
             continue
         body = checkpoint_body(gm, node)
         if body is not None:
@@ -384,8 +384,7 @@ def _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors
     if _follows_source(node):
         # zeros_like(x) / new_zeros(x, size) without a dtype: the source's dtype in the rewritten graph, as at run
         # time (model.to(dt) makes them low where their source is low).
-        new[node] = _follow(orig[node], new.get(node.args[0]))
-        _retype_meta(node, orig[node], new[node])
+        _follow_source(node, orig, new, low, saturated)
         return
     if _explicit_dtype(node) or name in _LIKE_OPS:
         # A conversion / factory the model asked for: keep its inputs and its output dtype.
@@ -523,7 +522,8 @@ def _returned_input_views(gm: fx.GraphModule) -> set[fx.Node]:
     return out
 
 
-def _keep_written(node: fx.Node, orig: dict, new: dict, rewriter: "_Caster", result: PassResult) -> None:
+def _keep_written(node: fx.Node, orig: dict, new: dict, rewriter: "_Caster", result: PassResult,
+                  low: torch.dtype) -> None:
     """An op that writes a tensor in place (``add_``, ``copy_``, ``index_copy_``, BN's running statistics), or
     a view of a written tensor on the way to its base (``passes._graph.written_nodes``): it keeps the dtypes of
     the original graph. Its floating inputs come back to their original dtype, so the write lands in the
@@ -536,8 +536,7 @@ def _keep_written(node: fx.Node, orig: dict, new: dict, rewriter: "_Caster", res
         # A tensor the graph makes from a low value and then writes into (new_zeros(scores) filled through
         # views: Longformer's chunked attention; zeros_like(k) in RWKV's recurrence): made low as model.to(dt)
         # makes it, so the writes land in it and its readers get it without a cast.
-        new[node] = _follow(orig[node], new.get(node.args[0]))
-        _retype_meta(node, orig[node], new[node])
+        _follow_source(node, orig, new, low, rewriter.saturated)
         return
     targets = writes_in_place(node)
     into = targets[0] if targets else view_base(node)
@@ -571,9 +570,14 @@ def _follows_source(node: fx.Node) -> bool:
         _dtypes(node.meta.get("val")))
 
 
-def _follow(before: Any, source: Any) -> Any:
-    """The dtype of a :func:`_follows_source` node whose source now has dtype ``source``."""
-    return source if isinstance(source, torch.dtype) and source.is_floating_point else before
+def _follow_source(node: fx.Node, orig: dict, new: dict, low: torch.dtype, saturated: list) -> None:
+    """Type the :func:`_follows_source` ``node`` with its source's dtype in the rewritten graph; a fill value
+    beyond the low range (``full_like(x, finfo(float32).min)`` of a low ``x``) saturates."""
+    source = new.get(node.args[0])
+    new[node] = source if isinstance(source, torch.dtype) and source.is_floating_point else orig[node]
+    _retype_meta(node, orig[node], new[node])
+    if _lowered(orig[node], new[node]) and _value_op(op_name(node)):
+        saturated.extend(_saturate_scalars(node, low))
 
 
 def _no_kernel_reasons(nodes: list[fx.Node]) -> dict[str, str]:

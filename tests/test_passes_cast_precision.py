@@ -505,3 +505,36 @@ def test_cast_precision_makes_written_tensors_low_with_their_source(precision):
     err = ((got.float() - want).norm() / want.norm()).item()
     eager_err = ((eager.float() - want).norm() / want.norm()).item()
     assert err <= 2 * eager_err + 1e-3, (err, eager_err)
+
+
+class _FillLike(torch.nn.Module):
+    """Masks made like a low activation and filled with ``finfo(float32).min`` (``full_like`` / ``new_full``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        fill = torch.full_like(h, torch.finfo(torch.float32).min)
+        bias = h.new_full((h.shape[0], 8), torch.finfo(torch.float32).min).clamp(min=-1.0)
+        return torch.where(h > 0, h, fill).amax(-1) + bias.sum(-1)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_cast_precision_fill_like_a_low_value_saturates(precision):
+    """``full_like`` / ``new_full`` of a low activation make a low tensor at run time: their FP32 fill value
+    saturates to the low range (noted), so they run where PyTorch raises "value cannot be converted to type ...
+    without overflow", and the result matches eager."""
+    torch.manual_seed(0)
+    model = _FillLike().eval()
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(6, 8, generator=g)
+    gm = torch.export.export(model, (x,), strict=False).module()
+    result = cast_precision(gm, PassSpec(precision=precision))
+    saturated = result.notes["constants_saturated"]
+    assert any(n.startswith("full_like") for n in saturated) and any(n.startswith("new_full") for n in saturated)
+    x2 = torch.randn(6, 8, generator=g)
+    with torch.no_grad():
+        got, want = gm(x2), model(x2)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
