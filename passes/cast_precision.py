@@ -51,7 +51,8 @@ of placeholders and ``get_attr`` nodes (``meta`` is not updated by FX, so the pa
   encoder.layer.3.output.dense)"``.
 * Explicit up-casts in the model stay: a value the model converts to FP32 itself (``x.float()``,
   ``x.to(torch.float32)``, ``positions.float()``: RMSNorm statistics, rotary angles, GPT-Neo's attention
-  scores) is an *explicit FP32* value, and an op whose floating inputs are all explicit FP32 values (or FP32
+  scores), and a factory given ``dtype=torch.float32`` (``arange(n, dtype=torch.float32)`` of a diffusion
+  timestep's sinusoid), is an *explicit FP32* value, and an op whose floating inputs are all explicit FP32 values (or FP32
   anchors; 0-dim constants do not count, unless every input is 0-dim: ``1 - 0.99 ** step.float()``) runs in
   FP32, GEMMs included, as ``model.to(dt)`` computes it. Where
   such a value meets a low one (``weight * x.to(input_dtype)``) the op runs low, as the model's cast back to its
@@ -392,6 +393,8 @@ def _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors
         if orig[node] == torch.float32:
             if name in _CONVERSIONS and not node.meta.get(_OWN_CAST) and node.all_input_nodes:
                 explicit32.add(node)  # an up-cast the model wrote (x.float(), positions.float())
+            elif not node.all_input_nodes and _is_tensor_val(node):
+                explicit32.add(node)  # a factory given dtype=torch.float32 (arange(n, dtype=torch.float32))
             if _big_scalars(node, low):
                 big.add(node)  # e.g. full(..., finfo(float32).min, dtype=float32): saturated when cast down
         return

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 from torch import fx
+from torch._ops import HigherOrderOperator
 
 from passes._graph import (copy_meta, fake_eval, fake_from_tensor, finish, get_attr_value, node_arg, op_name,
                            set_attr_tensor, view_base, writes_in_place)
@@ -225,7 +226,8 @@ def _repropagate(gm: fx.GraphModule, originals: dict[fx.Node, object]) -> list[s
         hit = [a for a in node.all_input_nodes if a in changed]
         if not hit or node in made:
             continue
-        if node.op == "output" or node.target in _LAYOUT_READERS:
+        if node.op == "output" or node.target in _LAYOUT_READERS or isinstance(node.target, HigherOrderOperator):
+            # a region (torch.autocast(enabled=False), cond, a checkpoint) was traced on the original strides
             for a in hit:
                 restore(node, a)
             continue

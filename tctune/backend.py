@@ -33,9 +33,12 @@ is not frozen (:func:`_written_weights`: it is exported again as a runtime input
 ``passes.cast_precision`` never puts a cast copy between a write and the tensor written, and the fp16
 calibration run writes copies. The writes land in the user's tensors as in eager.
 
-Any exception in tctune's part (export, passes) is logged as a warning on the ``tctune`` logger with its
-reason (once per distinct reason), recorded in the :class:`SubgraphReport`, and that subgraph is compiled by
-plain Inductor instead: tctune never breaks the user's compile. The fallback keeps the requested precision: at
+A structural pass that raises on a graph (any pass but the casts) is left out of that subgraph: it is exported
+again and compiled with the other passes, with a warning and a note naming the pass and its error
+(:func:`_compile_without_failing_passes`). Any other exception in tctune's part (export, a cast pass) is logged
+as a warning on the ``tctune`` logger with its reason (once per distinct reason), recorded in the
+:class:`SubgraphReport`, and that subgraph is compiled by plain Inductor instead: tctune never breaks the user's
+compile. The fallback keeps the requested precision: at
 fp16 / bf16 Inductor compiles Dynamo's graph cast the way ``model.to(dt)`` would run it (floating inputs,
 parameters and buffers cast to ``dt`` on entry, floating outputs cast back to their dtype), never the FP32 graph,
 except a graph that writes a tensor from outside it in place (an input, a buffer: :func:`_writes_in_place`):
@@ -133,7 +136,7 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch import fx
 
-from passes import PIPELINE, PassResult, run_pipeline
+from passes import PIPELINE, PassFailure, PassResult, run_pipeline
 from passes._graph import METADATA_ONLY_WRITES, deferred_recompile, recompile, storage_of
 from passes.calibrate import calibrate_ranges, overflow_nodes
 from passes.policy import pass_spec
@@ -530,10 +533,9 @@ def _compile(gm: fx.GraphModule, example_inputs: list, cfg: BackendConfig, rebui
         if training:
             logger.info("training graph (grad enabled, inputs require grad): eval-only passes skipped, "
                         "weights stay graph inputs")
-        compiled = _compile_with_passes(gm, example_inputs,
-                                        _spec_for(hw, training, cfg.policy, report.precision, cfg.fp8_keep,
-                                                  cfg.output_dtype, cfg.fp8_fast_accum),
-                                        cfg, report, hw, compile_inputs)
+        spec = _spec_for(hw, training, cfg.policy, report.precision, cfg.fp8_keep, cfg.output_dtype,
+                         cfg.fp8_fast_accum)
+        compiled = _compile_without_failing_passes(gm, example_inputs, spec, cfg, report, hw, compile_inputs)
         # taken off the callable: the variants below hold the weights only weakly (a replaced one can be freed)
         frozen = getattr(compiled, "__dict__", {}).pop("_tctune_frozen", ()) if rebuild else ()
         if frozen:
@@ -1423,8 +1425,36 @@ def _no_stack_traces():
         config.do_not_emit_stack_traces = old
 
 
+def _compile_without_failing_passes(gm, example_inputs, spec, cfg: BackendConfig, report: SubgraphReport,
+                                   hw: Any = None, compile_inputs: list | None = None) -> Callable:
+    """:func:`_compile_with_passes`; when a structural pass (any but the casts) raises, export again and run the
+    others without it, with a warning and a note naming the pass and its error, rather than losing every pass
+    to the fallback (a pass that cannot handle a graph must not cost the rest of the pipeline). A cast pass that
+    raises, or any other error, propagates (the caller falls back)."""
+    failed: dict[str, str] = {}
+    notes = list(report.notes)
+    while True:
+        try:
+            compiled = _compile_with_passes(gm, example_inputs, spec, cfg, report, hw, compile_inputs,
+                                            without=tuple(failed))
+            break
+        except PassFailure as exc:
+            name = getattr(exc, "pass_name", None)
+            if name is None or name in _CAST_PASSES or name in failed:
+                raise
+            failed[name] = str(exc)
+            logger.warning("tctune backend: %s; compiling this subgraph without %s", exc, name)
+            report.notes[:] = notes
+            report.results = []
+    for name, why in failed.items():
+        report.notes.append(f"{name} left out: it failed on this graph ({why})")
+    return compiled
+
+
 def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: SubgraphReport,
-                         hw: Any = None, compile_inputs: list | None = None) -> Callable:
+                         hw: Any = None, compile_inputs: list | None = None, without: tuple = ()) -> Callable:
+    """Export ``gm`` again, run ``cfg``'s passes on it (but those named in ``without``) and compile it with
+    Inductor; returns the runtime caller. Raises what export, a pass (``PassFailure``) or Inductor raise."""
     inputs = _classify(gm, example_inputs, freeze=not spec.training)
     nodes = _placeholders(gm)
     # Export and passes run outside Dynamo's tracing context: its guards and symbols must not leak into Dynamo's,
@@ -1454,7 +1484,7 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
         report.frozen = sorted(inputs.weights.values())
         t1 = time.perf_counter()
         report.seconds["export"] = round(t1 - t0, 3)
-        names = cfg.pass_names()
+        names = tuple(n for n in cfg.pass_names() if n not in without)
         pass_s: dict[str, float] = {}
         if spec.precision == "fp16":
             # Overflow analysis on the first call's inputs, before the casting passes (module docstring).

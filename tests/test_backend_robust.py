@@ -1297,3 +1297,36 @@ def test_an_input_cast_up_on_entry_and_written_keeps_the_write(aot_only):
             assert tail.untyped_storage().data_ptr() == h.untyped_storage().data_ptr()
     _no_fallback()
     assert any(n.startswith("inputs narrower than the graph's float32 cast up on entry") for n in tb.reports[1].notes)
+
+
+def test_a_structural_pass_that_raises_is_left_out_and_the_others_run(monkeypatch, caplog):
+    """A structural pass that raises on a graph (fuse_conv_relu did on a ReLU read by a
+    ``torch.autocast(enabled=False)`` region) cost the whole subgraph every pass: the backend fell back to plain
+    Inductor. Now the subgraph is exported again and compiled without that pass, with a warning and a note; the
+    cast still runs and nothing falls back."""
+    import passes
+    from zoo import inductor_runs_the_graph
+
+    inductor_runs_the_graph(monkeypatch)
+    structural = [n for n in tb.BackendConfig(precision="bf16").pass_names() if n not in tb._CAST_PASSES]
+    victim = structural[0]
+
+    def broken(gm, spec):
+        raise RuntimeError("a graph this pass cannot handle")
+
+    monkeypatch.setitem(passes.PASSES, victim, broken)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8)).eval()
+    compiled = torch.compile(model, backend="tctune", options={"precision": "bf16"})
+    x = torch.randn(4, 16)
+    with caplog.at_level("WARNING", logger="tctune.backend"), torch.no_grad():
+        got, ref = compiled(x), model(x)
+    (rep,) = tb.reports
+    assert not rep.fallback, rep.fallback
+    assert any(n.startswith(f"{victim} left out: it failed on this graph") and "cannot handle" in n
+               for n in rep.notes), rep.notes
+    assert victim not in [r.name for r in rep.results]
+    (cast,) = [r for r in rep.results if r.name == "cast_precision"]
+    assert cast.count > 0
+    assert any(f"compiling this subgraph without {victim}" in m for m in caplog.messages), caplog.messages
+    assert _rel(got.float(), ref) < 3e-2

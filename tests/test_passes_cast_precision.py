@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -538,3 +539,47 @@ def test_cast_precision_fill_like_a_low_value_saturates(precision):
     with torch.no_grad():
         got, want = gm(x2), model(x2)
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+class _TimestepEmbedding(torch.nn.Module):
+    """A diffusion model's timestep embedding: ``t[:, None].float()`` times ``exp`` of an FP32 ``arange``, then
+    ``sin`` / ``cos`` and two linears."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.l1, self.l2, self.d = torch.nn.Linear(d, d), torch.nn.Linear(d, d), d
+
+    def forward(self, x, t):
+        half = self.d // 2
+        expo = -math.log(10000) * torch.arange(half, dtype=torch.float32) / half
+        emb = t[:, None].float() * torch.exp(expo)[None]
+        emb = torch.cat([emb.sin(), emb.cos()], -1)
+        return x + self.l2(torch.nn.functional.silu(self.l1(emb.to(self.l1.weight.dtype))))[:, None]
+
+
+@pytest.mark.parametrize("policy", ["pure", "autocast"])
+def test_backend_keeps_a_timestep_sinusoid_fp32(monkeypatch, policy):
+    """Before: ``arange(dtype=torch.float32)`` was not an FP32 value the model asked for, so its ``exp`` ran low, the
+    FP32 timestep met a low value, and the sinusoid of timesteps up to 1000 ran bf16 (twice ``model.to(bf16)``'s
+    error). Now factories given ``dtype=torch.float32`` count as explicit FP32 values, and ``sin`` / ``cos`` run FP32
+    as under ``model.to(dt)``; the linears still run low."""
+    import tctune.backend as tb
+
+    zoo.inductor_runs_the_graph(monkeypatch)
+    torch._dynamo.reset()
+    tb.reset()
+    torch.manual_seed(0)
+    model = _TimestepEmbedding().eval()
+    g = torch.Generator().manual_seed(14)
+    x, t = torch.randn(4, 8, 32, generator=g), torch.rand(4, generator=g) * 1000
+    compiled = torch.compile(model, backend="tctune", options={"precision": "bf16", "policy": policy})
+    with torch.no_grad():
+        got, ref = compiled(x, t), model(x, t)
+        eager = copy.deepcopy(model).to(torch.bfloat16)(x.to(torch.bfloat16), t.to(torch.bfloat16))
+    assert tb.reports and not any(r.fallback for r in tb.reports)
+    skips = [s.reason for r in tb.reports for res in r.results for s in res.skipped]
+    assert any(s.startswith("explicit FP32: sin") for s in skips), skips
+    assert any(res.name == "cast_precision" and res.count > 0 for r in tb.reports for res in r.results)
+    err = ((got.float() - ref).norm() / ref.norm()).item()
+    eager_err = ((eager.float() - ref).norm() / ref.norm()).item()
+    assert err <= 1.2 * eager_err + 1e-3, (err, eager_err)

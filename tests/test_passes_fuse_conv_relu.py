@@ -484,3 +484,32 @@ def test_a_configuration_cudnn_refuses_falls_back_to_the_composite_with_one_warn
     ref = torch.relu(F.conv2d(x.as_subclass(torch.Tensor), w, b, 1, 1))
     torch.testing.assert_close(first.as_subclass(torch.Tensor), ref)
     torch.testing.assert_close(second.as_subclass(torch.Tensor), ref)
+
+
+class _ReluIntoRegion(nn.Module):
+    """A convolution + ReLU read by a ``torch.autocast(enabled=False)`` region (timm's EfficientViT attention
+    computes in FP32 that way): the region is a higher-order op with a traced body."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 8, 1)
+
+    def forward(self, x):
+        q = torch.relu(self.conv(x)).flatten(2)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            q = q.float()
+            out = q @ q.transpose(-1, -2)
+        return out
+
+
+def test_a_region_reading_the_fused_output_gets_the_original_layout():
+    """Before: re-typing the readers of the fused convolution failed on the region ("to_1 (wrap_with_autocast)
+    fails on the fused convolutions' layout"), the pass raised and the backend fell back to plain Inductor for the
+    whole graph. Now the region reads a copy in the original layout and the site still fuses."""
+    model, gm = _capture(_ReluIntoRegion(), 4, 5, 5)
+    assert any(isinstance(n.target, torch._ops.HigherOrderOperator) for n in gm.graph.nodes)
+
+    result = fuse_conv_relu(gm, HOPPER16)
+
+    assert result.count == 1
+    _check_parity(model, gm, 4, 5, 5)
