@@ -88,6 +88,8 @@ of placeholders and ``get_attr`` nodes (``meta`` is not updated by FX, so the pa
 * float64: an op whose result the model computes in float64 (``pos.to(torch.float64)``, float64 rotary angles
   as in diffusers' ``freqs_dtype=torch.float64``) runs as written, inputs in their original dtypes, as under
   ``model.to(dt)``: cast down, float64 angles of positions up to 8192 were off by 1.7 of their scale at bf16.
+  A float64 weight or buffer such an op reads stays float64 (stored bf16, a float64 buffer read by an ``outer``
+  in float64 came back rounded while the report said float64).
   The reason is ``"float64: mul computes in float64 as the model wrote it"``.
 * Regions traced with their own dtypes (higher-order ops other than an activation checkpoint or flex
   attention: ``torch.autocast(enabled=False)`` as ``wrap_with_autocast``, ``cond``, ``while_loop``) run as
@@ -834,6 +836,7 @@ def _cast_weights(
             not users
             or any(n in exact for n in attr_nodes)
             or any(_reads_fp32(u, keep) or u.name in fp32_ops for u in users)
+            or (tensors[key].dtype == torch.float64 and any(_computes_float64(u) for u in users))
             or (fp32_lookups and all(_is_lookup(u, attr_nodes) for u in users))
         ):
             weights_fp32.extend(sorted({n.target for n in attr_nodes} | set(alias_targets(gm, tensors[key]))))
@@ -883,6 +886,11 @@ def _has_out_of_range(t: torch.Tensor, low: torch.dtype) -> bool:
         return False
     mag = t.abs()
     return bool(((mag > limit) & torch.isfinite(mag)).any())
+
+
+def _computes_float64(user: fx.Node) -> bool:
+    """Whether ``user`` computes a float64 result (the float64 rule of the module docstring: runs as written)."""
+    return user.op == "call_function" and _has_dtype(_dtypes(user.meta.get("val")), torch.float64)
 
 
 def _reads_fp32(user: fx.Node, keep: frozenset) -> bool:

@@ -397,6 +397,7 @@ def backend(
     fp8_keep: Sequence[str] = (),
     output_dtype: str = "fp32",
     fp8_fast_accum: bool = False,
+    **unknown: Any,
 ) -> Callable[[fx.GraphModule, list], Callable]:
     """A ``torch.compile`` backend with these settings: ``torch.compile(m, backend=backend(precision="bf16"))``.
 
@@ -422,11 +423,12 @@ def backend(
         ``compiler(gm, example_inputs) -> callable``, the signature Dynamo expects of a backend.
 
     Raises:
-        ValueError: unknown precision, policy, mode, Inductor option or pass name (raised here, before any
-            compile).
+        ValueError: an unknown keyword (the message names the closest option), unknown precision, policy, mode,
+            Inductor option or pass name (raised here, before any compile).
     """
     from passes import PASSES
 
+    _check_keys(unknown)
     cfg = BackendConfig(precision=precision, pad=pad, target=target, passes=passes, policy=policy, mode=mode,
                         inductor=dict(inductor) if isinstance(inductor, dict) else inductor,
                         fp8_keep=fp8_keep if isinstance(fp8_keep, str) else tuple(fp8_keep or ()),

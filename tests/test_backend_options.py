@@ -168,6 +168,10 @@ def test_a_bad_option_says_what_the_readme_says_in_each_form():
                                                     r"\[.*\(did you mean 'precision'\?\)"):
         torch.compile(model, backend="tctune", options={"precison": "bf16"})(x)
     torch._dynamo.reset()
+    # the factory form names an unknown keyword the same way (it was Python's bare TypeError)
+    with pytest.raises(ValueError, match=r"unknown tctune backend option\(s\) \['precison'\]; known: "
+                                         r"\[.*\(did you mean 'precision'\?\)"):
+        tb.backend(precison="bf16")
 
 
 class _Blocks(torch.nn.Module):

@@ -583,3 +583,31 @@ def test_backend_keeps_a_timestep_sinusoid_fp32(monkeypatch, policy):
     err = ((got.float() - ref).norm() / ref.norm()).item()
     eager_err = ((eager.float() - ref).norm() / ref.norm()).item()
     assert err <= 1.2 * eager_err + 1e-3, (err, eager_err)
+
+
+class _Float64Buffer(torch.nn.Module):
+    """A float64 buffer read by float64 arithmetic (angles of a frequency table), beside a linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("freqs", torch.tensor([1.0 / 3, 0.1, 1e-4, 12345.678], dtype=torch.float64))
+
+    def forward(self, x):
+        t = torch.arange(x.shape[0], dtype=torch.float64)
+        return self.lin(x), torch.outer(t, self.freqs)
+
+
+def test_cast_precision_keeps_a_float64_buffer_read_in_float64():
+    """Before: the buffer was stored bf16 (its reader is no keep-list op) and cast back up to float64 for the
+    ``outer``, which the report said ran "in float64 as the model wrote it": 12345.678 came back as 12352.0. Now
+    a float64 weight a float64 op reads stays float64 and the result is exact."""
+    model = _Float64Buffer().eval()
+    x = torch.randn(64, 4)
+    gm = torch.export.export(model, (x,), strict=False).module()
+    result = cast_precision(gm, PassSpec(precision="bf16"))
+    assert result.count > 0
+    assert any(n.endswith("freqs") for n in result.notes["weights_fp32"]), result.notes
+    with torch.no_grad():
+        (_, got), (_, want) = gm(x), model(x)
+    assert got.dtype == torch.float64 and torch.equal(got, want)
