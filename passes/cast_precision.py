@@ -531,7 +531,8 @@ def _keep_written(node: fx.Node, orig: dict, new: dict, rewriter: "_Caster", res
                   low: torch.dtype) -> None:
     """An op that writes a tensor in place (``add_``, ``copy_``, ``index_copy_``, BN's running statistics), or
     a view of a written tensor on the way to its base (``passes._graph.written_nodes``): it keeps the dtypes of
-    the original graph. Its floating inputs come back to their original dtype, so the write lands in the
+    the original graph, except in a tensor the graph makes with its low source's dtype (``new_zeros`` /
+    ``zeros_like`` of a low value), whose views and writes take that dtype (module docstring). Its floating inputs come back to their original dtype, so the write lands in the
     model's own tensor (a cast is a copy: an input, a buffer or a KV cache written through a bf16 copy lost
     the write). The cast cache is emptied after a write: a cast made before it holds the old values."""
     if node.op in ("placeholder", "get_attr"):
