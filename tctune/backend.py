@@ -136,7 +136,7 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch import fx
 
-from passes import PIPELINE, PassFailure, PassResult, run_pipeline
+from passes import CASTS, PIPELINE, PassFailure, PassResult, run_pipeline
 from passes._graph import METADATA_ONLY_WRITES, deferred_recompile, recompile, storage_of
 from passes.calibrate import calibrate_ranges, overflow_nodes
 from passes.policy import pass_spec
@@ -156,8 +156,6 @@ reports: list["SubgraphReport"] = []
 _MAX_REPORTS = 256
 #: Fallback reasons already warned about (each distinct reason is logged as a warning once).
 _warned: set[str] = set()
-#: The passes that cast (calibration runs right before the first of them).
-_CAST_PASSES = ("cast_fp8_linears", "cast_precision")
 _LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 _OPTION_KEYS = ("precision", "pad", "target", "passes", "policy", "mode", "inductor", "fp8_keep", "output_dtype",
@@ -1442,7 +1440,7 @@ def _compile_without_failing_passes(gm, example_inputs, spec, cfg: BackendConfig
             break
         except PassFailure as exc:
             name = getattr(exc, "pass_name", None)
-            if name is None or name in _CAST_PASSES or name in failed:
+            if name is None or name in CASTS or name in failed:
                 raise
             failed[name] = str(exc)
             logger.warning("tctune backend: %s; compiling this subgraph without %s", exc, name)
@@ -1490,7 +1488,7 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
         pass_s: dict[str, float] = {}
         if spec.precision == "fp16":
             # Overflow analysis on the first call's inputs, before the casting passes (module docstring).
-            cut = next((i for i, n in enumerate(names) if n in _CAST_PASSES), len(names))
+            cut = next((i for i, n in enumerate(names) if n in CASTS), len(names))
             report.results = run_pipeline(exported, spec, names[:cut], seconds=pass_s)
             spec = _calibrate_fp16(exported, runtime_args, spec, report, hw, cfg.policy)
             report.results += run_pipeline(exported, spec, names[cut:], seconds=pass_s)

@@ -1308,7 +1308,7 @@ def test_a_structural_pass_that_raises_is_left_out_and_the_others_run(monkeypatc
     from zoo import inductor_runs_the_graph
 
     inductor_runs_the_graph(monkeypatch)
-    structural = [n for n in tb.BackendConfig(precision="bf16").pass_names() if n not in tb._CAST_PASSES]
+    structural = [n for n in tb.BackendConfig(precision="bf16").pass_names() if n not in passes.CASTS]
     victim = structural[0]
 
     def broken(gm, spec):
