@@ -267,7 +267,9 @@ def profile_diff(inductor_stats: str, tctune_stats: str, top: int = 40) -> str:
                 for (f, line, name), (_cc, nc, _tt, ct, _callers) in pstats.Stats(path).stats.items()}
 
     a, b = load(inductor_stats), load(tctune_stats)
-    keys = sorted(set(a) | set(b), key=lambda k: -(b.get(k, (0.0, 0))[0] - a.get(k, (0.0, 0))[0]))
+    # Ties (a callee that grows exactly as much as its caller) are broken by name, so the order is the same run
+    # to run.
+    keys = sorted(set(a) | set(b), key=lambda k: (-(b.get(k, (0.0, 0))[0] - a.get(k, (0.0, 0))[0]), k))
     lines = [f"{'+s':>7} {'inductor s/calls':>17} {'tctune s/calls':>17}  function"]
     for k in keys[:top]:
         (sa, na), (sb, nb) = a.get(k, (0.0, 0)), b.get(k, (0.0, 0))
