@@ -1330,3 +1330,59 @@ def test_a_structural_pass_that_raises_is_left_out_and_the_others_run(monkeypatc
     assert cast.count > 0
     assert any(f"compiling this subgraph without {victim}" in m for m in caplog.messages), caplog.messages
     assert _rel(got.float(), ref) < 3e-2
+
+
+class ThreeNorms(nn.Module):
+    """Three LayerNorms, each ``eps`` a Python float that ``dynamic=True`` hands to the backend as an input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.norms = nn.ModuleList(nn.LayerNorm(16, eps=e) for e in (1e-5, 1e-6, 1e-3))
+
+    def forward(self, x):
+        for norm in self.norms:
+            x = norm(torch.relu(self.fc(x)))
+        return x
+
+
+def test_floats_an_op_needs_as_numbers_are_specialized_before_export(monkeypatch, aot_only):
+    """Under ``dynamic=True`` a LayerNorm's ``eps`` reached export as an unspecialized float: export failed on a
+    guard on it, the subgraph went to the fallback, and only the fallback's compile had Dynamo trace again. Now
+    the backend has Dynamo specialize every such float at once, before exporting: one export, no fallback."""
+    exports, export = [], tb._export
+    monkeypatch.setattr(tb, "_export", lambda *a, **k: exports.append(1) or export(*a, **k))
+    monkeypatch.setattr(tb, "_fallback", lambda *a, **k: pytest.fail(f"fallback: {a[2].fallback}"))
+    torch.manual_seed(0)
+    model = ThreeNorms().eval()
+    compiled = torch.compile(model, backend="tctune", options={"precision": "bf16"}, dynamic=True)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for rows in (5, 9):
+            x = torch.randn(rows, 16, generator=g)
+            _close(compiled(x), model(x), "bf16")
+    _no_fallback()
+    assert len(tb.reports) == 1 and len(exports) == 1, (len(tb.reports), len(exports))
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+
+    def forward(self, x, scale: float):
+        return self.fc(x) * scale + scale
+
+
+def test_float_used_only_in_tensor_arithmetic_stays_an_input(aot_only):
+    """A float the graph only multiplies and adds (a step size, a timestep) is not specialized: a new value
+    does not compile again."""
+    torch.manual_seed(0)
+    model = Scaled().eval()
+    compiled = torch.compile(model, backend="tctune", options={"precision": "bf16"}, dynamic=True)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        for scale in (0.5, 0.75, 1.25):
+            _close(compiled(x, scale), model(x, scale), "bf16")
+    _no_fallback()
+    assert len(tb.reports) == 1
