@@ -163,6 +163,22 @@ _OPTION_KEYS = ("precision", "pad", "target", "passes", "policy", "mode", "induc
 #: Output-dtype contracts (``tctune.trial.OUTPUT_DTYPES``; not imported: this module imports ``passes`` only).
 _OUTPUT_DTYPES = ("compute", "fp32")
 _PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")
+#: Other spellings of the precisions (lower-cased first): torch's dtype names and the usual short forms.
+_PRECISION_ALIASES = {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16",
+                      "float8_e4m3fn": "fp8", "e4m3": "fp8"}
+
+
+def _precision_name(precision: Any) -> Any:
+    """``precision`` as one of :data:`_PRECISIONS` when it is another spelling of one (``"BF16"``,
+    ``"bfloat16"``, ``torch.bfloat16``, ``torch.float8_e4m3fn``); anything else unchanged (the caller's check
+    names it)."""
+    name = str(precision).removeprefix("torch.") if isinstance(precision, torch.dtype) else precision
+    if not isinstance(name, str):
+        return precision
+    low = name.strip().lower()
+    return _PRECISION_ALIASES.get(low, low if low in _PRECISIONS else precision)
+
+
 #: The passes ``pad=False`` turns off.
 PAD_PASSES = ("pad_linear_dims", "pad_matmul_dims", "pad_conv_channels")
 
@@ -271,6 +287,7 @@ class BackendConfig:
     fp8_fast_accum: bool = False
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "precision", _precision_name(self.precision))
         if self.precision is not None and self.precision not in _PRECISIONS:
             from tctune.errors import did_you_mean
 
@@ -300,7 +317,8 @@ class BackendConfig:
         if self.policy not in POLICIES:
             from tctune.errors import did_you_mean
 
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}" + did_you_mean(self.policy, POLICIES))
+            raise ValueError(f"policy must be {' or '.join(POLICIES)}, got {self.policy!r}"
+                             + did_you_mean(self.policy, POLICIES))
 
     def pass_names(self) -> tuple[str, ...]:
         """The passes run on each subgraph, in order."""
@@ -400,8 +418,8 @@ def backend(
     """A ``torch.compile`` backend with these settings: ``torch.compile(m, backend=backend(precision="bf16"))``.
 
     Args:
-        precision: compute precision (``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"``, ``"fp8"``); None:
-            hardware default. ``"fp8"`` without FP8 Tensor Cores (or in training) warns and runs bf16.
+        precision: compute precision (``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"``, ``"fp8"``; any case, or
+            a ``torch.dtype`` such as ``torch.bfloat16``, or ``"half"`` / ``"bfloat16"``); None: hardware default. ``"fp8"`` without FP8 Tensor Cores (or in training) warns and runs bf16.
         pad: pad to the Tensor Core alignment (elements per dtype from the hardware): linear N and K, matmul
             dimensions, conv channels (:data:`PAD_PASSES`); False: none of the three.
         target: plan for this GPU (``"h100"``, ``"sm_90"``); None: the GPU the inputs are on, or the CPU.

@@ -247,3 +247,16 @@ def test_fp8_keep_keeps_the_named_modules_bf16_on_cuda(recorded):
     assert report.precision == "fp8" and not report.fallback
     assert report.count("cast_fp8_linears") == 3  # blocks.0.0, blocks.0.2, head; blocks.1.* stay bf16
     torch.testing.assert_close(out.float(), ref, atol=0.25, rtol=0.1)
+
+
+@pytest.mark.parametrize("given,name", [("BF16", "bf16"), (torch.bfloat16, "bf16"), ("half", "fp16"),
+                                        (torch.float16, "fp16"), (torch.float32, "fp32"), ("Float8_E4M3FN", "fp8")])
+def test_other_spellings_of_a_precision_are_that_precision(given, name):
+    """``torch.bfloat16`` or ``"BF16"`` raised "precision must be fp32, tf32, ..." with no hint."""
+    assert tb.BackendConfig(precision=given).precision == name
+    assert callable(tb.backend(precision=given))
+
+
+def test_a_dtype_that_is_no_precision_is_named_as_given():
+    with pytest.raises(ValueError, match=r"got torch\.int8"):
+        tb.BackendConfig(precision=torch.int8)
