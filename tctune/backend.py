@@ -1284,6 +1284,23 @@ def _restart_for_floats(graph: fx.Graph, exc: BaseException | None = None,
     raise TensorifyScalarRestartAnalysis
 
 
+def _input_name(node: fx.Node) -> str:
+    """A graph input of Dynamo's as the model names it, for report notes: ``bn.running_mean`` for
+    ``L['self']._modules['bn']._buffers['running_mean']``, ``x`` for ``L['x']``; Dynamo's node name when it
+    recorded no source."""
+    import re
+
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    name = getattr(source, "name", None)
+    name = name() if callable(name) else name  # a property since torch 2.12, a method before
+    if not isinstance(name, str):
+        return node.name
+    # the module the frame was called on (its first local) is implied: drop it before its own attributes
+    name = re.sub(r"^L\['[^']*'\](?=\._(?:modules|parameters|buffers)\[)\.", "", name)
+    name = re.sub(r"_(?:modules|parameters|buffers)\['([^']*)'\]", r"\1", name)
+    return re.sub(r"^L\['([^']*)'\]", r"\1", name)
+
+
 def _float_symbol(node: fx.Node) -> str | None:
     """Dynamo's symbol name of an unspecialized float input (``"zf3"``), else ``None``."""
     memo = getattr(node.meta.get("example_value"), "item_memo", None)
@@ -1599,7 +1616,7 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
             # A buffer the graph writes (running statistics, a KV cache): frozen, the passes would fold, pad or
             # cast a snapshot of it and the writes would land in a copy. It becomes a runtime input; export again.
             report.notes.append("written in place, passed at every call (not frozen): "
-                                + ", ".join(inputs.weights[i] for i in sorted(written)))
+                                + ", ".join(_input_name(nodes[i]) for i in sorted(written)))
             for i in written:
                 del inputs.weights[i]
             inputs.runtime = sorted(inputs.runtime + sorted(written))
@@ -1609,7 +1626,7 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
             report.notes.append(
                 "inputs narrower than the graph's " + str(next(iter(up.values()))).replace("torch.", "")
                 + " cast up on entry (a previous subgraph's compute-dtype outputs): "
-                + ", ".join(f"{nodes[inputs.runtime[k]].name} {str(runtime_args[k].dtype).replace('torch.', '')}"
+                + ", ".join(f"{_input_name(nodes[inputs.runtime[k]])} {str(runtime_args[k].dtype).replace('torch.', '')}"
                             for k in up))
         report.frozen = sorted(inputs.weights.values())
         t1 = time.perf_counter()
