@@ -9,6 +9,7 @@ import torch
 
 import zoo
 from passes import PassSpec, cast_precision
+from passes.policy import PURE_KEEP_LIST
 
 _CAST = torch.ops.aten._to_copy.default
 LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -616,3 +617,51 @@ def test_cast_precision_keeps_a_float64_buffer_read_in_float64():
     with torch.no_grad():
         (_, got), (_, want) = gm(x), model(x)
     assert got.dtype == torch.float64 and torch.equal(got, want)
+
+
+class _RotaryReadUp(torch.nn.Module):
+    """A hand-written rotary embedding that reads its FP32 ``inv_freq`` buffer with ``.float()`` (directly, or
+    through a view first) and computes the angles in FP32, no autocast region."""
+
+    def __init__(self, through_view: bool, d: int = 16) -> None:
+        super().__init__()
+        self.through_view = through_view
+        self.q = torch.nn.Linear(d, d)
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), persistent=False)
+
+    def forward(self, x):
+        t = torch.arange(x.shape[1]).float()
+        if self.through_view:
+            f = t[:, None] * self.inv_freq[None, :].float()
+        else:
+            f = torch.outer(t, self.inv_freq.float())
+        q = self.q(x)
+        q1, q2 = q[..., ::2], q[..., 1::2]
+        return torch.cat([q1 * f.cos() - q2 * f.sin(), q1 * f.sin() + q2 * f.cos()], -1)
+
+
+@pytest.mark.parametrize("through_view", [False, True])
+@pytest.mark.parametrize("policy", ["autocast", "pure"])
+def test_cast_precision_keeps_a_weight_read_up_to_fp32_under_the_autocast_policy(policy, through_view):
+    """Before: ``inv_freq`` was stored bf16 under both policies, as ``model.to(bf16)`` stores it; at 2048
+    positions the angles came out 0.14 off (relative) where autocast eager, which never rounds a stored weight,
+    is 0.003 off. Under the autocast policy a weight read only by explicit FP32 conversions now stays FP32;
+    under the pure policy it is still stored low (``model.to``'s numbers)."""
+    torch.manual_seed(0)
+    model = _RotaryReadUp(through_view).eval()
+    x = torch.randn(2, 2048, 16, generator=torch.Generator().manual_seed(5))
+    gm = torch.export.export(model, (x,), strict=False).module()
+    spec = PassSpec(precision="bf16") if policy == "autocast" else PassSpec(
+        precision="bf16", keep_list=PURE_KEEP_LIST, residual_fp32=False)
+    result = cast_precision(gm, spec)
+    assert result.count > 0  # the linear runs low either way
+    kept = any(n.endswith("inv_freq") for n in result.notes["weights_fp32"])
+    with torch.no_grad():
+        got, ref = gm(x), model(x)
+        with torch.autocast("cpu", torch.bfloat16):
+            autocast_err = _rel(model(x), ref)
+    if policy == "autocast":
+        assert kept, result.notes
+        assert _rel(got, ref) <= 2 * autocast_err + 1e-3, (_rel(got, ref), autocast_err)
+    else:
+        assert not kept and _rel(got, ref) > 0.05  # model.to(bf16)'s own error here
