@@ -34,7 +34,9 @@ of placeholders and ``get_attr`` nodes (``meta`` is not updated by FX, so the pa
 * Embedding tables read only by ``aten.embedding`` stay FP32 and the lookup runs in the table's dtype, as
   under autocast (a lookup is a gather: no Tensor Core work to gain). Rounding BERT's tables to bf16 put a
   2e-3 relative error into the whole residual stream (measured on tests/zoo.py's small BERT on the CPU);
-  an FP32 lookup is an FP32 anchor.
+  an FP32 lookup is an FP32 anchor. Under ``PassSpec.residual_fp32`` (the autocast policy) so does a weight
+  read only by explicit conversions up to FP32 (``self.inv_freq[None, :].float()``: autocast never rounds a
+  stored weight; ``model.to(dt)`` does, the pure policy's reference); it and its views are FP32 anchors.
 * Tied weights stay one tensor. A table tied to an LM head (``lm_head.weight is wte.weight``: ``torch.export``
   reads it through one ``get_attr``, used by the lookup and the GEMM, while the module binds it under both
   names) is stored low *once*, under every name bound to it, as one object: ``model.to(dt)``'s storage. Its
