@@ -1214,66 +1214,25 @@ def _find_size(sym: Any, nodes: list[fx.Node], runtime: list[int]) -> tuple[int,
     return None
 
 
-class _SharedDict(dict):
-    """A dict that ``copy.deepcopy`` returns as itself (filled by a copy of its owner, read through the owner)."""
-
-    def __deepcopy__(self, memo: dict) -> "_SharedDict":
-        return self
-
-
-class _FloatItems(fx.Interpreter):
-    """``fx.Interpreter`` that records, in ``found``, the symbol each ``.item()`` of a graph input returns when it
-    is a ``SymFloat`` (Dynamo's unspecialized Python floats: a 0-dim float64 input read by ``.item()``), keyed by
-    the symbol's name, to the input's node."""
-
-    def __init__(self, gm: fx.GraphModule, found: dict[str, fx.Node]) -> None:
-        super().__init__(gm)
-        self.found = found
-
-    def run_node(self, n: fx.Node) -> Any:
-        out = super().run_node(n)
-        if (n.target in ("item", torch.ops.aten.item.default) and isinstance(out, torch.SymFloat)
-                and n.args and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"):
-            self.found[str(out.node.expr)] = n.args[0]
-        return out
-
-
-def _restart_for_floats(graph: fx.Graph, exc: BaseException | None = None,
-                        found: dict[str, fx.Node] | None = None) -> None:
-    """Raise Dynamo's ``TensorifyScalarRestartAnalysis`` after marking unspecialized float inputs of Dynamo's
-    ``graph`` to be specialized, when there are any to mark; returns otherwise.
+def _restart_for_floats(graph: fx.Graph) -> None:
+    """Raise Dynamo's ``TensorifyScalarRestartAnalysis`` after marking the unspecialized float inputs of Dynamo's
+    ``graph`` that an op needs as Python numbers (:func:`_floats_passed_to_ops`) to be specialized; returns when
+    there are none.
 
     Under ``dynamic=True`` (and automatic dynamic) Dynamo hands a Python float such as ``nn.LayerNorm``'s ``eps``
     to the backend as a 0-dim float64 input read by ``.item()``. Plain Inductor's ``tensorify_python_scalars``
-    specializes a float that an op needs as a Python number and has Dynamo trace the frame again. tctune's export
-    met it first: ``GuardOnDataDependentSymNode`` ("Could not guard on data-dependent expression zuf1"), the
-    subgraph went to the fallback, whose own compile then raised Dynamo's restart (an export, a cast attempt and
-    FX's printed tracebacks wasted per graph).
-
-    Without ``exc`` (before export): the floats :func:`_floats_passed_to_ops` finds, those Inductor would
-    specialize too. With ``exc`` (raised by ``torch.export``): when it is a guard on such a float, the floats it
-    names (``found``: export's symbol -> input, :class:`_FloatItems`) as well. Specialized the way Inductor does
-    it (``TensorifyState``): the retraced graph has them as constants, with Dynamo's guards on their values;
-    floats only used in tensor arithmetic stay inputs."""
+    specializes a float that an op needs as a number and has Dynamo trace the frame again. tctune's re-export met
+    it first: ``GuardOnDataDependentSymNode`` ("Could not guard on data-dependent expression zuf1"), the subgraph
+    went to the fallback, whose own compile then raised Dynamo's restart (an export, a cast attempt and FX's
+    printed tracebacks wasted per graph). Here, before the export, they are specialized the way Inductor does it
+    (``TensorifyState``), all at once (one restart for a model's dozen LayerNorm ``eps``): the retraced graph has
+    them as constants, with Dynamo's guards on their values; floats only used in tensor arithmetic stay inputs."""
     try:
         from torch._dynamo.exc import TensorifyScalarRestartAnalysis
         from torch._dynamo.symbolic_convert import TensorifyState
-        from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
     except ImportError:  # pragma: no cover - other torch versions
         return
-    failed: list[fx.Node] = []
-    if exc is not None:
-        seen: set[int] = set()
-        while exc is not None and id(exc) not in seen and not isinstance(exc, GuardOnDataDependentSymNode):
-            seen.add(id(exc))
-            exc = exc.__cause__ or exc.__context__
-        if exc is None or id(exc) in seen:
-            return
-        failed = [found[str(sym)] for sym in getattr(exc.cond, "free_symbols", ()) if str(sym) in (found or {})]
-        if not failed:
-            return
-    # All at once: one restart for a model's dozen LayerNorm eps, not one each.
-    names = [name for node in dict.fromkeys([*failed, *_floats_passed_to_ops(graph)])
+    names = [name for node in _floats_passed_to_ops(graph)
              if (name := _float_symbol(node)) is not None and not TensorifyState.should_specialize(name)]
     if not names:
         return
@@ -1362,10 +1321,6 @@ class _Frozen(torch.nn.Module):
         frozen: dict[int, torch.Tensor] = {}
         for i, name in inputs.weights.items():
             self.register_buffer(name, frozen.setdefault(id(example_inputs[i]), example_inputs[i].detach()))
-        #: export's symbol of each ``x.item()`` of an unspecialized float input -> that input's node of ``gm``
-        #: (filled while export traces: :func:`_restart_for_floats`; export traces a copy of this module, and the
-        #: copy fills this same dict)
-        self.float_items = _SharedDict()
 
     def forward(self, *runtime: torch.Tensor):
         args: list[Any] = [None] * self.n
@@ -1380,7 +1335,7 @@ class _Frozen(torch.nn.Module):
         # reasons name) and its ``stack_trace`` (the model's source lines). Called as code, export would record
         # only this wrapper as every node's module.
         with fx_traceback.preserve_node_meta():
-            out = _FloatItems(self.gm, self.float_items).run(*args)
+            out = fx.Interpreter(self.gm).run(*args)
         if not self.write_back:
             return out
         # An input cast up on entry and written in place: the writes went to the FP32 copy; they go back to the
@@ -1688,12 +1643,8 @@ def _export(gm: fx.GraphModule, example_inputs: list, inputs: _Inputs, nodes: li
     data = _data_attr_as_detach(gm) if data_as_detach else contextlib.nullcontext()
     with _no_stack_traces(), _checkpoint_context_fns(gm) as added, data:
         # forward(*runtime): export sees one varargs tuple, so the specs are nested one level.
-        try:
-            ep = torch.export.export(wrapper, runtime_args, dynamic_shapes=None if dims is None else (dims,),
-                                     strict=False)
-        except Exception as exc:
-            _restart_for_floats(gm.graph, exc, wrapper.float_items)
-            raise
+        ep = torch.export.export(wrapper, runtime_args, dynamic_shapes=None if dims is None else (dims,),
+                                 strict=False)
         exported = ep.module()
         for module in exported.modules():  # the copies export made of the bodies: vanilla again
             if any(getattr(module, "meta", {}).get(_CONTEXT_FN) is fn for fn in added):
