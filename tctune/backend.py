@@ -44,7 +44,8 @@ parameters and buffers cast to ``dt`` on entry, floating outputs cast back to th
 except a graph that writes a tensor from outside it in place (an input, a buffer: :func:`_writes_in_place`):
 cast, its writes would land in copies, so it is compiled as written, with a note; and a graph that returns an
 input or a view of one (:func:`_returns_inputs`) skips the ``model.to(dt)`` cast (the caller would get a new
-tensor where eager returns a view it may write into) and goes under ``torch.autocast(dt)``. A cast graph that
+tensor where eager returns a view it may write into) and goes under ``torch.autocast(dt)``. Under a ``passes=``
+list with no cast pass (tctune's graph stays in the model's dtypes) the fallback is not cast either. A cast graph that
 does not run on the first call's inputs (:func:`_check_runs`: Dynamo traced the FP32 model, so a dtype the model read
 off a tensor is baked in as float32 and meets a cast tensor) is tried under ``torch.autocast(dt)`` instead
 (:func:`_under_autocast`), and only when that does not run either is the model's own dtypes compiled, with
@@ -566,7 +567,8 @@ def _compile(gm: fx.GraphModule, example_inputs: list, cfg: BackendConfig, rebui
         report.fallback = reason
         report.results = []
         report.pass_seconds = {}
-        compiled = _fallback(gm, example_inputs, report, cfg.config_patches(), cfg.output_dtype)
+        compiled = _fallback(gm, example_inputs, report, cfg.config_patches(), cfg.output_dtype,
+                             casts=any(n in CASTS for n in cfg.pass_names()))
     _record(report)
     return compiled
 
@@ -729,7 +731,7 @@ def _fp8_or_bf16(report: SubgraphReport, hw, on_gpu: bool, training: bool) -> No
 
 
 def _fallback(gm: fx.GraphModule, example_inputs: list, report: SubgraphReport,
-              patches: dict[str, Any] | None = None, output_dtype: str = "fp32") -> Callable:
+              patches: dict[str, Any] | None = None, output_dtype: str = "fp32", casts: bool = True) -> Callable:
     """Plain Inductor for a subgraph tctune could not rewrite, at the requested precision (module docstring),
     its outputs under ``output_dtype``'s contract."""
     patches = patches or {}
@@ -738,6 +740,13 @@ def _fallback(gm: fx.GraphModule, example_inputs: list, report: SubgraphReport,
     dtype = _LOW_DTYPES.get("bf16" if report.precision == "fp8" else report.precision)
     how = "plain Inductor"
     compiled = None
+    if dtype is not None and not casts:
+        # ``passes=`` named no cast pass: tctune's own graph would have stayed in the model's dtypes (an FP32
+        # parity run of the structural passes), and so does the fallback.
+        report.notes.append(f"fallback compiled in the model's own dtypes, not at {report.precision}: the passes "
+                            "named include no cast pass")
+        how = "plain Inductor in the model's own dtypes (no cast pass named)"
+        dtype = None
     if dtype is not None and _writes_in_place(gm):
         # Casting the inputs would give the writes copies to land in (an input, a buffer left unchanged).
         report.notes.append(f"fallback compiled in the model's own dtypes, not at {report.precision}: the graph "

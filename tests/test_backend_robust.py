@@ -1388,3 +1388,24 @@ def test_float_used_only_in_tensor_arithmetic_stays_an_input(aot_only):
             _close(compiled(x, scale), model(x, scale), "bf16")
     _no_fallback()
     assert len(tb.reports) == 1
+
+
+def test_a_fallback_under_passes_without_a_cast_pass_stays_in_the_models_dtypes(monkeypatch, aot_only):
+    """``passes=`` naming only structural passes leaves tctune's graph FP32 at any ``precision`` (an FP32 parity
+    run); its fallback compiled the subgraph cast to bf16 anyway."""
+    def boom(gm, spec, names=(), seconds=None):  # run_pipeline's signature
+        raise RuntimeError("injected pass failure")
+
+    monkeypatch.setattr(tb, "run_pipeline", boom)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).eval()
+    compiled = torch.compile(model, backend="tctune",
+                             options={"precision": "bf16", "passes": ["fuse_epilogue", "pad_linear_dims"]})
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got, ref = compiled(x), model(x)
+    (rep,) = tb.reports
+    assert "injected pass failure" in rep.fallback
+    assert rep.notes == ["fallback compiled in the model's own dtypes, not at bf16: the passes named include no "
+                         "cast pass"]
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)  # FP32, not bf16's 1e-2
