@@ -473,7 +473,10 @@ def _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors
             big.add(node)
         result.skipped.append(Skip(node.name, f"explicit FP32: {name} reads only values the model cast to FP32"))
         return
-    if orig[node] == torch.float32 and name in _RESIDUAL_OPS and spec.residual_fp32:
+    if orig[node] == torch.float32 and _out_of_place(name) in _RESIDUAL_OPS and spec.residual_fp32:
+        # ``add_`` / ``sub_`` too (``embeddings += position_embeddings``): a write straight into a tensor the graph
+        # made is its out-of-place form here (``passes._graph.written_nodes``); typed low, it had both FP32
+        # lookups cast down and the LayerNorm after it read a bf16 sum.
         reason = _residual_reason(node, name, keep, anchors, new)
         if reason is not None:
             # Residual add / sub: FP32 like autocast's type promotion (inputs cast up, output FP32).
@@ -1034,6 +1037,11 @@ def _float_inputs(node: fx.Node, new: dict) -> list[fx.Node]:
 def _all_float_inputs_in(node: fx.Node, anchors: set, new: dict) -> bool:
     inputs = _float_inputs(node, new)
     return bool(inputs) and all(a in anchors and new[a] == torch.float32 for a in inputs)
+
+
+def _out_of_place(name: str) -> str:
+    """The out-of-place form of an in-place op name (``add_`` -> ``add``); other names unchanged."""
+    return name[:-1] if name.endswith("_") and not name.startswith("_") else name
 
 
 def _residual_reason(node: fx.Node, name: str, keep: frozenset, anchors: set, new: dict) -> str | None:

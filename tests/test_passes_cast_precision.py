@@ -665,3 +665,42 @@ def test_cast_precision_keeps_a_weight_read_up_to_fp32_under_the_autocast_policy
         assert _rel(got, ref) <= 2 * autocast_err + 1e-3, (_rel(got, ref), autocast_err)
     else:
         assert not kept and _rel(got, ref) > 0.05  # model.to(bf16)'s own error here
+
+
+class _EmbeddingsAddedInPlace(torch.nn.Module):
+    """BERT-style embeddings summed in place (``embeddings += position_embeddings``: Yoso, LiLT), then LayerNorm
+    and a residual linear."""
+
+    def __init__(self, inplace: bool) -> None:
+        super().__init__()
+        self.inplace = inplace
+        self.word, self.pos = torch.nn.Embedding(99, 64), torch.nn.Embedding(32, 64)
+        self.ln, self.fc = torch.nn.LayerNorm(64), torch.nn.Linear(64, 64)
+
+    def forward(self, ids):
+        e = self.word(ids)
+        p = self.pos(torch.arange(ids.shape[1]))[None]
+        if self.inplace:
+            e += p
+        else:
+            e = e + p
+        h = self.ln(e)
+        return h + self.fc(h)
+
+
+def test_cast_precision_in_place_residual_add_stays_fp32_like_its_out_of_place_form():
+    """Under the autocast policy ``e = e + p`` of two FP32 lookups stays FP32, but ``e += p`` (``aten.add_``) was
+    typed low: both lookups cast down and the LayerNorm read a bf16 sum (relative error 2.8e-3 here against the
+    out-of-place form's 1.4e-3). The in-place form now follows the residual rule too."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 99, (2, 12), generator=torch.Generator().manual_seed(6))
+    errs = {}
+    for inplace in (False, True):
+        model = _EmbeddingsAddedInPlace(inplace).eval()
+        gm = torch.export.export(model, (ids,), strict=False).module()
+        result = cast_precision(gm, PassSpec(precision="bf16"))
+        with torch.no_grad():
+            errs[inplace] = _rel(gm(ids), model(ids))
+        if inplace:
+            assert any(s.reason.startswith("residual: add_ stays FP32") for s in result.skipped), result.skipped
+    assert errs[True] <= 1.1 * errs[False], errs
