@@ -539,6 +539,16 @@ def _compile(gm: fx.GraphModule, example_inputs: list, cfg: BackendConfig, rebui
     ``rebuild``: wrap a graph with frozen weights in :func:`_rebuilt_after_steps`. ``compile_inputs``: what
     Inductor is given in place of ``example_inputs`` (a rebuild passes Dynamo's fake tensors: its symbolic
     sizes)."""
+    _compiling[0] += 1
+    try:
+        return _compile_counted(gm, example_inputs, cfg, rebuild, compile_inputs)
+    finally:
+        _compiling[0] -= 1
+
+
+def _compile_counted(gm: fx.GraphModule, example_inputs: list, cfg: BackendConfig, rebuild: bool,
+                     compile_inputs: list | None) -> Callable:
+    """:func:`_compile`'s body."""
     _warm_compile_pool()
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
     training = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
@@ -577,6 +587,10 @@ def _compile(gm: fx.GraphModule, example_inputs: list, cfg: BackendConfig, rebui
 #: buffers (re)assigned on any module.
 _optimizer_steps = [0]
 _step_hook: list = []
+#: How many of the backend's own compiles are under way: the parameters and buffers they register (``_Frozen``,
+#: ``ExportedProgram.module()``) are not the user's weights changing. Counted as one, each compile of a graph
+#: broken inside repeated layers made the next layer's variant say "frozen weights changed".
+_compiling = [0]
 
 
 def _count_steps() -> None:
@@ -589,7 +603,8 @@ def _count_steps() -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     def bump(*args: Any) -> None:
-        _optimizer_steps[0] += 1
+        if not _compiling[0]:  # export's and the backend's own modules register buffers while compiling
+            _optimizer_steps[0] += 1
 
     _step_hook.append(register_optimizer_step_post_hook(bump))
     for name in ("register_module_parameter_registration_hook", "register_module_buffer_registration_hook"):

@@ -994,6 +994,11 @@ def test_a_graph_reused_for_other_layers_uses_their_weights(monkeypatch):
     assert len(tb.reports) == 2 * len(model.layers), [r.summary() for r in tb.reports]
     assert all(not r.fallback for r in tb.reports)
     assert sorted(len(r.frozen) for r in tb.reports) == [2] * 6  # each graph froze its own layer's weight and bias
+    # and says why it compiled again: the buffers the backend's own compiles register are no weight change (the
+    # note read "frozen weights changed since the last compile" for the later layers)
+    again = [r.notes[0] for r in tb.reports if r.notes and r.notes[0].startswith("compiled again")]
+    assert len(again) == 2 * (len(model.layers) - 1), [r.notes for r in tb.reports]
+    assert all(n.startswith("compiled again: called with other weights") for n in again), again
 
 
 def test_a_second_instance_of_a_compiled_class_uses_its_own_weights(monkeypatch):
