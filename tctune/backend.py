@@ -420,7 +420,8 @@ def backend(
 
     Args:
         precision: compute precision (``"fp32"``, ``"tf32"``, ``"fp16"``, ``"bf16"``, ``"fp8"``; any case, or
-            a ``torch.dtype`` such as ``torch.bfloat16``, or ``"half"`` / ``"bfloat16"``); None: hardware default. ``"fp8"`` without FP8 Tensor Cores (or in training) warns and runs bf16.
+            a ``torch.dtype`` such as ``torch.bfloat16``, or ``"half"`` / ``"bfloat16"``); None: hardware default.
+            ``"fp8"`` without FP8 Tensor Cores (or in training) warns and runs bf16.
         pad: pad to the Tensor Core alignment (elements per dtype from the hardware): linear N and K, matmul
             dimensions, conv channels (:data:`PAD_PASSES`); False: none of the three.
         target: plan for this GPU (``"h100"``, ``"sm_90"``); None: the GPU the inputs are on, or the CPU.
@@ -1605,8 +1606,8 @@ def _compile_with_passes(gm, example_inputs, spec, cfg: BackendConfig, report: S
             report.notes.append(
                 "inputs narrower than the graph's " + str(next(iter(up.values()))).replace("torch.", "")
                 + " cast up on entry (a previous subgraph's compute-dtype outputs): "
-                + ", ".join(f"{_input_name(nodes[inputs.runtime[k]])} {str(runtime_args[k].dtype).replace('torch.', '')}"
-                            for k in up))
+                + ", ".join(_input_name(nodes[inputs.runtime[k]]) + " "
+                            + str(runtime_args[k].dtype).replace("torch.", "") for k in up))
         report.frozen = sorted(inputs.weights.values())
         t1 = time.perf_counter()
         report.seconds["export"] = round(t1 - t0, 3)
