@@ -184,7 +184,12 @@ def _value_op(name: str) -> bool:
     """Whether op ``name`` is one of :data:`_VALUE_OPS` or its in-place form (``masked_fill_``, ``fill_``,
     ``clamp_``, ``add_``: ``torch.export`` keeps a model's in-place ops; XLM fills its attention scores with
     ``masked_fill_(mask, -finfo(float32).max)``, which bf16 cannot hold)."""
-    return name in _VALUE_OPS or (name.endswith("_") and name[:-1] in _VALUE_OPS)
+    return _out_of_place(name) in _VALUE_OPS
+
+
+def _out_of_place(name: str) -> str:
+    """The out-of-place form of an in-place op name (``add_`` -> ``add``); other names unchanged."""
+    return name[:-1] if name.endswith("_") and not name.startswith("_") else name
 
 
 #: ``node.meta`` flag on the casts this pass inserts (never taken for the model's own conversions).
@@ -1037,11 +1042,6 @@ def _float_inputs(node: fx.Node, new: dict) -> list[fx.Node]:
 def _all_float_inputs_in(node: fx.Node, anchors: set, new: dict) -> bool:
     inputs = _float_inputs(node, new)
     return bool(inputs) and all(a in anchors and new[a] == torch.float32 for a in inputs)
-
-
-def _out_of_place(name: str) -> str:
-    """The out-of-place form of an in-place op name (``add_`` -> ``add``); other names unchanged."""
-    return name[:-1] if name.endswith("_") and not name.startswith("_") else name
 
 
 def _residual_reason(node: fx.Node, name: str, keep: frozenset, anchors: set, new: dict) -> str | None:

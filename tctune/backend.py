@@ -1302,10 +1302,7 @@ def _floats_passed_to_ops(graph: fx.Graph) -> list[fx.Node]:
     """The unspecialized float inputs of Dynamo's ``graph`` whose value (``.item()``, then any arithmetic on
     Python numbers) reaches an op other than tensor arithmetic (``layer_norm(..., eps)``, ``clamp(min=...)``):
     those an op needs as a number, as Inductor's ``tensorify_python_scalars`` finds them."""
-    out = []
-    for ph in graph.find_nodes(op="placeholder"):
-        if _float_symbol(ph) is None:
-            continue
+    def reaches_an_op(ph: fx.Node) -> bool:
         todo, seen = [u for u in ph.users if u.target in ("item", torch.ops.aten.item.default)], set()
         while todo:
             n = todo.pop()
@@ -1314,12 +1311,12 @@ def _floats_passed_to_ops(graph: fx.Graph) -> list[fx.Node]:
             seen.add(n)
             for u in n.users:
                 if u.target not in _FLOAT_ARITHMETIC:
-                    out.append(ph)
-                    todo = []
-                    break
+                    return True
                 if not isinstance(u.meta.get("example_value"), torch.Tensor):  # still a number: follow it
                     todo.append(u)
-    return out
+        return False
+
+    return [ph for ph in graph.find_nodes(op="placeholder") if _float_symbol(ph) is not None and reaches_an_op(ph)]
 
 
 class _Frozen(torch.nn.Module):
