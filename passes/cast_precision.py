@@ -160,6 +160,35 @@ _FOLLOW_OPS = frozenset(
         "slice", "expand", "unsqueeze", "squeeze", "alias", "detach", "t", "flatten",
     }
 )
+#: Ops on ``torch.autocast``'s lower-precision list (GEMMs, convolutions, attention): under the autocast policy
+#: they compute low whatever their inputs' dtype; every other op computes in its inputs' dtype.
+_LOW_COMPUTE_OPS = frozenset(
+    {
+        "mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv", "addr", "einsum",
+        "chain_matmul", "linalg_multi_dot", "linalg_vecdot", "_addmm_activation", "prelu", "convolution",
+        "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d", "conv_transpose2d",
+        "conv_transpose3d", "cudnn_convolution", "scaled_dot_product_attention",
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu", "lstm", "gru",
+        "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell", "_scaled_mm",
+        "cudnn_convolution_relu", "cudnn_convolution_add_relu",
+        "conv2d_relu", "conv2d_add_relu",  # tctune's fused cuDNN convolutions (passes.cudnn_ops)
+    }
+)
+#: Ops that only move or copy values (layout, padding with zeros, concatenation, gathers): a cast down commutes
+#: with them exactly, so under the autocast policy one whose readers all lead to :data:`_LOW_COMPUTE_OPS` moves
+#: low values (the cast before it): half the bytes, the same numbers.
+_MOVE_OPS = frozenset(
+    {
+        "constant_pad_nd", "roll", "cat", "stack", "index_select", "index", "gather", "split", "split_with_sizes",
+        "chunk", "unbind", "narrow", "repeat", "as_strided", "unfold", "flip", "pixel_shuffle", "pixel_unshuffle",
+        "channel_shuffle", "movedim", "swapaxes", "view_as", "expand_as", "_reshape_alias",
+    }
+) | _FOLLOW_OPS
+#: A tensor constant the model makes (``torch.tensor([...])``, ``torch.tensor([])`` of a KV cache's first layer):
+#: export reads the constant through ``lift_fresh_copy``, which must read it as it is. A cast between them made
+#: AOTAutograd trace a real tensor ("Please convert all Tensors to FakeTensors first") and the subgraph fell back.
+_LIFT_OPS = frozenset({"lift_fresh_copy", "lift_fresh"})
 #: Meta-only outputs: shape/type of the input matters, not its values.
 _LIKE_OPS = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like"})
 #: Factories whose result takes its source's dtype when no ``dtype=`` is given (``new_zeros(src, size)``).
@@ -399,14 +428,15 @@ def _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors
         # time (model.to(dt) makes them low where their source is low).
         _follow_source(node, orig, new, low, saturated)
         return
-    if _explicit_dtype(node) or name in _LIKE_OPS:
+    if _explicit_dtype(node) or name in _LIKE_OPS or name in _LIFT_OPS:
         # A conversion / factory the model asked for: keep its inputs and its output dtype.
         new[node] = orig[node]
         if orig[node] == torch.float32:
             if name in _CONVERSIONS and not node.meta.get(_OWN_CAST) and node.all_input_nodes:
                 explicit32.add(node)  # an up-cast the model wrote (x.float(), positions.float())
-            elif not node.all_input_nodes and _is_tensor_val(node):
-                explicit32.add(node)  # a factory given dtype=torch.float32 (arange(n, dtype=torch.float32))
+            elif (not node.all_input_nodes or name in _LIFT_OPS) and _is_tensor_val(node):
+                explicit32.add(node)  # a factory given dtype=torch.float32 (arange(n, dtype=torch.float32)), or
+                # a constant the model made (torch.tensor([0.5, 2.0]): FP32 under model.to(dt) too)
             if _big_scalars(node, low):
                 big.add(node)  # e.g. full(..., finfo(float32).min, dtype=float32): saturated when cast down
         return
@@ -492,6 +522,17 @@ def _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors
                 big.add(node)
             result.skipped.append(Skip(node.name, reason))
             return
+    if (spec.residual_fp32 and _has_fp32(orig[node]) and name not in _LOW_COMPUTE_OPS
+            and _reads_fp32_value(node, new) and not (name in _MOVE_OPS and _only_feeds_low_compute(node))):
+        # Autocast policy: an op off autocast's lower-precision list computes in its inputs' promoted dtype, so
+        # one reading an FP32 value (an input's normalization, an FP32 lookup scaled, an FP32 weight) is FP32.
+        rewriter.map_inputs(node, lambda arg: orig.get(arg))
+        new[node] = orig[node]
+        anchors.add(node)
+        if _big_scalars(node, low):
+            big.add(node)
+        result.skipped.append(Skip(node.name, f"autocast: {name} reads an FP32 value and computes in FP32"))
+        return
     had_float = rewriter.map_inputs(node, lambda arg: low)
     new[node] = _lower(orig[node], low) if had_float else orig[node]
     _retype_meta(node, orig[node], new[node])
@@ -855,7 +896,7 @@ def _cast_weights(
             or any(n in exact for n in attr_nodes)
             or any(_reads_fp32(u, keep) or u.name in fp32_ops for u in users)
             or (tensors[key].dtype == torch.float64 and any(_computes_float64(u) for u in users))
-            or (fp32_lookups and all(_is_lookup(u, attr_nodes) or _reads_up(u) for u in users))
+            or (fp32_lookups and not any(_feeds_low_compute(u) for u in users))
         ):
             weights_fp32.extend(sorted({n.target for n in attr_nodes} | set(alias_targets(gm, tensors[key]))))
             if big is not None and _has_out_of_range(tensors[key], low):
@@ -912,14 +953,15 @@ def _computes_float64(user: fx.Node) -> bool:
 
 
 def _reads_fp32(user: fx.Node, keep: frozenset) -> bool:
-    """Whether ``user`` needs its inputs in FP32 (keep-list op, graph output, or a region that runs as written)."""
+    """Whether ``user`` needs its inputs in FP32 (keep-list op, graph output, a region that runs as written, or
+    the ``lift_fresh_copy`` of a constant the model made)."""
     if user.op == "output":
         return True
     if _runs_as_written(user):
         return True
     if user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload):
         return False
-    return op_name(user) in keep
+    return op_name(user) in keep or op_name(user) in _LIFT_OPS
 
 
 def _reads_up(user: fx.Node) -> bool:
@@ -934,6 +976,33 @@ def _reads_up(user: fx.Node) -> bool:
     if op_name(user) in _FOLLOW_OPS:
         return bool(user.users) and all(_reads_up(u) for u in user.users)
     return _explicit_dtype(user) and _dtypes(user.meta.get("val")) in (torch.float32, torch.float64)
+
+
+def _only_feeds_low_compute(node: fx.Node) -> bool:
+    """Whether every reader of ``node`` is an op of :data:`_LOW_COMPUTE_OPS`, or a move op (:data:`_MOVE_OPS`, or
+    the ``getitem`` of a split) whose own readers all are, recursively."""
+    if not node.users:
+        return False
+    for user in node.users:
+        if user.op != "call_function":
+            return False
+        if user.target is operator.getitem or (isinstance(user.target, torch._ops.OpOverload)
+                                               and op_name(user) in _MOVE_OPS):
+            if not _only_feeds_low_compute(user):
+                return False
+        elif not (isinstance(user.target, torch._ops.OpOverload) and op_name(user) in _LOW_COMPUTE_OPS):
+            return False
+    return True
+
+
+def _feeds_low_compute(user: fx.Node) -> bool:
+    """Whether ``user`` is an op of :data:`_LOW_COMPUTE_OPS` (a GEMM, convolution, attention) or a layout op
+    (:data:`_FOLLOW_OPS`: ``w.t()``) one of whose readers is."""
+    if user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload):
+        return False
+    if op_name(user) in _FOLLOW_OPS:
+        return any(_feeds_low_compute(u) for u in user.users)
+    return op_name(user) in _LOW_COMPUTE_OPS
 
 
 def _is_lookup(user: fx.Node, attr_nodes: list[fx.Node]) -> bool:
@@ -1037,6 +1106,14 @@ def _float_inputs(node: fx.Node, new: dict) -> list[fx.Node]:
 
     fx.node.map_arg((node.args, node.kwargs), visit)
     return found
+
+
+def _reads_fp32_value(node: fx.Node, new: dict) -> bool:
+    """Whether a non-0-dim floating input of ``node`` is FP32 in the rewritten graph (when every floating input
+    is 0-dim they all count; a 0-dim tensor follows the other operands' dtype under type promotion)."""
+    floats = _float_inputs(node, new)
+    inputs = [a for a in floats if not _is_scalar_tensor(a)] or floats
+    return any(new[a] == torch.float32 for a in inputs)
 
 
 def _all_float_inputs_in(node: fx.Node, anchors: set, new: dict) -> bool:

@@ -704,3 +704,91 @@ def test_cast_precision_in_place_residual_add_stays_fp32_like_its_out_of_place_f
         if inplace:
             assert any(s.reason.startswith("residual: add_ stays FP32") for s in result.skipped), result.skipped
     assert errs[True] <= 1.1 * errs[False], errs
+
+
+class _ScaledInput(torch.nn.Module):
+    """An input normalized by its own statistics (PatchTST's scaler), an FP32 lookup scaled by a Python float
+    (Granite's ``embedding_multiplier``), an RMSNorm-style weight read by a ``mul`` and a linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.fc = torch.nn.Embedding(50, 16), torch.nn.Linear(16, 16)
+        self.norm_weight = torch.nn.Parameter(1 + 0.1 * torch.randn(16))
+
+    def forward(self, x, ids):
+        z = (x - x.mean(-1, keepdim=True)) / x.std(-1, keepdim=True)
+        h = self.emb(ids) * 12.0 + z
+        return self.fc(self.norm_weight * h)
+
+
+def _ops(gm, name):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and getattr(n.target, "_opname", None) == name]
+
+
+@pytest.mark.parametrize("policy", ["autocast", "pure"])
+def test_cast_precision_autocast_policy_computes_off_list_ops_in_their_inputs_dtype(policy):
+    """Under autocast an op off its lower-precision list (GEMMs, convolutions, attention) computes in its inputs'
+    promoted dtype and a weight is never rounded unless a GEMM reads it. The autocast policy used to cast every
+    such op down: the input's normalization (``div``), the scaled lookup (``mul``) and the norm weight ran bf16.
+    Now they compute in FP32 with the weight stored FP32, and the linear still runs bf16; the pure policy
+    (``model.to(dt)``'s numbers) is unchanged."""
+    torch.manual_seed(0)
+    model = _ScaledInput().eval()
+    x = 100 + torch.randn(4, 16, generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, 50, (4,), generator=torch.Generator().manual_seed(3))
+    gm = torch.export.export(model, (x, ids), strict=False).module()
+    spec = PassSpec(precision="bf16") if policy == "autocast" else PassSpec(
+        precision="bf16", keep_list=PURE_KEEP_LIST, residual_fp32=False)
+    result = cast_precision(gm, spec)
+    (linear,) = _ops(gm, "linear")
+    assert all(_val_dtype(a) == torch.bfloat16 for a in linear.all_input_nodes)
+    div, muls = _ops(gm, "div")[0], _ops(gm, "mul")
+    kept = any(n.endswith("norm_weight") for n in result.notes["weights_fp32"])
+    reasons = {s.node: s.reason for s in result.skipped}
+    if policy == "autocast":
+        assert _val_dtype(div) == torch.float32 and all(_val_dtype(m) == torch.float32 for m in muls)
+        assert kept, result.notes
+        assert reasons[div.name] == "autocast: div reads an FP32 value and computes in FP32"
+    else:
+        assert _val_dtype(div) == torch.bfloat16 and not kept
+    with torch.no_grad():
+        got, ref = gm(x, ids), model(x, ids)
+        with torch.autocast("cpu", torch.bfloat16):
+            autocast_err = _rel(model(x, ids), ref)
+    if policy == "autocast":
+        assert _rel(got, ref) <= 1.1 * autocast_err, (_rel(got, ref), autocast_err)
+
+
+class _MadeConstant(torch.nn.Module):
+    """Constants the model makes with ``torch.tensor`` (a cache's empty first layer, per-channel scales)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        cache = torch.cat([torch.tensor([]), self.fc(x).flatten()])
+        return self.fc(x) * torch.tensor([0.5, 2.0]).repeat(4) + cache.view(x.shape)
+
+
+@pytest.mark.parametrize("policy", ["autocast", "pure"])
+def test_cast_precision_reads_a_made_constant_as_it_is(policy):
+    """``torch.tensor(...)`` in a model exports as a lifted constant read by ``lift_fresh_copy``. The pass put a
+    cast between them (under the pure policy, and under the autocast policy before it kept FP32 inputs FP32), and
+    AOTAutograd then traced a real tensor ("Please convert all Tensors to FakeTensors first"): the subgraph fell
+    back. The constant is now read as it is, an FP32 value like a factory given ``dtype=torch.float32``."""
+    torch.manual_seed(0)
+    model = _MadeConstant().eval()
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(4))
+    gm = torch.export.export(model, (x,), strict=False).module()
+    spec = PassSpec(precision="bf16") if policy == "autocast" else PassSpec(
+        precision="bf16", keep_list=PURE_KEEP_LIST, residual_fp32=False)
+    result = cast_precision(gm, spec)
+    assert result.count > 0
+    lifts = _ops(gm, "lift_fresh_copy")
+    assert lifts
+    for node in lifts:
+        (src,) = node.all_input_nodes
+        assert src.op in ("get_attr", "placeholder") and _val_dtype(node) == torch.float32, src
+    with torch.no_grad():
+        assert _rel(gm(x), model(x)) < 2e-2
