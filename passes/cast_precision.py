@@ -37,6 +37,18 @@ of placeholders and ``get_attr`` nodes (``meta`` is not updated by FX, so the pa
   an FP32 lookup is an FP32 anchor. Under ``PassSpec.residual_fp32`` (the autocast policy) so does a weight
   read only by explicit conversions up to FP32 (``self.inv_freq[None, :].float()``: autocast never rounds a
   stored weight; ``model.to(dt)`` does, the pure policy's reference); it and its views are FP32 anchors.
+* Autocast policy (``PassSpec.residual_fp32``): outside the ops on ``torch.autocast``'s lower-precision list
+  (:data:`_LOW_COMPUTE_OPS`: GEMMs, convolutions, attention, tctune's fused convolutions) an op computes in its
+  inputs' promoted dtype, as under autocast: one reading an FP32 value (a graph input, an FP32 anchor, an FP32
+  weight) computes in FP32 and its output is an FP32 anchor (``"autocast: div reads an FP32 value and computes
+  in FP32"``), and a weight no such op reads (an RMSNorm weight applied as a ``mul``, a layer scale, a position
+  embedding) stays FP32. Pure moves (:data:`_MOVE_OPS`: padding, ``roll``, ``cat``, layout) whose readers all
+  lead to such ops move low values instead (a cast down commutes with them exactly). Before, every other op
+  computed low: PatchTST's input scaler and Granite's scaled lookup ran bf16 (graph error 3.1e-3 against
+  autocast eager's 2.9e-4 for a tiny PatchTST, Inductor's code generation replaced); now the tiny PatchTST,
+  Granite, Llama, T5 and GPT-2 graphs match autocast eager's error to two digits (benchmarks/NOTES.md).
+  Inductor computes fused elementwise chains in FP32 anyway, so through the backend most of the gain is at kernel
+  boundaries; an exported engine computes what the graph says.
 * Tied weights stay one tensor. A table tied to an LM head (``lm_head.weight is wte.weight``: ``torch.export``
   reads it through one ``get_attr``, used by the lookup and the GEMM, while the module binds it under both
   names) is stored low *once*, under every name bound to it, as one object: ``model.to(dt)``'s storage. Its
