@@ -38,10 +38,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import zoo  # noqa: E402
+from benchload import load_benchmark  # noqa: E402  (this script's folder is first on sys.path)
+
+zoo = load_benchmark("zoo")  # the same module object the tests use
 
 DEFAULT_MODELS = ("BertForMaskedLM,T5Small,GPT2ForSequenceClassification,resnet50,vit_b_16,convnext_tiny,"
                   "efficientnet_b0,swin_t")
