@@ -1343,8 +1343,15 @@ class _Frozen(torch.nn.Module):
         frozen: dict[int, torch.Tensor] = {}
         for i, name in inputs.weights.items():
             self.register_buffer(name, frozen.setdefault(id(example_inputs[i]), example_inputs[i].detach()))
+        self.ties = _tied_sizes(gm, inputs.runtime)
 
     def forward(self, *runtime: torch.Tensor):
+        # Sizes Dynamo gave one symbol (a square image's height and width, duck-sized) stay one symbol in the
+        # export: each runtime dimension is its own ``Dim.DYNAMIC`` there (:func:`_dynamic_shapes`), and Swin's
+        # window reshapes then made two-variable guards whose simplification took most of a 305 s export (129 s
+        # tied; tiny Swin, CPU, benchmarks/NOTES.md). Dynamo's guards already hold them equal on every call.
+        for (p1, d1), (p2, d2) in self.ties:
+            torch._check(runtime[p1].shape[d1] == runtime[p2].shape[d2])
         args: list[Any] = [None] * self.n
         for pos, i in enumerate(self.inputs.runtime):
             args[i] = runtime[pos].to(self.up[pos]) if pos in self.up else runtime[pos]
@@ -1400,6 +1407,26 @@ def _still_symbolic(size: Any) -> bool:
     node = size.node
     expr = node.shape_env.replace(node.expr) if getattr(node, "shape_env", None) is not None else node.expr
     return not getattr(expr, "is_number", False)
+
+
+def _tied_sizes(gm: fx.GraphModule, runtime: list[int]) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Pairs ``((pos, dim), (pos, dim))`` of runtime-input dimensions whose Dynamo size is the same symbolic
+    expression (after its guards' replacements), each tied to the first dimension that carries it."""
+    nodes = _placeholders(gm)
+    first: dict[Any, tuple[int, int]] = {}
+    ties = []
+    for pos, i in enumerate(runtime):
+        fake = nodes[i].meta.get("example_value")
+        for d, size in enumerate(getattr(fake, "shape", ())):
+            if not _still_symbolic(size):
+                continue
+            node = size.node
+            expr = node.shape_env.replace(node.expr) if getattr(node, "shape_env", None) is not None else node.expr
+            if expr in first:
+                ties.append((first[expr], (pos, d)))
+            else:
+                first[expr] = (pos, d)
+    return ties
 
 
 def _dynamic_shapes(nodes: list[fx.Node], runtime: list[int]) -> tuple | None:

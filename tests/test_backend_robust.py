@@ -1414,3 +1414,47 @@ def test_a_fallback_under_passes_without_a_cast_pass_stays_in_the_models_dtypes(
     assert rep.notes == ["fallback compiled in the model's own dtypes, not at bf16: the passes named include no "
                          "cast pass"]
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)  # FP32, not bf16's 1e-2
+
+
+class _Windows(nn.Module):
+    """Swin-style windows of 4 over a (B, H, W, C) input, padded to a multiple of 4 and cropped back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        b, h, w, c = x.shape
+        x = F.pad(x, (0, 0, 0, (4 - w % 4) % 4, 0, (4 - h % 4) % 4))
+        hp, wp = x.shape[1], x.shape[2]
+        win = x.view(b, hp // 4, 4, wp // 4, 4, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, 16, c)
+        y = self.fc(win).view(b, hp // 4, wp // 4, 4, 4, c).permute(0, 1, 3, 2, 4, 5).reshape(b, hp, wp, c)
+        return y[:, :h, :w]
+
+
+def test_dynamic_sizes_dynamo_tied_stay_one_symbol_in_the_export(monkeypatch):
+    """Under ``dynamic=True`` Dynamo gives a square input's height and width one symbol; the re-export gave each
+    its own (``Dim.DYNAMIC`` per dimension), so every window reshape carried two-variable guards: a tiny Swin's
+    export took 305 s on the CPU, 129 s with them tied. The export now keeps them one symbol, and one compiled
+    graph still serves a second square size."""
+    exported = []
+    real = torch.export.export
+
+    def spy(*args, **kwargs):
+        exported.append(real(*args, **kwargs))
+        return exported[-1]
+
+    monkeypatch.setattr(torch.export, "export", spy)
+    monkeypatch.setattr(tb, "inductor_compile", lambda gm, example_inputs, config_patches: gm.forward)
+    torch.manual_seed(0)
+    model = _Windows().eval()
+    compiled = torch.compile(model, backend="tctune", dynamic=True)
+    with torch.no_grad():
+        for shape in ((2, 12, 12, 8), (3, 20, 20, 8)):
+            x = torch.randn(*shape)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    assert len(exported) == 1 and len(tb.reports) == 1 and not tb.reports[0].fallback
+    (x_in,) = [n for n in exported[0].graph.nodes if n.op == "placeholder"
+               and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() == 4]
+    _, h, w, _ = x_in.meta["val"].shape
+    assert str(h) == str(w) and not str(h).isdigit(), x_in.meta["val"].shape
