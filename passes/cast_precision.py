@@ -520,30 +520,25 @@ def _visit(node, orig, new, rewriter, result, keep, low, spec, overflow, anchors
             big.add(node)
         result.skipped.append(Skip(node.name, f"explicit FP32: {name} reads only values the model cast to FP32"))
         return
+    reason = None
     if orig[node] == torch.float32 and _out_of_place(name) in _RESIDUAL_OPS and spec.residual_fp32:
         # ``add_`` / ``sub_`` too (``embeddings += position_embeddings``): a write straight into a tensor the graph
         # made is its out-of-place form here (``passes._graph.written_nodes``); typed low, it had both FP32
         # lookups cast down and the LayerNorm after it read a bf16 sum.
         reason = _residual_reason(node, name, keep, anchors, new)
-        if reason is not None:
-            # Residual add / sub: FP32 like autocast's type promotion (inputs cast up, output FP32).
-            rewriter.map_inputs(node, lambda arg: orig.get(arg))
-            new[node] = orig[node]
-            anchors.add(node)
-            if _big_scalars(node, low):
-                big.add(node)
-            result.skipped.append(Skip(node.name, reason))
-            return
-    if (spec.residual_fp32 and _has_fp32(orig[node]) and name not in _LOW_COMPUTE_OPS
+    if (reason is None and spec.residual_fp32 and _has_fp32(orig[node]) and name not in _LOW_COMPUTE_OPS
             and _reads_fp32_value(node, new) and not (name in _MOVE_OPS and _only_feeds_low_compute(node))):
         # Autocast policy: an op off autocast's lower-precision list computes in its inputs' promoted dtype, so
         # one reading an FP32 value (an input's normalization, an FP32 lookup scaled, an FP32 weight) is FP32.
+        reason = f"autocast: {name} reads an FP32 value and computes in FP32"
+    if reason is not None:
+        # Residual add / sub, or autocast's type promotion: inputs cast up, output FP32 (an FP32 anchor).
         rewriter.map_inputs(node, lambda arg: orig.get(arg))
         new[node] = orig[node]
         anchors.add(node)
         if _big_scalars(node, low):
             big.add(node)
-        result.skipped.append(Skip(node.name, f"autocast: {name} reads an FP32 value and computes in FP32"))
+        result.skipped.append(Skip(node.name, reason))
         return
     had_float = rewriter.map_inputs(node, lambda arg: low)
     new[node] = _lower(orig[node], low) if had_float else orig[node]
@@ -670,8 +665,7 @@ def _is_tensor_val(node: fx.Node) -> bool:
 def _in_explicit_fp32(node: fx.Node, explicit32: set, anchors: set, new: dict) -> bool:
     """Whether ``node`` reads an explicit FP32 value and every other non-0-dim floating input is FP32 too (when
     every floating input is 0-dim, as in ``1 - 0.99 ** step.float()``, they all count)."""
-    floats = _float_inputs(node, new)
-    inputs = [a for a in floats if not _is_scalar_tensor(a)] or floats
+    inputs = _value_inputs(node, new)
     if not any(a in explicit32 for a in inputs):
         return False
     return all(new[a] == torch.float32 and (a in explicit32 or a in anchors) for a in inputs)
@@ -878,11 +872,12 @@ def _cast_weights(
     including names no ``get_attr`` node reads; ``tied`` (when given) maps the first name to them all.
 
     ``fp32_ops``: names of further ops that compute in FP32 (overflow), whose weights stay FP32 too.
-    ``fp32_lookups``: embedding tables read only by lookups stay FP32 (``PassSpec.residual_fp32``, the autocast
-    policy), and so do weights read only by explicit FP32 conversions (:func:`_reads_up`: a hand-written rotary
-    embedding's ``self.inv_freq.float()``); autocast never rounds a stored weight, ``model.to(dt)`` does (the
-    pure policy's reference): at T = 2048 a bf16 ``inv_freq`` took the angles' relative error to 0.14 against
-    autocast eager's 0.0028.
+    ``fp32_lookups``: weights no op of :data:`_LOW_COMPUTE_OPS` reads (:func:`_feeds_low_compute`) stay FP32
+    (``PassSpec.residual_fp32``, the autocast policy): embedding tables read only by lookups, weights read only by
+    explicit FP32 conversions (a hand-written rotary embedding's ``self.inv_freq.float()``), an RMSNorm weight
+    applied as a ``mul``; autocast never rounds a stored weight, ``model.to(dt)`` does (the pure policy's
+    reference): at T = 2048 a bf16 ``inv_freq`` took the angles' relative error to 0.14 against autocast eager's
+    0.0028.
     ``exact``: nodes written in place (``passes._graph.written_nodes``) or returned as they are or as a view
     (:func:`_returned_input_views`); such a weight stays FP32 (a low copy would take the writes, or be returned
     rounded).
@@ -1017,16 +1012,6 @@ def _feeds_low_compute(user: fx.Node) -> bool:
     return op_name(user) in _LOW_COMPUTE_OPS
 
 
-def _is_lookup(user: fx.Node, attr_nodes: list[fx.Node]) -> bool:
-    """Whether ``user`` is an ``aten.embedding`` reading one of ``attr_nodes`` as its table."""
-    return (
-        user.op == "call_function"
-        and isinstance(user.target, torch._ops.OpOverload)
-        and op_name(user) == "embedding"
-        and user.args[0] in attr_nodes
-    )
-
-
 def _cast_outputs(node: fx.Node, orig: dict, new: dict, rewriter: _Caster, restore: bool = True) -> None:
     """Cast each graph output back to its original dtype; with ``restore`` False, an output that was FP32 keeps
     the dtype it is computed in (``new``), so no cast is inserted for it."""
@@ -1120,12 +1105,16 @@ def _float_inputs(node: fx.Node, new: dict) -> list[fx.Node]:
     return found
 
 
-def _reads_fp32_value(node: fx.Node, new: dict) -> bool:
-    """Whether a non-0-dim floating input of ``node`` is FP32 in the rewritten graph (when every floating input
-    is 0-dim they all count; a 0-dim tensor follows the other operands' dtype under type promotion)."""
+def _value_inputs(node: fx.Node, new: dict) -> list[fx.Node]:
+    """The floating inputs of ``node`` that decide its dtype under type promotion: the non-0-dim ones (a 0-dim
+    tensor follows the other operands' dtype), or all of them when every one is 0-dim."""
     floats = _float_inputs(node, new)
-    inputs = [a for a in floats if not _is_scalar_tensor(a)] or floats
-    return any(new[a] == torch.float32 for a in inputs)
+    return [a for a in floats if not _is_scalar_tensor(a)] or floats
+
+
+def _reads_fp32_value(node: fx.Node, new: dict) -> bool:
+    """Whether an input of ``node`` that decides its dtype (:func:`_value_inputs`) is FP32 in the rewritten graph."""
+    return any(new[a] == torch.float32 for a in _value_inputs(node, new))
 
 
 def _all_float_inputs_in(node: fx.Node, anchors: set, new: dict) -> bool:

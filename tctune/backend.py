@@ -1402,11 +1402,13 @@ def _concrete(value: Any) -> Any:
 def _still_symbolic(size: Any) -> bool:
     """Whether a size in Dynamo's fake tensors is still symbolic after its guards (``dynamic=True`` marks
     every dimension, then guards specialize e.g. the channels a conv weight fixes)."""
-    if not isinstance(size, torch.SymInt):
-        return False
+    return isinstance(size, torch.SymInt) and not getattr(_size_expr(size), "is_number", False)
+
+
+def _size_expr(size: torch.SymInt) -> Any:
+    """The sympy expression of a Dynamo size after its guards' replacements."""
     node = size.node
-    expr = node.shape_env.replace(node.expr) if getattr(node, "shape_env", None) is not None else node.expr
-    return not getattr(expr, "is_number", False)
+    return node.shape_env.replace(node.expr) if getattr(node, "shape_env", None) is not None else node.expr
 
 
 def _tied_sizes(gm: fx.GraphModule, runtime: list[int]) -> list[tuple[tuple[int, int], tuple[int, int]]]:
@@ -1420,8 +1422,7 @@ def _tied_sizes(gm: fx.GraphModule, runtime: list[int]) -> list[tuple[tuple[int,
         for d, size in enumerate(getattr(fake, "shape", ())):
             if not _still_symbolic(size):
                 continue
-            node = size.node
-            expr = node.shape_env.replace(node.expr) if getattr(node, "shape_env", None) is not None else node.expr
+            expr = _size_expr(size)
             if expr in first:
                 ties.append((first[expr], (pos, d)))
             else:
