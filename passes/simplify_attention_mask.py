@@ -247,7 +247,7 @@ def _inputs(node: fx.Node, memo: dict) -> frozenset:
     if key in memo:
         return memo[key]
     if node.op == "placeholder":
-        found = frozenset({node.target})
+        found = frozenset({node.name})
     else:
         found = frozenset()
         for arg in node.all_input_nodes:
@@ -277,7 +277,7 @@ def _rep(gm: fx.GraphModule, node: fx.Node, memo: dict) -> Any:
 def _rep_uncached(gm: fx.GraphModule, node: fx.Node, memo: dict) -> Any:
     val = node.meta.get("val")
     if node.op == "placeholder":
-        raise _Unprovable(f"mask depends on graph input {node.target}")
+        raise _Unprovable(f"mask depends on graph input {node.name}")
     if node.op == "get_attr":
         value = get_attr_value(gm, node.target)
         if not isinstance(value, torch.Tensor):

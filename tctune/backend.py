@@ -129,6 +129,7 @@ import functools
 import inspect
 import logging
 import operator
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -1270,10 +1271,9 @@ def _restart_for_floats(graph: fx.Graph) -> None:
 
 def _input_name(node: fx.Node) -> str:
     """A graph input of Dynamo's as the model names it, for report notes: ``bn.running_mean`` for
-    ``L['self']._modules['bn']._buffers['running_mean']``, ``x`` for ``L['x']``; Dynamo's node name when it
+    ``L['self']._modules['bn']._buffers['running_mean']``, ``x`` for ``L['x']`` and for ``L['kwargs']['x']`` (a
+    keyword argument of ``module(**kwargs)``); Dynamo's node name when it
     recorded no source."""
-    import re
-
     source = getattr(node.meta.get("grapharg"), "source", None)
     name = getattr(source, "name", None)
     name = name() if callable(name) else name  # a property since torch 2.12, a method before
@@ -1282,6 +1282,7 @@ def _input_name(node: fx.Node) -> str:
     # the module the frame was called on (its first local) is implied: drop it before its own attributes
     name = re.sub(r"^L\['[^']*'\](?=\._(?:modules|parameters|buffers)\[)\.", "", name)
     name = re.sub(r"_(?:modules|parameters|buffers)\['([^']*)'\]", r"\1", name)
+    name = re.sub(r"^L\['kwargs'\]\['([^']*)'\]", r"\1", name)  # a keyword argument of ``module(**kwargs)``
     return re.sub(r"^L\['([^']*)'\]", r"\1", name)
 
 
@@ -1700,6 +1701,10 @@ def _export(gm: fx.GraphModule, example_inputs: list, inputs: _Inputs, nodes: li
             if any(getattr(module, "meta", {}).get(_CONTEXT_FN) is fn for fn in added):
                 del module.meta[_CONTEXT_FN]
     _strip_export_checks(exported)
+    # export names the varargs ``runtime``, ``runtime_1``, ...: the passes' skip reasons ("mask depends on graph
+    # input ...") and notes name them as the model does.
+    for placeholder, i in zip(_placeholders(exported), inputs.runtime):
+        placeholder._rename(re.sub(r"\W+", "_", _input_name(nodes[i])).strip("_") or placeholder.name)
     return exported, runtime_args, up
 
 

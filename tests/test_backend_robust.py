@@ -1458,3 +1458,34 @@ def test_dynamic_sizes_dynamo_tied_stay_one_symbol_in_the_export(monkeypatch):
                and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() == 4]
     _, h, w, _ = x_in.meta["val"].shape
     assert str(h) == str(w) and not str(h).isdigit(), x_in.meta["val"].shape
+
+
+class _MaskedAttention(nn.Module):
+    """One self-attention over SDPA with a padding mask from a keyword argument (as Hugging Face encoders)."""
+
+    def __init__(self, hidden: int = 16) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+
+    def forward(self, x, attention_mask=None):
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, -1)).permute(2, 0, 3, 1, 4)
+        mask = attention_mask[:, None, None, :].bool()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).flatten(2)
+
+
+def test_pass_reasons_name_graph_inputs_as_the_model_does():
+    """The re-export named Dynamo's inputs ``runtime``, ``runtime_1``, ...: a skip reason read "mask depends on
+    graph input runtime_1". They carry the model's names (a keyword argument of ``module(**kwargs)`` included)."""
+    torch.manual_seed(0)
+    model = _MaskedAttention().eval()
+    compiled = torch.compile(model, backend="tctune", options={"precision": "bf16"}, dynamic=False)
+    torch.manual_seed(3)
+    x, mask = torch.randn(2, 6, 16), torch.ones(2, 6, dtype=torch.long)
+    mask[1, 4:] = 0
+    with torch.no_grad():
+        got, ref = compiled(x, attention_mask=mask), model(x, attention_mask=mask)
+    assert _rel(got, ref) < TOLERANCES["bf16"]["rel_l2"]
+    assert tb.reports and not tb.reports[0].fallback, tb.reports[0].fallback
+    (simplify,) = _results("simplify_attention_mask")
+    reasons = [s.reason for s in simplify.skipped]
+    assert reasons == ["mask depends on graph input attention_mask"], reasons
